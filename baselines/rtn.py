@@ -1,0 +1,27 @@
+"""Round-to-nearest: each row's (or group's) min/max range, no data needed for the weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lrq.calibration import calibrate_static_activations
+from lrq.methods import Calibration, Method, register
+from lrq.quantize_model import replace_linears
+from lrq.schemes import Scheme
+from lrq.quant import minmax_qparams
+
+
+@register
+class RTN(Method):
+    name = "rtn"
+    summary = "round-to-nearest with min/max ranges per channel or group"
+
+    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
+                 calib: Calibration | None) -> dict[str, Any]:
+        replace_linears(model, scheme, lambda name, w: minmax_qparams(w, scheme.w_bits, scheme.group_size))
+        stats: dict[str, Any] = {}
+        if scheme.static_activations:
+            stats["static_activation_quantizers"] = calibrate_static_activations(model, calib.input_ids)
+        return stats

@@ -1,0 +1,173 @@
+"""`lrq-bench`: run a sweep, write the leaderboard, dump stored results.
+
+Exit codes: 0 success, 2 bad input (one paragraph on stderr, no traceback), 1 failure at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from lrq.errors import UserError
+
+DEFAULT_DATASETS = "wikitext2,c4"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # bad options are bad input: exit 2 with one paragraph
+        raise UserError(f"{message}. See `{self.prog} --help`.")
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _default_results() -> Path:
+    from bench.models import cache_root
+    return cache_root() / "results.sqlite"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="lrq-bench", description="Post-training quantization benchmark: LRQ, FlexRound and baselines.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("run", help="quantize and evaluate every (method, scheme) cell")
+    r.add_argument("--model", default="smollm2-135m", help="built-in name, hub id, local folder or .gguf file")
+    r.add_argument("--methods", default=None, help="comma-separated methods (default: every registered method)")
+    r.add_argument("--schemes", default=None, help="comma-separated schemes (default: the six standard schemes)")
+    r.add_argument("--datasets", default=DEFAULT_DATASETS, help="perplexity datasets (wikitext2,c4)")
+    r.add_argument("--data-dir", default=None, help="data folder (default: $LRQ_BENCH_DATA, else the hub)")
+    r.add_argument("--results", default=None, help="SQLite results store (default: ~/.cache/lrq-bench/results.sqlite)")
+    r.add_argument("--preset", default="quick", choices=["quick", "paper"], help="method settings preset")
+    r.add_argument("--max-eval-tokens", type=int, default=None, help="evaluate only the first N tokens of each text")
+    r.add_argument("--eval-seq-len", type=int, default=2048, help="perplexity window length")
+    r.add_argument("--include-partial", action="store_true", help="also score the last partial window")
+    r.add_argument("--calib-dataset", default="c4", choices=["c4", "wikitext2"])
+    r.add_argument("--calib-samples", type=int, default=128)
+    r.add_argument("--calib-seq-len", type=int, default=512)
+    r.add_argument("--calib-sampling", default="random", choices=["random", "sequential"])
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a method setting (repeatable), e.g. --set lr=5e-4")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--force", action="store_true", help="recompute cells already in the store")
+    r.add_argument("--no-fp", action="store_true", help="skip the floating-point reference row")
+    r.add_argument("--out", default=None, help="also write the leaderboard to this folder")
+
+    rep = sub.add_parser("report", help="write the Markdown leaderboard from the results store")
+    rep.add_argument("--results", default=None)
+    rep.add_argument("--out", default="lrq-bench-report")
+
+    res = sub.add_parser("results", help="print stored results")
+    res.add_argument("--results", default=None)
+    res.add_argument("--json", action="store_true", help="a JSON list of every stored row")
+    return p
+
+
+def _overrides(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise UserError(f"--set expects KEY=VALUE, got {kv!r}.")
+        k, v = kv.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def cmd_run(args) -> int:
+    from bench.data import DATASETS, resolve_data_dir
+    from bench.report import markdown_report, write_report
+    from bench.runner import FP, CalibSettings, CellSpec, EvalSettings, run_cells
+    from bench.store import ResultStore
+    from lrq.methods import get_method, load_methods
+    from lrq.schemes import DEFAULT_SCHEMES, get_scheme
+
+    methods = _csv(args.methods) if args.methods else sorted(load_methods())
+    methods = [m for m in methods if m != FP]
+    for m in methods:
+        get_method(m)
+    schemes = _csv(args.schemes) if args.schemes else list(DEFAULT_SCHEMES)
+    schemes = [get_scheme(s).name for s in schemes]
+    datasets = _csv(args.datasets)
+    for d in datasets:
+        if d not in DATASETS:
+            raise UserError(f"unknown dataset {d!r}: choose from {', '.join(DATASETS)}.")
+    for name, v in (("--max-eval-tokens", args.max_eval_tokens), ("--eval-seq-len", args.eval_seq_len),
+                    ("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):
+        if v is not None and v < 2:
+            raise UserError(f"{name} must be at least 2, got {v}.")
+    resolve_data_dir(args.data_dir)  # fail early on a missing folder
+    store = ResultStore(args.results or _default_results())
+
+    from bench.models import load_model
+    load_model(args.model)  # bad model names fail before any work; also warms the cache
+
+    common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=_overrides(args.set),
+                  calib=CalibSettings(args.calib_dataset, args.calib_samples, args.calib_seq_len, args.calib_sampling),
+                  eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
+                  seed=args.seed, data_dir=args.data_dir)
+    specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, **common)]
+    specs += [CellSpec(method=m, scheme=s, **common) for m in methods for s in schemes]
+    t0 = time.perf_counter()
+    outcomes = run_cells(specs, store, force=args.force)
+    wall = time.perf_counter() - t0
+    rows = [r for r in store.rows(latest=True) if r.model == args.model]
+    print(markdown_report(rows))
+    if args.out:
+        print(f"leaderboard written to {write_report(store, Path(args.out))}", file=sys.stderr)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("done", "reused", "failed")}
+    print(f"{len(outcomes)} cells: {counts['done']} run, {counts['reused']} reused from {store.path}, "
+          f"{counts['failed']} failed; wall time {wall:.1f} s", file=sys.stderr)
+    for o in outcomes:
+        if o.status == "failed":
+            print(f"FAILED {o.spec.label()}: {o.error}", file=sys.stderr)
+    return 1 if counts["failed"] else 0
+
+
+def cmd_report(args) -> int:
+    from bench.report import write_report
+    from bench.store import ResultStore
+    path = Path(args.results or _default_results())
+    if not path.exists():
+        raise UserError(f"results store {str(path)!r} does not exist: run `lrq-bench run` first or pass --results.")
+    out = write_report(ResultStore(path), Path(args.out))
+    print(out)
+    return 0
+
+
+def cmd_results(args) -> int:
+    from bench.store import ResultStore
+    path = Path(args.results or _default_results())
+    if not path.exists():
+        raise UserError(f"results store {str(path)!r} does not exist: run `lrq-bench run` first or pass --results.")
+    rows = ResultStore(path).rows()
+    if args.json:
+        json.dump([asdict(r) for r in rows], sys.stdout, indent=1, default=str)
+        print()
+    else:
+        for r in rows:
+            print(f"{r.model}\t{r.method}\t{r.scheme}\t{r.dataset}\t{r.metric}\t{r.value}\t{r.git_rev[:12]}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
+    try:
+        args = build_parser().parse_args(argv)
+        return {"run": cmd_run, "report": cmd_report, "results": cmd_results}[args.command](args)
+    except UserError as e:
+        print(textwrap.fill(f"lrq-bench: error: {e}", width=100), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lrq-bench: interrupted; completed cells are stored and will be reused.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Evaluation and calibration text: WikiText-2 (raw test) and C4 (validation sample).
+
+Two routes, tried in order: a data folder (--data-dir or $LRQ_BENCH_DATA, laid out like ../shared/data)
+and `datasets.load_dataset` from the Hugging Face hub. When neither works the error names both.
+
+Offline, the C4 validation sample has no train split beside it, so it is split in two disjoint parts:
+the first 1100 documents are the perplexity text (as in GPTQ), the rest are the calibration pool.
+Online, calibration draws from C4 train shard 0 and perplexity reads validation shard 0, as GPTQ does.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lrq.errors import UserError
+from lrq.methods import Calibration
+
+DATA_ENV = "LRQ_BENCH_DATA"
+DATASETS = ("wikitext2", "c4")
+C4_EVAL_DOCS = 1100
+C4_EVAL_TOKENS = 256 * 2048
+
+_FILES = {
+    "wikitext2": "wikitext2/wiki.test.raw",
+    "c4": "c4/c4_en_validation_sample2000.jsonl.gz",
+}
+
+
+@dataclass
+class Text:
+    dataset: str
+    text: str
+    source: str
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
+    """The data folder from the option or the environment; None means 'use the hub'."""
+    raw = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
+    if raw in (None, ""):
+        return None
+    p = Path(raw).expanduser()
+    if not p.is_dir():
+        origin = "--data-dir" if data_dir is not None else f"${DATA_ENV}"
+        raise UserError(f"data folder {str(p)!r} (from {origin}) does not exist: point it at a folder laid out "
+                        f"like ../shared/data (wikitext2/wiki.test.raw, c4/...), or unset it to read from the hub.")
+    return p
+
+
+def _hub(dataset: str, part: str):
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    from datasets import load_dataset
+    if dataset == "wikitext2":
+        return load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+    shard = {"validation": "en/c4-validation.00000-of-00008.json.gz", "train": "en/c4-train.00000-of-01024.json.gz"}[part]
+    return load_dataset("allenai/c4", data_files={part: shard}, split=part)["text"]
+
+
+def _read_local(dataset: str, data_dir: Path) -> list[str]:
+    path = data_dir / _FILES[dataset]
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    if dataset == "wikitext2":
+        # Rows as the hub's wikitext-2-raw-v1 test split has them: one per line with its newline kept,
+        # blank lines (" \n" in the raw file) as empty rows.
+        lines = path.read_text(encoding="utf-8").split("\n")[:-1]
+        return ["" if line.strip() == "" else line + "\n" for line in lines]
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> tuple[list[str], str]:
+    """Rows of `dataset` and a description of where they came from."""
+    if dataset not in DATASETS:
+        raise UserError(f"unknown dataset {dataset!r}: choose from {', '.join(DATASETS)}.")
+    errors = []
+    if data_dir is not None:
+        try:
+            return _read_local(dataset, data_dir), f"{data_dir / _FILES[dataset]}"
+        except FileNotFoundError as e:
+            errors.append(f"file {e.args[0]} not found")
+    else:
+        errors.append(f"no data folder given (--data-dir or ${DATA_ENV})")
+    try:
+        return list(_hub(dataset, part)), f"hub:{dataset}:{part}"
+    except Exception as e:
+        errors.append(f"datasets.load_dataset failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+    raise UserError(f"{dataset} data is not available: {'; '.join(errors)}. Either pass --data-dir (or set "
+                    f"${DATA_ENV}) to a folder holding {_FILES[dataset]}, or connect to the Hugging Face hub "
+                    f"so datasets.load_dataset can fetch it.")
+
+
+def eval_text(dataset: str, data_dir: Path | None) -> Text:
+    """The text perplexity is measured on, joined as GPTQ does."""
+    rows, src = load_rows(dataset, data_dir, "validation")
+    if dataset == "wikitext2":
+        return Text(dataset, "\n\n".join(rows), src)
+    return Text(dataset, " ".join(rows[:C4_EVAL_DOCS]), f"{src}[:{C4_EVAL_DOCS}]")
+
+
+def eval_token_cap(dataset: str) -> int | None:
+    """GPTQ's C4 protocol keeps 256 x 2048 tokens; WikiText-2 uses the whole test set."""
+    return C4_EVAL_TOKENS if dataset == "c4" else None
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """1-D token ids of a long text (no special tokens: windows are cut from one stream)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_samples: int = 128,
+                    seq_len: int = 512, seed: int = 0, sampling: str = "random") -> Calibration:
+    """Calibration windows [n_samples, seq_len] from a held-apart pool of text, drawn reproducibly.
+
+    The pool is joined with blank lines and cut into non-overlapping windows; `random` picks n of them
+    with a seeded permutation, `sequential` takes the first n (the authors' LRQ code takes them in order).
+    """
+    if dataset == "c4":
+        rows, src = load_rows("c4", data_dir, "validation" if data_dir is not None else "train")
+        if data_dir is not None:
+            rows, src = rows[C4_EVAL_DOCS:], f"{src}[{C4_EVAL_DOCS}:]"
+    elif dataset == "wikitext2":
+        rows, src = load_rows("wikitext2", data_dir)
+        src += " (WARNING: the evaluation text itself)"
+    else:
+        raise UserError(f"unknown calibration dataset {dataset!r}: choose c4 or wikitext2.")
+    ids = tokenize(tokenizer, "\n\n".join(rows))
+    n_windows = len(ids) // seq_len
+    if n_samples > n_windows:
+        raise UserError(f"the calibration pool ({src}) holds {len(ids)} tokens, only {n_windows} windows of "
+                        f"{seq_len}; asked for {n_samples}. Use fewer samples (--calib-samples) or shorter "
+                        f"windows (--calib-seq-len).")
+    if sampling == "random":
+        order = list(range(n_windows))
+        random.Random(seed).shuffle(order)
+        picks = sorted(order[:n_samples])
+    elif sampling == "sequential":
+        picks = list(range(n_samples))
+    else:
+        raise UserError(f"unknown calibration sampling {sampling!r}: choose random or sequential.")
+    windows = torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in picks])
+    digest = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
+    return Calibration(windows, {"dataset": dataset, "source": src, "n_samples": n_samples, "seq_len": seq_len,
+                                 "seed": seed, "sampling": sampling, "tokens_sha256": digest})
+
+
+def data_fingerprint(dataset: str, data_dir: Path | None) -> str:
+    """Identifies the text a number was computed on (sha256 of the local file, or the hub route)."""
+    if data_dir is not None and (data_dir / _FILES[dataset]).is_file():
+        return "sha256:" + _file_sha256(data_dir / _FILES[dataset])
+    return f"hub:{dataset}"
+
+
+def _file_sha256(path: Path, _cache: dict = {}) -> str:
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _cache:
+        _cache[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _cache[key]

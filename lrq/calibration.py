@@ -1,0 +1,42 @@
+"""Calibration passes shared by methods: static per-tensor activation ranges."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lrq.qlinear import QuantLinear
+
+
+@torch.no_grad()
+def run_calibration(model: nn.Module, input_ids: torch.Tensor, desc: str = "calibration", batch_size: int = 1) -> None:
+    """Forward every calibration window through the model (bf16 autocast on CPU as in evaluation)."""
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        for i in tqdm(range(0, len(input_ids), batch_size), desc=desc, leave=False):
+            model(input_ids[i:i + batch_size].to(device), use_cache=False)
+
+
+def calibrate_static_activations(model: nn.Module, input_ids: torch.Tensor) -> int:
+    """Set every static activation quantizer's range from the min/max it sees on the calibration set.
+
+    All quantizers observe in one pass with activation quantization off, so each range is that of the
+    layer's input under floating-point activations (weights as they are now). Returns the count set.
+    """
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scheme.static_activations]
+    if not layers:
+        return 0
+    for m in layers:
+        m.start_observing()
+    try:
+        run_calibration(model, input_ids, desc="static activation ranges")
+    finally:
+        for m in layers:
+            if m._observer is not None:
+                m.finish_observing()
+            m._observing = False
+    missing = [m for m in layers if not m.act_calibrated]
+    if missing:
+        raise RuntimeError(f"{len(missing)} static activation quantizers saw no input during calibration")
+    return len(layers)

@@ -1,0 +1,1 @@
+"""Report templates and, later, committed reference results."""
