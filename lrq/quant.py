@@ -107,12 +107,15 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 def per_token_fake_quant(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """Dynamic asymmetric fake quantization with one scale/zero per token (last dimension).
 
-    scale = max((max(t) - min(t)) / (2^b - 1), 1e-8), z = clamp(round(-min(t) / scale), 0, 2^b - 1).
+    scale = max((max(t) - min(t)) / (2^b - 1), 1e-8), z = clamp(round(-min(t) / scale), 0, 2^b - 1),
+    as in the authors' code, with the range widened to include 0 (min <= 0 <= max). That changes nothing
+    for mixed-sign tokens (every real activation row) and keeps one-signed or constant tokens on the grid
+    instead of clamping them.
     """
     qmax = 2**bits - 1
     xf = x.float()
-    lo = xf.amin(dim=-1, keepdim=True)
-    hi = xf.amax(dim=-1, keepdim=True)
+    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
+    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
     scale = ((hi - lo) / qmax).clamp(min=SCALE_EPS)
     zero = torch.round(-lo / scale).clamp(0, qmax)
     q = torch.clamp(torch.round(xf / scale) + zero, 0, qmax)

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models built in memory, a tiny model folder with a real
+(trained-here) tokenizer, and the data folder at ../shared/data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = (ROOT.parent / "shared" / "data").resolve()
+
+# Never wait on an unreachable hub in tests; point data at the shared folder unless told otherwise.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if SHARED_DATA.is_dir():
+    os.environ.setdefault("LRQ_BENCH_DATA", str(SHARED_DATA))
+os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, layers: int = 2):
+    from transformers import LlamaConfig, Qwen2Config
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 32,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=False)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw), dtype=torch.float32).eval()
+    # Random init gives near-uniform outputs; larger weights make quantization error visible.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"the shared data folder {SHARED_DATA} is missing: tests need ../shared/data beside the repo")
+    return SHARED_DATA
+
+
+def _train_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    text = (SHARED_DATA / "wikitext2" / "wiki.valid.raw").read_text(encoding="utf-8")[:200_000]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text.split("\n"), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, data_dir):
+    """A saved tiny Llama with a real byte-level BPE tokenizer: loadable by path like any HF model."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = _train_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok), hidden=64, layers=2)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -1,0 +1,94 @@
+"""The CLI contract: bad input exits 2 with one paragraph; a run on a tiny model folder end to end,
+reuse on the second run, `results --json` and `report`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.cli import main
+from bench.data import load_rows
+from lrq.errors import UserError
+
+
+def _run(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--schemes", "w5a9"], "unknown scheme 'w5a9'"),
+    (["run", "--methods", "nope"], "unknown method 'nope'"),
+    (["run", "--data-dir", "/definitely/not/here"], "data folder '/definitely/not/here'"),
+    (["run", "--model", "does/not-exist"], "cannot load model 'does/not-exist'"),
+    (["run", "--model", "missing.gguf"], "GGUF file 'missing.gguf' does not exist"),
+    (["run", "--max-eval-tokens", "1"], "--max-eval-tokens must be at least 2"),
+    (["run", "--bogus"], "unrecognized arguments"),
+    (["report", "--results", "/nonexistent/r.sqlite"], "does not exist"),
+])
+def test_bad_input_exits_2_with_a_message(args, message, capsys):
+    code, out, err = _run(args, capsys)
+    assert code == 2
+    assert message in err.replace("\n", " ")
+    assert "Traceback" not in err
+
+
+def test_console_script_exit_code_and_no_traceback(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "run", "--model", "does/not-exist", "--results",
+                           str(tmp_path / "r.sqlite")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert "cannot load model 'does/not-exist'" in proc.stderr.replace("\n", " ")
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_data_names_both_routes(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(UserError) as e:
+        load_rows("wikitext2", tmp_path)
+    msg = str(e.value)
+    assert "wikitext2/wiki.test.raw" in msg and "--data-dir" in msg and "datasets.load_dataset" in msg
+    with pytest.raises(UserError, match="no data folder given"):
+        load_rows("c4", None)
+
+
+def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16,w8a8",
+            "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
+            "--max-eval-tokens", "1024", "--eval-seq-len", "256", "--calib-samples", "4", "--calib-seq-len", "64"]
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    assert "3 cells: 3 run, 0 reused" in err
+    lines = [l for l in out.splitlines() if l.startswith("| fp") or l.startswith("| rtn")]
+    assert lines[0].startswith("| fp")  # FP row first in each table
+
+    code, out, err = _run(["results", "--results", str(results), "--json"], capsys)
+    rows = json.loads(out)
+    ppl = {(r["method"], r["scheme"], r["dataset"]): r["value"] for r in rows if r["metric"] == "ppl"}
+    assert set(ppl) == {(m, s, d) for m, s in [("fp", "fp"), ("rtn", "w4a16"), ("rtn", "w8a8")]
+                        for d in ("wikitext2", "c4")}
+    assert all(v > 1 for v in ppl.values())
+    assert ppl[("rtn", "w4a16", "wikitext2")] != ppl[("fp", "fp", "wikitext2")]
+    one = next(r for r in rows if r["method"] == "rtn" and r["scheme"] == "w8a8" and r["metric"] == "ppl")
+    assert one["config"]["calibration"]["n_samples"] == 4 and one["config"]["eval"]["seq_len"] == 256
+    assert one["versions"]["torch"] and one["hardware"]["cpu_count"] and one["git_rev"]
+    assert one["wall_s"] > 0 and one["peak_mem_bytes"] > 0 and one["seed"] == 0
+    n_rows = len(rows)
+
+    code, out, err = _run(args, capsys)
+    assert code == 0 and "3 cells: 0 run, 3 reused" in err
+    code, out, err = _run(["results", "--results", str(results), "--json"], capsys)
+    assert len(json.loads(out)) == n_rows  # nothing recomputed or duplicated
+
+    # a changed setting is a different cell: only the calibrated one reruns
+    code, out, err = _run(args[:-1] + ["32"], capsys)
+    assert code == 0 and "3 cells: 1 run, 2 reused" in err
+
+    code, out, err = _run(["report", "--results", str(results), "--out", str(tmp_path / "rep")], capsys)
+    assert code == 0
+    md = (tmp_path / "rep" / "leaderboard.md").read_text()
+    assert "### wikitext2 perplexity" in md and "### c4 perplexity" in md and "| rtn      | w8a8" in md
