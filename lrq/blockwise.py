@@ -1,0 +1,187 @@
+"""Walking a model block by block over calibration data: the calibration pipeline every block-wise
+method (GPTQ, AWQ, LRQ, FlexRound, OmniQuant) plugs into, kept apart from the algorithms.
+
+The calibration set runs through the embeddings once; block inputs are captured at the first decoder
+block. Then, for block l:
+  fp_target = FP block l applied to the FP chain's input       (what reconstruction aims for)
+  q_input   = output of the already-quantized blocks 1..l-1    (what the block will really see)
+`process(ctx)` quantizes block l in place; the engine then recomputes the quantized chain's output
+through the frozen block for block l+1 (METHOD.md section 2).
+
+Activations live in RAM when they fit a budget, otherwise in memory-mapped files on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lrq.arch import decoder_blocks
+
+DEFAULT_RAM_BUDGET = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
+
+
+class ActivationBuffer:
+    """[n, seq, hidden] float32 activations, in RAM or memory-mapped from a file."""
+
+    def __init__(self, shape: tuple[int, ...], on_disk: bool = False, directory: str | Path | None = None):
+        self.shape = tuple(shape)
+        self.path: Path | None = None
+        if on_disk:
+            fd, name = tempfile.mkstemp(prefix="lrq-acts-", suffix=".f32", dir=directory)
+            os.close(fd)
+            self.path = Path(name)
+            numel = 1
+            for s in shape:
+                numel *= s
+            self.data = torch.from_file(name, shared=True, size=numel, dtype=torch.float32).view(*shape)
+        else:
+            self.data = torch.empty(shape, dtype=torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * 4
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def close(self) -> None:
+        if self.path is not None:
+            self.data = None
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Catcher(nn.Module):
+    def __init__(self, block: nn.Module, sink: list, kwargs_sink: dict):
+        super().__init__()
+        self.block, self.sink, self.kwargs_sink = block, sink, kwargs_sink
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink.append(hidden_states.detach().float().cpu())
+        if not self.kwargs_sink:
+            self.kwargs_sink.update(kwargs)
+        raise _Stop
+
+
+def block_kwargs_for(kwargs: dict, device: torch.device) -> dict:
+    """Keyword arguments a decoder block is called with (rotary embeddings, mask), minus the KV cache."""
+    out = {}
+    for k, v in kwargs.items():
+        if k in ("cache", "past_key_values", "past_key_value", "use_cache"):
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.to(device)
+        elif isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v):
+            v = tuple(t.to(device) for t in v)
+        out[k] = v
+    out["use_cache"] = False
+    return out
+
+
+def new_buffer(n: int, seq: int, hidden: int, ram_budget: int, streams: int = 2) -> ActivationBuffer:
+    """A buffer in RAM if `streams` buffers of this size fit the budget, else on disk."""
+    nbytes = n * seq * hidden * 4
+    return ActivationBuffer((n, seq, hidden), on_disk=nbytes * streams > ram_budget,
+                            directory=os.environ.get("LRQ_ACT_DIR"))
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor, ram_budget: int = DEFAULT_RAM_BUDGET
+                         ) -> tuple[ActivationBuffer, dict]:
+    """Inputs to the first decoder block for every calibration window, and the block's call kwargs."""
+    layers = decoder_blocks(model)
+    device = next(model.parameters()).device
+    n, seq = input_ids.shape
+    buf = new_buffer(n, seq, model.config.hidden_size, ram_budget)
+    first, sink, kw = layers[0], [], {}
+    layers[0] = _Catcher(first, sink, kw)
+    try:
+        for i in range(n):
+            try:
+                model(input_ids[i:i + 1].to(device), use_cache=False)
+            except _Stop:
+                pass
+            buf.data[i] = sink.pop()[0]
+    finally:
+        layers[0] = first
+    return buf, block_kwargs_for(kw, device)
+
+
+@torch.no_grad()
+def run_block(block: nn.Module, inputs: ActivationBuffer | torch.Tensor, kwargs: dict,
+              out: ActivationBuffer | torch.Tensor | None = None, batch_size: int = 8,
+              autocast: bool = False) -> ActivationBuffer | torch.Tensor:
+    """block(inputs) in batches; writes into `out` (may be `inputs` itself) and returns it."""
+    src = inputs.data if isinstance(inputs, ActivationBuffer) else inputs
+    dst = out.data if isinstance(out, ActivationBuffer) else out
+    if dst is None:
+        out = dst = torch.empty_like(src)
+    device = next(block.parameters(), next(block.buffers(), torch.empty(0))).device
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    with ctx:
+        for i in range(0, src.shape[0], batch_size):
+            y = block(src[i:i + batch_size].to(device), **kwargs)
+            y = y[0] if isinstance(y, tuple) else y
+            dst[i:i + batch_size] = y.float().cpu()
+    return out
+
+
+@dataclass
+class BlockContext:
+    index: int
+    n_blocks: int
+    block: nn.Module
+    q_inputs: ActivationBuffer            # inputs from the already-quantized chain
+    fp_targets: ActivationBuffer | None   # FP block output on the FP chain's input
+    kwargs: dict
+    stats: dict = field(default_factory=dict)
+
+
+def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[BlockContext], Any], *,
+                need_targets: bool = True, batch_size: int = 8, ram_budget: int = DEFAULT_RAM_BUDGET,
+                desc: str = "blocks") -> list[dict]:
+    """Call `process` on every decoder block in order with its calibration streams; returns per-block stats."""
+    layers = decoder_blocks(model)
+    q_in, kwargs = capture_block_inputs(model, input_ids, ram_budget)
+    fp_in = None
+    if need_targets:
+        fp_in = new_buffer(*q_in.shape, ram_budget)
+        fp_in.data.copy_(q_in.data)
+    fp_out = new_buffer(*q_in.shape, ram_budget) if need_targets else None
+    all_stats = []
+    try:
+        for i in tqdm(range(len(layers)), desc=desc, leave=False):
+            block = layers[i]
+            if need_targets:
+                run_block(block, fp_in, kwargs, fp_out, batch_size)
+            ctx = BlockContext(i, len(layers), block, q_in, fp_out, kwargs)
+            process(ctx)
+            all_stats.append(ctx.stats)
+            run_block(layers[i], q_in, kwargs, q_in, batch_size)  # quantized chain advances in place
+            if need_targets:
+                fp_in, fp_out = fp_out, fp_in
+    finally:
+        for b in (q_in, fp_in, fp_out):
+            if b is not None:
+                b.close()
+    return all_stats
