@@ -49,10 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-eval-tokens", type=int, default=None, help="evaluate only the first N tokens of each text")
     r.add_argument("--eval-seq-len", type=int, default=2048, help="perplexity window length")
     r.add_argument("--include-partial", action="store_true", help="also score the last partial window")
-    r.add_argument("--calib-dataset", default="c4", choices=["c4", "wikitext2"])
-    r.add_argument("--calib-samples", type=int, default=128)
-    r.add_argument("--calib-seq-len", type=int, default=512)
-    r.add_argument("--calib-sampling", default="random", choices=["random", "sequential"])
+    r.add_argument("--calib-dataset", default=None, choices=["c4", "wikitext2"], help="default c4")
+    r.add_argument("--calib-samples", type=int, default=None,
+                   help="calibration windows (default 128; the paper preset of lrq/flexround: 512)")
+    r.add_argument("--calib-seq-len", type=int, default=None, help="default 512 (paper preset: 1024)")
+    r.add_argument("--calib-sampling", default=None, choices=["random", "sequential"], help="default random")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method setting (repeatable), e.g. --set lr=5e-4")
     r.add_argument("--seed", type=int, default=0)
@@ -83,7 +84,7 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
 def cmd_run(args) -> int:
     from bench.data import DATASETS, resolve_data_dir
     from bench.report import markdown_report, write_report
-    from bench.runner import FP, CalibSettings, CellSpec, EvalSettings, run_cells
+    from bench.runner import FP, CellSpec, EvalSettings, resolve_calib, run_cells
     from bench.store import ResultStore
     from lrq.methods import get_method, load_methods
     from lrq.schemes import DEFAULT_SCHEMES, get_scheme
@@ -109,11 +110,13 @@ def cmd_run(args) -> int:
     load_model(args.model)  # bad model names fail before any work; also warms the cache
 
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=_overrides(args.set),
-                  calib=CalibSettings(args.calib_dataset, args.calib_samples, args.calib_seq_len, args.calib_sampling),
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
                   seed=args.seed, data_dir=args.data_dir)
-    specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, **common)]
-    specs += [CellSpec(method=m, scheme=s, **common) for m in methods for s in schemes]
+    given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
+             "sampling": args.calib_sampling}
+    specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, calib=resolve_calib(FP, args.preset, given), **common)]
+    specs += [CellSpec(method=m, scheme=s, calib=resolve_calib(m, args.preset, given), **common)
+              for m in methods for s in schemes]
     t0 = time.perf_counter()
     outcomes = run_cells(specs, store, force=args.force)
     wall = time.perf_counter() - t0

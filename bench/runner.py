@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import traceback
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 
 from bench import data as D
 from bench.measure import measure
-from bench.models import load_model, model_fingerprint
+from bench.models import cache_root, load_model, model_fingerprint
 from bench.perplexity import perplexity
 from bench.provenance import git_revision, hardware, versions
 from bench.store import SCHEMA_VERSION, ResultStore, Row, unit_key
@@ -126,6 +127,8 @@ def execute_cell(spec: CellSpec, todo: set[str]) -> dict[str, list[Row]]:
         stats, qm = {}, None
     else:
         method, scheme = get_method(spec.method), get_scheme(spec.scheme)
+        if hasattr(method, "checkpoint_dir"):  # block-wise methods checkpoint each block here
+            method.checkpoint_dir = checkpoint_dir(spec)
         calib = None
         if method.needs_calibration(scheme):
             calib = D.calibration_set(tok, data_dir, spec.calib.dataset, spec.calib.n_samples, spec.calib.seq_len,
@@ -163,6 +166,18 @@ def execute_cell(spec: CellSpec, todo: set[str]) -> dict[str, list[Row]]:
     return out
 
 
+def checkpoint_dir(spec: CellSpec) -> Path:
+    """Where a cell's resumable quantization state lives; keyed by everything that determines it."""
+    return cache_root() / "checkpoints" / unit_key(spec.quant_identity(D.resolve_data_dir(spec.data_dir)))[:24]
+
+
+def resolve_calib(method: str, preset: str, given: dict[str, Any]) -> CalibSettings:
+    """Calibration settings: what the user gave, else the method's preset defaults, else the suite's."""
+    base = {} if method == FP else dict(getattr(get_method(method), "calib_defaults", {}).get(preset, {}))
+    base.update({k: v for k, v in given.items() if v is not None})
+    return CalibSettings(**base)
+
+
 @dataclass
 class CellOutcome:
     spec: CellSpec
@@ -188,6 +203,8 @@ def run_cells(specs: list[CellSpec], store: ResultStore, force: bool = False) ->
                 units = execute_cell(spec, todo)
             for unit, rows in units.items():
                 store.write_unit(rows, keys[unit], run_id)
+            if not spec.is_fp:
+                shutil.rmtree(checkpoint_dir(spec), ignore_errors=True)  # results are safe: drop the resume state
             outcomes.append(CellOutcome(spec, "done", wall_s=m.wall_s))
         except UserError:
             raise

@@ -157,10 +157,56 @@ class BlockContext:
     stats: dict = field(default_factory=dict)
 
 
+class BlockCheckpoint:
+    """Resumable state of a block walk, saved atomically after every block in `directory`:
+    the finished blocks' state dicts, the two calibration streams entering the next block, and the
+    per-block statistics. A run killed at any point resumes at the next unfinished block and ends with
+    exactly the result of an uninterrupted run (streams are saved bit-exactly; training randomness is
+    seeded per block). `identity` guards against resuming a different configuration."""
+
+    def __init__(self, directory: str | Path, identity: str):
+        self.dir = Path(directory)
+        self.identity = identity
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _save(self, obj, name: str) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
+
+    def completed(self) -> int:
+        """Number of finished blocks recorded here for this identity (0 when none or another identity)."""
+        try:
+            state = torch.load(self.dir / "state.pt", weights_only=False)
+        except (FileNotFoundError, EOFError, RuntimeError):
+            return 0
+        return state["done"] if state.get("identity") == self.identity else 0
+
+    def save(self, index: int, block: nn.Module, q_next: torch.Tensor, fp_next: torch.Tensor | None,
+             stats: list[dict]) -> None:
+        self._save(block.state_dict(), f"block{index:04d}.pt")
+        self._save({"q": q_next, "fp": fp_next}, "streams.pt")
+        # written last: it is what makes the block count as done
+        self._save({"identity": self.identity, "done": index + 1, "stats": stats}, "state.pt")
+
+    def load(self) -> tuple[dict, list[dict]]:
+        state = torch.load(self.dir / "state.pt", weights_only=False)
+        return torch.load(self.dir / "streams.pt", weights_only=False), state["stats"]
+
+    def block_state(self, index: int) -> dict:
+        return torch.load(self.dir / f"block{index:04d}.pt", weights_only=False)
+
+
 def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[BlockContext], Any], *,
                 need_targets: bool = True, batch_size: int = 8, ram_budget: int = DEFAULT_RAM_BUDGET,
-                desc: str = "blocks") -> list[dict]:
-    """Call `process` on every decoder block in order with its calibration streams; returns per-block stats."""
+                desc: str = "blocks", checkpoint: BlockCheckpoint | None = None,
+                restore: Callable[[int, nn.Module, dict], None] | None = None) -> list[dict]:
+    """Call `process` on every decoder block in order with its calibration streams; returns per-block stats.
+
+    With a checkpoint, blocks already finished are restored by `restore(index, block, state_dict)`
+    (which must turn the block into its quantized form and load the state) instead of recomputed."""
     layers = decoder_blocks(model)
     q_in, kwargs = capture_block_inputs(model, input_ids, ram_budget)
     fp_in = None
@@ -168,9 +214,20 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
         fp_in = new_buffer(*q_in.shape, ram_budget)
         fp_in.data.copy_(q_in.data)
     fp_out = new_buffer(*q_in.shape, ram_budget) if need_targets else None
-    all_stats = []
+    all_stats: list[dict] = []
+    start = checkpoint.completed() if checkpoint is not None else 0
+    if start:
+        if restore is None:
+            raise ValueError("resuming from a checkpoint needs a restore function")
+        streams, all_stats = checkpoint.load()
+        for i in range(start):
+            restore(i, layers[i], checkpoint.block_state(i))
+        q_in.data.copy_(streams["q"])
+        if need_targets:
+            fp_in.data.copy_(streams["fp"])
+        del streams
     try:
-        for i in tqdm(range(len(layers)), desc=desc, leave=False):
+        for i in tqdm(range(start, len(layers)), desc=desc, leave=False, initial=start, total=len(layers)):
             block = layers[i]
             if need_targets:
                 run_block(block, fp_in, kwargs, fp_out, batch_size)
@@ -180,6 +237,8 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
             run_block(layers[i], q_in, kwargs, q_in, batch_size)  # quantized chain advances in place
             if need_targets:
                 fp_in, fp_out = fp_out, fp_in
+            if checkpoint is not None:
+                checkpoint.save(i, layers[i], q_in.data, fp_in.data if need_targets else None, all_stats)
     finally:
         for b in (q_in, fp_in, fp_out):
             if b is not None:

@@ -40,3 +40,30 @@ def calibrate_static_activations(model: nn.Module, input_ids: torch.Tensor) -> i
     if missing:
         raise RuntimeError(f"{len(missing)} static activation quantizers saw no input during calibration")
     return len(layers)
+
+
+@torch.no_grad()
+def observe_input_ranges(model: nn.Module, input_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-tensor (min, max) of every block linear's input over the calibration set, on the model as it
+    is (e.g. the floating-point, smoothed model before reconstruction). Keys: 'model.layers.i.<name>'."""
+    from lrq.arch import iter_linears
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = []
+
+    def hook(name):
+        def fn(_mod, args):
+            x = args[0].detach().float()
+            lo, hi = x.amin(), x.amax()
+            if name in ranges:
+                lo, hi = torch.minimum(lo, ranges[name][0]), torch.maximum(hi, ranges[name][1])
+            ranges[name] = (lo, hi)
+        return fn
+
+    for i, name, mod in iter_linears(model):
+        handles.append(mod.register_forward_pre_hook(hook(f"model.layers.{i}.{name}")))
+    try:
+        run_calibration(model, input_ids, desc="activation ranges")
+    finally:
+        for h in handles:
+            h.remove()
+    return ranges

@@ -75,10 +75,8 @@ class QuantLinear(nn.Module):
         if self._observer is None:
             raise RuntimeError("no activations were observed for a static activation quantizer")
         lo, hi = self._observer
-        scale, zero = qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), self.scheme.a_bits)
-        self.act_scale.copy_(scale)
-        self.act_zero.copy_(zero)
-        self._observing, self._observer, self.act_calibrated = False, None, True
+        self.set_static_range(*qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), self.scheme.a_bits))
+        self._observing, self._observer = False, None
 
     def _observe(self, x: torch.Tensor) -> None:
         lo, hi = x.detach().float().amin(), x.detach().float().amax()
@@ -109,6 +107,18 @@ class QuantLinear(nn.Module):
         if self.quantize_output:
             y = per_token_fake_quant(y, self.scheme.kv_bits)
         return y
+
+    def get_extra_state(self):
+        return {"act_calibrated": self.act_calibrated}
+
+    def set_extra_state(self, state):
+        self.act_calibrated = bool(state.get("act_calibrated", False))
+
+    def set_static_range(self, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Fix the per-tensor static activation range (computed elsewhere, e.g. on the FP model)."""
+        self.act_scale.copy_(scale)
+        self.act_zero.copy_(zero)
+        self.act_calibrated = True
 
     # ---- accounting ---------------------------------------------------------------------------
     def bits_per_weight(self) -> float:

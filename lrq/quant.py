@@ -116,16 +116,16 @@ def per_token_fake_quant(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     xf = x.float()
     lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
     hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
-    scale = ((hi - lo) / qmax).clamp(min=SCALE_EPS)
-    zero = torch.round(-lo / scale).clamp(0, qmax)
-    q = torch.clamp(torch.round(xf / scale) + zero, 0, qmax)
+    scale = ((hi - lo) / qmax).clamp(min=SCALE_EPS).detach()
+    zero = torch.round(-lo / scale).clamp(0, qmax).detach()
+    q = torch.clamp(round_ste(xf / scale) + zero, 0, qmax)
     return ((q - zero) * scale).to(x.dtype)
 
 
 def per_tensor_fake_quant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """Static asymmetric fake quantization with one (calibrated) scale and zero point for the whole tensor."""
     qmax = 2**bits - 1
-    q = torch.clamp(torch.round(x.float() / scale) + zero, 0, qmax)
+    q = torch.clamp(round_ste(x.float() / scale) + zero, 0, qmax)
     return ((q - zero) * scale).to(x.dtype)
 
 
@@ -134,3 +134,44 @@ def weight_bits_per_element(bits: int, group_size: int | None, in_features: int,
     """Storage bits per weight including per-row/group fp16 scales and `bits`-wide zero points."""
     zero_bits = bits if zero_bits is None else zero_bits
     return bits + n_groups(in_features, group_size) * (scale_bits + zero_bits) / in_features
+
+
+def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, grid: int = 100,
+                   norm: float = 2.4, chunk_elems: int = 2**24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipping search for per-row (or per-group) scale and zero point (METHOD.md section 3).
+
+    For i = 1..grid the candidate width is (max - min) * i / grid with step delta = width / (2^b - 1);
+    for every zero point zp in 0..2^b - 1 the range is [-zp * delta, width - zp * delta]. The score is
+    sum |W - W_hat|^norm over the row (or group); the best (delta, zp) per row/group wins (first on ties).
+    Vectorised over rows, zero points and columns; rows are processed in chunks to bound memory.
+    """
+    check_bits(bits)
+    rows, cols = w.shape
+    qmax = 2**bits - 1
+    wg = _group_view(w.float(), group_size, math.nan)            # [rows, ng, g], NaN = padding
+    ng, g = wg.shape[1], wg.shape[2]
+    flat = wg.reshape(rows * ng, g)
+    valid = ~torch.isnan(flat)
+    flat = torch.nan_to_num(flat, nan=0.0)
+    lo = torch.where(valid, flat, torch.full_like(flat, math.inf)).amin(-1).clamp(max=0)
+    hi = torch.where(valid, flat, torch.full_like(flat, -math.inf)).amax(-1).clamp(min=0)
+    zps = torch.arange(qmax + 1, dtype=torch.float32)            # [Z]
+    best_err = torch.full((flat.shape[0],), math.inf)
+    best_scale = torch.ones(flat.shape[0])
+    best_zero = torch.zeros(flat.shape[0])
+    step = max(1, chunk_elems // max(1, (qmax + 1) * g))
+    for a in range(0, flat.shape[0], step):
+        x = flat[a:a + step]                                     # [R, g]
+        m = valid[a:a + step].unsqueeze(1)                       # [R, 1, g]
+        width = (hi[a:a + step] - lo[a:a + step])                # [R]
+        for i in range(1, grid + 1):
+            delta = (width * i / grid / qmax).clamp(min=SCALE_EPS)[:, None, None]    # [R, 1, 1]
+            q = torch.clamp(torch.round(x.unsqueeze(1) / delta) + zps[None, :, None], 0, qmax)
+            err = ((q - zps[None, :, None]) * delta - x.unsqueeze(1)).abs().pow(norm)
+            err = torch.where(m, err, 0).sum(-1)                                   # [R, Z]
+            e, z = err.min(dim=1)
+            better = e < best_err[a:a + step]
+            best_err[a:a + step] = torch.where(better, e, best_err[a:a + step])
+            best_scale[a:a + step] = torch.where(better, delta[:, 0, 0], best_scale[a:a + step])
+            best_zero[a:a + step] = torch.where(better, z.float(), best_zero[a:a + step])
+    return best_scale.reshape(rows, ng), best_zero.reshape(rows, ng)

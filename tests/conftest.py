@@ -19,7 +19,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if SHARED_DATA.is_dir():
     os.environ.setdefault("LRQ_BENCH_DATA", str(SHARED_DATA))
 os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny models gain nothing from threads and lose a lot when the machine is shared; the real-model test
+# asks for more itself.
+torch.set_num_threads(1)
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, layers: int = 2):

@@ -23,6 +23,16 @@ def _ppl(method, scheme, data_dir):
     return row.value, units
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    import os
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    yield
+    torch.set_num_threads(before)
+
+
 def test_rtn_on_the_default_model(data_dir):
     fp, _ = _ppl(FP, FP, data_dir)
     assert math.isfinite(fp) and 12 < fp < 40, fp  # about 22 on the whole test set

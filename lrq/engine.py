@@ -1,0 +1,236 @@
+"""The block-reconstruction engine shared by LRQ, FlexRound (and OmniQuant): method-independent.
+
+For every decoder block (lrq.blockwise supplies the FP targets and the quantized chain's inputs):
+  1. swap the block's linears for learnable quantizers (a method's `make_learnable`), s1/z initialised
+     by min/max or the L2.4 clipping search;
+  2. measure the block's output error on the training samples and on held-out samples;
+  3. train every learnable with Adam (one learning rate, cosine decay to 0, shuffled batches) on
+     loss = (pred - target)^2 summed over tokens, averaged over batch and hidden (METHOD.md 2);
+  4. freeze: fold into integers + per-channel/group scale and zero point (QuantLinear);
+  5. measure the error again (the paper's Figure 2: calibration vs held-out), checkpoint the block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lrq.arch import KV_LINEARS, block_linears, set_submodule
+from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
+from lrq.calibration import observe_input_ranges
+from lrq.errors import UserError
+from lrq.learnable import LearnableQuantLinear
+from lrq.methods import Calibration, Method
+from lrq.qlinear import QuantLinear
+from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
+from lrq.schemes import Scheme
+
+
+class ReconstructionError(RuntimeError):
+    pass
+
+
+def block_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(pred - target)^2 summed over tokens, averaged over batch and hidden (the authors' loss)."""
+    return (pred.float() - target.float()).pow(2).sum(dim=1).mean()
+
+
+@torch.no_grad()
+def block_error(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict, batch: int = 8) -> float:
+    if len(inputs) == 0:
+        return float("nan")
+    total = 0.0
+    for i in range(0, len(inputs), batch):
+        y = block(inputs[i:i + batch], **kwargs)
+        y = y[0] if isinstance(y, tuple) else y
+        total += block_loss(y, targets[i:i + batch]).item() * len(y)
+    return total / len(inputs)
+
+
+def _scheme_key(scheme: Scheme) -> str:
+    if scheme.a_bits is not None:
+        return "w4a8" if scheme.w_bits <= 4 else "w8a8"
+    return f"w{scheme.w_bits}"
+
+
+class ReconstructionMethod(Method):
+    """A method whose learnables are trained block by block; subclasses supply `make_learnable`."""
+
+    # The authors' Llama-2-7B settings per scheme family (METHOD.md): (lr, s1 search); subclasses override.
+    paper_table: ClassVar[dict[str, tuple[float, bool]]] = {}
+    checkpoint_dir: Path | None = None   # set by the runner: where block checkpoints live for this cell
+
+    @staticmethod
+    def preset_defaults(quick_lr: float, quick_extra: dict | None = None,
+                        paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
+        common = {"s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "heldout_samples": 16,
+                  "autocast": False, "recon_act_quant": "auto", "smooth_alpha": 0.8, "batch_size": 1}
+        quick = common | {"iters": 200, "lr": quick_lr} | (quick_extra or {})
+        paper = common | {"iters": 5000, "batch_size": 2, "lr": "auto", "heldout_samples": 0} | (paper_extra or {})
+        return {"quick": quick, "paper": paper}
+
+    calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {
+        "paper": {"dataset": "c4", "n_samples": 512, "seq_len": 1024, "sampling": "sequential"}}
+
+    def needs_calibration(self, scheme: Scheme) -> bool:
+        return True
+
+    # ---- settings ---------------------------------------------------------------------------------
+    def resolve(self, scheme: Scheme, config: dict) -> dict:
+        cfg = dict(config)
+        lr, search = self.paper_table.get(_scheme_key(scheme), (None, False))
+        if cfg["lr"] == "auto":
+            cfg["lr"] = lr
+        cfg["lr"] = float(cfg["lr"])
+        if cfg["s1_init"] == "auto":
+            # On the CPU quick preset the exhaustive L2.4 search (100 widths x 2^b zero points) costs more
+            # than the training; the paper preset follows the authors' per-scheme choice.
+            cfg["s1_init"] = "search" if (search and cfg["iters"] >= 1000) else "minmax"
+        if cfg["s1_init"] not in ("minmax", "search"):
+            raise UserError(f"s1_init must be minmax, search or auto, got {cfg['s1_init']!r}.")
+        if cfg["recon_act_quant"] == "auto":
+            # W8A8 per-tensor static: quantizers on during reconstruction (our choice, METHOD.md 4);
+            # W4A8 per-token: off during reconstruction, as in the authors' code.
+            cfg["recon_act_quant"] = "on" if scheme.static_activations else "off"
+        for k in ("iters", "batch_size", "heldout_samples", "search_grid"):
+            cfg[k] = int(cfg[k])
+        if cfg["iters"] < 0 or cfg["batch_size"] < 1:
+            raise UserError("iters must be >= 0 and batch_size >= 1 (--set iters=..., --set batch_size=...).")
+        return cfg
+
+    def make_learnable(self, name: str, linear: nn.Linear, scheme: Scheme, scale: torch.Tensor, zero: torch.Tensor,
+                       config: dict, generator: torch.Generator, **kw) -> LearnableQuantLinear:
+        raise NotImplementedError
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any], calib: Calibration | None
+                 ) -> dict[str, Any]:
+        if calib is None:
+            raise UserError(f"{self.name} needs calibration data.")
+        cfg = self.resolve(scheme, config)
+        ids = calib.input_ids
+        n_held = cfg["heldout_samples"]
+        if n_held >= len(ids):
+            raise UserError(f"heldout_samples ({n_held}) must be smaller than the calibration set ({len(ids)}).")
+        n_train = len(ids) - n_held
+        seed = int(calib.description.get("seed", 0))
+
+        act_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if scheme.static_activations:
+            if cfg["smooth_alpha"] and float(cfg["smooth_alpha"]) > 0:
+                from lrq.smooth import smooth_model
+                smooth_model(model, ids[:n_train], alpha=float(cfg["smooth_alpha"]))
+            ranges = observe_input_ranges(model, ids[:n_train])
+            act_qparams = {k: qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), scheme.a_bits)
+                           for k, (lo, hi) in ranges.items()}
+
+        counts = {"n_learnable": 0}
+
+        def process(ctx: BlockContext) -> None:
+            ctx.stats.update(self._reconstruct_block(ctx, scheme, cfg, act_qparams, n_train, seed, counts))
+
+        def restore(i: int, block: nn.Module, state: dict) -> None:
+            for name, lin in block_linears(block).items():
+                set_submodule(block, name, QuantLinear(lin.in_features, lin.out_features, lin.bias is not None,
+                                                       scheme, quantize_output=name in KV_LINEARS))
+            block.load_state_dict(state)
+
+        ckpt = None
+        if self.checkpoint_dir is not None:
+            ident = hashlib.sha256(json.dumps({"m": self.name, "s": scheme.name, "c": cfg, "calib": calib.description},
+                                              sort_keys=True, default=str).encode()).hexdigest()
+            ckpt = BlockCheckpoint(self.checkpoint_dir, ident)
+        per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
+                                checkpoint=ckpt, restore=restore)
+        stats: dict[str, Any] = {
+            "n_learnable": sum(b["n_learnable"] for b in per_block),
+            "resolved_config": cfg, "train_samples": n_train, "heldout_samples": n_held,
+            "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
+                             for b in per_block],
+        }
+        for k in ("calib_before", "calib_after", "heldout_before", "heldout_after"):
+            stats[f"mean_block_{k}"] = sum(b[k] for b in per_block) / len(per_block)
+        return stats
+
+    def _reconstruct_block(self, ctx: BlockContext, scheme: Scheme, cfg: dict, act_qparams: dict, n_train: int,
+                           seed: int, counts: dict) -> dict:
+        block, i, kw = ctx.block, ctx.index, ctx.kwargs
+        x_all, y_all = ctx.q_inputs.data, ctx.fp_targets.data
+        if not (torch.isfinite(x_all).all() and torch.isfinite(y_all).all()):
+            raise UserError(f"the calibration activations entering block {i} contain NaN or inf: the model or the "
+                            f"calibration data is broken (check the model's FP perplexity and the calibration text).")
+        gen = torch.Generator().manual_seed(seed * 100_003 + i)
+        learn: dict[str, LearnableQuantLinear] = {}
+        for name, lin in block_linears(block).items():
+            w = lin.weight.detach().float()
+            if cfg["s1_init"] == "search":
+                scale, zero = search_qparams(w, scheme.w_bits, scheme.group_size, cfg["search_grid"], cfg["search_norm"])
+            else:
+                scale, zero = minmax_qparams(w, scheme.w_bits, scheme.group_size)
+            full = f"model.layers.{i}.{name}"
+            m = self.make_learnable(name, lin, scheme, scale, zero, cfg, gen, quantize_output=name in KV_LINEARS,
+                                    act_range=act_qparams.get(full), act_quant=cfg["recon_act_quant"] == "on")
+            set_submodule(block, name, m)
+            learn[name] = m
+        for p in block.parameters():
+            p.requires_grad_(False)
+        params = [p for m in learn.values() for p in m.learnables()]
+        for p in params:
+            p.requires_grad_(True)
+        n_learn = sum(p.numel() for p in params)
+
+        xt, yt, xh, yh = x_all[:n_train], y_all[:n_train], x_all[n_train:], y_all[n_train:]
+        out = {"block": i, "n_learnable": n_learn,
+               "calib_before": block_error(block, xt, yt, kw), "heldout_before": block_error(block, xh, yh, kw)}
+
+        iters, bs = cfg["iters"], cfg["batch_size"]
+        if iters > 0:
+            opt = torch.optim.Adam(params, lr=cfg["lr"])
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=iters, eta_min=0.0)
+            order = torch.randperm(n_train, generator=gen)
+            pos = 0
+            bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg["autocast"] else _null()
+            loss_val = math.nan
+            for step in bar:
+                if pos + bs > n_train:
+                    order, pos = torch.randperm(n_train, generator=gen), 0
+                idx = order[pos:pos + bs]
+                pos += bs
+                with torch.enable_grad(), autocast:
+                    y = block(xt[idx], **kw)
+                    y = y[0] if isinstance(y, tuple) else y
+                    loss = block_loss(y, yt[idx])
+                loss_val = loss.item()
+                if not math.isfinite(loss_val):
+                    raise ReconstructionError(
+                        f"block {i}: the reconstruction loss became {loss_val} at step {step} (lr {cfg['lr']}). "
+                        f"Lower the learning rate (--set lr=...) or turn on fp32 (--set autocast=False).")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                if step % 10 == 0 or step == iters - 1:
+                    bar.set_postfix(loss=f"{loss_val:.4g}")
+            out["final_loss"] = loss_val
+        for name, m in learn.items():
+            set_submodule(block, name, m.freeze())
+        out["calib_after"] = block_error(block, xt, yt, kw)
+        out["heldout_after"] = block_error(block, xh, yh, kw)
+        counts["n_learnable"] += n_learn
+        return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

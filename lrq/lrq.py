@@ -1,0 +1,81 @@
+"""LRQ (Lee et al., NAACL 2025): low-rank weight-scaling matrices for block reconstruction.
+
+    D = theta1 + L @ U + r2 + c2,  L [Cout, r] = 0, U [r, Cin] ~ U(-1/sqrt(Cin), 1/sqrt(Cin)),
+    r2 [Cout, 1] = 0, c2 [1, Cin] = 0 (METHOD.md 1). Starts exactly at RTN with the initial s1.
+Learnable scale parameters per matrix: r * (Cout + Cin) + 2 * Cout + Cin (per-channel).
+
+Rank rules: "official" reproduces the authors' shape rule (full FlexRound-style scaling for some
+shapes, r = 2048 or 1024 otherwise, capped at min(Cout, Cin)); "uniform" uses `rank` everywhere;
+"fraction" uses round(rank_fraction * min(Cout, Cin)) (the default for small models: r = 1024 exceeds
+a 576-wide model, and 1024 / 4096 = 0.25 is the ratio the authors use on Llama-2-7B attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lrq.engine import ReconstructionMethod
+from lrq.errors import UserError
+from lrq.flexround import FlexRoundLinear
+from lrq.learnable import LearnableQuantLinear
+from lrq.methods import register
+
+
+def official_rank(cout: int, cin: int) -> int | None:
+    """The authors' rule; None means a full (FlexRound-style) scaling matrix for this shape."""
+    if (cout <= 4096 and cin > 4096) or (cout > 4096 and cin <= 4096) or cout == cin == 8192:
+        return None
+    if cout >= 8192 and cin >= 8192:
+        return min(2048, cout, cin)
+    return min(1024, cout, cin)
+
+
+def choose_rank(cout: int, cin: int, rule: str, rank: int, fraction: float) -> int | None:
+    if rule == "official":
+        return official_rank(cout, cin)
+    if rule == "uniform":
+        return max(1, min(rank, cout, cin))
+    if rule == "fraction":
+        return max(1, round(fraction * min(cout, cin)))
+    raise UserError(f"unknown LRQ rank rule {rule!r}: choose official, uniform or fraction (--set rank_rule=...).")
+
+
+class LRQLinear(LearnableQuantLinear):
+    def __init__(self, linear, scheme, scale, zero, rank: int, generator: torch.Generator | None = None, **kw):
+        super().__init__(linear, scheme, scale, zero, **kw)
+        self.rank = rank
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)) on an [r, Cin] matrix
+        self.L = nn.Parameter(torch.zeros(self.out_features, rank))
+        self.U = nn.Parameter(torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator))
+        self.r2 = nn.Parameter(torch.zeros(self.out_features, 1))
+        self.c2 = nn.Parameter(torch.zeros(1, self.in_features))
+
+    def extra_log_divisor(self):
+        return self.L @ self.U + self.r2 + self.c2
+
+
+def lrq_param_count(cout: int, cin: int, rank: int, n_groups: int = 1) -> int:
+    return rank * (cout + cin) + cout * n_groups + cout + cin
+
+
+@register
+class LRQ(ReconstructionMethod):
+    name = "lrq"
+    summary = "low-rank weight-scaling matrices (s1, L, U, r2, c2) trained by block reconstruction"
+    # The authors' Llama-2 learning rates range 4e-4 .. 9e-4 (METHOD.md table).
+    defaults = ReconstructionMethod.preset_defaults(
+        quick_lr=1e-3,
+        quick_extra={"rank_rule": "fraction", "rank": 1024, "rank_fraction": 0.25},
+        paper_extra={"rank_rule": "official", "rank": 1024, "rank_fraction": 0.25})
+    # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
+    paper_table = {"w3": (6e-4, True), "w4": (9e-4, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
+
+    def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw) -> LearnableQuantLinear:
+        r = choose_rank(linear.out_features, linear.in_features, config["rank_rule"], int(config["rank"]),
+                        float(config["rank_fraction"]))
+        if r is None:
+            return FlexRoundLinear(linear, scheme, scale, zero, **kw)
+        return LRQLinear(linear, scheme, scale, zero, rank=r, generator=generator, **kw)

@@ -1,0 +1,241 @@
+"""LRQ and FlexRound on the shared block-reconstruction engine."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from lrq.arch import block_linears, decoder_blocks
+from lrq.blockwise import BlockCheckpoint
+from lrq.engine import block_loss
+from lrq.errors import UserError
+from lrq.flexround import FlexRoundLinear, flexround_param_count
+from lrq.lrq import LRQLinear, choose_rank, lrq_param_count, official_rank
+from lrq.methods import Calibration, get_method
+from lrq.qlinear import QuantLinear
+from lrq.quant import dequantize, minmax_qparams, quantize, search_qparams
+from lrq.schemes import get_scheme
+
+
+def _linear(cout=24, cin=40, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(cin, cout)
+    lin.weight.data.normal_(0, 0.1)
+    return lin
+
+
+def _learnable(kind, lin, scheme, rank=4):
+    s, z = minmax_qparams(lin.weight, scheme.w_bits, scheme.group_size)
+    if kind == "lrq":
+        return LRQLinear(lin, scheme, s, z, rank=rank, generator=torch.Generator().manual_seed(0)), s, z
+    return FlexRoundLinear(lin, scheme, s, z), s, z
+
+
+@pytest.mark.parametrize("kind", ["lrq", "flexround"])
+@pytest.mark.parametrize("scheme_name", ["w3a16", "w4a16-g128", "w8a8", "w4a8"])
+def test_initialisation_equals_rtn_exactly(kind, scheme_name):
+    scheme = get_scheme(scheme_name)
+    lin = _linear(cout=24, cin=200)  # 200 = 128 + 72: ragged group at g128
+    m, s, z = _learnable(kind, lin, scheme)
+    s1 = torch.exp(torch.log(s))  # the same s1 the learnable holds
+    rtn = dequantize(quantize(lin.weight.data, s1, z, scheme.w_bits, scheme.group_size), s1, z, scheme.group_size)
+    assert torch.equal(m.w_hat(), rtn)
+    frozen = m.freeze()
+    assert isinstance(frozen, QuantLinear)
+    assert torch.equal(frozen.dequantized_weight(), rtn)
+    if scheme.weight_only:
+        x = torch.randn(3, 200)
+        assert torch.allclose(frozen(x), m(x), atol=1e-5)
+
+
+def test_parameter_count_formulas():
+    lin = _linear(cout=24, cin=40)
+    lrq, _, _ = _learnable("lrq", lin, get_scheme("w4a16"), rank=5)
+    fr, _, _ = _learnable("flexround", lin, get_scheme("w4a16"))
+    assert lrq.n_learnable() == lrq_param_count(24, 40, 5) == 5 * (24 + 40) + 2 * 24 + 40
+    assert fr.n_learnable() == flexround_param_count(24, 40) == 24 * 40 + 2 * 24
+    g, _, _ = _learnable("flexround", _linear(cout=8, cin=300), get_scheme("w4a16-g128"))
+    assert g.n_learnable() == flexround_param_count(8, 300, n_groups=3)
+
+
+def test_rank_rules():
+    assert official_rank(4096, 4096) == 1024
+    assert official_rank(11008, 4096) is None and official_rank(4096, 11008) is None
+    assert official_rank(8192, 8192) is None
+    assert official_rank(8192, 28672) == 2048
+    assert official_rank(576, 576) == 576  # capped at min(Cout, Cin)
+    assert choose_rank(576, 192, "fraction", 0, 0.25) == 48
+    assert choose_rank(576, 192, "uniform", 64, 0) == 64
+    with pytest.raises(UserError, match="rank rule"):
+        choose_rank(8, 8, "bogus", 1, 0.1)
+
+
+@pytest.mark.parametrize("kind, names", [("lrq", {"theta1", "L", "U", "r2", "c2"}),
+                                         ("flexround", {"theta1", "theta2", "theta3"})])
+def test_gradients_reach_every_learnable(kind, names):
+    lin = _linear()
+    m, _, _ = _learnable(kind, lin, get_scheme("w3a16"))
+    assert {n for n, _ in m.named_parameters()} == names
+    x, target = torch.randn(16, 40), torch.randn(16, 24)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for _ in range(2):  # after one step L != 0, so U receives gradient too
+        opt.zero_grad()
+        loss = (m(x) - target).pow(2).sum()
+        loss.backward()
+        opt.step()
+    for n, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+def test_fused_quantizer_gradient_matches_autograd_chain():
+    from lrq.quant import round_ste
+    lin = _linear()
+    m, _, _ = _learnable("lrq", lin, get_scheme("w4a16"))
+    with torch.no_grad():
+        m.L.normal_(0, 0.2)
+        m.c2.normal_(0, 0.1)
+    g = torch.randn(24, 40)
+
+    def chain():
+        z = m._expand(m.zero)
+        d = m._expand(m.theta1) + m.extra_log_divisor()
+        w_int = torch.clamp(round_ste(m.weight / torch.exp(d)), -z, 2**m.bits - 1 - z)
+        return w_int * torch.exp(m._expand(m.theta1))
+
+    grads = []
+    for fn in (chain, m.w_hat):
+        m.zero_grad()
+        (fn() * g).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-6), n
+
+
+@pytest.mark.parametrize("bits, group", [(2, None), (3, None), (4, 8)])
+def test_grid_search_equals_brute_force(bits, group):
+    torch.manual_seed(bits)
+    w = torch.randn(5, 20) * torch.tensor([0.1, 1.0, 3.0, 0.5, 0.02])[:, None]
+    w[1, 3] = 6.0  # an outlier worth clipping
+    scale, zero = search_qparams(w, bits, group, grid=25)
+    qmax = 2**bits - 1
+    g = group or 20
+    for r in range(5):
+        for j in range(scale.shape[1]):
+            row = w[r, j * g:(j + 1) * g]
+            lo, hi = min(row.min().item(), 0.0), max(row.max().item(), 0.0)
+            best = (float("inf"), None, None)
+            for i in range(1, 26):
+                delta = max((hi - lo) * i / 25 / qmax, 1e-8)
+                for zp in range(qmax + 1):
+                    q = torch.clamp(torch.round(row / delta) + zp, 0, qmax)
+                    err = ((q - zp) * delta - row).abs().pow(2.4).sum().item()
+                    if best[1] is None or err < best[0] - 1e-9 * max(1.0, best[0]):
+                        best = (err, delta, zp)
+            assert scale[r, j].item() == pytest.approx(best[1], rel=1e-5)
+            assert zero[r, j].item() == best[2]
+
+
+def _calib(n=10, seq=24, vocab=128):
+    return Calibration(torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(5)), {"seed": 0})
+
+
+@pytest.mark.parametrize("method", ["lrq", "flexround"])
+def test_reconstruction_loss_falls(method, arch):
+    model = tiny_model(arch, hidden=64)
+    M = get_method(method)
+    stats = M.quantize(model, get_scheme("w3a16"), M.config("quick", {"iters": 40, "lr": 5e-3, "heldout_samples": 3}),
+                       _calib())
+    for b in stats["block_errors"]:
+        assert b["calib_after"] < b["calib_before"]
+    assert stats["n_learnable"] > 0 and stats["train_samples"] == 7
+    assert all(isinstance(m, QuantLinear) for b in decoder_blocks(model) for m in block_linears(b).values())
+
+
+@pytest.mark.parametrize("scheme_name", ["w8a8", "w4a8-kv8", "w4a16-g128"])
+def test_every_scheme_runs(scheme_name, arch):
+    model = tiny_model(arch, hidden=192)
+    ids = torch.randint(0, 128, (2, 16))
+    for method in ("lrq", "flexround"):
+        M = get_method(method)
+        M.quantize(model if method == "lrq" else tiny_model(arch, hidden=192), get_scheme(scheme_name),
+                   M.config("quick", {"iters": 3, "heldout_samples": 2}), _calib(6))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(qs) == 14
+    if scheme_name == "w8a8":
+        assert all(m.act_calibrated for m in qs)
+
+
+def _state(model):
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+
+
+def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch):
+    from lrq.engine import ReconstructionMethod
+    cfg = {"iters": 8, "lr": 5e-3, "heldout_samples": 2}
+    M = get_method("lrq")
+    full = tiny_model("llama", layers=3)
+    M.checkpoint_dir = None
+    M.quantize(full, get_scheme("w3a16"), M.config("quick", cfg), _calib(6))
+
+    real = ReconstructionMethod._reconstruct_block
+    calls = {"n": 0}
+
+    def crashing(self, ctx, *a, **k):
+        if ctx.index == 2:
+            raise KeyboardInterrupt  # killed while training block 2
+        calls["n"] += 1
+        return real(self, ctx, *a, **k)
+
+    monkeypatch.setattr(ReconstructionMethod, "_reconstruct_block", crashing)
+    M2 = get_method("lrq")
+    M2.checkpoint_dir = tmp_path / "ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        M2.quantize(tiny_model("llama", layers=3), get_scheme("w3a16"), M2.config("quick", cfg), _calib(6))
+    assert calls["n"] == 2
+    monkeypatch.setattr(ReconstructionMethod, "_reconstruct_block", real)
+
+    resumed = tiny_model("llama", layers=3)
+    counted = {"n": 0}
+
+    def counting(self, ctx, *a, **k):
+        counted["n"] += 1
+        return real(self, ctx, *a, **k)
+
+    monkeypatch.setattr(ReconstructionMethod, "_reconstruct_block", counting)
+    stats = M2.quantize(resumed, get_scheme("w3a16"), M2.config("quick", cfg), _calib(6))
+    assert counted["n"] == 1  # only the unfinished block was trained again
+    assert len(stats["block_errors"]) == 3
+    a, b = _state(full), _state(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]), k
+
+
+def test_checkpoint_of_another_configuration_is_ignored(tmp_path):
+    ck = BlockCheckpoint(tmp_path, "identity-a")
+    block = nn.Linear(2, 2)
+    ck.save(0, block, torch.zeros(1), None, [{}])
+    assert ck.completed() == 1
+    assert BlockCheckpoint(tmp_path, "identity-b").completed() == 0
+
+
+def test_nan_guard_on_poisoned_input():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7] = float("nan")
+    ids = torch.full((4, 16), 7)
+    M = get_method("lrq")
+    with pytest.raises(UserError, match="contain NaN"):
+        M.quantize(model, get_scheme("w4a16"), M.config("quick", {"iters": 2, "heldout_samples": 1}),
+                   Calibration(ids, {"seed": 0}))
+
+
+def test_nan_guard_on_diverging_training(monkeypatch):
+    import lrq.engine as engine
+    monkeypatch.setattr(engine, "block_loss", lambda p, t: (p - t).pow(2).sum() * float("nan"))
+    M = get_method("flexround")
+    with pytest.raises(engine.ReconstructionError, match="loss became nan at step 0"):
+        M.quantize(tiny_model("llama"), get_scheme("w4a16"), M.config("quick", {"iters": 2, "heldout_samples": 1}),
+                   _calib(4))
