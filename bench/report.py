@@ -14,7 +14,7 @@ from lrq.schemes import SCHEMES
 
 FP = "fp"
 _METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:.3f}",
-               "eval_tokens_per_s": "{:.0f}"}
+               "eval_tokens_per_s": "{:.0f}", "n_learnable": "{:,.0f}"}
 
 
 def rows_frame(rows: list[Row]) -> pd.DataFrame:
@@ -58,6 +58,21 @@ def dataset_table(df: pd.DataFrame, dataset: str, metrics: list[str] | None = No
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+RECON_METRICS = ["n_learnable", "mean_block_calib_before", "mean_block_calib_after",
+                 "mean_block_heldout_before", "mean_block_heldout_after"]
+
+
+def _param_ratio(recon: pd.DataFrame) -> list[str]:
+    n = recon[recon["metric"] == "n_learnable"].groupby(["method", "scheme"])["value"].last()
+    lines = []
+    for scheme in sorted({s for _, s in n.index}):
+        if ("lrq", scheme) in n.index and ("flexround", scheme) in n.index:
+            lines.append(f"- {scheme}: LRQ / FlexRound learnable parameters = "
+                         f"{n[('lrq', scheme)]:.0f} / {n[('flexround', scheme)]:.0f} = "
+                         f"{n[('lrq', scheme)] / n[('flexround', scheme)]:.3f}")
+    return lines + [""] if lines else []
+
+
 def markdown_report(rows: list[Row]) -> str:
     if not rows:
         return "# lrq-bench leaderboard\n\nThe results store is empty: run `lrq-bench run` first.\n"
@@ -80,6 +95,15 @@ def markdown_report(rows: list[Row]) -> str:
             parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
                       "bits per weight include scales and zero points.", "",
                       dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "quant_peak_rss_bytes"]), ""]
+        recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(RECON_METRICS)]
+        if not recon.empty:
+            parts += ["### Block reconstruction (LRQ paper, Figure 2)", "",
+                      "Learnable scale parameters, and each block's output error (the reconstruction loss) averaged "
+                      "over blocks, on the calibration samples it was trained on and on held-out samples it never "
+                      "saw, before (RTN start) and after training. FlexRound should fit the calibration set better; "
+                      "LRQ should generalize better.", "",
+                      dataset_table(mdf, "quant", RECON_METRICS), ""]
+            parts += _param_ratio(recon)
         revs = sorted(set(mdf["git_rev"]))
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
                   f"`lrq-bench results --json`.", ""]

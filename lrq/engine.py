@@ -65,15 +65,20 @@ class ReconstructionMethod(Method):
 
     # The authors' Llama-2-7B settings per scheme family (METHOD.md): (lr, s1 search); subclasses override.
     paper_table: ClassVar[dict[str, tuple[float, bool]]] = {}
+    # CPU quick preset learning rates per scheme family (few steps need a larger rate; 8-bit grids are
+    # 16x finer than 4-bit ones, so the same step in log-scale moves 16x more levels).
+    quick_lr: ClassVar[dict[str, float]] = {}
     checkpoint_dir: Path | None = None   # set by the runner: where block checkpoints live for this cell
 
     @staticmethod
-    def preset_defaults(quick_lr: float, quick_extra: dict | None = None,
-                        paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
-        common = {"s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "heldout_samples": 16,
-                  "autocast": False, "recon_act_quant": "auto", "smooth_alpha": 0.8, "batch_size": 1}
-        quick = common | {"iters": 200, "lr": quick_lr} | (quick_extra or {})
-        paper = common | {"iters": 5000, "batch_size": 2, "lr": "auto", "heldout_samples": 0} | (paper_extra or {})
+    def preset_defaults(quick_extra: dict | None = None, paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
+        common = {"lr": "auto", "s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "recon_act_quant": "auto",
+                  "smooth_alpha": 0.8}
+        # quick: sized for one cell of the 135M default model in about 15 minutes on 2 CPU cores
+        quick = common | {"preset": "quick", "iters": 100, "batch_size": 1, "heldout_samples": 16,
+                          "autocast": True} | (quick_extra or {})
+        paper = common | {"preset": "paper", "iters": 5000, "batch_size": 2, "heldout_samples": 0,
+                          "autocast": False} | (paper_extra or {})
         return {"quick": quick, "paper": paper}
 
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {
@@ -85,9 +90,10 @@ class ReconstructionMethod(Method):
     # ---- settings ---------------------------------------------------------------------------------
     def resolve(self, scheme: Scheme, config: dict) -> dict:
         cfg = dict(config)
-        lr, search = self.paper_table.get(_scheme_key(scheme), (None, False))
+        family = _scheme_key(scheme)
+        lr, search = self.paper_table.get(family, (None, False))
         if cfg["lr"] == "auto":
-            cfg["lr"] = lr
+            cfg["lr"] = self.quick_lr[family] if cfg.get("preset") == "quick" else lr
         cfg["lr"] = float(cfg["lr"])
         if cfg["s1_init"] == "auto":
             # On the CPU quick preset the exhaustive L2.4 search (100 widths x 2^b zero points) costs more

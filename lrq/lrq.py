@@ -67,11 +67,11 @@ class LRQ(ReconstructionMethod):
     summary = "low-rank weight-scaling matrices (s1, L, U, r2, c2) trained by block reconstruction"
     # The authors' Llama-2 learning rates range 4e-4 .. 9e-4 (METHOD.md table).
     defaults = ReconstructionMethod.preset_defaults(
-        quick_lr=1e-3,
         quick_extra={"rank_rule": "fraction", "rank": 1024, "rank_fraction": 0.25},
         paper_extra={"rank_rule": "official", "rank": 1024, "rank_fraction": 0.25})
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (6e-4, True), "w4": (9e-4, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
+    quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
 
     def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw) -> LearnableQuantLinear:
         r = choose_rank(linear.out_features, linear.in_features, config["rank_rule"], int(config["rank"]),

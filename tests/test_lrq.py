@@ -239,3 +239,27 @@ def test_nan_guard_on_diverging_training(monkeypatch):
     with pytest.raises(engine.ReconstructionError, match="loss became nan at step 0"):
         M.quantize(tiny_model("llama"), get_scheme("w4a16"), M.config("quick", {"iters": 2, "heldout_samples": 1}),
                    _calib(4))
+
+
+def test_lrq_and_flexround_through_the_cli(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
+    import json
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    from bench.cli import main
+    results = tmp_path / "r.sqlite"
+    code = main(["run", "--model", str(tiny_model_dir), "--methods", "lrq,flexround", "--schemes", "w4a16",
+                 "--datasets", "wikitext2", "--data-dir", str(data_dir), "--results", str(results),
+                 "--max-eval-tokens", "512", "--eval-seq-len", "256", "--calib-samples", "6", "--calib-seq-len", "32",
+                 "--set", "iters=4", "--set", "heldout_samples=2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "### Block reconstruction" in out and "LRQ / FlexRound learnable parameters" in out
+    main(["results", "--results", str(results), "--json"])
+    rows = json.loads(capsys.readouterr()[0])
+    n = {r["method"]: r["value"] for r in rows if r["metric"] == "n_learnable"}
+    assert 0 < n["lrq"] < n["flexround"]
+    cfg = next(r["config"] for r in rows if r["method"] == "lrq" and r["metric"] == "ppl")
+    assert cfg["method_config"]["iters"] == 4 and cfg["method_stats"]["resolved_config"]["lr"] == 1e-2
+    assert len(cfg["method_stats"]["block_errors"]) == 2
+    # the checkpoint of a finished cell is removed once its results are stored
+    ckpts = tmp_path / "cache" / "checkpoints"
+    assert ckpts.is_dir() and not any(ckpts.iterdir())
