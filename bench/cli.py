@@ -82,7 +82,7 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_run(args) -> int:
-    from bench.data import DATASETS, resolve_data_dir
+    from bench.data import DATASETS, check_available, resolve_data_dir
     from bench.report import markdown_report, write_report
     from bench.runner import FP, CellSpec, EvalSettings, resolve_calib, run_cells
     from bench.store import ResultStore
@@ -117,6 +117,8 @@ def cmd_run(args) -> int:
     specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, calib=resolve_calib(FP, args.preset, given), **common)]
     specs += [CellSpec(method=m, scheme=s, calib=resolve_calib(m, args.preset, given), **common)
               for m in methods for s in schemes]
+    needed = set(datasets) | {s.calib.dataset for s in specs if s.uses_calibration()}
+    check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
     t0 = time.perf_counter()
     outcomes = run_cells(specs, store, force=args.force)
     wall = time.perf_counter() - t0

@@ -97,6 +97,13 @@ def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> 
                     f"so datasets.load_dataset can fetch it.")
 
 
+def check_available(datasets: list[str], data_dir: Path | None) -> None:
+    """Fail before any model work when a dataset is in neither the data folder nor reachable on the hub."""
+    for ds in datasets:
+        if data_dir is None or not (data_dir / _FILES[ds]).is_file():
+            load_rows(ds, data_dir)
+
+
 def eval_text(dataset: str, data_dir: Path | None) -> Text:
     """The text perplexity is measured on, joined as GPTQ does."""
     rows, src = load_rows(dataset, data_dir, "validation")
