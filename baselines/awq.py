@@ -1,0 +1,276 @@
+"""AWQ (Lin et al., MLSys 2024, arXiv 2306.00978): activation-aware weight scaling, then clipping.
+
+Salient weight channels are those fed by large activations. Scaling input channel j of a weight by
+s_j > 1 (and the input by 1/s_j, folded into the preceding op) shrinks that channel's relative rounding
+error. Per decoder block, for every group of linears that share an input:
+    qkv      input_layernorm          -> q/k/v,    objective: self_attn output
+    vo       v_proj rows              -> o_proj,   objective: o_proj output
+    gate_up  post_attention_layernorm -> gate/up,  objective: mlp output
+    up_down  up_proj rows             -> down_proj, objective: down_proj output
+search s = mean|x|^ratio over a grid of `n_grid` ratios in [0, 1), normalised by sqrt(max(s) min(s)),
+quantize W diag(s) round-to-nearest on the scheme's grid, and keep the ratio whose inspected output is
+closest (MSE) to the floating-point output. Ratio 0 is s = 1, plain RTN, so the chosen scale is never
+worse than no scaling on this objective. Scales are searched on the unscaled block, then all folded
+(lrq.smooth.fold_scales). Then, per linear except q/k (their outputs pass through softmax, as in the
+paper's code), the clipping search: shrink each row's (or group's) max |w| by 0..max_shrink in steps of
+1/clip_grid, clamp, quantize, and keep the shrink with the smallest error of that row's (group's) partial
+output on `clip_tokens` calibration tokens. Finally every linear becomes a round-to-nearest QuantLinear.
+
+Choices and deviations, with reasons:
+- scales from the input only (s = x_mean^ratio, the paper's formulation and its reference code);
+  AutoAWQ's "duo scaling" (also dividing by a weight statistic) is not used; llm-compressor's AWQ with
+  duo scaling off is the LANDSCAPE.md reference (28.12 at W4 g128).
+- v -> o with grouped-query attention: the reference code only scales v -> o when v_proj and o_proj have
+  the same shape. Here it is done exactly for GQA too: one scale per v_proj output channel, repeated
+  across the query heads that read it (config `scale_vo`).
+- block inputs come from the already-quantized earlier blocks (lrq.blockwise.walk_blocks), as for GPTQ;
+  the reference code feeds the scaled, still floating-point blocks forward.
+- `n_samples` calibration sequences are used (the paper: 128 x 512 tokens; static activation ranges
+  always use the full calibration set). The scale search runs every inspected module 20 times over
+  them; on 2 CPU cores the quick preset uses 32 sequences (see `defaults`).
+- block forwards run under bf16 autocast (`bf16`), as evaluation does; so does the scale search when
+  weights have 4 bits or fewer (bf16 rounding is then far below the quantization error it is compared
+  against); 8-bit searches, where the two are of the same size, run in fp32.
+- the clipping error is computed with batched matrix products instead of the reference's broadcast
+  product; ragged last groups are zero-padded (adds nothing to a partial output).
+Activation quantizers stay off while weights are chosen; static ranges are calibrated afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lrq.arch import block_linears, decoder_blocks, set_submodule
+from lrq.blockwise import BlockContext, run_block, walk_blocks
+from lrq.calibration import calibrate_static_activations
+from lrq.methods import Calibration, Method, register
+from lrq.qlinear import QuantLinear
+from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
+from lrq.quantize_model import quant_linear_for
+from lrq.schemes import Scheme
+from lrq.smooth import PAIRS, consumers, fold_scales, to_consumer_space, to_producer_space
+
+# pair -> module whose output measures the scale's effect (its input is the pair's shared input)
+INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+SETTINGS = {"n_grid": 20, "scale_vo": True, "clip": True, "clip_grid": 20, "max_shrink": 0.5,
+            "clip_tokens": 512, "n_samples": 128, "bf16": True, "batch_size": 8}
+QUICK = SETTINGS | {"n_samples": 32}
+
+
+def rtn(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Round-to-nearest on the scheme's min/max grid (what the final QuantLinear stores)."""
+    return fake_quant(w, *minmax_qparams(w, scheme.w_bits, scheme.group_size), scheme.w_bits, scheme.group_size)
+
+
+class Captured:
+    """A module's input over a run (concatenated on the batch axis) and how it was called, to re-run it."""
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.rest: tuple = ()
+        self.kwargs: dict | None = None
+        self.by_name = False
+
+    def hook(self, module, args, kwargs):
+        self.by_name = not args
+        x = kwargs["hidden_states"] if self.by_name else args[0]
+        self.chunks.append(x.detach().float().cpu())
+        if self.kwargs is None:
+            self.rest = args[1:]
+            self.kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+    @property
+    def x(self) -> torch.Tensor:
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        return self.chunks[0]
+
+    def call(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = module(hidden_states=x, **self.kwargs) if self.by_name else module(x, *self.rest, **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def capture(block: nn.Module, inputs: torch.Tensor, kwargs: dict, names: list[str], batch_size: int,
+            bf16: bool = False) -> dict[str, Captured]:
+    """Inputs (and call arguments) of the named sub-modules while `block` runs on `inputs`."""
+    caps = {n: Captured() for n in names}
+    handles = [block.get_submodule(n).register_forward_pre_hook(caps[n].hook, with_kwargs=True) for n in names]
+    try:
+        run_block(block, inputs, kwargs, batch_size=batch_size, autocast=bf16)
+    finally:
+        for h in handles:
+            h.remove()
+    return caps
+
+
+@torch.no_grad()
+def run_module(cap: Captured, module: nn.Module, x: torch.Tensor, batch_size: int, bf16: bool) -> torch.Tensor:
+    device = next(module.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        return torch.cat([cap.call(module, x[i:i + batch_size].to(device)).float().cpu()
+                          for i in range(0, x.shape[0], batch_size)])
+
+
+@dataclass
+class ScaleSearch:
+    scale: torch.Tensor       # best s on the producer's output channels
+    ratio: float
+    losses: list[float]       # output MSE per grid ratio; losses[0] is s = 1 (plain RTN)
+
+
+@torch.no_grad()
+def search_scale(block: nn.Module, pair: str, cap: Captured, scheme: Scheme, n_grid: int = 20,
+                 batch_size: int = 8, bf16: bool = False) -> ScaleSearch:
+    """AWQ's grid search of s = mean|x|^ratio for one pair; the block is left as it was."""
+    module = block.get_submodule(INSPECT[pair])
+    x = cap.x
+    fp_out = run_module(cap, module, x, batch_size, bf16)
+    x_mean = to_producer_space(block, pair, x.reshape(-1, x.shape[-1]).abs().mean(dim=0), "mean")
+    linears = consumers(block, pair)
+    originals = [m.weight.data.clone() for m in linears]
+    best, losses = None, []
+    try:
+        for r in range(n_grid):
+            ratio = r / n_grid
+            s = x_mean.pow(ratio).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            s_in = to_consumer_space(block, pair, s).view(1, -1)
+            for m, w in zip(linears, originals):
+                m.weight.data = (rtn(w.float() * s_in.to(w.device), scheme) / s_in.to(w.device)).to(w.dtype)
+            loss = (run_module(cap, module, x, batch_size, bf16) - fp_out).pow(2).mean().item()
+            losses.append(loss)
+            if best is None or loss < best.losses[0]:
+                best = ScaleSearch(s, ratio, [loss])
+    finally:
+        for m, w in zip(linears, originals):
+            m.weight.data = w
+    return ScaleSearch(best.scale, best.ratio, losses)
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: Scheme, clip_grid: int = 20,
+                max_shrink: float = 0.5) -> torch.Tensor:
+    """Per row (and group) max |w| to clamp to, minimising the error of the row's partial outputs on x.
+
+    w [rows, cols], x [tokens, cols]; returns [rows, n_groups]. Shrink 0 (no clipping) is in the grid.
+    """
+    rows, cols = w.shape
+    gs = scheme.group_size or cols
+    ng = n_groups(cols, scheme.group_size)
+    pad = ng * gs - cols
+
+    def partial_out(m: torch.Tensor) -> torch.Tensor:  # [ng, tokens, rows]: each group's share of x m^T
+        mg = nn.functional.pad(m, (0, pad)).reshape(rows, ng, gs).permute(1, 2, 0)
+        return torch.bmm(xg, mg)
+
+    w = w.float()
+    xg = nn.functional.pad(x.float(), (0, pad)).reshape(-1, ng, gs).transpose(0, 1)
+    ref = partial_out(w)
+    absmax = nn.functional.pad(w.abs(), (0, pad)).reshape(rows, ng, gs).amax(dim=-1)
+    best_max, best_err = absmax.clone(), torch.full_like(absmax, float("inf"))
+    for i in range(int(max_shrink * clip_grid)):
+        max_val = absmax * (1 - i / clip_grid)
+        m = expand_groups(max_val, scheme.group_size, cols)
+        err = (partial_out(rtn(torch.maximum(torch.minimum(w, m), -m), scheme)) - ref).pow(2).mean(dim=1).T
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better, max_val, best_max)
+    return best_max
+
+
+def clip_weight(w: torch.Tensor, max_val: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    m = expand_groups(max_val, group_size, w.shape[1]).to(w.dtype)
+    return torch.maximum(torch.minimum(w, m), -m)
+
+
+def token_sample(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Up to n evenly spaced token rows of x [..., cols]."""
+    x = x.reshape(-1, x.shape[-1])
+    return x[::max(1, x.shape[0] // n)][:n]
+
+
+@torch.no_grad()
+def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Scheme, config: dict[str, Any],
+              stats: dict) -> None:
+    """Search and fold the scales, then search and apply the clipping, all in floating point.
+
+    Forwards run under bf16 autocast when config["bf16"]; the scale search too if weights have <= 4 bits.
+    """
+    pairs = [p for p in PAIRS if p != "vo" or config["scale_vo"]]
+    bs, bf16 = int(config["batch_size"]), bool(config["bf16"])
+    caps = capture(block, inputs, kwargs, [INSPECT[p] for p in pairs], bs, bf16)
+    found = {p: search_scale(block, p, caps[INSPECT[p]], scheme, int(config["n_grid"]), bs,
+                             bf16 and scheme.w_bits <= 4) for p in pairs}
+    for p, res in found.items():
+        fold_scales(block, p, res.scale)
+        caps[INSPECT[p]].x.div_(to_consumer_space(block, p, res.scale))
+    stats["ratios"] = [res.ratio for res in found.values()]
+    stats["loss_vs_rtn"] = [min(res.losses) / max(res.losses[0], 1e-30) for res in found.values()]
+    if not config["clip"]:
+        return
+    shrink = []
+    for p in ("qkv", "vo", "gate_up", "up_down"):
+        x = caps.get(INSPECT[p])
+        names = PAIRS[p][1]
+        if x is None:  # vo not scaled: o_proj's input was not captured above
+            x = capture(block, inputs, kwargs, [names[0]], bs, bf16)[names[0]]
+        x = token_sample(x.x, int(config["clip_tokens"])).to(block.get_submodule(names[0]).weight.device)
+        for name in names:
+            if name in NO_CLIP:
+                continue
+            lin = block.get_submodule(name)
+            w = lin.weight.data
+            max_val = search_clip(w, x, scheme, int(config["clip_grid"]), float(config["max_shrink"]))
+            lo, hi = group_min_max(w, scheme.group_size)
+            absmax = torch.maximum(-lo, hi)
+            shrink.append((1 - max_val / absmax.clamp(min=1e-12)).mean().item())
+            lin.weight.data = clip_weight(w, max_val, scheme.group_size)
+    stats["clip_shrink"] = sum(shrink) / len(shrink)
+
+
+@register
+class AWQ(Method):
+    name = "awq"
+    summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
+    defaults = {"quick": dict(QUICK), "paper": dict(SETTINGS)}
+
+    def needs_calibration(self, scheme: Scheme) -> bool:
+        return True
+
+    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
+                 calib: Calibration | None) -> dict[str, Any]:
+        device_type = next(model.parameters()).device.type
+
+        def process(ctx: BlockContext) -> None:
+            with torch.autocast(device_type, enabled=False):  # searches in fp32 unless they ask for bf16
+                awq_block(ctx.block, ctx.q_inputs.data, ctx.kwargs, scheme, config, ctx.stats)
+            for name, lin in block_linears(ctx.block).items():
+                qlin = quant_linear_for(lin, name, scheme, *minmax_qparams(lin.weight.data, scheme.w_bits,
+                                                                           scheme.group_size))
+                qlin.act_quant_enabled = False  # weights are chosen for floating-point activations
+                set_submodule(ctx.block, name, qlin)
+
+        ids = calib.input_ids[:int(config["n_samples"])]
+        # The quantized chain advances under the same autocast as the block forwards (and as evaluation).
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(config["bf16"])):
+            per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=int(config["batch_size"]),
+                                    desc=f"awq {scheme.name}")
+        for m in decoder_blocks(model).modules():
+            if isinstance(m, QuantLinear):
+                m.act_quant_enabled = True
+        ratios = [r for s in per_block for r in s["ratios"]]
+        gains = [g for s in per_block for g in s["loss_vs_rtn"]]
+        stats: dict[str, Any] = {"awq_mean_ratio": sum(ratios) / len(ratios),
+                                 "awq_mean_loss_vs_rtn": sum(gains) / len(gains),
+                                 "awq_samples": int(ids.shape[0])}
+        if config["clip"]:
+            stats["awq_mean_clip_shrink"] = sum(s["clip_shrink"] for s in per_block) / len(per_block)
+        if scheme.static_activations:
+            stats["static_activation_quantizers"] = calibrate_static_activations(model, calib.input_ids)
+        return stats

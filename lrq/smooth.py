@@ -1,0 +1,169 @@
+"""Per-input-channel smoothing scales folded into the preceding op (SmoothQuant, arXiv 2211.10438).
+
+A group of linears reads one input x = P(h), where the producer P is a norm or another linear. For any
+positive vector s,
+    W x = (W diag(s)) (diag(s)^-1 x),
+and the diag(s)^-1 is folded into P (a norm's weight, or P's output rows and bias), so the floating-point
+model computes the same function while activation outliers move into the weights. SmoothQuant picks
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
+from calibration activation maxima; AWQ (baselines/awq.py) searches its own s and folds it the same way.
+
+Pairs (producer -> consumers) within a Llama/Qwen2 decoder block:
+    qkv      input_layernorm          -> q_proj, k_proj, v_proj
+    gate_up  post_attention_layernorm -> gate_proj, up_proj
+    vo       v_proj (output rows)     -> o_proj
+    up_down  up_proj (output rows)    -> down_proj
+SmoothQuant's own default is the two norm pairs. With grouped-query attention, o_proj input channel
+(h, d) of query head h reads v_proj output channel (h // rep, d), rep = query heads per KV head; a scale
+for the vo pair therefore lives on v_proj's outputs and is repeated across the rep query heads for o_proj.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from lrq.arch import block_linears, decoder_blocks
+from lrq.calibration import run_calibration
+from lrq.errors import UserError
+
+PAIRS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "gate_up": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    "vo": ("self_attn.v_proj", ("self_attn.o_proj",)),
+    "up_down": ("mlp.up_proj", ("mlp.down_proj",)),
+}
+DEFAULT_PAIRS: tuple[str, ...] = ("qkv", "gate_up")
+SCALE_RANGE = (1e-5, 1e5)
+
+
+def parse_pairs(pairs: str | Iterable[str]) -> tuple[str, ...]:
+    """'qkv,gate_up' or an iterable of pair names -> a checked tuple in canonical order."""
+    names = [p.strip() for p in (pairs.split(",") if isinstance(pairs, str) else pairs) if p.strip()]
+    unknown = [p for p in names if p not in PAIRS]
+    if unknown:
+        raise UserError(f"unknown smoothing pair(s) {', '.join(unknown)}: choose from {', '.join(PAIRS)} "
+                        f"(e.g. --set pairs=qkv,gate_up).")
+    return tuple(p for p in PAIRS if p in names)
+
+
+def consumers(block: nn.Module, pair: str) -> list[nn.Module]:
+    return [block.get_submodule(n) for n in PAIRS[pair][1]]
+
+
+def _kv_repeat(block: nn.Module) -> tuple[int, int, int]:
+    """(KV heads, query heads per KV head, head dim) of the block's attention."""
+    v = block.get_submodule("self_attn.v_proj")
+    o = block.get_submodule("self_attn.o_proj")
+    head_dim = getattr(block.self_attn, "head_dim", None) or block.self_attn.config.head_dim
+    n_kv = v.out_features // head_dim
+    rep = o.in_features // v.out_features
+    if n_kv * head_dim != v.out_features or rep * v.out_features != o.in_features:
+        raise UserError(f"cannot map o_proj inputs ({o.in_features}) onto v_proj outputs ({v.out_features}) "
+                        f"with head_dim {head_dim}: smooth without the 'vo' pair.")
+    return n_kv, rep, head_dim
+
+
+def to_producer_space(block: nn.Module, pair: str, t: torch.Tensor, reduce: str = "amax") -> torch.Tensor:
+    """A per-consumer-input-channel vector reduced onto the producer's output channels (differs only for vo)."""
+    if pair != "vo":
+        return t
+    n_kv, rep, hd = _kv_repeat(block)
+    t = t.reshape(n_kv, rep, hd)
+    return (t.amax(dim=1) if reduce == "amax" else t.mean(dim=1)).reshape(-1)
+
+
+def to_consumer_space(block: nn.Module, pair: str, s: torch.Tensor) -> torch.Tensor:
+    """A per-producer-output-channel scale repeated onto the consumers' input channels (differs only for vo)."""
+    if pair != "vo":
+        return s
+    n_kv, rep, hd = _kv_repeat(block)
+    return s.reshape(n_kv, 1, hd).expand(n_kv, rep, hd).reshape(-1)
+
+
+def consumer_weight_absmax(block: nn.Module, pair: str) -> torch.Tensor:
+    """max |W_j| over every consumer row, per producer channel j."""
+    w = torch.cat([m.weight.detach().float() for m in consumers(block, pair)], dim=0)
+    return to_producer_space(block, pair, w.abs().amax(dim=0), "amax")
+
+
+@torch.no_grad()
+def fold_scales(block: nn.Module, pair: str, s: torch.Tensor) -> None:
+    """Divide the producer's outputs by s and multiply the consumers' input columns by s (FP output unchanged)."""
+    producer = block.get_submodule(PAIRS[pair][0])
+    s = s.detach().float().to(producer.weight.device)
+    if isinstance(producer, nn.Linear):
+        producer.weight.div_(s.view(-1, 1).to(producer.weight.dtype))
+    else:  # a norm: y = weight * normalised(x) (+ bias)
+        producer.weight.div_(s.to(producer.weight.dtype))
+    if getattr(producer, "bias", None) is not None:
+        producer.bias.div_(s.to(producer.bias.dtype))
+    s_in = to_consumer_space(block, pair, s)
+    for m in consumers(block, pair):
+        m.weight.mul_(s_in.view(1, -1).to(m.weight.dtype))
+
+
+def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s_j = max|X_j|^alpha / max|W_j|^(1-alpha); 1 where a channel never fires or has no weight."""
+    a, w = act_absmax.float(), weight_absmax.float().to(act_absmax.device)
+    s = a.clamp(min=SCALE_RANGE[0]).pow(alpha) / w.clamp(min=SCALE_RANGE[0]).pow(1 - alpha)
+    s = torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
+    return s.clamp(*SCALE_RANGE)
+
+
+@torch.no_grad()
+def activation_absmax(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Per block, per linear: max |x_j| over every calibration token of the linear's input channel j.
+
+    One forward pass of the whole model with hooks on the block linears (bf16 autocast, as calibration
+    and evaluation run), in the model's current state.
+    """
+    stats: list[dict[str, torch.Tensor]] = [{} for _ in decoder_blocks(model)]
+    handles = []
+
+    def hook(i: int, name: str):
+        def fn(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float().cpu()
+            prev = stats[i].get(name)
+            stats[i][name] = x if prev is None else torch.maximum(prev, x)
+        return fn
+
+    for i, block in enumerate(decoder_blocks(model)):
+        for name, lin in block_linears(block).items():
+            handles.append(lin.register_forward_pre_hook(hook(i, name)))
+    try:
+        run_calibration(model, input_ids, desc="activation maxima", batch_size=batch_size)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+@torch.no_grad()
+def apply_smoothing(model: nn.Module, absmax: Sequence[dict[str, torch.Tensor]], alpha: float,
+                    pairs: Sequence[str] = DEFAULT_PAIRS) -> dict[str, float]:
+    """Fold SmoothQuant scales into every block for the given pairs; returns summary statistics."""
+    pairs = parse_pairs(pairs)
+    if not 0.0 <= alpha <= 1.0:
+        raise UserError(f"smoothing strength alpha={alpha} is outside [0, 1] (SmoothQuant uses 0.5; LRQ's W8A8 0.8).")
+    log_s = []
+    for block, acts in zip(decoder_blocks(model), absmax):
+        for pair in pairs:
+            first_consumer = PAIRS[pair][1][0]
+            a = to_producer_space(block, pair, acts[first_consumer], "amax")
+            s = smoothing_scales(a, consumer_weight_absmax(block, pair), alpha)
+            fold_scales(block, pair, s)
+            log_s.append(s.log10().abs().mean().item())
+    return {"smoothed_pairs": len(log_s),
+            "smooth_mean_abs_log10_scale": sum(log_s) / len(log_s) if log_s else 0.0}
+
+
+def smooth_model(model: nn.Module, input_ids: torch.Tensor, alpha: float,
+                 pairs: str | Sequence[str] = DEFAULT_PAIRS) -> dict[str, float]:
+    """SmoothQuant as a pre-step on a floating-point model: calibration maxima, then fold the scales.
+
+    Leaves nn.Linear modules in place (the FP function is unchanged); any method quantizes afterwards.
+    """
+    return apply_smoothing(model, activation_absmax(model, input_ids), alpha, parse_pairs(pairs))
