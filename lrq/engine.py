@@ -73,7 +73,7 @@ class ReconstructionMethod(Method):
     @staticmethod
     def preset_defaults(quick_extra: dict | None = None, paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
         common = {"lr": "auto", "s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "recon_act_quant": "auto",
-                  "smooth_alpha": 0.8}
+                  "smooth_alpha": 0.8, "error_samples": 16}
         # quick: sized for one cell of the 135M default model in about 15 minutes on 2 CPU cores
         quick = common | {"preset": "quick", "iters": 100, "batch_size": 1, "heldout_samples": 16,
                           "autocast": True} | (quick_extra or {})
@@ -105,7 +105,7 @@ class ReconstructionMethod(Method):
             # W8A8 per-tensor static: quantizers on during reconstruction (our choice, METHOD.md 4);
             # W4A8 per-token: off during reconstruction, as in the authors' code.
             cfg["recon_act_quant"] = "on" if scheme.static_activations else "off"
-        for k in ("iters", "batch_size", "heldout_samples", "search_grid"):
+        for k in ("iters", "batch_size", "heldout_samples", "search_grid", "error_samples"):
             cfg[k] = int(cfg[k])
         if cfg["iters"] < 0 or cfg["batch_size"] < 1:
             raise UserError("iters must be >= 0 and batch_size >= 1 (--set iters=..., --set batch_size=...).")
@@ -193,8 +193,12 @@ class ReconstructionMethod(Method):
         n_learn = sum(p.numel() for p in params)
 
         xt, yt, xh, yh = x_all[:n_train], y_all[:n_train], x_all[n_train:], y_all[n_train:]
-        out = {"block": i, "n_learnable": n_learn,
-               "calib_before": block_error(block, xt, yt, kw), "heldout_before": block_error(block, xh, yh, kw)}
+        # Figure-2 errors: the first `error_samples` training windows vs (up to as many) held-out windows.
+        ne = cfg["error_samples"]
+        xe, ye, xh, yh = xt[:ne], yt[:ne], xh[:ne], yh[:ne]
+        with _frozen(block, learn):  # at initialisation the learnables are exactly RTN: measure that fast
+            out = {"block": i, "n_learnable": n_learn,
+                   "calib_before": block_error(block, xe, ye, kw), "heldout_before": block_error(block, xh, yh, kw)}
 
         iters, bs = cfg["iters"], cfg["batch_size"]
         if iters > 0:
@@ -228,10 +232,27 @@ class ReconstructionMethod(Method):
             out["final_loss"] = loss_val
         for name, m in learn.items():
             set_submodule(block, name, m.freeze())
-        out["calib_after"] = block_error(block, xt, yt, kw)
+        out["calib_after"] = block_error(block, xe, ye, kw)
         out["heldout_after"] = block_error(block, xh, yh, kw)
         counts["n_learnable"] += n_learn
         return out
+
+
+class _frozen:
+    """Temporarily replace learnable linears by their frozen QuantLinear (dequantized once, not per batch)."""
+
+    def __init__(self, block: nn.Module, learn: dict[str, LearnableQuantLinear]):
+        self.block, self.learn = block, learn
+
+    def __enter__(self):
+        for name, m in self.learn.items():
+            set_submodule(self.block, name, m.freeze())
+        return self
+
+    def __exit__(self, *a):
+        for name, m in self.learn.items():
+            set_submodule(self.block, name, m)
+        return False
 
 
 class _null:
