@@ -27,7 +27,10 @@ Choices and deviations, with reasons:
   the reference code feeds the scaled, still floating-point blocks forward.
 - `n_samples` calibration sequences are used (the paper: 128 x 512 tokens; static activation ranges
   always use the full calibration set). The scale search runs every inspected module 20 times over
-  them; on 2 CPU cores the quick preset uses 32 sequences (see `defaults`).
+  them, which on 2 CPU cores is most of the cost; the quick preset walks 32 sequences and measures the
+  token-wise objectives (o_proj, mlp, down_proj outputs) on `search_tokens` = 4096 evenly spaced tokens
+  (mean|x| still comes from every token; the attention objective needs whole sequences and uses all
+  32). The paper preset uses everything.
 - block forwards run under bf16 autocast (`bf16`), as evaluation does; so does the scale search when
   weights have 4 bits or fewer (bf16 rounding is then far below the quantization error it is compared
   against); 8-bit searches, where the two are of the same size, run in fp32.
@@ -58,8 +61,8 @@ from lrq.smooth import PAIRS, consumers, fold_scales, to_consumer_space, to_prod
 INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 SETTINGS = {"n_grid": 20, "scale_vo": True, "clip": True, "clip_grid": 20, "max_shrink": 0.5,
-            "clip_tokens": 512, "n_samples": 128, "bf16": True, "batch_size": 8}
-QUICK = SETTINGS | {"n_samples": 32}
+            "clip_tokens": 512, "n_samples": 128, "search_tokens": 0, "bf16": True, "batch_size": 8}
+QUICK = SETTINGS | {"n_samples": 32, "search_tokens": 4096}
 
 
 def rtn(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -99,6 +102,7 @@ class Captured:
 def capture(block: nn.Module, inputs: torch.Tensor, kwargs: dict, names: list[str], batch_size: int,
             bf16: bool = False) -> dict[str, Captured]:
     """Inputs (and call arguments) of the named sub-modules while `block` runs on `inputs`."""
+    torch.clear_autocast_cache()  # weights may have changed since an enclosing autocast region cached them
     caps = {n: Captured() for n in names}
     handles = [block.get_submodule(n).register_forward_pre_hook(caps[n].hook, with_kwargs=True) for n in names]
     try:
@@ -111,10 +115,18 @@ def capture(block: nn.Module, inputs: torch.Tensor, kwargs: dict, names: list[st
 
 @torch.no_grad()
 def run_module(cap: Captured, module: nn.Module, x: torch.Tensor, batch_size: int, bf16: bool) -> torch.Tensor:
+    """`module` on x in batches. Autocast's weight cache is off: the searches change weights between calls
+    (a cached bf16 copy would hide the candidate weights until the outermost autocast region ends)."""
     device = next(module.parameters()).device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
         return torch.cat([cap.call(module, x[i:i + batch_size].to(device)).float().cpu()
                           for i in range(0, x.shape[0], batch_size)])
+
+
+def token_sample(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Up to n evenly spaced token rows of x [..., cols]."""
+    x = x.reshape(-1, x.shape[-1])
+    return x[::max(1, x.shape[0] // n)][:n]
 
 
 @dataclass
@@ -126,12 +138,19 @@ class ScaleSearch:
 
 @torch.no_grad()
 def search_scale(block: nn.Module, pair: str, cap: Captured, scheme: Scheme, n_grid: int = 20,
-                 batch_size: int = 8, bf16: bool = False) -> ScaleSearch:
-    """AWQ's grid search of s = mean|x|^ratio for one pair; the block is left as it was."""
+                 batch_size: int = 8, bf16: bool = False, search_tokens: int = 0) -> ScaleSearch:
+    """AWQ's grid search of s = mean|x|^ratio for one pair; the block is left as it was.
+
+    mean|x| comes from every captured token; with `search_tokens` > 0, the loss of a token-wise
+    objective (every pair but qkv, whose objective is attention) is measured on that many evenly
+    spaced tokens.
+    """
     module = block.get_submodule(INSPECT[pair])
     x = cap.x
-    fp_out = run_module(cap, module, x, batch_size, bf16)
     x_mean = to_producer_space(block, pair, x.reshape(-1, x.shape[-1]).abs().mean(dim=0), "mean")
+    if search_tokens and pair != "qkv":
+        x = token_sample(x, search_tokens)[None]
+    fp_out = run_module(cap, module, x, batch_size, bf16)
     linears = consumers(block, pair)
     originals = [m.weight.data.clone() for m in linears]
     best, losses = None, []
@@ -189,12 +208,6 @@ def clip_weight(w: torch.Tensor, max_val: torch.Tensor, group_size: int | None) 
     return torch.maximum(torch.minimum(w, m), -m)
 
 
-def token_sample(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Up to n evenly spaced token rows of x [..., cols]."""
-    x = x.reshape(-1, x.shape[-1])
-    return x[::max(1, x.shape[0] // n)][:n]
-
-
 @torch.no_grad()
 def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Scheme, config: dict[str, Any],
               stats: dict) -> None:
@@ -206,7 +219,7 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
     bs, bf16 = int(config["batch_size"]), bool(config["bf16"])
     caps = capture(block, inputs, kwargs, [INSPECT[p] for p in pairs], bs, bf16)
     found = {p: search_scale(block, p, caps[INSPECT[p]], scheme, int(config["n_grid"]), bs,
-                             bf16 and scheme.w_bits <= 4) for p in pairs}
+                             bf16 and scheme.w_bits <= 4, int(config["search_tokens"])) for p in pairs}
     for p, res in found.items():
         fold_scales(block, p, res.scale)
         caps[INSPECT[p]].x.div_(to_consumer_space(block, p, res.scale))
@@ -250,6 +263,7 @@ class AWQ(Method):
         def process(ctx: BlockContext) -> None:
             with torch.autocast(device_type, enabled=False):  # searches in fp32 unless they ask for bf16
                 awq_block(ctx.block, ctx.q_inputs.data, ctx.kwargs, scheme, config, ctx.stats)
+            torch.clear_autocast_cache()  # bf16 copies of the weights just replaced
             for name, lin in block_linears(ctx.block).items():
                 qlin = quant_linear_for(lin, name, scheme, *minmax_qparams(lin.weight.data, scheme.w_bits,
                                                                            scheme.group_size))

@@ -241,6 +241,7 @@ class GPTQ(Method):
                     qlin.act_quant_enabled = False  # weights are chosen for floating-point activations
                     set_submodule(block, name, qlin)
             ctx.stats.update(retries=retries, fallbacks=fallbacks, dead=dead, error=sum(errors) / len(errors))
+            torch.clear_autocast_cache()  # bf16 copies of the weights just replaced
 
         # The quantized chain advances under the same autocast as the Hessian forwards (and as evaluation).
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):

@@ -4,17 +4,17 @@ single random linear layers."""
 import pytest
 import torch
 
-from baselines.awq import awq_block, capture, rtn, search_clip, search_scale
+from baselines.awq import INSPECT, awq_block, capture, clip_weight, rtn, search_clip, search_scale
 from baselines.gptq import gptq_quantize
 from conftest import tiny_model
 from lrq.arch import block_linears, decoder_blocks
-from lrq.blockwise import walk_blocks
+from lrq.blockwise import capture_block_inputs, walk_blocks
 from lrq.errors import UserError
 from lrq.methods import Calibration, get_method
 from lrq.qlinear import QuantLinear
-from lrq.quant import dequantize, fake_quant, minmax_qparams, quantize
+from lrq.quant import dequantize, fake_quant, group_min_max, minmax_qparams, quantize
 from lrq.schemes import SCHEMES, get_scheme
-from lrq.smooth import PAIRS, fold_scales, parse_pairs, smooth_model
+from lrq.smooth import PAIRS, activation_absmax, fold_scales, parse_pairs, smooth_model
 
 
 def _ids(n=4, seq=32, seed=1, vocab=128):
@@ -57,7 +57,6 @@ def test_smoothquant_folding_keeps_fp_logits(arch):
 
 
 def test_smoothing_flattens_activation_maxima():
-    from lrq.smooth import activation_absmax
     model = tiny_model("llama")
     with torch.no_grad():  # an outlier channel, as in real LLMs
         model.model.layers[0].input_layernorm.weight[5] = 30.0
@@ -92,8 +91,6 @@ def test_awq_folding_keeps_fp_logits(arch):
 @pytest.mark.parametrize("scheme_name", ["w3a16", "w4a16-g128"])
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_awq_scale_is_never_worse_than_no_scaling(arch, pair, scheme_name):
-    from baselines.awq import INSPECT
-    from lrq.blockwise import capture_block_inputs
     scheme = get_scheme(scheme_name)
     model = tiny_model(arch, hidden=192)
     inputs, kwargs = capture_block_inputs(model, _ids())
@@ -101,8 +98,10 @@ def test_awq_scale_is_never_worse_than_no_scaling(arch, pair, scheme_name):
     before = _weights(block)
     cap = capture(block, inputs.data, kwargs, [INSPECT[pair]], 8)[INSPECT[pair]]
     res = search_scale(block, pair, cap, scheme, n_grid=20)
-    assert {n: w for n, w in _weights(block).items()}.keys() == before.keys()
-    assert all(torch.equal(w, before[n]) for n, w in _weights(block).items())  # the search leaves the block as it was
+    after = _weights(block)  # the search leaves the block as it was
+    assert after.keys() == before.keys() and all(torch.equal(w, before[n]) for n, w in after.items())
+    sub = search_scale(block, pair, cap, scheme, n_grid=20, search_tokens=40)  # loss on 40 tokens
+    assert min(sub.losses) <= sub.losses[0] and (pair == "qkv") == (sub.losses == res.losses)
     # the objective at s = 1, computed independently: plain RTN of every consumer
     module = block.get_submodule(INSPECT[pair])
     with torch.no_grad():
@@ -124,9 +123,8 @@ def test_awq_clip_is_never_worse_than_no_clipping(group_size):
     w[:, 7] *= 8  # an outlier column
     x = torch.randn(256, 192, generator=g)
     max_val = search_clip(w, x, scheme)
-    lo, hi = (t for t in __import__("lrq.quant", fromlist=["group_min_max"]).group_min_max(w, group_size))
+    lo, hi = group_min_max(w, group_size)
     assert (max_val <= torch.maximum(-lo, hi) + 1e-6).all()
-    from baselines.awq import clip_weight
     clipped = (x @ rtn(clip_weight(w, max_val, group_size), scheme).T - x @ w.T).pow(2).mean()
     plain = (x @ rtn(w, scheme).T - x @ w.T).pow(2).mean()
     assert clipped < plain  # per row/group never worse; with an outlier, strictly better overall
@@ -214,6 +212,8 @@ def test_every_baseline_runs_under_every_scheme(arch, method, scheme_name):
             assert lin.act_quant_enabled and (lin.act_calibrated or not scheme.static_activations)
     out = _logits(model, ids)
     assert torch.isfinite(out).all()
+    if method == "awq":  # the searches saw the candidate weights (a stale bf16 weight cache would give loss 0)
+        assert 0 < stats["awq_mean_loss_vs_rtn"] <= 1
 
 
 def test_presets_and_overrides():
