@@ -263,7 +263,7 @@ class AWQ(Method):
         def process(ctx: BlockContext) -> None:
             with torch.autocast(device_type, enabled=False):  # searches in fp32 unless they ask for bf16
                 awq_block(ctx.block, ctx.q_inputs.data, ctx.kwargs, scheme, config, ctx.stats)
-            torch.clear_autocast_cache()  # bf16 copies of the weights just replaced
+            torch.clear_autocast_cache()  # drop bf16 copies of the weights about to be replaced
             for name, lin in block_linears(ctx.block).items():
                 qlin = quant_linear_for(lin, name, scheme, *minmax_qparams(lin.weight.data, scheme.w_bits,
                                                                            scheme.group_size))

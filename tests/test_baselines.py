@@ -194,6 +194,27 @@ def test_gptq_raises_damping_until_the_hessian_factorises():
     assert res.fallback and torch.isfinite(res.weight).all()
 
 
+def test_gptq_is_true_sequential(monkeypatch):
+    """Each group's Hessian is collected after the block's earlier groups became QuantLinear."""
+    import baselines.gptq as gptq
+    seen = []
+    real = gptq.input_hessian
+
+    def spy(block, linear, *args, **kwargs):
+        kinds = {n: isinstance(m, QuantLinear) for n, m in block_linears(block).items()}
+        seen.append((next(n for n, m in block_linears(block).items() if m is linear), kinds))
+        return real(block, linear, *args, **kwargs)
+
+    monkeypatch.setattr(gptq, "input_hessian", spy)
+    model = tiny_model("llama")
+    get_method("gptq").quantize(model, get_scheme("w4a16"), get_method("gptq").config("quick"), Calibration(_ids()))
+    assert [n for n, _ in seen] == [g[0] for g in gptq.SEQUENTIAL_GROUPS] * len(decoder_blocks(model))
+    done: set[str] = set()
+    for name, kinds in seen[:len(gptq.SEQUENTIAL_GROUPS)]:
+        assert {n for n, q in kinds.items() if q} == done
+        done |= set(next(g for g in gptq.SEQUENTIAL_GROUPS if g[0] == name))
+
+
 # ---- every method, every scheme ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))
