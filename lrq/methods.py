@@ -44,7 +44,7 @@ class Method:
         for k, v in (overrides or {}).items():
             if k not in cfg:
                 continue  # an override meant for another method
-            cfg[k] = type(cfg[k])(v) if cfg[k] is not None and not isinstance(v, type(cfg[k])) else v
+            cfg[k] = _coerce(self.name, k, cfg[k], v)
         return cfg
 
     def needs_calibration(self, scheme: Scheme) -> bool:
@@ -55,6 +55,23 @@ class Method:
                  calib: Calibration | None) -> dict[str, Any]:
         """Quantize `model` in place; return statistics worth storing (e.g. learnable-parameter counts)."""
         raise NotImplementedError
+
+
+def _coerce(method: str, key: str, default: Any, value: Any) -> Any:
+    """Convert a --set value to the type of the setting's default (booleans need explicit words)."""
+    if default is None or isinstance(value, type(default)):
+        return value
+    if isinstance(default, bool):
+        word = str(value).strip().lower()
+        if word in ("true", "1", "yes", "on"):
+            return True
+        if word in ("false", "0", "no", "off"):
+            return False
+        raise UserError(f"{method}: --set {key}={value!r} is not a boolean: use true or false.")
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{method}: --set {key}={value!r} is not a valid {type(default).__name__}.") from None
 
 
 METHODS: dict[str, type[Method]] = {}

@@ -96,3 +96,14 @@ def test_unsupported_architecture_is_named():
 def test_unknown_method_lists_registered():
     with pytest.raises(UserError, match="unknown method 'nope'.*rtn"):
         get_method("nope")
+
+
+def test_set_overrides_parse_booleans_and_reject_bad_values():
+    gptq = get_method("gptq")
+    assert gptq.config("quick", {"act_order": "false"})["act_order"] is False
+    assert gptq.config("quick", {"act_order": "True"})["act_order"] is True
+    assert gptq.config("quick", {"damp": "0.05"})["damp"] == 0.05
+    with pytest.raises(UserError, match="not a boolean"):
+        gptq.config("quick", {"act_order": "maybe"})
+    with pytest.raises(UserError, match="not a valid float"):
+        gptq.config("quick", {"damp": "lots"})
