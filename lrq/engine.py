@@ -13,6 +13,7 @@ For every decoder block (lrq.blockwise supplies the FP targets and the quantized
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 import json
 import math
 from pathlib import Path
@@ -137,10 +138,8 @@ class ReconstructionMethod(Method):
             act_qparams = {k: qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), scheme.a_bits)
                            for k, (lo, hi) in ranges.items()}
 
-        counts = {"n_learnable": 0}
-
         def process(ctx: BlockContext) -> None:
-            ctx.stats.update(self._reconstruct_block(ctx, scheme, cfg, act_qparams, n_train, seed, counts))
+            ctx.stats.update(self._reconstruct_block(ctx, scheme, cfg, act_qparams, n_train, seed))
 
         def restore(i: int, block: nn.Module, state: dict) -> None:
             for name, lin in block_linears(block).items():
@@ -166,7 +165,7 @@ class ReconstructionMethod(Method):
         return stats
 
     def _reconstruct_block(self, ctx: BlockContext, scheme: Scheme, cfg: dict, act_qparams: dict, n_train: int,
-                           seed: int, counts: dict) -> dict:
+                           seed: int) -> dict:
         block, i, kw = ctx.block, ctx.index, ctx.kwargs
         x_all, y_all = ctx.q_inputs.data, ctx.fp_targets.data
         if not (torch.isfinite(x_all).all() and torch.isfinite(y_all).all()):
@@ -207,7 +206,7 @@ class ReconstructionMethod(Method):
             order = torch.randperm(n_train, generator=gen)
             pos = 0
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg["autocast"] else _null()
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
             loss_val = math.nan
             for step in bar:
                 if pos + bs > n_train:
@@ -234,7 +233,6 @@ class ReconstructionMethod(Method):
             set_submodule(block, name, m.freeze())
         out["calib_after"] = block_error(block, xe, ye, kw)
         out["heldout_after"] = block_error(block, xh, yh, kw)
-        counts["n_learnable"] += n_learn
         return out
 
 
@@ -252,12 +250,4 @@ class _frozen:
     def __exit__(self, *a):
         for name, m in self.learn.items():
             set_submodule(self.block, name, m)
-        return False
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
         return False
