@@ -175,7 +175,7 @@ def test_export_errors_are_clear():
 def test_markdown_report_compares_sides():
     def row(variant, side, wiki, c4, t):
         return {"variant": variant, "side": side, "scheme": "w4a16-g128", "ppl": {"wikitext2": wiki, "c4": c4},
-                "quant": {"wall_s": t, "peak_rss_bytes": 2**30} if t else {}}
+                "quant": {"wall_s": t, "cpu_s": t / 2, "peak_rss_bytes": 2**30} if t else {}}
     report = {"title": "Cross-check", "model": {"name": "m", "source": "s"}, "threads": 1,
               "calibration": {"shape": [64, 512], "sha256": "ab" * 32, "description": {"source": "c4", "seed": 0}},
               "evaluation": {"datasets": {"wikitext2": {"tokens": 40960, "windows": 20, "seq_len": 2048},
@@ -186,10 +186,10 @@ def test_markdown_report_compares_sides():
               "rows": [row("fp", "fp", 20.0, 30.0, None), row("gptq", "llm-compressor", 28.0, 40.0, 300.0),
                        row("gptq", "ours", 28.2, 41.0, 150.0)]}
     md = cc.markdown_report(report)
-    assert "| gptq | w4a16-g128 | llm-compressor | 28.00 | 40.00 | 300.0 | 1,024 |" in md
-    assert "| fp | w4a16-g128 | fp | 20.00 | 30.00 | - | - |" in md
+    assert "| gptq | w4a16-g128 | llm-compressor | 28.00 | 40.00 | 300.0 | 150.0 | 1,024 |" in md
+    assert "| fp | w4a16-g128 | fp | 20.00 | 30.00 | - | - | - |" in md
     assert "wikitext2 +0.7%, c4 +2.5% (OUTSIDE the +2 % target)" in md
-    assert "ours / theirs = 0.50 (met)" in md
+    assert "ours / theirs = 0.50 wall, 0.50 CPU (met)" in md
 
 
 def test_run_end_to_end_with_the_reference_variant(tmp_path, data_dir, monkeypatch, capsys):
@@ -217,7 +217,8 @@ def test_run_end_to_end_with_the_reference_variant(tmp_path, data_dir, monkeypat
     assert meta["sha256"] == report["calibration"]["sha256"] and ids.shape == (2, 64)
     for r in report["rows"]:
         assert r["eval_tokens"] == {"wikitext2": 256, "c4": 256} and all(v > 1 for v in r["ppl"].values())
-    assert report["rows"][1]["quant"]["wall_s"] > 0 and report["ours"]["git_revision"]
+    q = report["rows"][1]["quant"]
+    assert q["wall_s"] > 0 and q["cpu_s"] > 0 and q["peak_rss_bytes"] > 2**20 and report["ours"]["git_revision"]
     assert "| rtn | w4a16-g128 | ours |" in (tmp_path / "work" / "crosscheck_llmcompressor.md").read_text()
     capsys.readouterr()
     assert cc.main(argv) == 0                                            # second run: every step cached
