@@ -1,4 +1,4 @@
-"""The block-reconstruction engine shared by LRQ, FlexRound (and OmniQuant): method-independent.
+"""The block-reconstruction engine shared by LRQ, FlexRound and OmniQuant: method-independent.
 
 For every decoder block (lrq.blockwise supplies the FP targets and the quantized chain's inputs):
   1. swap the block's linears for learnable quantizers (a method's `make_learnable`), s1/z initialised
@@ -8,6 +8,10 @@ For every decoder block (lrq.blockwise supplies the FP targets and the quantized
      loss = (pred - target)^2 summed over tokens, averaged over batch and hidden (METHOD.md 2);
   4. freeze: fold into integers + per-channel/group scale and zero point (QuantLinear);
   5. measure the error again (the paper's Figure 2: calibration vs held-out), checkpoint the block.
+
+Methods with block-level learnables (OmniQuant's equivalent transformation) use the hooks
+prepare_block / learnable_kwargs / init_learnables / param_groups / finish_block; the optimizer may be
+given per-group learning rates and a constant schedule (`lr_schedule`).
 """
 
 from __future__ import annotations
@@ -110,11 +114,35 @@ class ReconstructionMethod(Method):
             cfg[k] = int(cfg[k])
         if cfg["iters"] < 0 or cfg["batch_size"] < 1:
             raise UserError("iters must be >= 0 and batch_size >= 1 (--set iters=..., --set batch_size=...).")
+        cfg.setdefault("lr_schedule", "cosine")
+        if cfg["lr_schedule"] not in ("cosine", "constant"):
+            raise UserError(f"lr_schedule must be cosine or constant, got {cfg['lr_schedule']!r}.")
         return cfg
 
     def make_learnable(self, name: str, linear: nn.Linear, scheme: Scheme, scale: torch.Tensor, zero: torch.Tensor,
                        config: dict, generator: torch.Generator, **kw) -> LearnableQuantLinear:
         raise NotImplementedError
+
+    # ---- optional hooks (OmniQuant's block-level equivalent transformation uses them) ---------------
+    upfront_static_ranges: ClassVar[bool] = True   # observe W8A8 ranges on the whole model before the walk
+
+    def prepare_block(self, ctx: BlockContext, cfg: dict, n_train: int) -> Any:
+        """Before the block's linears become learnable: returns block-level state (or None)."""
+        return None
+
+    def learnable_kwargs(self, state: Any, name: str) -> dict:
+        """Extra keyword arguments for `make_learnable` of linear `name`, given prepare_block's state."""
+        return {}
+
+    def init_learnables(self, ctx: BlockContext, learn: dict, state: Any, cfg: dict, n_train: int) -> None:
+        """After the learnables exist, before the initial (Figure-2 'before') errors are measured."""
+
+    def param_groups(self, learn: dict, state: Any, cfg: dict) -> list[dict]:
+        """Optimizer parameter groups; default: every learnable at one learning rate (METHOD.md 2)."""
+        return [{"params": [p for m in learn.values() for p in m.learnables()], "lr": cfg["lr"]}]
+
+    def finish_block(self, ctx: BlockContext, state: Any, cfg: dict, n_train: int) -> None:
+        """After the linears are frozen, before the final errors and the block checkpoint."""
 
     # ---- the run ----------------------------------------------------------------------------------
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any], calib: Calibration | None
@@ -130,7 +158,7 @@ class ReconstructionMethod(Method):
         seed = int(calib.description.get("seed", 0))
 
         act_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if scheme.static_activations:
+        if scheme.static_activations and self.upfront_static_ranges:
             if cfg["smooth_alpha"] and float(cfg["smooth_alpha"]) > 0:
                 from lrq.smooth import smooth_model
                 smooth_model(model, ids[:n_train], alpha=float(cfg["smooth_alpha"]))
@@ -172,6 +200,7 @@ class ReconstructionMethod(Method):
             raise UserError(f"the calibration activations entering block {i} contain NaN or inf: the model or the "
                             f"calibration data is broken (check the model's FP perplexity and the calibration text).")
         gen = torch.Generator().manual_seed(seed * 100_003 + i)
+        state = self.prepare_block(ctx, cfg, n_train)
         learn: dict[str, LearnableQuantLinear] = {}
         for name, lin in block_linears(block).items():
             w = lin.weight.detach().float()
@@ -181,15 +210,18 @@ class ReconstructionMethod(Method):
                 scale, zero = minmax_qparams(w, scheme.w_bits, scheme.group_size)
             full = f"model.layers.{i}.{name}"
             m = self.make_learnable(name, lin, scheme, scale, zero, cfg, gen, quantize_output=name in KV_LINEARS,
-                                    act_range=act_qparams.get(full), act_quant=cfg["recon_act_quant"] == "on")
+                                    act_range=act_qparams.get(full), act_quant=cfg["recon_act_quant"] == "on",
+                                    **self.learnable_kwargs(state, name))
             set_submodule(block, name, m)
             learn[name] = m
         for p in block.parameters():
             p.requires_grad_(False)
-        params = [p for m in learn.values() for p in m.learnables()]
+        groups = self.param_groups(learn, state, cfg)
+        params = [p for g in groups for p in g["params"]]
         for p in params:
             p.requires_grad_(True)
         n_learn = sum(p.numel() for p in params)
+        self.init_learnables(ctx, learn, state, cfg, n_train)
 
         xt, yt, xh, yh = x_all[:n_train], y_all[:n_train], x_all[n_train:], y_all[n_train:]
         # Figure-2 errors: the first `error_samples` training windows vs (up to as many) held-out windows.
@@ -201,12 +233,13 @@ class ReconstructionMethod(Method):
 
         iters, bs = cfg["iters"], cfg["batch_size"]
         if iters > 0:
-            opt = torch.optim.Adam(params, lr=cfg["lr"])
-            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=iters, eta_min=0.0)
+            opt = torch.optim.Adam(groups)
+            sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=iters, eta_min=0.0)
+                     if cfg["lr_schedule"] == "cosine" else None)
             order = torch.randperm(n_train, generator=gen)
             pos = 0
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
+            autocast = torch.autocast(xt.device.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
             loss_val = math.nan
             for step in bar:
                 if pos + bs > n_train:
@@ -225,12 +258,16 @@ class ReconstructionMethod(Method):
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                sched.step()
+                if sched is not None:
+                    sched.step()
                 if step % 10 == 0 or step == iters - 1:
                     bar.set_postfix(loss=f"{loss_val:.4g}")
             out["final_loss"] = loss_val
         for name, m in learn.items():
             set_submodule(block, name, m.freeze())
+        for p in params:
+            p.requires_grad_(False)
+        self.finish_block(ctx, state, cfg, n_train)
         out["calib_after"] = block_error(block, xe, ye, kw)
         out["heldout_after"] = block_error(block, xh, yh, kw)
         return out
