@@ -14,7 +14,8 @@ from lrq.schemes import SCHEMES
 
 FP = "fp"
 _METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:.3f}",
-               "eval_tokens_per_s": "{:.0f}", "n_learnable": "{:,.0f}"}
+               "eval_tokens_per_s": "{:.0f}", "n_learnable": "{:,.0f}",
+               "blocks_time_s": "{:.1f}", "resumed_blocks": "{:.0f}"}
 
 
 def rows_frame(rows: list[Row]) -> pd.DataFrame:
@@ -93,8 +94,10 @@ def markdown_report(rows: list[Row]) -> str:
                       dataset_table(mdf, ds, ["ppl"]), ""]
         if "quant" in set(mdf["dataset"]):
             parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
-                      "bits per weight include scales and zero points.", "",
-                      dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "quant_peak_rss_bytes"]), ""]
+                      "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "
+                      "every block's time, including blocks an interrupted earlier run finished (resumed_blocks).",
+                      "", dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "blocks_time_s",
+                                                       "resumed_blocks", "quant_peak_rss_bytes"]), ""]
         recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(RECON_METRICS)]
         if not recon.empty:
             parts += ["### Block reconstruction (LRQ paper, Figure 2)", "",

@@ -14,7 +14,7 @@ import traceback
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -110,8 +110,12 @@ def _row(spec: CellSpec, dataset: str, metric: str, value, config: dict, wall_s=
                peak_mem_bytes=peak)
 
 
-def execute_cell(spec: CellSpec, todo: set[str]) -> dict[str, list[Row]]:
-    """Quantize and evaluate one cell; return rows per unit for the units named in `todo`."""
+def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]], None] | None = None
+                 ) -> dict[str, list[Row]]:
+    """Quantize and evaluate one cell; return rows per unit for the units named in `todo`.
+
+    `emit(unit, rows)` is called as soon as each unit is complete (the runner stores it right away, so a
+    crash in a later evaluation loses nothing already measured)."""
     seed_everything(spec.seed)
     data_dir = D.resolve_data_dir(spec.data_dir)
     loaded = load_model(spec.model)
@@ -148,6 +152,8 @@ def execute_cell(spec: CellSpec, todo: set[str]) -> dict[str, list[Row]]:
             rows += [_row(spec, "quant", k, v, cfg) for k, v in stats.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)]
         out["quant"] = rows
+        if emit is not None:
+            emit("quant", rows)
     for ds in spec.datasets:
         if ds not in todo:
             continue
@@ -163,6 +169,8 @@ def execute_cell(spec: CellSpec, todo: set[str]) -> dict[str, list[Row]]:
                                                        "tokens": res["tokens"]}}
         out[ds] = [_row(spec, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
                    _row(spec, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s, em.peak_rss_bytes)]
+        if emit is not None:
+            emit(ds, out[ds])
     return out
 
 
@@ -200,9 +208,7 @@ def run_cells(specs: list[CellSpec], store: ResultStore, force: bool = False) ->
             continue
         try:
             with measure() as m:
-                units = execute_cell(spec, todo)
-            for unit, rows in units.items():
-                store.write_unit(rows, keys[unit], run_id)
+                execute_cell(spec, todo, emit=lambda unit, rows: store.write_unit(rows, keys[unit], run_id))
             if not spec.is_fp:
                 shutil.rmtree(checkpoint_dir(spec), ignore_errors=True)  # results are safe: drop the resume state
             outcomes.append(CellOutcome(spec, "done", wall_s=m.wall_s))

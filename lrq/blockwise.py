@@ -14,6 +14,7 @@ Activations live in RAM when they fit a budget, otherwise in memory-mapped files
 from __future__ import annotations
 
 import os
+import time
 import tempfile
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -220,6 +221,8 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
         if restore is None:
             raise ValueError("resuming from a checkpoint needs a restore function")
         streams, all_stats = checkpoint.load()
+        for st in all_stats:
+            st["restored"] = True   # finished by an earlier (interrupted) run
         for i in range(start):
             restore(i, layers[i], checkpoint.block_state(i))
         q_in.data.copy_(streams["q"])
@@ -229,12 +232,14 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
     try:
         for i in tqdm(range(start, len(layers)), desc=desc, leave=False, initial=start, total=len(layers)):
             block = layers[i]
+            t0 = time.perf_counter()
             if need_targets:
                 run_block(block, fp_in, kwargs, fp_out, batch_size)
             ctx = BlockContext(i, len(layers), block, q_in, fp_out, kwargs)
             process(ctx)
             all_stats.append(ctx.stats)
             run_block(layers[i], q_in, kwargs, q_in, batch_size)  # quantized chain advances in place
+            ctx.stats["block_s"] = time.perf_counter() - t0
             if need_targets:
                 fp_in, fp_out = fp_out, fp_in
             if checkpoint is not None:

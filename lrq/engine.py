@@ -184,6 +184,9 @@ class ReconstructionMethod(Method):
                                 checkpoint=ckpt, restore=restore)
         stats: dict[str, Any] = {
             "n_learnable": sum(b["n_learnable"] for b in per_block),
+            # wall time of every block, including blocks finished by an interrupted earlier run
+            "blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
+            "resumed_blocks": sum(bool(b.get("restored")) for b in per_block),
             "resolved_config": cfg, "train_samples": n_train, "heldout_samples": n_held,
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
                              for b in per_block],

@@ -92,3 +92,36 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     assert code == 0
     md = (tmp_path / "rep" / "leaderboard.md").read_text()
     assert "### wikitext2 perplexity" in md and "### c4 perplexity" in md and "| rtn      | w8a8" in md
+
+
+def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, data_dir, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Units are stored as they finish: a C4 evaluation that crashes loses neither the quantization unit
+    nor the WikiText-2 result, and the rerun computes only what is missing."""
+    import bench.runner as runner
+    results = tmp_path / "r.sqlite"
+    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
+            "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
+            "--max-eval-tokens", "512", "--eval-seq-len", "256"]
+    real = runner.perplexity
+
+    def flaky(model, ids, *a, desc="", **kw):
+        if desc.endswith("c4"):
+            raise RuntimeError("simulated crash in hour three")
+        return real(model, ids, *a, desc=desc, **kw)
+
+    monkeypatch.setattr(runner, "perplexity", flaky)
+    code, out, err = _run(args, capsys)
+    assert code == 1 and "simulated crash" in err
+    code, out, err = _run(["results", "--results", str(results), "--json"], capsys)
+    kept = {(r["dataset"], r["metric"]) for r in json.loads(out)}
+    assert ("quant", "bits_per_weight") in kept and ("wikitext2", "ppl") in kept
+    assert not any(d == "c4" for d, _ in kept)
+
+    monkeypatch.setattr(runner, "perplexity", real)
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    code, out, err = _run(["results", "--results", str(results), "--json"], capsys)
+    rows = json.loads(out)
+    assert sum(r["dataset"] == "wikitext2" and r["metric"] == "ppl" for r in rows) == 1   # not recomputed
+    assert any(r["dataset"] == "c4" and r["metric"] == "ppl" for r in rows)

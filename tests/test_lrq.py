@@ -207,6 +207,8 @@ def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch
     stats = M2.quantize(resumed, get_scheme("w3a16"), M2.config("quick", cfg), _calib(6))
     assert counted["n"] == 1  # only the unfinished block was trained again
     assert len(stats["block_errors"]) == 3
+    # the record says so, and the block time covers the blocks finished before the kill
+    assert stats["resumed_blocks"] == 2 and stats["blocks_time_s"] > 0
     a, b = _state(full), _state(resumed)
     assert a.keys() == b.keys()
     for k in a:
