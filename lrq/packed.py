@@ -1,0 +1,152 @@
+"""Real low-bit storage and a CPU execution path for any method's output.
+
+`PackedLinear` holds what a deployment holds: weights densely bit-packed into int32 words
+(lrq.packing; 4-bit = 8 per word, 3-bit = 32 per 3 words, 8-bit = 4 per word), fp16 scales and uint8
+zero points per row or group, the static activation range (w8a8) and the scheme. `pack_model` swaps
+every QuantLinear (whatever method chose its integers: RTN, GPTQ, AWQ, OmniQuant, LRQ and FlexRound
+alike, since their scales are folded) for a PackedLinear, and the weight memory really falls.
+
+CPU execution (no GPU needed):
+* weight-only and w4a8: unpack + dequantize to the activation dtype inside forward (no float copy of
+  the weight is kept), then the BLAS matmul; w4a8 quantizes activations per token first;
+* w8a8: integer arithmetic: the activation is quantized with its static scale, both operands are
+  shifted to int8 and multiplied by torch._int_mm (int8 x int8 -> int32); the zero-point terms are
+  corrected exactly in the epilogue with row/column sums:
+      sum_k (xq_k - az)(wq_k - wz) = sum xa*wa + (128 - wz) sum xa + (128 - az) sum wa + K (128 - az)(128 - wz)
+  where xa = xq - 128 and wa = wq - 128 are the int8 operands.
+The fused GPU kernels replace these forwards without changing what is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lrq.arch import iter_linears, set_submodule, decoder_blocks
+from lrq.packing import pack_bits, packed_words, unpack_bits
+from lrq.qlinear import QuantLinear
+from lrq.quant import expand_groups, n_groups, per_token_fake_quant
+from lrq.schemes import Scheme
+
+
+def _int_mm_available() -> bool:
+    try:
+        a = torch.ones(17, 32, dtype=torch.int8)
+        return bool(torch._int_mm(a, a.t().contiguous()).eq(32).all())
+    except Exception:  # noqa: BLE001 - any failure means: use the float path
+        return False
+
+
+_INT_MM = None
+
+
+def int_mm_ok() -> bool:
+    global _INT_MM
+    if _INT_MM is None:
+        _INT_MM = _int_mm_available()
+    return _INT_MM
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Scheme,
+                 quantize_output: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.bits, self.group_size = scheme.w_bits, scheme.group_size
+        ng = n_groups(in_features, scheme.group_size)
+        self.register_buffer("weight_packed", torch.zeros(out_features, packed_words(in_features, self.bits),
+                                                          dtype=torch.int32))
+        self.register_buffer("scale", torch.ones(out_features, ng, dtype=torch.float16))
+        self.register_buffer("zero", torch.zeros(out_features, ng, dtype=torch.uint8))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16) if bias else None)
+        static = scheme.static_activations
+        self.register_buffer("act_scale", torch.ones((), dtype=torch.float32) if static else None)
+        self.register_buffer("act_zero", torch.zeros((), dtype=torch.float32) if static else None)
+        self.quantize_output = quantize_output and scheme.kv_bits is not None
+        self.use_int_mm = True
+
+    @classmethod
+    @torch.no_grad()
+    def from_quant_linear(cls, q: QuantLinear) -> "PackedLinear":
+        if q.scheme.static_activations and not q.act_calibrated:
+            raise ValueError("a w8a8 layer must have calibrated static activation scales before packing")
+        m = cls(q.in_features, q.out_features, q.bias is not None, q.scheme, q.quantize_output)
+        m.weight_packed.copy_(pack_bits(q.qweight, q.bits))
+        m.scale.copy_(q.scale.to(torch.float16))
+        m.zero.copy_(q.zero.round().clamp(0, 2**q.bits - 1).to(torch.uint8))
+        if q.bias is not None:
+            m.bias.copy_(q.bias.to(torch.float16))
+        if m.act_scale is not None:
+            m.act_scale.copy_(q.act_scale.float())
+            m.act_zero.copy_(q.act_zero.float())
+        return m.to(q.qweight.device)
+
+    # ---- storage ------------------------------------------------------------------------------
+    def levels(self) -> torch.Tensor:
+        """The unsigned integer levels [out, in] (uint8)."""
+        return unpack_bits(self.weight_packed, self.bits, self.in_features)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        s = expand_groups(self.scale.to(dtype), self.group_size, self.in_features)
+        z = expand_groups(self.zero.to(dtype), self.group_size, self.in_features)
+        return (self.levels().to(dtype) - z) * s
+
+    def storage_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _w8a8_int(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        az = self.act_zero
+        xq = torch.clamp(torch.round(x2 / self.act_scale) + az, 0, 255)
+        xa = (xq - 128).to(torch.int8)
+        wa = (self.levels().to(torch.int16) - 128).to(torch.int8)
+        acc = torch._int_mm(xa, wa.t().contiguous()).to(torch.float64)   # [M, N] int32 -> exact in fp64
+        wz = self.zero[:, 0].double()
+        k = self.in_features
+        acc += xa.sum(dim=1, dtype=torch.int64).double().unsqueeze(1) * (128 - wz).unsqueeze(0)
+        acc += (128 - az.double()) * wa.sum(dim=1, dtype=torch.int64).double().unsqueeze(0)
+        acc += k * (128 - az.double()) * (128 - wz).unsqueeze(0)
+        y = (acc * (self.act_scale.double() * self.scale[:, 0].double()).unsqueeze(0)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.scheme
+        if s.static_activations:
+            if self.use_int_mm and self.group_size is None and x.reshape(-1, x.shape[-1]).shape[0] > 16 \
+                    and x.device.type == "cpu" and int_mm_ok():
+                y = self._w8a8_int(x)
+            else:
+                qmax = 2**s.a_bits - 1
+                xq = torch.clamp(torch.round(x.float() / self.act_scale) + self.act_zero, 0, qmax)
+                xd = ((xq - self.act_zero) * self.act_scale).to(x.dtype)
+                y = F.linear(xd, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        else:
+            if s.a_bits is not None:
+                x = per_token_fake_quant(x, s.a_bits)
+            y = F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if self.quantize_output:
+            y = per_token_fake_quant(y, s.kv_bits)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, "
+                f"bits={self.bits}, group={self.group_size}, packed")
+
+
+@torch.no_grad()
+def pack_model(model: nn.Module) -> dict[str, int]:
+    """Swap every QuantLinear for a PackedLinear; returns the weight bytes before and after."""
+    blocks = decoder_blocks(model)
+    before = after = 0
+    for i, name, lin in list(iter_linears(model)):
+        if isinstance(lin, QuantLinear):
+            before += lin.in_features * lin.out_features * 2   # the bf16 weight it replaces
+            p = PackedLinear.from_quant_linear(lin)
+            after += p.storage_bytes()
+            set_submodule(blocks[i], name, p)
+    return {"linear_bytes_bf16": before, "linear_bytes_packed": after}

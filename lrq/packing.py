@@ -1,0 +1,69 @@
+"""Dense bit packing of b-bit integer weights (b = 2..8) into int32 words.
+
+Layout (the one compressed-tensors' "pack-quantized" format uses, so exports need no repacking):
+each row is one bit stream; element j of the row occupies bits [j*b, (j+1)*b) of the stream, least
+significant bit first; the stream is cut into 32-bit words (word k holds stream bits [32k, 32k + 32)), so
+an element may straddle two words. No bits are wasted: a row of n elements takes ceil(n*b/32) words
+(4 bits: 8 per word; 3 bits: 32 elements in exactly 3 words; 8 bits: 4 per word). The stored values are
+the unsigned levels q in [0, 2^b - 1]; compressed-tensors' signed convention (q - 2^(b-1)) differs only by
+that constant offset, applied at export.
+
+Packing along dim 0 (the zero points of compressed-tensors) is packing of the transpose.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lrq.errors import UserError
+
+_MASK32 = (1 << 32) - 1
+
+
+def _check(bits: int) -> None:
+    if not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise UserError(f"cannot pack {bits!r}-bit integers: packing supports 2 to 8 bits.")
+
+
+def packed_words(n: int, bits: int) -> int:
+    return math.ceil(n * bits / 32)
+
+
+def _positions(n: int, bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    start = torch.arange(n, device=device, dtype=torch.int64) * bits
+    return start // 32, start % 32   # word index, bit offset within it
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, n] unsigned levels (any integer dtype, values in [0, 2^b)) -> [rows, ceil(n*b/32)] int32."""
+    _check(bits)
+    if q.dim() != 2:
+        raise ValueError(f"pack_bits expects a 2-D tensor, got shape {tuple(q.shape)}")
+    rows, n = q.shape
+    v = q.to(torch.int64)
+    if v.numel() and (v.min() < 0 or v.max() >= 1 << bits):
+        raise ValueError(f"values outside [0, {(1 << bits) - 1}] cannot be packed into {bits} bits")
+    n_words = packed_words(n, bits)
+    word, off = _positions(n, bits, q.device)
+    acc = torch.zeros(rows, n_words + 1, dtype=torch.int64, device=q.device)   # +1: spill of the last element
+    acc.index_add_(1, word, (v << off) & _MASK32)
+    acc.index_add_(1, word + 1, v >> (32 - off))          # the high part of straddling elements (0 otherwise)
+    acc = acc[:, :n_words]
+    return torch.where(acc >= 1 << 31, acc - (1 << 32), acc).to(torch.int32)   # reinterpret as signed 32-bit
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_bits: [rows, words] int32 -> [rows, n] uint8 levels."""
+    _check(bits)
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"unpack_bits expects a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    if packed.shape[1] != packed_words(n, bits):
+        raise ValueError(f"{packed.shape[1]} words cannot hold {n} {bits}-bit values "
+                         f"(expected {packed_words(n, bits)})")
+    w = packed.to(torch.int64) & _MASK32
+    w = torch.nn.functional.pad(w, (0, 1))
+    word, off = _positions(n, bits, packed.device)
+    v = (w[:, word] >> off) | (w[:, word + 1] << (32 - off))
+    return (v & ((1 << bits) - 1)).to(torch.uint8)
