@@ -1,0 +1,72 @@
+"""Export to the compressed-tensors pack-quantized layout and reload: identical logits, identical bits."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from lrq.errors import UserError
+from lrq.export import load_compressed, save_compressed, scheme_from_config
+from lrq.methods import Calibration, get_method
+from lrq.packed import PackedLinear
+from lrq.packing import unpack_bits
+from lrq.schemes import get_scheme
+
+
+def _quantized(arch, scheme_name, method="rtn", hidden=192):
+    model = tiny_model(arch, hidden=hidden)
+    M = get_method(method)
+    calib = Calibration(torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(3)), {"seed": 0})
+    cfg = M.config("quick", {"iters": 3, "heldout_samples": 2} if method in ("lrq", "flexround") else {})
+    M.quantize(model, get_scheme(scheme_name), cfg, calib)
+    return model
+
+
+@pytest.mark.parametrize("scheme_name,method", [("w4a16-g128", "rtn"), ("w3a16", "rtn"), ("w8a8", "rtn"),
+                                                ("w4a8", "lrq"), ("w3a16-g128", "flexround")])
+def test_export_reload_is_bit_exact(arch, scheme_name, method, tmp_path):
+    model = _quantized(arch, scheme_name, method)
+    ids = torch.randint(0, 128, (2, 16))
+    save_compressed(model, tmp_path / "out", metadata={"method": method}, allow_ragged=True)
+    with torch.no_grad():
+        ref = model(ids).logits    # the model itself now runs packed
+    back = load_compressed(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=0, atol=0)
+    a, b = model.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
+    w = cfg["config_groups"]["group_0"]["weights"]
+    s = get_scheme(scheme_name)
+    assert (w["num_bits"], w["group_size"], w["symmetric"]) == (s.w_bits, s.group_size, False)
+    assert cfg["lrq_bench"]["ragged_groups"] == (s.group_size is not None)   # 192 = 128 + 64
+
+
+def test_zero_points_are_signed_and_packed_along_rows(tmp_path):
+    from safetensors.torch import load_file
+    model = _quantized("llama", "w4a16", hidden=64)
+    save_compressed(model, tmp_path)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    lin = model.model.layers[0].self_attn.q_proj
+    assert isinstance(lin, PackedLinear)
+    zp = t["model.layers.0.self_attn.q_proj.weight_zero_point"]
+    assert zp.dtype == torch.int32 and zp.shape == (64 * 4 // 32, 1)
+    signed = unpack_bits(zp.t().contiguous(), 4, 64).t().long() - 8
+    assert torch.equal(signed + 8, lin.zero.long())
+    assert t["model.layers.0.self_attn.q_proj.weight_shape"].tolist() == [64, 64]
+
+
+def test_export_errors_are_clear(tmp_path):
+    with pytest.raises(UserError, match="no quantized linears"):
+        save_compressed(tiny_model("llama"), tmp_path)
+    with pytest.raises(UserError, match="kv8"):
+        save_compressed(_quantized("llama", "w4a8-kv8", hidden=64), tmp_path)
+    with pytest.raises(UserError, match="does not divide the input width"):
+        save_compressed(_quantized("llama", "w4a16-g128", hidden=192), tmp_path)
+    with pytest.raises(UserError, match="not an exported model folder"):
+        load_compressed(tmp_path / "nothing")
+    with pytest.raises(UserError, match="not a compressed-tensors"):
+        scheme_from_config({"quant_method": "gptq"})
