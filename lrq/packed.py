@@ -128,7 +128,13 @@ class PackedLinear(nn.Module):
         else:
             if s.a_bits is not None:
                 x = per_token_fake_quant(x, s.a_bits)
-            y = F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            if x.is_cuda:   # the fused dequantize-GEMM (lrq.kernels.wq_gemm), which dispatches large M itself
+                from lrq.kernels.wq_gemm import wq_matmul
+                y = wq_matmul(x, self.weight_packed, self.scale, self.zero, self.bits, self.group_size,
+                              self.in_features, self.bias)
+            else:
+                y = F.linear(x, self.dequantized_weight(x.dtype),
+                             None if self.bias is None else self.bias.to(x.dtype))
         if self.quantize_output:
             y = per_token_fake_quant(y, s.kv_bits)
         return y
