@@ -114,8 +114,19 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _int8_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        from lrq.kernels.int8_gemm import int8_matmul, weight_sums
+        if getattr(self, "_wsum", None) is None or self._wsum.device != x.device:
+            self._wsum = weight_sums(self.weight_packed, self.zero, self.bits, self.in_features)
+        static = (self.act_scale, self.act_zero) if self.scheme.static_activations else None
+        return int8_matmul(x, self.weight_packed, self.scale, self.zero, self.bits, self.in_features, self.bias,
+                           static, self._wsum)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
+        if x.is_cuda and s.a_bits == 8 and self.group_size is None:   # int8 tensor-core GEMM
+            y = self._int8_gpu(x)
+            return per_token_fake_quant(y, s.kv_bits) if self.quantize_output else y
         if s.static_activations:
             if self.use_int_mm and self.group_size is None and x.reshape(-1, x.shape[-1]).shape[0] > 16 \
                     and x.device.type == "cpu" and int_mm_ok():

@@ -55,3 +55,40 @@ def test_the_kernel_itself_runs_under_the_interpreter(monkeypatch):
     ref = K.reference_wq_matmul(x, packed, scale, zero, 3, 32, 96)
     monkeypatch.setattr(K, "reference_wq_matmul", lambda *a, **k: pytest.fail("fell back to the torch reference"))
     torch.testing.assert_close(K.wq_matmul(x, packed, scale, zero, 3, 32, 96), ref, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=10, deadline=None)
+@given(bits=st.sampled_from([8, 4, 3]), m=st.integers(1, 20), n=st.integers(1, 50), k=st.integers(1, 90),
+       static=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
+def test_int8_gemm_equals_reference(bits, m, n, k, static, bias, seed):
+    from lrq.kernels.int8_gemm import int8_matmul, reference_int8_matmul
+    packed, scale, zero, _ = _layer(n, k, bits, None, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(m, k, generator=g)
+    rng = (torch.tensor(0.02), torch.tensor(120.0)) if static else None
+    b = torch.randn(n, generator=g) if bias else None
+    y = int8_matmul(x, packed, scale, zero, bits, k, b, rng)
+    ref = reference_int8_matmul(x, packed, scale, zero, bits, k, b, rng)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_reference_is_the_fake_quantized_product():
+    """The reference equals QuantLinear's fake-quant forward for w8a8 (static) and w4a8 (per token)."""
+    from lrq.kernels.int8_gemm import reference_int8_matmul
+    from lrq.qlinear import QuantLinear
+    from lrq.quant import minmax_qparams
+    from lrq.schemes import get_scheme
+    torch.manual_seed(0)
+    for name in ("w8a8", "w4a8"):
+        s = get_scheme(name)
+        lin = torch.nn.Linear(48, 20)
+        sc, z = minmax_qparams(lin.weight, s.w_bits)
+        q = QuantLinear.from_linear(lin, s, sc.half().float(), z)
+        static = None
+        if s.static_activations:
+            q.set_static_range(torch.tensor(0.03), torch.tensor(100.0))
+            static = (q.act_scale, q.act_zero)
+        x = torch.randn(7, 48)
+        y = reference_int8_matmul(x, pack_bits(q.qweight, s.w_bits), q.scale.half(), q.zero.to(torch.uint8),
+                                  s.w_bits, 48, q.bias, static)
+        torch.testing.assert_close(y, q(x), rtol=1e-4, atol=1e-4)
