@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lrq.kernels.wq_gemm import INTERPRET, triton
+from lrq.kernels.wq_gemm import INTERPRET, jit_or_autotune, triton
 from lrq.packing import unpack_bits
 
 if triton is not None:
@@ -62,8 +62,16 @@ def reference_int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     return y.to(x.dtype).reshape(*shape[:-1], packed.shape[0])
 
 
+def _int8_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4),
+                                      (64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3)]]
+
+
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+
 if triton is not None:
-    @triton.jit
+    @jit_or_autotune(_int8_configs, key=["M", "N", "K"])
     def _int8_gemm_kernel(xa_ptr, sx_ptr, zx_ptr, w_ptr, sw_ptr, wz_ptr, wsum_ptr, b_ptr, y_ptr, M, N, K, n_words,
                           stride_xm, stride_wn, stride_sn, stride_ym,
                           BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -130,10 +138,9 @@ def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     if wsum is None:
         wsum = weight_sums(packed, zero, bits, k)
     m, n = x2.shape[0], packed.shape[0]
-    bm, bn, bk = (16, 32, 32) if INTERPRET else (64 if m > 16 else 16, 64, 64)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _int8_gemm_kernel[grid](xa, sx, zx, packed, scale, zero, wsum, bias if bias is not None else scale, y,
                             m, n, k, packed.shape[1], xa.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
-                            BITS=bits, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                            BITS=bits, HAS_BIAS=bias is not None, **(INTERPRET_CONFIG if INTERPRET else {}))
     return y.to(x.dtype).reshape(*shape[:-1], n)

@@ -8,7 +8,8 @@ with shifts, applies zero point and scale in registers and feeds tl.dot. Small M
 programs (SPLIT_K) and sums with atomics so the whole GPU works on one row.
 
 `wq_matmul` is the entry point; `reference_wq_matmul` is the plain-torch definition it must equal.
-Under TRITON_INTERPRET=1 (CPU) one fixed configuration is used; on a GPU the configuration is autotuned.
+Under TRITON_INTERPRET=1 (CPU) one fixed configuration is used; on a GPU the configuration is autotuned
+per (M, N, K) over tile shapes and split-K factors.
 For large M a dequantize + vendor GEMM wins (the weight read is amortised), so the dispatcher uses it
 there and the quantized model is never slower than bf16.
 """
@@ -43,8 +44,29 @@ def reference_wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     return y.to(x.dtype)
 
 
+def jit_or_autotune(configs_fn, key, reset_to_zero=None):
+    """@triton.jit under the interpreter (one fixed configuration: autotuning needs a driver), else
+    @triton.autotune over configs_fn() on top of it."""
+    def wrap(fn):
+        kernel = triton.jit(fn)
+        if INTERPRET:
+            return kernel
+        return triton.autotune(configs=configs_fn(), key=key, reset_to_zero=reset_to_zero)(kernel)
+    return wrap
+
+
+def _wq_configs():
+    out = []
+    for bm, bn, bk, sk, warps, stages in [(16, 64, 128, 1, 4, 4), (16, 128, 128, 2, 4, 4), (16, 64, 256, 4, 4, 3),
+                                          (16, 128, 64, 8, 4, 4), (32, 128, 128, 1, 4, 4), (64, 128, 64, 1, 4, 4),
+                                          (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
+                                 num_warps=warps, num_stages=stages))
+    return out
+
+
 if triton is not None:
-    @triton.jit
+    @jit_or_autotune(_wq_configs, key=["M", "N", "K"], reset_to_zero=["y_ptr"])
     def _wq_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
                         stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
                         BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -92,13 +114,7 @@ if triton is not None:
             tl.atomic_add(ptrs, acc, mask=ymask)
 
 
-def _config(m: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): one fixed choice; small M splits K so many programs run."""
-    if INTERPRET:
-        return 16, 64, 64, 1
-    block_m = 16 if m <= 16 else 64
-    split_k = 4 if m <= 16 and k >= 2048 else 1
-    return block_m, 64, 64, split_k
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
 
 
 def wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -115,11 +131,10 @@ def wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     n = packed.shape[0]
     if m >= LARGE_M and not INTERPRET:
         return reference_wq_matmul(x, packed, scale, zero, bits, group_size, in_features, bias)
-    bm, bn, bk, split = _config(m, k)
     y = torch.zeros(m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     _wq_gemm_kernel[grid](x2, packed, scale, zero, bias if bias is not None else scale, y, m, n, k, packed.shape[1],
                           x2.stride(0), x2.stride(1), packed.stride(0), scale.stride(0), y.stride(0),
                           BITS=bits, GROUP=group_size or k, HAS_BIAS=bias is not None,
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+                          **(INTERPRET_CONFIG if INTERPRET else {}))
     return y.to(x.dtype).reshape(*shape[:-1], n)
