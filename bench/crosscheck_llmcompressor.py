@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,7 @@ class Meter:
     def __init__(self, interval: float = 0.02):
         import psutil
         self._proc, self._interval = psutil.Process(), interval
-        self.wall_s, self.cpu_s, self.peak_rss_bytes = 0.0, 0.0, 0
+        self.wall_s, self.cpu_s, self.peak_rss_bytes, self.rss_before_bytes = 0.0, 0.0, 0, 0
         self._stop = threading.Event()
 
     def _sample(self):
@@ -261,7 +262,7 @@ class Meter:
             self.peak_rss_bytes = max(self.peak_rss_bytes, self._proc.memory_info().rss)
 
     def __enter__(self):
-        self.peak_rss_bytes = self._proc.memory_info().rss
+        self.peak_rss_bytes = self.rss_before_bytes = self._proc.memory_info().rss
         self._cpu0 = self._proc.cpu_times()
         self.load_before = os.getloadavg()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -281,6 +282,7 @@ class Meter:
 
     def to_dict(self) -> dict[str, Any]:
         return {"wall_s": self.wall_s, "cpu_s": self.cpu_s, "peak_rss_bytes": self.peak_rss_bytes,
+                "rss_before_bytes": self.rss_before_bytes,
                 "loadavg_1m_before": self.load_before[0], "loadavg_1m_after": self.load_after[0]}
 
 
@@ -514,6 +516,39 @@ def logits_agreement(model, tensors: dict) -> dict[str, float]:
             "tokens": int(ids.numel())}
 
 
+CT_ROUNDING_LABEL = "[CT rounding]"
+
+
+@contextmanager
+def ct_activation_rounding():
+    """Score static activation quantization with compressed-tensors' order of operations.
+
+    Both stacks put activations on the same grid, but compressed-tensors rounds x / s + zp (zp its
+    signed zero point) while ours rounds x / s and then adds the zero point. The two differ when adding
+    zp moves x / s across a rounding boundary in float32, and at exact ties (x / s = k + 0.5) when the
+    zero point is odd (both round half to even, before or after the shift): a few elements per tensor; under
+    per-tensor static 8-bit ranges of thousands (massive activations) one such flip moves an input by
+    a whole step. Inside this context our QuantLinear uses their order, which reproduces llm-compressor's
+    own forward exactly (the logits check); the perplexity under both orders shows how much of a
+    difference is float rounding rather than method.
+    """
+    import torch
+    import lrq.qlinear as qlinear
+    original = qlinear.per_tensor_fake_quant
+
+    def fake_quant_ct(x, scale, zero, bits: int = 8):
+        off = 2 ** (bits - 1)
+        zp = zero - off
+        q = torch.clamp(torch.round(x.float() / scale + zp), -off, off - 1)
+        return ((q - zp) * scale).to(x.dtype)
+
+    qlinear.per_tensor_fake_quant = fake_quant_ct
+    try:
+        yield
+    finally:
+        qlinear.per_tensor_fake_quant = original
+
+
 def expand(t, group_size, cols):
     from lrq.quant import expand_groups
     return expand_groups(t, group_size, cols)
@@ -643,6 +678,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     loaded = load_model(args.model)
     tok = loaded.tokenizer
+    loaded.model = None  # every step loads a fresh copy: do not hold a second one through the measurements
     calib = D.calibration_set(tok, data_dir, "c4", args.calib_samples, args.calib_seq_len, args.seed, "random")
     calib_meta = write_calibration(workdir, calib.input_ids, calib.description)
     eval_ids = {}
@@ -742,6 +778,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                {k: s for k, s in stats.items() if isinstance(s, (int, float, str, bool))}))
         rows.append(cached(f"ours-{v.name}", base_key | {"step": "ours", "cfg": cfg, "scheme": v.scheme}, ours))
 
+        if scheme.static_activations and v.llmc_side:
+            # The same two quantized models, scored with compressed-tensors' order of operations in the
+            # activation fake-quantization (see ct_activation_rounding): how much of the difference
+            # between the sides is float rounding rather than method.
+            def theirs_ct(v=v, scheme=scheme):
+                from safetensors.torch import load_file
+                model = load_model(args.model).model
+                tensors = load_file(str(workdir / f"llmc-{v.name}" / EXPORT_FILE))
+                apply_llmc_export(model, tensors, scheme)
+                with ct_activation_rounding():
+                    agree = logits_agreement(model, tensors)
+                    ppl, toks = evaluate(model, f"llmc {v.name} ct-rounding")
+                return asdict(Side(f"llm-compressor {CT_ROUNDING_LABEL}", v.name, v.method, v.scheme, {}, ppl, toks,
+                                   stats={"logits_vs_llmc_forward": agree}))
+
+            def ours_ct(v=v, scheme=scheme, method=method, cfg=cfg):
+                model = load_model(args.model).model
+                torch.manual_seed(args.seed)
+                method.quantize(model, scheme, cfg, calib)
+                with ct_activation_rounding():
+                    ppl, toks = evaluate(model, f"ours {v.name} ct-rounding")
+                return asdict(Side(f"ours {CT_ROUNDING_LABEL}", v.name, v.method, v.scheme, {}, ppl, toks))
+            rows.append(cached(f"llmc-{v.name}-ct", base_key | {"step": "llmc-ct", "spec": llmc_recipe_spec(v),
+                                                               "llmc": LLMC_VERSION}, theirs_ct))
+            rows.append(cached(f"ours-{v.name}-ct", base_key | {"step": "ours-ct", "cfg": cfg, "scheme": v.scheme},
+                               ours_ct))
+
     report = {
         "title": "Cross-check against llm-compressor",
         "model": {"name": args.model, "source": loaded.source, "fingerprint": loaded.fingerprint,
@@ -799,6 +862,15 @@ def markdown_report(report: dict[str, Any]) -> str:
                             + f" ({'within' if ok_ppl else 'OUTSIDE'} the +2 % target); quantization time "
                             f"ours / theirs = {speed:.2f} wall" + (f", {cpu:.2f} CPU" if cpu is not None else "")
                             + f" ({'met' if ok_time else 'NOT met'})")
+            o_ct, t_ct = by.get((r["variant"], f"ours {CT_ROUNDING_LABEL}")), by.get(
+                (r["variant"], f"llm-compressor {CT_ROUNDING_LABEL}"))
+            if o_ct and t_ct:
+                verdicts.append(f"  - both scored with compressed-tensors' activation rounding order: ours vs "
+                                "llm-compressor " + ", ".join(f"{d} {o_ct['ppl'][d] / t_ct['ppl'][d] - 1:+.1%}"
+                                                              for d in datasets)
+                                + "; llm-compressor's model, our order vs theirs: "
+                                + ", ".join(f"{d} {r2:+.1%}" for d, r2 in
+                                            ((d, t["ppl"][d] / t_ct["ppl"][d] - 1) for d in datasets)))
     ev = report["evaluation"]["datasets"]
     cal = report["calibration"]
     lv = report["llm_compressor"]["versions"]

@@ -170,6 +170,28 @@ def test_export_errors_are_clear():
                              _fake_export(src, get_scheme("w4a16"), torch.Generator()), scheme)
 
 
+def test_ct_activation_rounding_order_and_restore():
+    """compressed-tensors rounds x / s + zp, ours round(x / s) + z: the same grid, but float32 addition
+    can push x / s = 0.49999997 with zp = -101 onto -100.5 (rounded half to even: -100), where ours
+    rounds 0.49999997 to 0 first. Inside the context our QuantLinear uses their order; outside, ours."""
+    import lrq.qlinear as qlinear
+    scheme = get_scheme("w8a8")
+    lin = torch.nn.Linear(1, 1, bias=False)
+    lin.weight.data.fill_(1.0)
+    q = QuantLinear.from_linear(lin, scheme, *minmax_qparams(lin.weight.data, 8))
+    q.set_static_range(torch.tensor(1.0), torch.tensor(27.0))            # signed zero point -101
+    x = torch.tensor([[0.49999997]])
+    assert q.quantize_input(x).item() == 0.0
+    original = qlinear.per_tensor_fake_quant
+    with cc.ct_activation_rounding():
+        assert q.quantize_input(x).item() == 1.0
+        assert q.quantize_input(torch.tensor([[2.5]])).item() == 3.0       # an exact tie, odd zero point
+        grid = torch.linspace(-20, 20, 401)[:, None] + 0.013              # away from ties: identical
+        assert torch.equal(q.quantize_input(grid), original(grid, q.act_scale, q.act_zero, 8))
+    assert qlinear.per_tensor_fake_quant is original and q.quantize_input(x).item() == 0.0
+    assert q.quantize_input(torch.tensor([[2.5]])).item() == 2.0                # half to even, then + z
+
+
 # ---- the report and the orchestration ---------------------------------------------------------------
 
 def test_markdown_report_compares_sides():
@@ -218,7 +240,7 @@ def test_run_end_to_end_with_the_reference_variant(tmp_path, data_dir, monkeypat
     for r in report["rows"]:
         assert r["eval_tokens"] == {"wikitext2": 256, "c4": 256} and all(v > 1 for v in r["ppl"].values())
     q = report["rows"][1]["quant"]
-    assert q["wall_s"] > 0 and q["cpu_s"] > 0 and q["peak_rss_bytes"] > 2**20 and report["ours"]["git_revision"]
+    assert q["wall_s"] > 0 and q["cpu_s"] >= 0 and q["peak_rss_bytes"] > 2**20 and report["ours"]["git_revision"]
     assert "| rtn | w4a16-g128 | ours |" in (tmp_path / "work" / "crosscheck_llmcompressor.md").read_text()
     capsys.readouterr()
     assert cc.main(argv) == 0                                            # second run: every step cached
