@@ -61,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-fp", action="store_true", help="skip the floating-point reference row")
     r.add_argument("--out", default=None, help="also write the leaderboard to this folder")
 
+    ex = sub.add_parser("export", help="quantize with one method and scheme, save in the compressed-tensors "
+                                       "pack-quantized layout")
+    ex.add_argument("--model", default="smollm2-135m")
+    ex.add_argument("--method", required=True)
+    ex.add_argument("--scheme", required=True)
+    ex.add_argument("--out", required=True, help="folder to write (model.safetensors, config.json, tokenizer)")
+    ex.add_argument("--data-dir", default=None)
+    ex.add_argument("--preset", default="quick", choices=["quick", "paper"])
+    ex.add_argument("--calib-dataset", default=None, choices=["c4", "wikitext2"])
+    ex.add_argument("--calib-samples", type=int, default=None)
+    ex.add_argument("--calib-seq-len", type=int, default=None)
+    ex.add_argument("--calib-sampling", default=None, choices=["random", "sequential"])
+    ex.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ex.add_argument("--seed", type=int, default=0)
+    ex.add_argument("--allow-ragged", action="store_true",
+                    help="write a group size that does not divide every layer (only lrq-bench reads it back)")
+
     rep = sub.add_parser("report", help="write the Markdown leaderboard from the results store")
     rep.add_argument("--results", default=None)
     rep.add_argument("--out", default="lrq-bench-report")
@@ -135,6 +152,31 @@ def cmd_run(args) -> int:
     return 1 if counts["failed"] else 0
 
 
+def cmd_export(args) -> int:
+    from bench.data import check_available, resolve_data_dir
+    from bench.provenance import git_revision, versions
+    from bench.runner import CellSpec, quantize_cell, resolve_calib
+    from lrq.export import save_compressed
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+
+    get_method(args.method)
+    scheme = get_scheme(args.scheme).name
+    given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
+             "sampling": args.calib_sampling}
+    spec = CellSpec(model=args.model, method=args.method, scheme=scheme, datasets=(), preset=args.preset,
+                    overrides=_overrides(args.set), calib=resolve_calib(args.method, args.preset, given),
+                    seed=args.seed, data_dir=args.data_dir)
+    if spec.uses_calibration():
+        check_available([spec.calib.dataset], resolve_data_dir(args.data_dir))
+    model, tok, cfg, stats, qm = quantize_cell(spec)
+    meta = cfg | {"versions": versions(), "git_rev": git_revision(), "quant_time_s": qm.wall_s}
+    out = save_compressed(model, args.out, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
+    print(f"{args.method} {scheme} written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB; "
+          f"quantization {qm.wall_s:.1f} s)", file=sys.stderr)
+    return 0
+
+
 def cmd_report(args) -> int:
     from bench.report import write_report
     from bench.store import ResultStore
@@ -165,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
     try:
         args = build_parser().parse_args(argv)
-        return {"run": cmd_run, "report": cmd_report, "results": cmd_results}[args.command](args)
+        return {"run": cmd_run, "export": cmd_export, "report": cmd_report,
+                "results": cmd_results}[args.command](args)
     except UserError as e:
         print(textwrap.fill(f"lrq-bench: error: {e}", width=100), file=sys.stderr)
         return 2

@@ -110,12 +110,10 @@ def _row(spec: CellSpec, dataset: str, metric: str, value, config: dict, wall_s=
                peak_mem_bytes=peak)
 
 
-def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]], None] | None = None
-                 ) -> dict[str, list[Row]]:
-    """Quantize and evaluate one cell; return rows per unit for the units named in `todo`.
+def quantize_cell(spec: CellSpec):
+    """Load the cell's model and quantize it with the cell's method (resumable for block-wise methods).
 
-    `emit(unit, rows)` is called as soon as each unit is complete (the runner stores it right away, so a
-    crash in a later evaluation loses nothing already measured)."""
+    Returns (model, tokenizer, base_config, method_stats, measurement or None for FP)."""
     seed_everything(spec.seed)
     data_dir = D.resolve_data_dir(spec.data_dir)
     loaded = load_model(spec.model)
@@ -126,21 +124,31 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
         "method_config": spec.method_config(),
         "scheme_def": None if spec.is_fp else get_scheme(spec.scheme).to_dict(),
     }
-    out: dict[str, list[Row]] = {}
     if spec.is_fp:
-        stats, qm = {}, None
-    else:
-        method, scheme = get_method(spec.method), get_scheme(spec.scheme)
-        if hasattr(method, "checkpoint_dir"):  # block-wise methods checkpoint each block here
-            method.checkpoint_dir = checkpoint_dir(spec)
-        calib = None
-        if method.needs_calibration(scheme):
-            calib = D.calibration_set(tok, data_dir, spec.calib.dataset, spec.calib.n_samples, spec.calib.seq_len,
-                                      spec.seed, spec.calib.sampling)
-            base_cfg["calibration"] = calib.description
-        with measure() as qm:
-            stats = method.quantize(model, scheme, base_cfg["method_config"], calib) or {}
-        base_cfg["method_stats"] = stats
+        return model, tok, base_cfg, {}, None
+    method, scheme = get_method(spec.method), get_scheme(spec.scheme)
+    if hasattr(method, "checkpoint_dir"):  # block-wise methods checkpoint each block here
+        method.checkpoint_dir = checkpoint_dir(spec)
+    calib = None
+    if method.needs_calibration(scheme):
+        calib = D.calibration_set(tok, data_dir, spec.calib.dataset, spec.calib.n_samples, spec.calib.seq_len,
+                                  spec.seed, spec.calib.sampling)
+        base_cfg["calibration"] = calib.description
+    with measure() as qm:
+        stats = method.quantize(model, scheme, base_cfg["method_config"], calib) or {}
+    base_cfg["method_stats"] = stats
+    return model, tok, base_cfg, stats, qm
+
+
+def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]], None] | None = None
+                 ) -> dict[str, list[Row]]:
+    """Quantize and evaluate one cell; return rows per unit for the units named in `todo`.
+
+    `emit(unit, rows)` is called as soon as each unit is complete (the runner stores it right away, so a
+    crash in a later evaluation loses nothing already measured)."""
+    data_dir = D.resolve_data_dir(spec.data_dir)
+    model, tok, base_cfg, stats, qm = quantize_cell(spec)
+    out: dict[str, list[Row]] = {}
     if "quant" in todo:
         cfg = dict(base_cfg)
         rows = [_row(spec, "quant", "bits_per_weight", 16.0 if spec.is_fp else model_bits_per_weight(model), cfg)]

@@ -125,3 +125,19 @@ def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, d
     rows = json.loads(out)
     assert sum(r["dataset"] == "wikitext2" and r["metric"] == "ppl" for r in rows) == 1   # not recomputed
     assert any(r["dataset"] == "c4" and r["metric"] == "ppl" for r in rows)
+
+
+def test_export_command_round_trips(tiny_model_dir, data_dir, tmp_path, capsys):
+    import torch
+    from lrq.export import load_compressed
+    out = tmp_path / "exp"
+    code, _, err = _run(["export", "--model", str(tiny_model_dir), "--method", "rtn", "--scheme", "w4a16",
+                         "--out", str(out), "--data-dir", str(data_dir)], capsys)
+    assert code == 0, err
+    assert "written to" in err and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    model = load_compressed(out)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 100, (1, 8))).logits).all()
+    code, _, err = _run(["export", "--model", str(tiny_model_dir), "--method", "rtn", "--scheme", "w4a16-g128",
+                         "--out", str(tmp_path / "x"), "--data-dir", str(data_dir)], capsys)
+    assert code == 2 and "group size 128" in err   # bad input: a clear message, exit 2
