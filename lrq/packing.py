@@ -62,8 +62,25 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.shape[1] != packed_words(n, bits):
         raise ValueError(f"{packed.shape[1]} words cannot hold {n} {bits}-bit values "
                          f"(expected {packed_words(n, bits)})")
-    w = packed.to(torch.int64) & _MASK32
-    w = torch.nn.functional.pad(w, (0, 1))
-    word, off = _positions(n, bits, packed.device)
-    v = (w[:, word] >> off) | (w[:, word + 1] << (32 - off))
-    return (v & ((1 << bits) - 1)).to(torch.uint8)
+    if 8 % bits == 0 and packed.is_contiguous():
+        # no element straddles a byte: the little-endian bytes of the words are the stream itself
+        per = 8 // bits
+        b = packed.view(torch.uint8)                                   # [rows, 4 * words]
+        if per == 1:
+            return b[:, :n].clone()
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        v = (b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)            # [rows, bytes, per]
+        return v.reshape(packed.shape[0], -1)[:, :n]
+    # 32 elements fill exactly `bits` words: work chunk by chunk with int32 arithmetic
+    rows, words = packed.shape
+    chunks = math.ceil(n / 32)
+    w = torch.nn.functional.pad(packed, (0, chunks * bits - words)).view(rows, chunks, bits)
+    out = torch.empty(rows, chunks, 32, dtype=torch.int32, device=packed.device)
+    mask = (1 << bits) - 1
+    for j in range(32):   # static positions: scalar shifts on [rows, chunks] slices (fast), no gathers
+        k, o = divmod(j * bits, 32)
+        v = (w[:, :, k] >> o) & ((1 << (32 - o)) - 1)   # logical shift of a signed int32
+        if o + bits > 32:
+            v = v | (w[:, :, k + 1] << (32 - o))
+        out[:, :, j] = v & mask
+    return out.reshape(rows, chunks * 32)[:, :n].to(torch.uint8)
