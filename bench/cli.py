@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--allow-ragged", action="store_true",
                     help="write a group size that does not divide every layer (only lrq-bench reads it back)")
 
+    cmp_ = sub.add_parser("compare", help="regression gate: compare CURRENT results with BASELINE under tolerances")
+    cmp_.add_argument("baseline", help="results store (.sqlite) or JSON export")
+    cmp_.add_argument("current", help="results store (.sqlite) or JSON export")
+    cmp_.add_argument("--tolerances", default=None, help="TOML file (default reports/tolerances.toml)")
+    cmp_.add_argument("--allow-missing", action="store_true", help="a baseline cell absent now is not a failure")
+    cmp_.add_argument("--all", action="store_true", help="list every compared value, not only changes")
+
     rep = sub.add_parser("report", help="write the Markdown leaderboard from the results store")
     rep.add_argument("--results", default=None)
     rep.add_argument("--out", default="lrq-bench-report")
@@ -177,6 +184,13 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from bench.compare import gate
+    code, md = gate(args.baseline, args.current, args.tolerances, args.allow_missing, args.all)
+    print(md)
+    return code
+
+
 def cmd_report(args) -> int:
     from bench.report import write_report
     from bench.store import ResultStore
@@ -207,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
     try:
         args = build_parser().parse_args(argv)
-        return {"run": cmd_run, "export": cmd_export, "report": cmd_report,
+        return {"run": cmd_run, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
                 "results": cmd_results}[args.command](args)
     except UserError as e:
         print(textwrap.fill(f"lrq-bench: error: {e}", width=100), file=sys.stderr)
