@@ -74,6 +74,34 @@ def _param_ratio(recon: pd.DataFrame) -> list[str]:
     return lines + [""] if lines else []
 
 
+def _speed_sections(mdf: pd.DataFrame) -> list[str]:
+    """Inference speed (bench/speed.py): end-to-end tokens/s and per-layer latency vs bf16."""
+    parts: list[str] = []
+    e2e = mdf[mdf["dataset"] == "speed_e2e"]
+    if not e2e.empty:
+        hw = e2e.iloc[-1]["config"]
+        wide = e2e.pivot_table(index="scheme", columns="metric", values="value", aggfunc="last")
+        body = [[sch, f"{r.get('prefill_tok_s', float('nan')):.1f}", f"{r.get('decode_tok_s', float('nan')):.2f}",
+                 f"{r.get('model_bytes', float('nan')) / 2**20:.1f} MiB"] for sch, r in wide.iterrows()]
+        parts += ["### Inference speed (end to end)", "",
+                  f"Prefill and greedy decode of the packed model vs bf16, {hw.get('threads', '?')} thread(s); "
+                  "model bytes = every parameter and buffer.", "",
+                  tabulate(body, headers=["scheme", "prefill tok/s", "decode tok/s", "model size"],
+                           tablefmt="github", disable_numparse=True), ""]
+    lay = mdf[(mdf["dataset"] == "speed_layers") & mdf["metric"].str.endswith(" ms")]
+    if not lay.empty:
+        body = []
+        for _, r in lay.iterrows():
+            c = r["config"]
+            body.append([c.get("shape"), c.get("M"), r["scheme"], f"{r['value']:.3f}", f"{c.get('bf16_ms', 0):.3f}",
+                         f"{c.get('bf16_ms', 0) / r['value']:.2f}x"])
+        parts += ["### Per-layer latency", "", "Median forward time of one packed layer vs the bf16 linear it "
+                  "replaces (ms); > 1x means faster than bf16.", "",
+                  tabulate(body, headers=["shape", "M", "scheme", "ms", "bf16 ms", "speed-up"], tablefmt="github",
+                           disable_numparse=True), ""]
+    return parts
+
+
 def markdown_report(rows: list[Row]) -> str:
     if not rows:
         return "# lrq-bench leaderboard\n\nThe results store is empty: run `lrq-bench run` first.\n"
@@ -84,7 +112,7 @@ def markdown_report(rows: list[Row]) -> str:
         notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
         parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
         for ds in [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
-                set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}):
+                d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"} if not d.startswith("speed_")):
             ev = mdf[mdf["dataset"] == ds].iloc[-1]["config"].get("eval", {})
             parts += [f"### {ds} perplexity", "",
                       f"{ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
@@ -107,6 +135,7 @@ def markdown_report(rows: list[Row]) -> str:
                       "LRQ should generalize better.", "",
                       dataset_table(mdf, "quant", RECON_METRICS), ""]
             parts += _param_ratio(recon)
+        parts += _speed_sections(mdf)
         revs = sorted(set(mdf["git_rev"]))
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
                   f"`lrq-bench results --json`.", ""]

@@ -32,3 +32,18 @@ def test_cli_writes_json(tmp_path, monkeypatch):
     assert speed.main(["layers", "--shapes", "tiny", "--ms", "2", "--schemes", "w3a16", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["rows"][0]["scheme"] == "w3a16" and doc["hardware"] and doc["versions"]["torch"]
+
+
+def test_report_shows_speed_sections(tmp_path):
+    from bench.report import markdown_report
+    rows = speed.layer_latency({"tiny 48x64": (48, 64)}, [2], schemes=("w4a16",))
+    speed._store(rows, "layers", str(tmp_path / "r.sqlite"), "tiny")
+    e2e = [{"scheme": "bf16", "prefill_tokens": 8, "prefill_tok_s": 100.0, "decode_tokens": 4, "decode_tok_s": 5.0,
+            "model_bytes": 2**20, "linear_bytes": None},
+           {"scheme": "w4a16", "prefill_tokens": 8, "prefill_tok_s": 90.0, "decode_tokens": 4, "decode_tok_s": 4.0,
+            "model_bytes": 2**19, "linear_bytes": 1000}]
+    speed._store(e2e, "e2e", str(tmp_path / "r.sqlite"), "tiny")
+    md = markdown_report(ResultStore(tmp_path / "r.sqlite").rows(latest=True))
+    assert "### Inference speed (end to end)" in md and "| w4a16    | 90.0" in md
+    assert "### Per-layer latency" in md and "tiny 48x64" in md
+    assert "speed_layers perplexity" not in md
