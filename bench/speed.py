@@ -59,7 +59,11 @@ def median_ms(fn, device: str) -> float:
 
 
 def weight_bytes(m: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+    """Every parameter and buffer, plus the CPU int4 kernel copies PackedLinear builds on first use."""
+    from lrq.packed import PackedLinear
+    extra = sum(p.storage_bytes() - sum(b.numel() * b.element_size() for b in p.buffers())
+                for p in m.modules() if isinstance(p, PackedLinear))
+    return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers())) + extra
 
 
 @torch.no_grad()

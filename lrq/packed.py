@@ -65,6 +65,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("act_zero", torch.zeros((), dtype=torch.float32) if static else None)
         self.quantize_output = quantize_output and scheme.kv_bits is not None
         self.use_int_mm = True
+        self.use_cpu_int4 = True          # torch's CPU int4 GEMM for small M (built on first use)
+        self._cpu_int4: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
     @torch.no_grad()
@@ -93,7 +95,9 @@ class PackedLinear(nn.Module):
         return (self.levels().to(dtype) - z) * s
 
     def storage_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes held: the packed format plus, once built, the CPU int4 kernel's copy."""
+        extra = sum(t.numel() * t.element_size() for t in self._cpu_int4[:2]) if self._cpu_int4 else 0
+        return sum(b.numel() * b.element_size() for b in self.buffers()) + extra
 
     # ---- forward ------------------------------------------------------------------------------
     def _w8a8_int(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +126,42 @@ class PackedLinear(nn.Module):
         return int8_matmul(x, self.weight_packed, self.scale, self.zero, self.bits, self.in_features, self.bias,
                            static, self._wsum)
 
+    CPU_INT4_MAX_M = 64   # beyond this, dequantize + BLAS is faster on the CPU
+
+    def _apply(self, fn, *args, **kwargs):
+        self._cpu_int4 = None   # rebuilt on the new device/dtype when needed
+        return super()._apply(fn, *args, **kwargs)
+
+    def _cpu_int4_group(self) -> int | None:
+        """A group size torch's CPU int4 kernel accepts that represents our grouping exactly (every one of
+        our groups, the ragged last one included, is a whole number of its groups)."""
+        k = self.in_features
+        ours = self.group_size or k
+        return next((g for g in (256, 128, 64, 32) if k % g == 0 and ours % g == 0), None)
+
+    def _cpu_int4_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu_int4 is None:
+            g = self._cpu_int4_group()
+            q = self.levels().to(torch.int32)
+            rep = (self.group_size or self.in_features) // g
+            s = self.scale.float().repeat_interleave(rep, dim=1)[:, :self.in_features // g]
+            z = self.zero.float().repeat_interleave(rep, dim=1)[:, :self.in_features // g]
+            # ours: (q - z) * s  =  (q - 8) * s + (8 - z) * s  (torch's kernel: (q - 8) * scale + zero)
+            sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()
+            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
+            self._cpu_int4 = (w, sz, g)
+        w, sz, g = self._cpu_int4
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).contiguous(), w, g, sz)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _use_cpu_int4(self, x: torch.Tensor) -> bool:
+        return (self.use_cpu_int4 and self.bits == 4 and x.device.type == "cpu" and x.dtype == torch.bfloat16
+                and x.numel() // x.shape[-1] <= self.CPU_INT4_MAX_M and self._cpu_int4_group() is not None
+                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
         if x.is_cuda and s.a_bits == 8 and self.group_size is None:   # int8 tensor-core GEMM
@@ -139,7 +179,9 @@ class PackedLinear(nn.Module):
         else:
             if s.a_bits is not None:
                 x = per_token_fake_quant(x, s.a_bits)
-            if x.is_cuda:   # the fused dequantize-GEMM (lrq.kernels.wq_gemm), which dispatches large M itself
+            if self._use_cpu_int4(x):   # bf16 on the CPU at decode sizes: torch's int4 GEMM (bf16 scales)
+                y = self._cpu_int4_mm(x)
+            elif x.is_cuda:   # the fused dequantize-GEMM (lrq.kernels.wq_gemm), which dispatches large M itself
                 from lrq.kernels.wq_gemm import wq_matmul
                 y = wq_matmul(x, self.weight_packed, self.scale, self.zero, self.bits, self.group_size,
                               self.in_features, self.bias)

@@ -95,3 +95,22 @@ def test_pack_model_keeps_logits_and_shrinks_weights(arch):
     assert sizes["linear_bytes_packed"] < 0.3 * sizes["linear_bytes_bf16"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme_name,cin", [("w4a16", 192), ("w4a16-g128", 320), ("w4a8", 256)])
+def test_cpu_int4_kernel_path_matches(scheme_name, cin):
+    """bf16 decode on the CPU goes through torch's int4 GEMM; per-channel and ragged g128 (320 = 2 x 128 + 64)
+    map exactly onto its groups, so it matches the exact path up to bf16 rounding of the scales."""
+    q = _quant_linear(scheme_name, cin=cin, cout=48)
+    p = PackedLinear.from_quant_linear(q)
+    assert p._cpu_int4_group() == (64 if "g128" in scheme_name else 64 if cin == 192 else 256)
+    x = torch.randn(4, cin, dtype=torch.bfloat16)
+    assert p._use_cpu_int4(x)
+    y = p(x)
+    assert p._cpu_int4 is not None and p.storage_bytes() > sum(b.numel() * b.element_size() for b in p.buffers())
+    p.use_cpu_int4 = False
+    ref = p(x.float())
+    if scheme_name == "w4a8":   # activations quantized per token in bf16 vs fp32: compare on the same input
+        ref = p(x).float()
+    torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.02)
+    assert not p._use_cpu_int4(torch.randn(100, cin, dtype=torch.bfloat16))   # large M: dequantize + BLAS
