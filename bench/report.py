@@ -157,7 +157,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_report(store: ResultStore, out_dir: Path) -> Path:
-    md = markdown_report(store.rows(latest=True))
+    """leaderboard.md and the self-contained leaderboard.html, each written atomically."""
+    from bench.html_report import html_report
+    latest = store.rows(latest=True)
     path = Path(out_dir) / "leaderboard.md"
-    write_atomic(path, md)
+    write_atomic(path, markdown_report(latest))
+    write_atomic(Path(out_dir) / "leaderboard.html", html_report(latest, store.rows()))
     return path
