@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration windows (default 128; the paper preset of lrq/flexround: 512)")
     r.add_argument("--calib-seq-len", type=int, default=None, help="default 512 (paper preset: 1024)")
     r.add_argument("--calib-sampling", default=None, choices=["random", "sequential"], help="default random")
+    r.add_argument("--tasks", default="", help="lm-eval accuracy tasks: comma-separated names from "
+                   "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa,lambada_openai,mmlu, or "
+                   "'zeroshot' (the paper's seven), or 'all'")
+    r.add_argument("--task-limit", type=int, default=None, help="examples per task (quick looks; default all)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method setting (repeatable), e.g. --set lr=5e-4")
     r.add_argument("--seed", type=int, default=0)
@@ -128,6 +132,15 @@ def cmd_run(args) -> int:
         if v is not None and v < 2:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
+    from bench.tasks import ALL_TASKS, ZERO_SHOT
+    tasks = {"": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
+    bad = [t for t in tasks if t not in ALL_TASKS]
+    if bad:
+        raise UserError(f"unknown task(s) {', '.join(bad)}: choose from {', '.join(ALL_TASKS)}, zeroshot or all.")
+    if tasks and resolve_data_dir(args.data_dir) is None:
+        raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
+    if args.task_limit is not None and args.task_limit < 1:
+        raise UserError(f"--task-limit must be at least 1, got {args.task_limit}.")
     store = ResultStore(args.results or _default_results())
 
     from bench.models import load_model
@@ -135,7 +148,7 @@ def cmd_run(args) -> int:
 
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=_overrides(args.set),
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
-                  seed=args.seed, data_dir=args.data_dir)
+                  seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit)
     given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
              "sampling": args.calib_sampling}
     specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, calib=resolve_calib(FP, args.preset, given), **common)]

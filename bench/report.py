@@ -13,6 +13,8 @@ from bench.store import ResultStore, Row
 from lrq.schemes import SCHEMES
 
 FP = "fp"
+TASK_DATASETS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa",
+                 "lambada_openai", "mmlu", "zeroshot_avg")
 _METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:.3f}",
                "eval_tokens_per_s": "{:.0f}", "n_learnable": "{:,.0f}",
                "blocks_time_s": "{:.1f}", "resumed_blocks": "{:.0f}"}
@@ -74,6 +76,38 @@ def _param_ratio(recon: pd.DataFrame) -> list[str]:
     return lines + [""] if lines else []
 
 
+def _task_section(mdf: pd.DataFrame) -> list[str]:
+    """Accuracy per lm-eval task (the paper's metric per task), the zero-shot average, MMLU; best marked."""
+    from bench.tasks import ALL_TASKS, MAIN_METRIC
+    sub = mdf[mdf["dataset"].isin(TASK_DATASETS)]
+    if sub.empty:
+        return []
+    cols = [t for t in ALL_TASKS + ("zeroshot_avg",) if t in set(sub["dataset"])]
+    cell = {}
+    for _, r in sub.iterrows():
+        if r["metric"] == MAIN_METRIC.get(r["dataset"], "acc"):
+            cell[(r["method"], r["scheme"], r["dataset"])] = r["value"]
+    keys = _order(sub[["method", "scheme"]].drop_duplicates())
+    best = {c: max((v for (m, _, d), v in cell.items() if d == c and m != FP), default=None) for c in cols}
+    body = []
+    for _, k in keys.iterrows():
+        line = [k["method"], k["scheme"]]
+        for c in cols:
+            v = cell.get((k["method"], k["scheme"], c))
+            txt = "-" if v is None else f"{100 * v:.1f}"
+            line.append(f"**{txt}**" if v is not None and k["method"] != FP and v == best[c] else txt)
+        body.append(line)
+    cfg = sub.iloc[-1]["config"].get("tasks", {})
+    limit = cfg.get("limit")
+    scope = "all examples" if not limit else f"the first {limit} examples per task"
+    heads = [f"{c} ({MAIN_METRIC.get(c, 'acc')})" if c != "zeroshot_avg" else "zero-shot avg" for c in cols]
+    return ["### Task accuracy (lm-eval)", "",
+            f"Accuracy in %, the LRQ paper's metric per task; the best quantized value per column is bold. "
+            f"Batch size {cfg.get('batch_size', '?')}, BOS token {'added' if cfg.get('add_bos_token') else 'not added'}, "
+            f"max length {cfg.get('max_length', '?')}, {scope}; MMLU 5-shot.", "",
+            tabulate(body, headers=["method", "scheme"] + heads, tablefmt="github", disable_numparse=True), ""]
+
+
 def _speed_sections(mdf: pd.DataFrame) -> list[str]:
     """Inference speed (bench/speed.py): end-to-end tokens/s and per-layer latency vs bf16."""
     parts: list[str] = []
@@ -112,7 +146,8 @@ def markdown_report(rows: list[Row]) -> str:
         notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
         parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
         for ds in [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
-                d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"} if not d.startswith("speed_")):
+                d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
+                if not d.startswith("speed_") and d not in TASK_DATASETS):
             ev = mdf[mdf["dataset"] == ds].iloc[-1]["config"].get("eval", {})
             parts += [f"### {ds} perplexity", "",
                       f"{ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
@@ -135,6 +170,7 @@ def markdown_report(rows: list[Row]) -> str:
                       "LRQ should generalize better.", "",
                       dataset_table(mdf, "quant", RECON_METRICS), ""]
             parts += _param_ratio(recon)
+        parts += _task_section(mdf)
         parts += _speed_sections(mdf)
         revs = sorted(set(mdf["git_rev"]))
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "

@@ -64,6 +64,8 @@ class CellSpec:
     eval: EvalSettings = field(default_factory=EvalSettings)
     seed: int = 0
     data_dir: str | None = None
+    tasks: tuple[str, ...] = ()          # lm-eval tasks (bench/tasks.py), one "tasks" unit
+    task_limit: int | None = None        # examples per task (None: all)
 
     @property
     def is_fp(self) -> bool:
@@ -94,6 +96,11 @@ class CellSpec:
         dd = D.resolve_data_dir(self.data_dir)
         keys = {"quant": unit_key(self.quant_identity(dd))}
         keys.update({ds: unit_key(self.eval_identity(ds, dd)) for ds in self.datasets})
+        if self.tasks:
+            from bench import tasks as T
+            keys["tasks"] = unit_key(self.quant_identity(dd) | {
+                "tasks": sorted(self.tasks), "limit": self.task_limit, "data": D.data_fingerprint("wikitext2", dd),
+                "protocol": {"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS}})
         return keys
 
 
@@ -179,6 +186,24 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
                    _row(spec, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s, em.peak_rss_bytes)]
         if emit is not None:
             emit(ds, out[ds])
+    if "tasks" in todo and spec.tasks:
+        from bench import tasks as T
+        if data_dir is None:
+            raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
+        with measure() as tm:
+            res = T.evaluate_tasks(model, tok, list(spec.tasks), data_dir, spec.task_limit)
+        cfg = base_cfg | {"tasks": {"names": list(spec.tasks), "limit": spec.task_limit, "batch_size": T.BATCH_SIZE,
+                                    "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS,
+                                    "main_metric": T.MAIN_METRIC}}
+        rows = []
+        for task, metrics in res.items():
+            for metric, value in metrics.items():
+                if metric != "n" and value is not None:
+                    rows.append(_row(spec, task, metric, value, cfg | {"n_examples": metrics.get("n")},
+                                     tm.wall_s, tm.peak_rss_bytes))
+        out["tasks"] = rows
+        if emit is not None:
+            emit("tasks", rows)
     return out
 
 

@@ -141,3 +141,24 @@ def test_export_command_round_trips(tiny_model_dir, data_dir, tmp_path, capsys):
     code, _, err = _run(["export", "--model", str(tiny_model_dir), "--method", "rtn", "--scheme", "w4a16-g128",
                          "--out", str(tmp_path / "x"), "--data-dir", str(data_dir)], capsys)
     assert code == 2 and "group size 128" in err   # bad input: a clear message, exit 2
+
+
+def test_task_accuracy_through_lm_eval(tiny_model_dir, data_dir, tmp_path, capsys):
+    """lm-eval scores the quantized model object on the offline task files; rows, average and report."""
+    results = tmp_path / "r.sqlite"
+    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--datasets", "wikitext2",
+            "--data-dir", str(data_dir), "--results", str(results), "--max-eval-tokens", "512", "--eval-seq-len", "256",
+            "--tasks", "zeroshot", "--task-limit", "3"]
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    assert "### Task accuracy (lm-eval)" in out and "zero-shot avg" in out and "first 3 examples" in out
+    code, out, _ = _run(["results", "--results", str(results), "--json"], capsys)
+    rows = json.loads(out)
+    acc = {(r["method"], r["dataset"], r["metric"]): r for r in rows}
+    for task in ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa"):
+        r = acc[("rtn", task, "acc")]
+        assert 0 <= r["value"] <= 1 and r["config"]["n_examples"] == 3
+        assert r["config"]["tasks"]["add_bos_token"] is False and r["config"]["tasks"]["batch_size"] == 1
+    assert ("fp", "zeroshot_avg", "acc") in acc
+    code, _, err = _run(args[:-4] + ["--tasks", "nope"], capsys)
+    assert code == 2 and "unknown task" in err

@@ -1,0 +1,178 @@
+"""Task accuracy through lm-eval, offline: task definitions generated from the data folder.
+
+The task YAMLs mirror lm-eval's stock definitions (prompts, choices, metrics) but read the files in the
+data folder in place (`dataset_path: json`), with document mapping in bench/task_docs.py. The quantized
+model object itself is handed to lm-eval (HFLM(pretrained=<model>)), so what is scored is exactly what
+was quantized. Fixed and recorded: no BOS token is added (lm-eval's default for these models), batch
+size 1 (scores move with padding), max length 2048.
+
+Tasks: the paper's seven zero-shot tasks (piqa, arc_easy, arc_challenge, hellaswag, winogrande, boolq,
+openbookqa; their average, acc_norm where lm-eval reports it for the task as the LRQ paper does, else acc),
+lambada_openai, and MMLU 5-shot (dev rows as shots, "The following are multiple choice questions (with
+answers) about {subject}." header, the letter with the highest log-likelihood, accuracy over all test
+questions). Deviation: lm-eval truncates an over-long prompt from the left instead of dropping shots.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lrq.errors import UserError
+
+ZERO_SHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa")
+ALL_TASKS = ZERO_SHOT + ("lambada_openai", "mmlu")
+# the metric the LRQ paper reports per task (acc_norm where lm-eval has it, as its tables do)
+MAIN_METRIC = {"piqa": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
+               "winogrande": "acc", "boolq": "acc", "openbookqa": "acc_norm", "lambada_openai": "acc", "mmlu": "acc"}
+PREFIX = "lrqb_"
+MAX_LENGTH = 2048
+BATCH_SIZE = 1
+ADD_BOS = False
+
+_ACC = [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
+_ACC_NORM = _ACC + [{"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]
+
+FILES = {
+    "piqa": "piqa/valid.jsonl", "arc_easy": "arc_easy/ARC-Easy-Test.jsonl",
+    "arc_challenge": "arc_challenge/ARC-Challenge-Test.jsonl", "hellaswag": "hellaswag/hellaswag_validation.jsonl.gz",
+    "winogrande": "winogrande/winogrande_xl_validation.jsonl", "boolq": "boolq/val.jsonl",
+    "openbookqa": "openbookqa/test.jsonl", "lambada_openai": "lambada_openai/lambada_test.jsonl",
+}
+
+
+def _json_task(name: str, path: Path, **spec) -> dict:
+    return {"task": PREFIX + name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(path)}},
+            "test_split": "test", **spec, "metadata": {"version": 1.0}}
+
+
+def task_specs(data_dir: Path) -> dict[str, dict]:
+    f = {k: data_dir / v for k, v in FILES.items()}
+    specs = {
+        "piqa": _json_task("piqa", f["piqa"], output_type="multiple_choice", process_docs="!function utils.piqa",
+                           doc_to_text="Question: {{goal}}\nAnswer:", doc_to_target="label",
+                           doc_to_choice="{{[sol1, sol2]}}", metric_list=_ACC_NORM),
+        "arc_easy": _json_task("arc_easy", f["arc_easy"], output_type="multiple_choice",
+                               process_docs="!function utils.arc", doc_to_text="Question: {{question}}\nAnswer:",
+                               doc_to_target="{{choices.label.index(answerKey)}}", doc_to_choice="{{choices.text}}",
+                               metric_list=_ACC_NORM),
+        "hellaswag": _json_task("hellaswag", f["hellaswag"], output_type="multiple_choice",
+                                process_docs="!function utils.hellaswag", doc_to_text="{{query}}",
+                                doc_to_target="{{label}}", doc_to_choice="choices", metric_list=_ACC_NORM),
+        "winogrande": _json_task("winogrande", f["winogrande"], output_type="multiple_choice",
+                                 doc_to_text="!function utils.wino_text", doc_to_target="!function utils.wino_target",
+                                 doc_to_choice="!function utils.wino_choice", metric_list=_ACC),
+        "boolq": _json_task("boolq", f["boolq"], output_type="multiple_choice", process_docs="!function utils.boolq",
+                            doc_to_text="{{passage}}\nQuestion: {{question}}?\nAnswer:", doc_to_target="label",
+                            doc_to_choice=["no", "yes"], metric_list=_ACC),
+        "openbookqa": _json_task("openbookqa", f["openbookqa"], output_type="multiple_choice",
+                                 doc_to_text="question_stem", doc_to_target="{{choices.label.index(answerKey.lstrip())}}",
+                                 doc_to_choice="{{choices.text}}", metric_list=_ACC_NORM),
+        "lambada_openai": _json_task("lambada_openai", f["lambada_openai"], output_type="loglikelihood",
+                                     doc_to_text="{{text.split(' ')[:-1]|join(' ')}}",
+                                     doc_to_target="{{' '+text.split(' ')[-1]}}",
+                                     metric_list=[{"metric": "perplexity", "aggregation": "perplexity",
+                                                   "higher_is_better": False}] + _ACC),
+    }
+    specs["arc_challenge"] = dict(specs["arc_easy"], task=PREFIX + "arc_challenge",
+                                  dataset_kwargs={"data_files": {"test": str(f["arc_challenge"])}})
+    return specs
+
+
+def mmlu_specs(data_dir: Path) -> dict[str, dict]:
+    out = {}
+    for test in sorted((data_dir / "mmlu" / "test").glob("*_test.csv")):
+        subject = test.name[:-len("_test.csv")]
+        dev = data_dir / "mmlu" / "dev" / f"{subject}_dev.csv"
+        out[f"mmlu_{subject}"] = {
+            "task": f"{PREFIX}mmlu_{subject}", "dataset_path": "csv",
+            "dataset_kwargs": {"data_files": {"test": str(test), "dev": str(dev)}},
+            "test_split": "test", "fewshot_split": "dev", "fewshot_config": {"sampler": "first_n"},
+            "num_fewshot": 5, "output_type": "multiple_choice", "process_docs": "!function utils.mmlu",
+            "description": f"The following are multiple choice questions (with answers) about "
+                           f"{subject.replace('_', ' ')}.\n\n",
+            "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\n"
+                           "D. {{choices[3]}}\nAnswer:",
+            "doc_to_choice": ["A", "B", "C", "D"], "doc_to_target": "answer", "metric_list": _ACC,
+            "metadata": {"version": 1.0}}
+    return out
+
+
+UTILS = '''from bench.task_docs import arc, boolq, hellaswag, mmlu, piqa  # noqa: F401
+from lm_eval.tasks.winogrande.preprocess_winogrande import (doc_to_choice as wino_choice,  # noqa: F401
+    doc_to_target as wino_target, doc_to_text as wino_text)
+'''
+
+
+class _Fn(str):
+    pass
+
+
+def _fn_representer(dumper, data):
+    return dumper.represent_scalar("!function", str(data)[len("!function "):])
+
+
+def write_tasks(folder: Path, data_dir: Path, names: list[str]) -> list[str]:
+    """Write the YAMLs (+ utils.py) for the requested tasks; returns lm-eval task names to run."""
+    missing = [FILES[n] for n in names if n in FILES and not (data_dir / FILES[n]).is_file()]
+    if "mmlu" in names and not (data_dir / "mmlu" / "test").is_dir():
+        missing.append("mmlu/test/*.csv")
+    if missing:
+        raise UserError(f"task data missing under {data_dir}: {', '.join(missing)} (pass --data-dir with the "
+                        f"evaluation data folder).")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "utils.py").write_text(UTILS)
+    dumper = yaml.SafeDumper
+    dumper.add_representer(_Fn, _fn_representer)
+    specs = task_specs(data_dir)
+    run = []
+    for name in names:
+        chosen = mmlu_specs(data_dir) if name == "mmlu" else {name: specs[name]}
+        for key, spec in chosen.items():
+            spec = {k: (_Fn(v) if isinstance(v, str) and v.startswith("!function ") else v) for k, v in spec.items()}
+            (folder / f"{key}.yaml").write_text(yaml.dump(spec, Dumper=dumper, sort_keys=False, allow_unicode=True))
+            run.append(spec["task"])
+    return run
+
+
+def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: int | None = None) -> dict[str, Any]:
+    """{task: {metric: value, "n": examples}} plus "zeroshot_avg" when all seven zero-shot tasks ran."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    unknown = [n for n in names if n not in ALL_TASKS]
+    if unknown:
+        raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(ALL_TASKS)}.")
+    os.environ["LRQ_BENCH_TASK_DATA"] = str(data_dir)
+    device = str(next(model.parameters()).device)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = write_tasks(Path(tmp), data_dir, names)
+        tm = TaskManager(include_path=tmp, include_defaults=False)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=BATCH_SIZE, max_length=MAX_LENGTH,
+                  device=device, add_bos_token=ADD_BOS)
+        res = lm_eval.simple_evaluate(model=lm, tasks=run, task_manager=tm, limit=limit, bootstrap_iters=0,
+                                      log_samples=False, num_fewshot=None)
+    raw = res["results"]
+    out: dict[str, Any] = {}
+    n_samples = res.get("n-samples", {})
+    mmlu_n = mmlu_correct = 0.0
+    for task, metrics in raw.items():
+        name = task[len(PREFIX):]
+        vals = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and not k.split(",")[0].endswith("_stderr")}
+        n = (n_samples.get(task) or {}).get("effective")
+        if name.startswith("mmlu_"):
+            mmlu_n += n or 0
+            mmlu_correct += (n or 0) * vals.get("acc", 0.0)
+            continue
+        out[name] = vals | {"n": n}
+    if "mmlu" in names and mmlu_n:
+        out["mmlu"] = {"acc": mmlu_correct / mmlu_n, "n": mmlu_n}
+    if all(t in out for t in ZERO_SHOT):
+        out["zeroshot_avg"] = {"acc": sum(out[t].get(MAIN_METRIC[t], out[t].get("acc")) for t in ZERO_SHOT)
+                               / len(ZERO_SHOT), "n": None}
+    return out
