@@ -106,8 +106,8 @@ class PackedLinear(nn.Module):
         az = self.act_zero
         xq = torch.clamp(torch.round(x2 / self.act_scale) + az, 0, 255)
         xa = (xq - 128).to(torch.int8)
-        wa = (self.levels().to(torch.int16) - 128).to(torch.int8)
-        acc = torch._int_mm(xa, wa.t().contiguous()).to(torch.float64)   # [M, N] int32 -> exact in fp64
+        wa = (self.levels() ^ 128).view(torch.int8)   # q - 128 as int8, one pass
+        acc = torch._int_mm(xa, wa.t()).to(torch.float64)   # [M, N] int32 -> exact in fp64
         wz = self.zero[:, 0].double()
         k = self.in_features
         acc += xa.sum(dim=1, dtype=torch.int64).double().unsqueeze(1) * (128 - wz).unsqueeze(0)
