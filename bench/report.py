@@ -116,11 +116,12 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
         hw = e2e.iloc[-1]["config"]
         wide = e2e.pivot_table(index="scheme", columns="metric", values="value", aggfunc="last")
         body = [[sch, f"{r.get('prefill_tok_s', float('nan')):.1f}", f"{r.get('decode_tok_s', float('nan')):.2f}",
-                 f"{r.get('model_bytes', float('nan')) / 2**20:.1f} MiB"] for sch, r in wide.iterrows()]
+                 f"{r.get('model_bytes', float('nan')) / 2**20:.1f} MiB",
+                 f"{r.get('peak_rss_bytes', float('nan')) / 2**20:.0f} MiB"] for sch, r in wide.iterrows()]
         parts += ["### Inference speed (end to end)", "",
                   f"Prefill and greedy decode of the packed model vs bf16, {hw.get('threads', '?')} thread(s); "
                   "model bytes = every parameter and buffer.", "",
-                  tabulate(body, headers=["scheme", "prefill tok/s", "decode tok/s", "model size"],
+                  tabulate(body, headers=["scheme", "prefill tok/s", "decode tok/s", "model size", "peak RSS"],
                            tablefmt="github", disable_numparse=True), ""]
     lay = mdf[(mdf["dataset"] == "speed_layers") & mdf["metric"].str.endswith(" ms")]
     if not lay.empty:

@@ -85,8 +85,27 @@ def layer_latency(shapes: dict, ms: list[int], schemes=LAYER_SCHEMES, device: st
     return rows
 
 
+def e2e_isolated(schemes: list[str], prefill: int, decode: int, data_dir: str | None, model_name: str,
+                 with_bf16: bool = True) -> list[dict]:
+    """e2e with every configuration in its own process, so each peak RSS is its own (RSS never shrinks)."""
+    import subprocess
+    import tempfile
+    rows = []
+    for name in (["bf16"] if with_bf16 else []) + schemes:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "one.json"
+            cmd = [sys.executable, "-m", "bench.speed", "e2e", "--one", name, "--prefill", str(prefill),
+                   "--decode", str(decode), "--model", model_name, "--out", str(out)]
+            if data_dir:
+                cmd += ["--data-dir", data_dir]
+            subprocess.run(cmd, check=True)
+            rows += json.loads(out.read_text())["rows"]
+    return rows
+
+
 @torch.no_grad()
-def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, model_name: str) -> list[dict]:
+def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, model_name: str,
+        with_bf16: bool = True) -> list[dict]:
     from bench import data as D
     from bench.models import load_model
     from lrq.methods import get_method, load_methods
@@ -94,7 +113,7 @@ def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, mod
     from lrq.schemes import get_scheme
     load_methods()
     rows = []
-    for name in ["bf16"] + schemes:
+    for name in (["bf16"] if with_bf16 else []) + schemes:
         loaded = load_model(model_name)
         model, tok = loaded.model.to(torch.bfloat16).eval(), loaded.tokenizer
         if name != "bf16":
@@ -106,21 +125,25 @@ def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, mod
             sizes = pack_model(model)
         else:
             sizes = {"linear_bytes_bf16": 0, "linear_bytes_packed": 0}
+        from bench.measure import measure
         ids = torch.randint(100, 1000, (1, prefill), generator=torch.Generator().manual_seed(0))
         model(ids[:, :16])  # warm-up
-        t0 = time.perf_counter()
-        model(ids)
-        t_prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids[:, :16], max_new_tokens=decode, min_new_tokens=decode, do_sample=False,
-                             pad_token_id=tok.eos_token_id if tok is not None else 0)
-        t_decode = time.perf_counter() - t0
+        with measure() as mp:
+            model(ids)
+        t_prefill = mp.wall_s
+        with measure() as md:
+            out = model.generate(ids[:, :16], max_new_tokens=decode, min_new_tokens=decode, do_sample=False,
+                                 pad_token_id=tok.eos_token_id if tok is not None else 0)
+        t_decode = md.wall_s
         new = out.shape[1] - 16
         rows.append({"scheme": name, "prefill_tokens": prefill, "prefill_tok_s": prefill / t_prefill,
                      "decode_tokens": new, "decode_tok_s": new / t_decode,
-                     "model_bytes": weight_bytes(model), "linear_bytes": sizes["linear_bytes_packed"] or None})
+                     "model_bytes": weight_bytes(model), "linear_bytes": sizes["linear_bytes_packed"] or None,
+                     "peak_rss_bytes": max(mp.peak_rss_bytes, md.peak_rss_bytes),
+                     "peak_cuda_bytes": max(mp.peak_cuda_bytes or 0, md.peak_cuda_bytes or 0) or None})
         print(f"{name:<11} prefill {prefill / t_prefill:8.1f} tok/s  decode {new / t_decode:7.2f} tok/s  "
-              f"model {weight_bytes(model) / 2**20:7.1f} MiB", flush=True)
+              f"model {weight_bytes(model) / 2**20:7.1f} MiB  peak RSS {rows[-1]['peak_rss_bytes'] / 2**20:7.0f} MiB",
+              flush=True)
     return rows
 
 
@@ -135,7 +158,7 @@ def _store(rows: list[dict], kind: str, results: str, model: str) -> None:
     from bench.store import ResultStore, Row, unit_key
     store = ResultStore(results)
     metrics = {"layers": ("ms", "speedup_vs_bf16", "weight_bytes"),
-               "e2e": ("prefill_tok_s", "decode_tok_s", "model_bytes")}[kind]
+               "e2e": ("prefill_tok_s", "decode_tok_s", "model_bytes", "peak_rss_bytes")}[kind]
     out = []
     for r in rows:
         cfg = {k: v for k, v in r.items() if k not in metrics} | {"kind": kind, "threads": torch.get_num_threads()}
@@ -161,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--results", default=None, help="also store the figures in this results store")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # e2e worker: one configuration
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if args.what == "layers":
         rows = layer_latency(SHAPES[args.shapes], [int(m) for m in args.ms.split(",")], schemes, args.device)
+    elif args.one:
+        rows = e2e([] if args.one == "bf16" else [args.one], args.prefill, args.decode, args.data_dir, args.model,
+                   with_bf16=args.one == "bf16")
     else:
-        rows = e2e(schemes, args.prefill, args.decode, args.data_dir, args.model)
+        rows = e2e_isolated(schemes, args.prefill, args.decode, args.data_dir, args.model)
     doc = {"what": args.what, "device": args.device, **_provenance(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str))

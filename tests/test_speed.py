@@ -39,9 +39,9 @@ def test_report_shows_speed_sections(tmp_path):
     rows = speed.layer_latency({"tiny 48x64": (48, 64)}, [2], schemes=("w4a16",))
     speed._store(rows, "layers", str(tmp_path / "r.sqlite"), "tiny")
     e2e = [{"scheme": "bf16", "prefill_tokens": 8, "prefill_tok_s": 100.0, "decode_tokens": 4, "decode_tok_s": 5.0,
-            "model_bytes": 2**20, "linear_bytes": None},
+            "model_bytes": 2**20, "linear_bytes": None, "peak_rss_bytes": 2**28},
            {"scheme": "w4a16", "prefill_tokens": 8, "prefill_tok_s": 90.0, "decode_tokens": 4, "decode_tok_s": 4.0,
-            "model_bytes": 2**19, "linear_bytes": 1000}]
+            "model_bytes": 2**19, "linear_bytes": 1000, "peak_rss_bytes": 2**27}]
     speed._store(e2e, "e2e", str(tmp_path / "r.sqlite"), "tiny")
     md = markdown_report(ResultStore(tmp_path / "r.sqlite").rows(latest=True))
     assert "### Inference speed (end to end)" in md and "| w4a16    | 90.0" in md
