@@ -21,7 +21,7 @@ import os
 import torch
 
 from lrq.packing import unpack_bits
-from lrq.quant import expand_groups
+from lrq.quant import dequantize
 
 try:
     import triton
@@ -35,9 +35,7 @@ LARGE_M = 256   # from here on, dequantize + the vendor GEMM
 
 def reference_wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                         group_size: int | None, in_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    q = unpack_bits(packed, bits, in_features).float()
-    w = (q - expand_groups(zero.float(), group_size, in_features)) * expand_groups(scale.float(), group_size,
-                                                                                    in_features)
+    w = dequantize(unpack_bits(packed, bits, in_features), scale.float(), zero.float(), group_size)
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
