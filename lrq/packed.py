@@ -26,7 +26,7 @@ from torch import nn
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
 from lrq.packing import pack_bits, packed_words, unpack_bits
 from lrq.qlinear import QuantLinear
-from lrq.quant import expand_groups, n_groups, per_token_fake_quant
+from lrq.quant import dequantize, n_groups, per_token_fake_quant
 from lrq.schemes import Scheme
 
 
@@ -90,9 +90,7 @@ class PackedLinear(nn.Module):
         return unpack_bits(self.weight_packed, self.bits, self.in_features)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        s = expand_groups(self.scale.to(dtype), self.group_size, self.in_features)
-        z = expand_groups(self.zero.to(dtype), self.group_size, self.in_features)
-        return (self.levels().to(dtype) - z) * s
+        return dequantize(self.levels(), self.scale, self.zero, self.group_size, dtype)
 
     def storage_bytes(self) -> int:
         """Bytes held: the packed format plus, once built, the CPU int4 kernel's copy."""

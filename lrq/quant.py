@@ -88,10 +88,11 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               group_size: int | None = None) -> torch.Tensor:
-    """w_hat = (q - z) * s in float32."""
+               group_size: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_hat = (q - z) * s, computed in `dtype` (float32 by default)."""
     cols = q.shape[-1]
-    return (q.float() - expand_groups(zero, group_size, cols)) * expand_groups(scale, group_size, cols)
+    return ((q.to(dtype) - expand_groups(zero.to(dtype), group_size, cols))
+            * expand_groups(scale.to(dtype), group_size, cols))
 
 
 def fake_quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
