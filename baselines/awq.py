@@ -252,6 +252,7 @@ class AWQ(Method):
     name = "awq"
     summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
     defaults = {"quick": dict(QUICK), "paper": dict(SETTINGS)}
+    cost_rank = 5
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True

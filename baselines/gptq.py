@@ -211,6 +211,7 @@ class GPTQ(Method):
     name = "gptq"
     summary = "GPTQ: column-wise rounding with inverse-Hessian error feedback, true-sequential, act-order"
     defaults = {"quick": dict(SETTINGS), "paper": dict(SETTINGS)}
+    cost_rank = 5
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True

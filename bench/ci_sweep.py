@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 REFERENCE = Path(__file__).resolve().parent.parent / "reports" / "reference" / "ci_sweep.json"
-COMMON = ["--model", "smollm2-135m", "--datasets", "wikitext2", "--max-eval-tokens", "8192",
+COMMON = ["--profile", "full", "--tasks", "none", "--jobs", "1", "--model", "smollm2-135m", "--datasets", "wikitext2", "--max-eval-tokens", "8192",
           "--calib-samples", "16", "--calib-seq-len", "256"]
 SWEEP = [
     ["--methods", "rtn", "--schemes", "w3a16,w4a16-g128,w8a8"],

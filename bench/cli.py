@@ -17,7 +17,6 @@ from pathlib import Path
 
 from lrq.errors import UserError
 
-DEFAULT_DATASETS = "wikitext2,c4"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,14 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     r = sub.add_parser("run", help="quantize and evaluate every (method, scheme) cell")
+    r.add_argument("--profile", default=None, help="bundle of defaults below: sweep (the default: every method x "
+                   "scheme, evaluation slices, tasks on 10 examples; within 2 hours on 2 CPU cores), first-look "
+                   "(RTN only, within 10 minutes) or full (whole texts, all tasks); see bench/profiles.py")
     r.add_argument("--model", default="smollm2-135m", help="built-in name, hub id, local folder or .gguf file")
     r.add_argument("--methods", default=None, help="comma-separated methods (default: every registered method)")
     r.add_argument("--schemes", default=None, help="comma-separated schemes (default: the six standard schemes)")
-    r.add_argument("--datasets", default=DEFAULT_DATASETS, help="perplexity datasets (wikitext2,c4)")
+    r.add_argument("--datasets", default=None, help="perplexity datasets (wikitext2,c4)")
     r.add_argument("--data-dir", default=None, help="data folder (default: $LRQ_BENCH_DATA, else the hub)")
     r.add_argument("--results", default=None, help="SQLite results store (default: ~/.cache/lrq-bench/results.sqlite)")
     r.add_argument("--preset", default="quick", choices=["quick", "paper"], help="method settings preset")
-    r.add_argument("--max-eval-tokens", type=int, default=None, help="evaluate only the first N tokens of each text")
+    r.add_argument("--max-eval-tokens", type=int, default=None,
+                   help="evaluate only the first N tokens of each text (0: the whole text)")
     r.add_argument("--eval-seq-len", type=int, default=2048, help="perplexity window length")
     r.add_argument("--include-partial", action="store_true", help="also score the last partial window")
     r.add_argument("--calib-dataset", default=None, choices=["c4", "wikitext2"], help="default c4")
@@ -54,10 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration windows (default 128; the paper preset of lrq/flexround: 512)")
     r.add_argument("--calib-seq-len", type=int, default=None, help="default 512 (paper preset: 1024)")
     r.add_argument("--calib-sampling", default=None, choices=["random", "sequential"], help="default random")
-    r.add_argument("--tasks", default="", help="lm-eval accuracy tasks: comma-separated names from "
+    r.add_argument("--tasks", default=None, help="lm-eval accuracy tasks: comma-separated names from "
                    "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa,lambada_openai,mmlu, or "
-                   "'zeroshot' (the paper's seven), or 'all'")
-    r.add_argument("--task-limit", type=int, default=None, help="examples per task (quick looks; default all)")
+                   "'zeroshot' (the paper's seven), 'all' or 'none'")
+    r.add_argument("--task-limit", type=int, default=None, help="examples per task (0: all)")
+    r.add_argument("--jobs", default=None, help="cells run at once in worker processes on this machine, or 'auto' "
+                   "(2 on a CPU machine with >= 2 cores, 1 with a GPU)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method setting (repeatable), e.g. --set lr=5e-4")
     r.add_argument("--seed", type=int, default=0)
@@ -117,6 +122,15 @@ def cmd_run(args) -> int:
     from lrq.methods import get_method, load_methods
     from lrq.schemes import DEFAULT_SCHEMES, get_scheme
 
+    from bench.executor import LocalExecutor
+    from bench.profiles import DEFAULT_PROFILE, get_profile, resolve_jobs
+    prof = get_profile(args.profile or DEFAULT_PROFILE)
+    for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit", "jobs"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(prof, name))
+    args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
+    args.task_limit = args.task_limit if args.task_limit != 0 else None
+    executor = LocalExecutor(resolve_jobs(args.jobs))
     methods = _csv(args.methods) if args.methods else sorted(load_methods())
     methods = [m for m in methods if m != FP]
     for m in methods:
@@ -133,20 +147,21 @@ def cmd_run(args) -> int:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
     from bench.tasks import ALL_TASKS, ZERO_SHOT
-    tasks = {"": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
+    tasks = {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
     bad = [t for t in tasks if t not in ALL_TASKS]
     if bad:
         raise UserError(f"unknown task(s) {', '.join(bad)}: choose from {', '.join(ALL_TASKS)}, zeroshot or all.")
     if tasks and resolve_data_dir(args.data_dir) is None:
         raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
     if args.task_limit is not None and args.task_limit < 1:
-        raise UserError(f"--task-limit must be at least 1, got {args.task_limit}.")
+        raise UserError(f"--task-limit must be 0 (all) or at least 1, got {args.task_limit}.")
     store = ResultStore(args.results or _default_results())
 
     from bench.models import load_model
     load_model(args.model)  # bad model names fail before any work; also warms the cache
 
-    common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=_overrides(args.set),
+    overrides = dict(prof.method_settings) | _overrides(args.set)   # explicit --set wins over the profile
+    common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
                   seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit)
     given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
@@ -157,7 +172,9 @@ def cmd_run(args) -> int:
     needed = set(datasets) | {s.calib.dataset for s in specs if s.uses_calibration()}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
     t0 = time.perf_counter()
-    outcomes = run_cells(specs, store, force=args.force)
+    print(f"lrq-bench run: profile {prof.name}, {len(specs)} cells, {executor.jobs} at a time"
+          + (f" ({executor.threads} threads each)" if executor.jobs > 1 else ""), file=sys.stderr)
+    outcomes = run_cells(specs, store, force=args.force, executor=executor)
     wall = time.perf_counter() - t0
     rows = [r for r in store.rows(latest=True) if r.model == args.model]
     print(markdown_report(rows))

@@ -1,8 +1,8 @@
 """The runner: each (model, method, scheme) cell is an independent job described by a CellSpec.
 
 `execute_cell` is a pure function of its spec (it loads the model and data itself and returns rows),
-so an executor can run cells anywhere; `run_cells` decides what is missing from the store, runs it,
-and writes each unit of results atomically.
+so an executor can run cells anywhere; `run_cells` decides what is missing from the store, hands the cells to an executor (bench/executor.py:
+in this process, or in worker processes) and writes each unit of results atomically as it arrives.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-import traceback
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +17,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from bench import data as D
 from bench.measure import measure
@@ -227,27 +225,48 @@ class CellOutcome:
     wall_s: float = 0.0
 
 
-def run_cells(specs: list[CellSpec], store: ResultStore, force: bool = False) -> list[CellOutcome]:
-    """Run every cell not already in the store; a failing cell is reported and the others go on."""
-    run_id = uuid.uuid4().hex[:12]
-    outcomes = []
-    bar = tqdm(specs, desc="cells", unit="cell")
-    for spec in bar:
-        bar.set_postfix_str(spec.label())
+class _StoreSink:
+    """Writes each unit to the store the moment it arrives, and collects the outcomes."""
+
+    def __init__(self, store: ResultStore, run_id: str):
+        self.store, self.run_id = store, run_id
+        self.outcomes: dict[int, CellOutcome] = {}
+
+    def unit(self, job, unit: str, rows: list[Row]) -> None:
+        self.store.write_unit(rows, job.keys[unit], self.run_id)
+
+    def done(self, job, wall_s: float) -> None:
+        if not job.spec.is_fp:
+            shutil.rmtree(checkpoint_dir(job.spec), ignore_errors=True)  # results are safe: drop the resume state
+        self.outcomes[job.index] = CellOutcome(job.spec, "done", wall_s=wall_s)
+
+    def failed(self, job, error: str) -> None:
+        self.outcomes[job.index] = CellOutcome(job.spec, "failed", error)
+
+
+def run_cells(specs: list[CellSpec], store: ResultStore, force: bool = False, executor=None) -> list[CellOutcome]:
+    """Run every cell not already in the store (on `executor`, default: in this process, one by one);
+    a failing cell is reported and the others go on. Returns one outcome per spec, in order."""
+    from bench.executor import Job, LocalExecutor
+    executor = executor or LocalExecutor(jobs=1)
+    sink = _StoreSink(store, uuid.uuid4().hex[:12])
+    jobs = []
+    for i, spec in enumerate(specs):
         keys = spec.unit_keys()
-        todo = {u for u, k in keys.items() if force or not store.has_unit(k)}
-        if not todo:
-            outcomes.append(CellOutcome(spec, "reused"))
-            continue
-        try:
-            with measure() as m:
-                execute_cell(spec, todo, emit=lambda unit, rows: store.write_unit(rows, keys[unit], run_id))
-            if not spec.is_fp:
-                shutil.rmtree(checkpoint_dir(spec), ignore_errors=True)  # results are safe: drop the resume state
-            outcomes.append(CellOutcome(spec, "done", wall_s=m.wall_s))
-        except UserError:
-            raise
-        except Exception as e:  # a crash in one cell must not lose the others
-            log.error("cell %s failed:\n%s", spec.label(), traceback.format_exc())
-            outcomes.append(CellOutcome(spec, "failed", f"{type(e).__name__}: {e}"))
-    return outcomes
+        todo = frozenset(u for u, k in keys.items() if force or not store.has_unit(k))
+        if todo:
+            jobs.append(Job(i, spec, todo, keys))
+        else:
+            sink.outcomes[i] = CellOutcome(spec, "reused")
+    executor.run(sorted(jobs, key=lambda j: -cost_rank(j.spec)), sink)
+    return [sink.outcomes[i] for i in range(len(specs))]
+
+
+def cost_rank(spec: CellSpec) -> int:
+    """A coarse order of cell cost, so that parallel workers start the longest cells first (the sweep's
+    wall time is then close to total work / workers instead of ending on one long straggler)."""
+    if spec.is_fp:
+        return 0
+    method = get_method(spec.method)
+    rank = getattr(method, "cost_rank", 1)
+    return rank + (1 if spec.uses_calibration() else 0)

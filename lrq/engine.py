@@ -73,6 +73,7 @@ class ReconstructionMethod(Method):
     # CPU quick preset learning rates per scheme family (few steps need a larger rate; 8-bit grids are
     # 16x finer than 4-bit ones, so the same step in log-scale moves 16x more levels).
     quick_lr: ClassVar[dict[str, float]] = {}
+    cost_rank: ClassVar[int] = 10
     checkpoint_dir: Path | None = None   # set by the runner: where block checkpoints live for this cell
 
     @staticmethod

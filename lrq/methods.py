@@ -36,6 +36,9 @@ class Method:
     summary: ClassVar[str] = ""
     # Settings by preset; every key can be overridden from the CLI (--set key=value) and is recorded.
     defaults: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}, "paper": {}}
+    # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel
+    # executors start costly cells first.
+    cost_rank: ClassVar[int] = 1
 
     def config(self, preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         if preset not in self.defaults:

@@ -57,7 +57,7 @@ def test_missing_data_names_both_routes(tmp_path, monkeypatch):
 
 def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_path, capsys):
     results = tmp_path / "r.sqlite"
-    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16,w8a8",
+    args = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16,w8a8",
             "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
             "--max-eval-tokens", "1024", "--eval-seq-len", "256", "--calib-samples", "4", "--calib-seq-len", "64"]
     code, out, err = _run(args, capsys)
@@ -100,7 +100,7 @@ def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, d
     nor the WikiText-2 result, and the rerun computes only what is missing."""
     import bench.runner as runner
     results = tmp_path / "r.sqlite"
-    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
+    args = ["run", "--profile", "full", "--tasks", "none", "--jobs", "1", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
             "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
             "--max-eval-tokens", "512", "--eval-seq-len", "256"]
     real = runner.perplexity
@@ -146,7 +146,7 @@ def test_export_command_round_trips(tiny_model_dir, data_dir, tmp_path, capsys):
 def test_task_accuracy_through_lm_eval(tiny_model_dir, data_dir, tmp_path, capsys):
     """lm-eval scores the quantized model object on the offline task files; rows, average and report."""
     results = tmp_path / "r.sqlite"
-    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--datasets", "wikitext2",
+    args = ["run", "--profile", "full", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--datasets", "wikitext2",
             "--data-dir", str(data_dir), "--results", str(results), "--max-eval-tokens", "512", "--eval-seq-len", "256",
             "--tasks", "zeroshot", "--task-limit", "3"]
     code, out, err = _run(args, capsys)

@@ -63,7 +63,7 @@ def test_committed_tolerances_parse():
 def test_a_degraded_method_fails_the_gate(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
     """Run RTN, then run it again with a deliberately broken quantizer (ranges widened 1.8x): the
     perplexity worsens and the gate exits 1; the honest rerun passes."""
-    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w3a16", "--no-fp",
+    args = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w3a16", "--no-fp",
             "--datasets", "wikitext2", "--data-dir", str(data_dir), "--max-eval-tokens", "1024",
             "--eval-seq-len", "256"]
     assert main(args + ["--results", str(tmp_path / "base.sqlite")]) == 0

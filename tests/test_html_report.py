@@ -18,13 +18,15 @@ from bench.store import ResultStore
 def report(tiny_model_dir, data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("html")
     results = tmp / "r.sqlite"
-    args = ["run", "--model", str(tiny_model_dir), "--methods", "rtn,lrq", "--schemes", "w4a16,w3a16",
+    args = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn,lrq",
+            "--schemes", "w4a16,w3a16",
             "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
             "--max-eval-tokens", "1024", "--eval-seq-len", "256", "--calib-samples", "6", "--calib-seq-len", "32",
             "--set", "iters=2", "--set", "heldout_samples=2"]
     # --set applies to every method: run LRQ with its settings, RTN separately
-    assert main(args[:4] + ["rtn"] + args[5:-4]) == 0
-    assert main(args[:4] + ["lrq"] + args[5:] + ["--no-fp"]) == 0
+    i = args.index("--methods") + 1
+    assert main(args[:i] + ["rtn"] + args[i + 1:-4]) == 0
+    assert main(args[:i] + ["lrq"] + args[i + 1:] + ["--no-fp"]) == 0
     assert main(["report", "--results", str(results), "--out", str(tmp / "rep")]) == 0
     return results, tmp / "rep" / "leaderboard.html"
 

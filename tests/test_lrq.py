@@ -248,7 +248,7 @@ def test_lrq_and_flexround_through_the_cli(tiny_model_dir, data_dir, tmp_path, c
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     from bench.cli import main
     results = tmp_path / "r.sqlite"
-    code = main(["run", "--model", str(tiny_model_dir), "--methods", "lrq,flexround", "--schemes", "w4a16",
+    code = main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "lrq,flexround", "--schemes", "w4a16",
                  "--datasets", "wikitext2", "--data-dir", str(data_dir), "--results", str(results),
                  "--max-eval-tokens", "512", "--eval-seq-len", "256", "--calib-samples", "6", "--calib-seq-len", "32",
                  "--set", "iters=4", "--set", "heldout_samples=2"])

@@ -1,0 +1,195 @@
+"""Executors: where the runner's cells run.
+
+The runner (bench/runner.py) decides *what* to run (the cells with units missing from the store) and owns
+the store: every unit of results reaches the driver and is written there, the moment it is measured, so
+no worker ever opens the SQLite file. An executor decides *where* cells run:
+
+- `LocalExecutor(jobs=1)`: in this process, one after the other (the default on one device);
+- `LocalExecutor(jobs=N)`: N worker processes on this machine, each with its share of the CPU threads.
+  A 135M-parameter model does not keep two cores busy with one process, so on a small CPU machine two
+  single-threaded workers finish a sweep much sooner than one process with two threads.
+
+A failing cell (an exception, or a worker that dies: killed, out of memory) is reported as failed and the
+others go on; bad input (`UserError`) stops the whole run, as it would stop every cell.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from tqdm.auto import tqdm
+
+from lrq.errors import UserError
+
+log = logging.getLogger("lrq_bench")
+
+
+@dataclass
+class Job:
+    """One cell to run: its spec, the units still missing, and their store keys."""
+    index: int
+    spec: "CellSpec"  # noqa: F821 (bench.runner imports this module)
+    todo: frozenset[str]
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+class Sink(Protocol):
+    """What an executor reports to the runner (called in the driver process only)."""
+    def unit(self, job: Job, unit: str, rows: list) -> None: ...
+    def done(self, job: Job, wall_s: float) -> None: ...
+    def failed(self, job: Job, error: str) -> None: ...
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def run_job(job: Job, emit: Callable[[str, list], None]) -> float:
+    """Run one cell here; return its wall time. Used in-process and inside workers."""
+    from bench.measure import measure
+    from bench.runner import execute_cell
+    with measure() as m:
+        execute_cell(job.spec, set(job.todo), emit=emit)
+    return m.wall_s
+
+
+class LocalExecutor:
+    def __init__(self, jobs: int = 1, threads: int | None = None):
+        if jobs < 1:
+            raise UserError(f"--jobs must be at least 1, got {jobs}.")
+        self.jobs = jobs
+        # threads per worker: an explicit OMP_NUM_THREADS wins, else the machine's CPUs shared out
+        env = os.environ.get("OMP_NUM_THREADS")
+        self.threads = threads or (int(env) if env and env.isdigit() else max(1, available_cpus() // jobs))
+
+    def describe(self) -> dict:
+        return {"executor": "local", "jobs": self.jobs, "threads_per_job": self.threads if self.jobs > 1 else None}
+
+    def run(self, jobs: list[Job], sink: Sink) -> None:
+        if self.jobs == 1 or len(jobs) <= 1:
+            self._run_inline(jobs, sink)
+        else:
+            self._run_processes(jobs, sink)
+
+    # ---- in this process ---------------------------------------------------------------------------
+    def _run_inline(self, jobs: list[Job], sink: Sink) -> None:
+        bar = tqdm(jobs, desc="cells", unit="cell")
+        for job in bar:
+            bar.set_postfix_str(job.spec.label())
+            try:
+                wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows))
+            except UserError:
+                raise
+            except Exception as e:  # a crash in one cell must not lose the others
+                log.error("cell %s failed:\n%s", job.spec.label(), traceback.format_exc())
+                sink.failed(job, f"{type(e).__name__}: {e}")
+                continue
+            sink.done(job, wall)
+
+    # ---- worker processes --------------------------------------------------------------------------
+    def _run_processes(self, jobs: list[Job], sink: Sink) -> None:
+        ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
+        q = ctx.Queue()
+        pending = deque(jobs)
+        running: dict[int, tuple] = {}        # job index -> (process, job)
+        ended: set[int] = set()               # jobs whose final message arrived
+        by_index = {j.index: j for j in jobs}
+        bar = tqdm(total=len(jobs), desc="cells", unit="cell")
+        n_failed = 0
+
+        def handle(msg) -> None:
+            nonlocal n_failed
+            kind, idx, payload = msg
+            job = by_index[idx]
+            if kind == "unit":
+                sink.unit(job, *payload)
+                return
+            ended.add(idx)
+            bar.update(1)
+            if kind == "done":
+                sink.done(job, payload)
+            elif kind == "user_error":
+                raise UserError(payload)
+            else:
+                n_failed += 1
+                error, tb = payload
+                log.error("cell %s failed:\n%s", job.spec.label(), tb)
+                sink.failed(job, error)
+
+        def postfix() -> None:
+            names = ", ".join(f"{j.spec.method} {j.spec.scheme}" for _, j in running.values())
+            bar.set_postfix_str(f"running: {names}" + (f" | failed: {n_failed}" if n_failed else ""))
+
+        try:
+            while pending or running:
+                while pending and len(running) < self.jobs:
+                    job = pending.popleft()
+                    p = ctx.Process(target=_worker, args=(job, q, self.threads), daemon=True,
+                                    name=f"lrq-bench cell {job.spec.label()}")
+                    p.start()
+                    running[job.index] = (p, job)
+                    postfix()
+                try:
+                    handle(q.get(timeout=0.5))
+                except queue_mod.Empty:
+                    pass
+                for idx, (p, job) in list(running.items()):
+                    if idx in ended:
+                        p.join()
+                        del running[idx]
+                        postfix()
+                    elif not p.is_alive():
+                        # the final message may still be in the pipe: read what is there first
+                        deadline = time.monotonic() + 2.0
+                        while idx not in ended and time.monotonic() < deadline:
+                            try:
+                                handle(q.get(timeout=0.2))
+                            except queue_mod.Empty:
+                                pass
+                        if idx not in ended:
+                            ended.add(idx)
+                            bar.update(1)
+                            n_failed += 1
+                            code = p.exitcode
+                            why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+                            sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
+                                             f"finished are stored; rerun the same command to finish the cell")
+                        del running[idx]
+                        postfix()
+        except BaseException:
+            for p, _ in running.values():
+                p.terminate()
+            for p, _ in running.values():
+                p.join(timeout=10)
+            raise
+        finally:
+            bar.close()
+
+
+def _worker(job: Job, q, threads: int) -> None:
+    """Entry point of a worker process: run one cell, send each unit and the outcome to the driver."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
+    try:
+        wall = run_job(job, lambda unit, rows: q.put(("unit", job.index, (unit, rows))))
+        q.put(("done", job.index, wall))
+    except UserError as e:
+        q.put(("user_error", job.index, str(e)))
+    except BaseException as e:  # noqa: BLE001 (reported to the driver, which decides)
+        q.put(("failed", job.index, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+    finally:
+        q.close()
+        q.join_thread()  # everything sent reaches the pipe before the process exits
