@@ -98,7 +98,8 @@ class CellSpec:
             from bench import tasks as T
             keys["tasks"] = unit_key(self.quant_identity(dd) | {
                 "tasks": sorted(self.tasks), "limit": self.task_limit, "data": D.data_fingerprint("wikitext2", dd),
-                "protocol": {"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS}})
+                "protocol": {"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS}
+                | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in self.tasks else {})})
         return keys
 
 
@@ -192,7 +193,10 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
             res = T.evaluate_tasks(model, tok, list(spec.tasks), data_dir, spec.task_limit)
         cfg = base_cfg | {"tasks": {"names": list(spec.tasks), "limit": spec.task_limit, "batch_size": T.BATCH_SIZE,
                                     "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS,
-                                    "main_metric": T.MAIN_METRIC}}
+                                    "main_metric": T.MAIN_METRIC}
+                          | ({"mmlu_protocol": f"{T.MMLU_SHOTS}-shot from the dev split, shots dropped last first "
+                                               f"while the prompt exceeds {T.MAX_LENGTH} tokens; limit = questions "
+                                               f"per subject"} if "mmlu" in spec.tasks else {})}
         rows = []
         for task, metrics in res.items():
             for metric, value in metrics.items():

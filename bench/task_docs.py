@@ -39,6 +39,22 @@ def hellaswag(dataset):
     return process_docs(dataset)
 
 
-def mmlu(dataset):
-    return dataset.map(lambda d: {"choices": [d["choice0"], d["choice1"], d["choice2"], d["choice3"]],
-                                  "answer": int(d["answer"])})
+def _mmlu_block(row: dict) -> str:
+    return (f"{str(row['question']).strip()}\nA. {row['choice0']}\nB. {row['choice1']}\nC. {row['choice2']}\n"
+            f"D. {row['choice3']}\nAnswer:")
+
+
+def mmlu_prompt(row: dict, shots: list[dict], subject: str, max_length: int, tokenizer=None) -> tuple[str, int]:
+    """MMLU k-shot prompt for `row`: the largest k <= len(shots) whose tokens, with the one-token answer,
+    fit `max_length` (METHOD.md 5: shots are dropped, last first, as the original MMLU evaluation does;
+    lm-eval's sampler would cut the prompt from the left instead, mid-shot). The text is what lm-eval's
+    few-shot sampler writes: description, each shot as "<question block> <letter>" followed by a blank
+    line, then the question block ending in "Answer:". Returns (prompt, k)."""
+    header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    blocks = [f"{_mmlu_block(s)} {'ABCD'[int(s['answer'])]}\n\n" for s in shots]
+    end = _mmlu_block(row)
+    for k in range(len(blocks), -1, -1):
+        prompt = header + "".join(blocks[:k]) + end
+        if tokenizer is None or len(tokenizer(prompt + " A", add_special_tokens=False)["input_ids"]) <= max_length:
+            break
+    return prompt, k

@@ -10,7 +10,10 @@ Tasks: the paper's seven zero-shot tasks (piqa, arc_easy, arc_challenge, hellasw
 openbookqa; their average, acc_norm where lm-eval reports it for the task as the LRQ paper does, else acc),
 lambada_openai, and MMLU 5-shot (dev rows as shots, "The following are multiple choice questions (with
 answers) about {subject}." header, the letter with the highest log-likelihood, accuracy over all test
-questions). Deviation: lm-eval truncates an over-long prompt from the left instead of dropping shots.
+questions; shots dropped, last first, while the prompt exceeds 2048 tokens). MMLU prompts are built
+here with the model's tokenizer (bench/task_docs.mmlu_prompt, the same text lm-eval's few-shot sampler
+writes) into one JSONL file, scored by lm-eval as one zero-shot multiple-choice task, so accuracy is over
+all test questions; `--task-limit N` takes the first N questions of every subject.
 """
 
 from __future__ import annotations
@@ -83,26 +86,40 @@ def task_specs(data_dir: Path) -> dict[str, dict]:
     return specs
 
 
-def mmlu_specs(data_dir: Path) -> dict[str, dict]:
-    out = {}
-    for test in sorted((data_dir / "mmlu" / "test").glob("*_test.csv")):
-        subject = test.name[:-len("_test.csv")]
-        dev = data_dir / "mmlu" / "dev" / f"{subject}_dev.csv"
-        out[f"mmlu_{subject}"] = {
-            "task": f"{PREFIX}mmlu_{subject}", "dataset_path": "csv",
-            "dataset_kwargs": {"data_files": {"test": str(test), "dev": str(dev)}},
-            "test_split": "test", "fewshot_split": "dev", "fewshot_config": {"sampler": "first_n"},
-            "num_fewshot": 5, "output_type": "multiple_choice", "process_docs": "!function utils.mmlu",
-            "description": f"The following are multiple choice questions (with answers) about "
-                           f"{subject.replace('_', ' ')}.\n\n",
-            "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\n"
-                           "D. {{choices[3]}}\nAnswer:",
-            "doc_to_choice": ["A", "B", "C", "D"], "doc_to_target": "answer", "metric_list": _ACC,
-            "metadata": {"version": 1.0}}
-    return out
+def write_mmlu(folder: Path, data_dir: Path, tokenizer, limit: int | None) -> tuple[dict, dict]:
+    """Build every MMLU test prompt (5 shots from the subject's dev rows, dropped while too long) into
+    folder/mmlu.jsonl; returns (the lm-eval task spec, shot statistics)."""
+    import csv
+    import json
+
+    from bench.task_docs import mmlu_prompt
+    tests = sorted((data_dir / "mmlu" / "test").glob("*_test.csv"))
+    shots_used = []
+    with open(folder / "mmlu.jsonl", "w") as out:
+        for test in tests:
+            subject = test.name[:-len("_test.csv")]
+            dev = data_dir / "mmlu" / "dev" / f"{subject}_dev.csv"
+            if not dev.is_file():
+                raise UserError(f"MMLU shots missing: {dev} (the dev split gives the 5 shots; pass --data-dir with "
+                                f"the evaluation data folder).")
+            with open(dev, newline="") as f:
+                shots = list(csv.DictReader(f))[:MMLU_SHOTS]
+            with open(test, newline="") as f:
+                rows = list(csv.DictReader(f))[:limit]
+            for row in rows:
+                prompt, k = mmlu_prompt(row, shots, subject, MAX_LENGTH, tokenizer)
+                shots_used.append(k)
+                out.write(json.dumps({"subject": subject, "prompt": prompt, "answer": int(row["answer"])}) + "\n")
+    spec = _json_task("mmlu", folder / "mmlu.jsonl", output_type="multiple_choice", num_fewshot=0,
+                      doc_to_text="{{prompt}}", doc_to_choice=["A", "B", "C", "D"], doc_to_target="answer",
+                      metric_list=_ACC)
+    stats = {"mean_shots": sum(shots_used) / max(len(shots_used), 1),
+             "questions_with_dropped_shots": sum(k < MMLU_SHOTS for k in shots_used)}
+    return spec, stats
 
 
-UTILS = '''from bench.task_docs import arc, boolq, hellaswag, mmlu, piqa  # noqa: F401
+MMLU_SHOTS = 5
+UTILS = '''from bench.task_docs import arc, boolq, hellaswag, piqa  # noqa: F401
 from lm_eval.tasks.winogrande.preprocess_winogrande import (doc_to_choice as wino_choice,  # noqa: F401
     doc_to_target as wino_target, doc_to_text as wino_text)
 '''
@@ -116,8 +133,10 @@ def _fn_representer(dumper, data):
     return dumper.represent_scalar("!function", str(data)[len("!function "):])
 
 
-def write_tasks(folder: Path, data_dir: Path, names: list[str]) -> list[str]:
-    """Write the YAMLs (+ utils.py) for the requested tasks; returns lm-eval task names to run."""
+def write_tasks(folder: Path, data_dir: Path, names: list[str], tokenizer=None, limit: int | None = None
+                ) -> tuple[list[str], dict]:
+    """Write the YAMLs (+ utils.py, + mmlu.jsonl) for the requested tasks; returns the lm-eval task names to
+    run and MMLU's shot statistics (empty without MMLU)."""
     missing = [FILES[n] for n in names if n in FILES and not (data_dir / FILES[n]).is_file()]
     if "mmlu" in names and not (data_dir / "mmlu" / "test").is_dir():
         missing.append("mmlu/test/*.csv")
@@ -129,18 +148,21 @@ def write_tasks(folder: Path, data_dir: Path, names: list[str]) -> list[str]:
     dumper = yaml.SafeDumper
     dumper.add_representer(_Fn, _fn_representer)
     specs = task_specs(data_dir)
-    run = []
+    run, mmlu_stats = [], {}
     for name in names:
-        chosen = mmlu_specs(data_dir) if name == "mmlu" else {name: specs[name]}
-        for key, spec in chosen.items():
-            spec = {k: (_Fn(v) if isinstance(v, str) and v.startswith("!function ") else v) for k, v in spec.items()}
-            (folder / f"{key}.yaml").write_text(yaml.dump(spec, Dumper=dumper, sort_keys=False, allow_unicode=True))
-            run.append(spec["task"])
-    return run
+        if name == "mmlu":
+            spec, mmlu_stats = write_mmlu(folder, data_dir, tokenizer, limit)
+        else:
+            spec = specs[name]
+        spec = {k: (_Fn(v) if isinstance(v, str) and v.startswith("!function ") else v) for k, v in spec.items()}
+        (folder / f"{name}.yaml").write_text(yaml.dump(spec, Dumper=dumper, sort_keys=False, allow_unicode=True))
+        run.append(spec["task"])
+    return run, mmlu_stats
 
 
 def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: int | None = None) -> dict[str, Any]:
-    """{task: {metric: value, "n": examples}} plus "zeroshot_avg" when all seven zero-shot tasks ran."""
+    """{task: {metric: value, "n": examples}} plus "zeroshot_avg" when all seven zero-shot tasks ran.
+    `limit`: examples per task (MMLU: questions per subject)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -150,28 +172,28 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
         raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(ALL_TASKS)}.")
     os.environ["LRQ_BENCH_TASK_DATA"] = str(data_dir)
     device = str(next(model.parameters()).device)
+    raw: dict[str, Any] = {}
+    n_samples: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        run = write_tasks(Path(tmp), data_dir, names)
+        run, mmlu_stats = write_tasks(Path(tmp), data_dir, names, tokenizer, limit)
         tm = TaskManager(include_path=tmp, include_defaults=False)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=BATCH_SIZE, max_length=MAX_LENGTH,
                   device=device, add_bos_token=ADD_BOS)
-        res = lm_eval.simple_evaluate(model=lm, tasks=run, task_manager=tm, limit=limit, bootstrap_iters=0,
-                                      log_samples=False, num_fewshot=None)
-    raw = res["results"]
+        mmlu = PREFIX + "mmlu"
+        # mmlu.jsonl already holds the first `limit` questions of every subject: no global limit on it
+        for tasks, lim in (([t for t in run if t != mmlu], limit), ([t for t in run if t == mmlu], None)):
+            if tasks:
+                res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=lim, bootstrap_iters=0,
+                                              log_samples=False, num_fewshot=None)
+                raw.update(res["results"])
+                n_samples.update(res.get("n-samples", {}))
     out: dict[str, Any] = {}
-    n_samples = res.get("n-samples", {})
-    mmlu_n = mmlu_correct = 0.0
     for task, metrics in raw.items():
         name = task[len(PREFIX):]
         vals = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and not k.split(",")[0].endswith("_stderr")}
-        n = (n_samples.get(task) or {}).get("effective")
-        if name.startswith("mmlu_"):
-            mmlu_n += n or 0
-            mmlu_correct += (n or 0) * vals.get("acc", 0.0)
-            continue
-        out[name] = vals | {"n": n}
-    if "mmlu" in names and mmlu_n:
-        out["mmlu"] = {"acc": mmlu_correct / mmlu_n, "n": mmlu_n}
+        out[name] = vals | {"n": (n_samples.get(task) or {}).get("effective")}
+    if "mmlu" in out:
+        out["mmlu"].update(mmlu_stats)
     if all(t in out for t in ZERO_SHOT):
         out["zeroshot_avg"] = {"acc": sum(out[t].get(MAIN_METRIC[t], out[t].get("acc")) for t in ZERO_SHOT)
                                / len(ZERO_SHOT), "n": None}
