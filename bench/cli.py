@@ -61,8 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa,lambada_openai,mmlu, or "
                    "'zeroshot' (the paper's seven), 'all' or 'none'")
     r.add_argument("--task-limit", type=int, default=None, help="examples per task (0: all)")
-    r.add_argument("--jobs", default=None, help="cells run at once in worker processes on this machine, or 'auto' "
-                   "(2 on a CPU machine with >= 2 cores, 1 with a GPU)")
+    r.add_argument("--jobs", default=None, help="local executor: cells run at once in worker processes on this "
+                   "machine, or 'auto' (2 on a CPU machine with >= 2 cores, 1 with a GPU)")
+    r.add_argument("--executor", default="local", choices=["local", "ray"],
+                   help="where cells run: this machine (local) or a Ray cluster (ray)")
+    r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local cluster)")
+    r.add_argument("--retries", type=int, default=2, help="ray: attempts after the first for a failing cell")
+    r.add_argument("--cpus-per-cell", type=int, default=1, help="ray, CPU clusters: CPUs each cell asks for")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method setting (repeatable), e.g. --set lr=5e-4")
     r.add_argument("--seed", type=int, default=0)
@@ -130,7 +135,11 @@ def cmd_run(args) -> int:
             setattr(args, name, getattr(prof, name))
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
     args.task_limit = args.task_limit if args.task_limit != 0 else None
-    executor = LocalExecutor(resolve_jobs(args.jobs))
+    if args.executor == "ray":
+        from bench.executor import RayExecutor
+        executor = RayExecutor(args.ray_address, retries=args.retries, cpus_per_cell=args.cpus_per_cell)
+    else:
+        executor = LocalExecutor(resolve_jobs(args.jobs))
     methods = _csv(args.methods) if args.methods else sorted(load_methods())
     methods = [m for m in methods if m != FP]
     for m in methods:
@@ -172,8 +181,9 @@ def cmd_run(args) -> int:
     needed = set(datasets) | {s.calib.dataset for s in specs if s.uses_calibration()}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
     t0 = time.perf_counter()
-    print(f"lrq-bench run: profile {prof.name}, {len(specs)} cells, {executor.jobs} at a time"
-          + (f" ({executor.threads} threads each)" if executor.jobs > 1 else ""), file=sys.stderr)
+    where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
+             f"{executor.jobs} at a time" + (f" ({executor.threads} threads each)" if executor.jobs > 1 else ""))
+    print(f"lrq-bench run: profile {prof.name}, {len(specs)} cells, {where}", file=sys.stderr)
     outcomes = run_cells(specs, store, force=args.force, executor=executor)
     wall = time.perf_counter() - t0
     rows = [r for r in store.rows(latest=True) if r.model == args.model]

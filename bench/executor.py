@@ -193,3 +193,138 @@ def _worker(job: Job, q, threads: int) -> None:
     finally:
         q.close()
         q.join_thread()  # everything sent reaches the pipe before the process exits
+
+
+# ---- Ray ----------------------------------------------------------------------------------------------
+
+class RayExecutor:
+    """Cells as Ray tasks on a cluster (`ray start` on each node, or a local cluster when no address is
+    given). Each cell declares its resources: one GPU (and one CPU) when the cluster has GPUs, else
+    `cpus_per_cell` CPUs. Units travel to the driver through a Ray queue as they are measured and the
+    driver writes them (SQLite on a shared disk is not safe across nodes). A failed attempt is retried up
+    to `retries` times without the units already received; then the cell is reported as failed. Every
+    node needs the model and the data folder at the same paths (a shared disk) and this package installed.
+    """
+
+    def __init__(self, address: str | None = None, retries: int = 2, cpus_per_cell: int = 1,
+                 num_cpus: int | None = None):
+        if retries < 0 or cpus_per_cell < 1:
+            raise UserError("--retries must be >= 0 and --cpus-per-cell >= 1.")
+        self.address, self.retries, self.cpus_per_cell, self.num_cpus = address, retries, cpus_per_cell, num_cpus
+        self.jobs = None  # set from the cluster's resources at run time
+
+    def describe(self) -> dict:
+        return {"executor": "ray", "address": self.address or "local cluster", "retries": self.retries,
+                "cpus_per_cell": self.cpus_per_cell}
+
+    def _init(self):
+        try:
+            import ray
+        except ImportError:
+            raise UserError("--executor ray needs Ray: pip install 'lrq-bench[ray]' (or pip install ray).") from None
+        started = False
+        if not ray.is_initialized():
+            kw = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            if self.address:
+                kw["address"] = self.address
+            else:
+                kw["num_cpus"] = self.num_cpus or available_cpus()
+            try:
+                ray.init(**kw)
+            except ConnectionError as e:
+                raise UserError(f"cannot reach the Ray cluster at {self.address!r}: {e}. Start it with `ray start "
+                                f"--head` (and `ray start --address ...` on the other nodes), or leave out "
+                                f"--ray-address for a local cluster.") from None
+            started = True
+        return ray, started
+
+    def run(self, jobs: list[Job], sink: Sink) -> None:
+        if not jobs:
+            return
+        ray, started = self._init()
+        from ray.util.queue import Empty, Queue
+        try:
+            res = ray.cluster_resources()
+            gpus = int(res.get("GPU", 0))
+            opts = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": self.cpus_per_cell}
+            threads = 1 if gpus else self.cpus_per_cell
+            self.jobs = gpus or max(1, int(res.get("CPU", 1)) // self.cpus_per_cell)
+            q = Queue()
+            remote = ray.remote(_ray_cell).options(max_retries=0, **opts)  # retries are ours: counted, reported
+            by_index = {j.index: j for j in jobs}
+            received: dict[int, set[str]] = {j.index: set() for j in jobs}
+            attempts: dict[int, int] = {}
+            running: set[int] = set()
+            refs: dict = {}
+
+            def submit(job: Job) -> None:
+                attempts[job.index] = attempts.get(job.index, 0) + 1
+                todo = frozenset(job.todo - received[job.index])
+                refs[remote.remote(Job(job.index, job.spec, todo, job.keys), q, threads, attempts[job.index])] = job
+
+            for job in jobs:
+                submit(job)
+            bar = tqdm(total=len(jobs), desc="cells", unit="cell")
+            n_failed = 0
+
+            def drain() -> None:
+                try:
+                    msgs = q.get_nowait_batch(q.qsize())
+                except Empty:
+                    msgs = []
+                for kind, idx, payload in msgs:
+                    if kind == "start":
+                        running.add(idx)
+                    elif kind == "unit" and payload[0] not in received[idx]:
+                        received[idx].add(payload[0])
+                        sink.unit(by_index[idx], *payload)
+                bar.set_postfix_str(f"running: {len(running)}" + (f" | failed: {n_failed}" if n_failed else ""))
+
+            try:
+                while refs:
+                    ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+                    drain()
+                    for ref in ready:
+                        job = refs.pop(ref)
+                        running.discard(job.index)
+                        try:
+                            kind, payload = ray.get(ref)
+                        except Exception as e:  # the worker or its node died
+                            kind, payload = "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
+                        drain()  # units sent just before the end
+                        if kind == "done":
+                            bar.update(1)
+                            sink.done(job, payload)
+                        elif kind == "user_error":
+                            raise UserError(payload)
+                        elif attempts[job.index] <= self.retries:
+                            log.warning("cell %s failed (attempt %d of %d), retrying: %s", job.spec.label(),
+                                        attempts[job.index], self.retries + 1, payload[0])
+                            submit(job)
+                        else:
+                            n_failed += 1
+                            bar.update(1)
+                            log.error("cell %s failed after %d attempts:\n%s", job.spec.label(), attempts[job.index],
+                                      payload[1])
+                            sink.failed(job, f"{payload[0]} (after {attempts[job.index]} attempts)")
+            finally:
+                for ref in refs:
+                    ray.cancel(ref, force=True)
+                bar.close()
+        finally:
+            if started:
+                ray.shutdown()
+
+
+def _ray_cell(job: Job, q, threads: int, attempt: int):
+    """A Ray task: run one cell, push each unit to the driver's queue; returns (kind, payload)."""
+    import torch
+    torch.set_num_threads(threads)
+    q.put(("start", job.index, attempt))
+    try:
+        wall = run_job(job, lambda unit, rows: q.put(("unit", job.index, (unit, rows))))
+        return "done", wall
+    except UserError as e:
+        return "user_error", str(e)
+    except Exception as e:  # noqa: BLE001 (reported to the driver, which retries or reports)
+        return "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
