@@ -75,6 +75,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-fp", action="store_true", help="skip the floating-point reference row")
     r.add_argument("--out", default=None, help="also write the leaderboard to this folder")
 
+    pl = sub.add_parser("plan", help="estimated time and memory of every cell from a model's shape (no weights)")
+    pl.add_argument("--model", default="smollm2-135m",
+                    help="built-in shape (llama-2-7b, llama-2-13b, llama-2-70b, smollm2-135m), config.json, folder or hub id")
+    pl.add_argument("--profile", default=None, help="run profile whose defaults to plan (as for `run`)")
+    pl.add_argument("--methods", default=None)
+    pl.add_argument("--schemes", default=None)
+    pl.add_argument("--preset", default="quick", choices=["quick", "paper"])
+    pl.add_argument("--datasets", default=None)
+    pl.add_argument("--max-eval-tokens", type=int, default=None, help="0: the whole text")
+    pl.add_argument("--eval-seq-len", type=int, default=2048)
+    pl.add_argument("--calib-samples", type=int, default=None)
+    pl.add_argument("--calib-seq-len", type=int, default=None)
+    pl.add_argument("--tasks", default=None)
+    pl.add_argument("--task-limit", type=int, default=None)
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--gpus", type=int, default=None,
+                    help="devices working in parallel (default: the run's --jobs for the profile on this machine)")
+    pl.add_argument("--machine-profile", default=None, help="a profile JSON measured on another machine "
+                    "(`lrq-bench plan --save-profile FILE` there); default: measured here once and cached")
+    pl.add_argument("--save-profile", default=None, help="also write this machine's profile to FILE")
+    pl.add_argument("--remeasure", action="store_true", help="measure this machine's profile again")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     ex = sub.add_parser("export", help="quantize with one method and scheme, save in the compressed-tensors "
                                        "pack-quantized layout")
     ex.add_argument("--model", default="smollm2-135m")
@@ -167,7 +190,7 @@ def cmd_run(args) -> int:
     store = ResultStore(args.results or _default_results())
 
     from bench.models import load_model
-    load_model(args.model)  # bad model names fail before any work; also warms the cache
+    loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
 
     overrides = dict(prof.method_settings) | _overrides(args.set)   # explicit --set wins over the profile
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
@@ -180,6 +203,18 @@ def cmd_run(args) -> int:
               for m in methods for s in schemes]
     needed = set(datasets) | {s.calib.dataset for s in specs if s.uses_calibration()}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
+    if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
+        from bench import plan as P
+        shape = P.shape_from_config(args.model, loaded.model.config)
+        dev = "cuda" if torch_cuda() else "cpu"
+        dev_avail = None
+        if dev == "cuda":
+            import torch
+            dev_avail = torch.cuda.mem_get_info()[1]
+        host_avail = P.host_memory_available() // executor.jobs
+        for s in specs:
+            if not s.is_fp:
+                P.check_fits(shape, s.method, s.calib.n_samples, s.calib.seq_len, dev, host_avail, dev_avail)
     t0 = time.perf_counter()
     where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
              f"{executor.jobs} at a time" + (f" ({executor.threads} threads each)" if executor.jobs > 1 else ""))
@@ -197,6 +232,75 @@ def cmd_run(args) -> int:
         if o.status == "failed":
             print(f"FAILED {o.spec.label()}: {o.error}", file=sys.stderr)
     return 1 if counts["failed"] else 0
+
+
+FULL_EVAL_TOKENS = {"wikitext2": 300_000, "c4": 256 * 2048}   # whole texts, for planning
+
+
+def cmd_plan(args) -> int:
+    from tabulate import tabulate
+
+    from bench import plan as P
+    from bench.profiles import DEFAULT_PROFILE, get_profile, resolve_jobs
+    from bench.runner import resolve_calib
+    from bench.tasks import ALL_TASKS, ZERO_SHOT
+    from lrq.methods import get_method, load_methods
+    from lrq.schemes import DEFAULT_SCHEMES, get_scheme
+
+    prof = get_profile(args.profile or DEFAULT_PROFILE)
+    for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(prof, name))
+    shape = P.load_shape(args.model)
+    methods = [m for m in (_csv(args.methods) if args.methods else sorted(load_methods())) if m != "fp"]
+    for m in methods:
+        get_method(m)
+    schemes = [get_scheme(s).name for s in (_csv(args.schemes) if args.schemes else DEFAULT_SCHEMES)]
+    tasks = {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
+    limit = args.task_limit or None
+    eval_tokens = {d: min(args.max_eval_tokens or FULL_EVAL_TOKENS[d], FULL_EVAL_TOKENS[d]) for d in _csv(args.datasets)}
+    device = "cuda" if torch_cuda() else "cpu"
+    workers = args.gpus or (resolve_jobs(prof.jobs) if device == "cpu" else 1)
+    if device == "cpu" and not args.machine_profile:
+        import torch
+
+        from bench.executor import LocalExecutor
+        torch.set_num_threads(LocalExecutor(workers).threads)   # measure as each worker will run
+    machine = P.load_or_measure_profile(device, args.machine_profile, args.remeasure)
+    if args.save_profile:
+        Path(args.save_profile).write_text(json.dumps(machine, indent=1))
+    overrides = dict(prof.method_settings) | _overrides(args.set)
+    cells = []
+    for m in methods:
+        calib = resolve_calib(m, args.preset, {"n_samples": args.calib_samples, "seq_len": args.calib_seq_len})
+        cells += P.plan_cells(shape, [m], schemes, machine, preset=args.preset, overrides=overrides,
+                              n=calib.n_samples, seq=calib.seq_len, eval_tokens=eval_tokens, eval_seq=args.eval_seq_len,
+                              tasks=tasks, task_limit=limit)
+    fp_work = P.cell_work(shape, "fp", None, {}, 1, 1, eval_tokens, args.eval_seq_len, tasks, limit)
+    fp_s = P.seconds(fp_work, machine)
+    total = fp_s + sum(c.seconds for c in cells)
+    wall = P.schedule([fp_s] + [c.seconds for c in cells], workers)
+    unit = "GPU" if machine["device"] == "cuda" else "CPU-process"
+    if args.json:
+        print(json.dumps({"shape": P.describe(shape), "machine": {k: machine[k] for k in ("device", "hardware", "threads")},
+                          "cells": P.as_rows(cells), "fp_seconds": fp_s, "total_hours": total / 3600,
+                          "workers": workers, "wall_hours": wall / 3600}, indent=1))
+        return 0
+    rows = [[c.method, c.scheme, P.fmt_hours(c.seconds), f"{c.host_bytes / 2**30:.1f}",
+             f"{c.device_bytes / 2**30:.1f}" if c.device_bytes else "-"] for c in cells]
+    print(f"Plan: {shape.name} ({shape.params() / 1e9:.2f} B parameters, {shape.layers} blocks), profile {prof.name}, "
+          f"preset {args.preset}; machine profile: {machine['device']}, {machine['threads']} thread(s), "
+          f"{machine['hardware'].get('gpu') or machine['hardware'].get('cpu')}\n")
+    print(tabulate(rows, headers=["method", "scheme", "est. time", "host GiB", "device GiB"], tablefmt="github"))
+    print(f"\nFP reference evaluation: {P.fmt_hours(fp_s)}. Total: {total / 3600:.2f} {unit}-hours; "
+          f"wall time on {workers} {'device' if unit == 'GPU' else 'worker'}{'s' if workers > 1 else ''}: "
+          f"{P.fmt_hours(wall)} (longest cells first).")
+    return 0
+
+
+def torch_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def cmd_export(args) -> int:
@@ -261,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
     try:
         args = build_parser().parse_args(argv)
-        return {"run": cmd_run, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
+        return {"run": cmd_run, "plan": cmd_plan, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
                 "results": cmd_results}[args.command](args)
     except UserError as e:
         print(textwrap.fill(f"lrq-bench: error: {e}", width=100), file=sys.stderr)

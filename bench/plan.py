@@ -1,0 +1,378 @@
+"""Sweep planning: estimated time and memory of every cell, from a model's shape alone (no weights).
+
+Cost model. Each method's work is written as FLOPs of a few kinds, from its algorithm and settings
+(`cell_work`): block forward passes over the calibration set (the block-wise walk), reconstruction
+training steps (LRQ, FlexRound, OmniQuant), GPTQ's Hessians and column updates, AWQ's scale and clipping
+grids, whole-model forward passes (static activation ranges, SmoothQuant statistics, perplexity, tasks).
+Each kind costs `per_call_s x calls + flops / flops_per_s` on this machine: both numbers are *measured*
+(`measure_profile`) by running the real methods on random two-block Llama models of two widths and
+solving for the per-block overhead and the rate. Estimates scale those measurements by each target
+model's shapes. The profile is cached per machine (hardware + torch version) in the lrq-bench cache.
+
+Memory model (`estimate_memory`): host = the weights as loaded (fp32) + the calibration activation
+streams that stay in RAM (three [n, seq, hidden] fp32 buffers within LRQ_RAM_BUDGET_GB, the rest on
+disk) + one block's training state; device (CUDA) = one block at a time (offloaded walk) with its
+learnables and Adam state plus one batch of activations, or the whole model when it is not offloaded.
+
+What it does not model: process start-up and model loading, lm-eval's set-up, contention with other
+processes. Expect the order of magnitude and the ranking of cells, not minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lrq.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of the seven linears of a block."""
+        h, i, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
+        return [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+
+    def block_params(self) -> int:
+        return sum(a * b for a, b in self.linears())
+
+    def params(self) -> int:
+        return self.layers * (self.block_params() + 2 * self.hidden) + 2 * self.vocab * self.hidden
+
+    def block_fwd_flops(self, tokens: float, seq: int) -> float:
+        """Matmuls of one block on `tokens` tokens in windows of `seq` (attention: QK^T and AV, causal)."""
+        return 2.0 * self.block_params() * tokens + 2.0 * self.hidden * seq * tokens
+
+    def model_fwd_flops(self, tokens: float, seq: int) -> float:
+        return self.layers * self.block_fwd_flops(tokens, seq) + 2.0 * self.hidden * self.vocab * tokens
+
+
+# Shapes written here (a config is a handful of numbers): Llama-2's published configurations.
+SHAPES: dict[str, ModelShape] = {
+    "llama-2-7b": ModelShape("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
+    "llama-2-13b": ModelShape("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
+    "llama-2-70b": ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
+    "smollm2-135m": ModelShape("smollm2-135m", 576, 1536, 30, 9, 3, 49152),
+}
+
+
+def shape_from_config(name: str, cfg: Any) -> ModelShape:
+    get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    heads = get("num_attention_heads")
+    return ModelShape(name, get("hidden_size"), get("intermediate_size"), get("num_hidden_layers"), heads,
+                      get("num_key_value_heads") or heads, get("vocab_size"))
+
+
+def load_shape(spec: str) -> ModelShape:
+    """A built-in shape name, a config.json file, a model folder, or a hub id (config only, no weights)."""
+    if spec in SHAPES:
+        return SHAPES[spec]
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return shape_from_config(spec, json.loads(path.read_text()))
+    try:
+        from transformers import AutoConfig
+        return shape_from_config(spec, AutoConfig.from_pretrained(spec))
+    except Exception as e:  # noqa: BLE001 (any failure to find a config is the same bad input)
+        raise UserError(f"cannot read a model configuration for {spec!r} ({type(e).__name__}): give one of "
+                        f"{', '.join(SHAPES)}, a config.json, a model folder or a reachable hub id.") from None
+
+
+# ---- the work of one cell --------------------------------------------------------------------------------
+
+@dataclass
+class CellPlan:
+    method: str
+    scheme: str
+    work: dict[str, tuple[float, float]]   # kind -> (calls, flops)
+    seconds: float = 0.0
+    host_bytes: int = 0
+    device_bytes: int = 0
+
+
+# lm-eval requests per example and tokens per request, roughly, per task (for the task-accuracy unit)
+TASK_COST = {"piqa": (2, 60), "arc_easy": (4, 50), "arc_challenge": (4, 55), "hellaswag": (4, 120),
+             "winogrande": (2, 30), "boolq": (2, 150), "openbookqa": (4, 30), "lambada_openai": (1, 90),
+             "mmlu": (4, 700)}
+TASK_SIZE = {"piqa": 1838, "arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "winogrande": 1267,
+             "boolq": 3270, "openbookqa": 500, "lambada_openai": 5153, "mmlu": 14042}
+MMLU_SUBJECTS = 57
+
+
+def cell_work(shape: ModelShape, method: str, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
+              eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, tuple[float, float]]:
+    """(calls, flops) per kind of work for one cell; kinds are the profile's."""
+    L, w = shape.layers, {}
+    static = scheme is not None and scheme.static_activations
+    T = n * seq
+
+    def add(kind, calls, flops):
+        c, f = w.get(kind, (0.0, 0.0))
+        w[kind] = (c + calls, f + flops)
+
+    if method in ("lrq", "flexround", "omniquant"):
+        es, iters, bs = cfg.get("error_samples", 16), cfg.get("iters", 100), cfg.get("batch_size", 1)
+        es = min(es, n)
+        add("walk", L, L * shape.block_fwd_flops(2 * T + 4 * es * seq, seq))
+        add(f"train_{method}", L * iters, L * iters * 3 * shape.block_fwd_flops(bs * seq, seq))
+        if static:
+            add("fwd", n * L, shape.model_fwd_flops(T, seq) * (2 if cfg.get("smooth_alpha") else 1))
+    elif method == "gptq":
+        upd = sum(a * a * b for a, b in shape.linears())
+        hess = sum(2.0 * T * a * a for a, _ in shape.linears())
+        add("gptq", L, L * (4 * shape.block_fwd_flops(T, seq) + hess + upd))
+        if static:
+            add("fwd", n * L, shape.model_fwd_flops(T, seq))
+    elif method == "awq":
+        ns = min(cfg.get("n_samples", 32), n)
+        st = cfg.get("search_tokens", 0) or ns * seq
+        st = min(st, ns * seq)
+        clip = sum(cfg.get("clip_grid", 20) * 2.0 * b * a * cfg.get("clip_tokens", 512) for a, b in shape.linears())
+        add("awq", L, L * (2 * shape.block_fwd_flops(ns * seq, seq)
+                           + cfg.get("n_grid", 20) * shape.block_fwd_flops(st, seq) + clip))
+        if static:
+            add("fwd", n * L, shape.model_fwd_flops(T, seq))
+    elif method == "smoothquant":
+        add("fwd", n * L * (2 if static else 1), shape.model_fwd_flops(T, seq) * (2 if static else 1))
+    elif method == "rtn":
+        add("rtn", L, L * 10.0 * shape.block_params())
+        if static:
+            add("fwd", n * L, shape.model_fwd_flops(T, seq))
+    for ds, tokens in eval_tokens.items():
+        windows = max(1, tokens // eval_seq)
+        add("fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
+    for t in tasks:
+        per, toks = TASK_COST[t]
+        examples = TASK_SIZE[t] if task_limit is None else min(TASK_SIZE[t], task_limit * (MMLU_SUBJECTS if t == "mmlu" else 1))
+        add("fwd", examples * per * L, examples * per * shape.model_fwd_flops(toks, toks))
+    return w
+
+
+def estimate_memory(shape: ModelShape, method: str, n: int, seq: int, device: str = "cpu", offload: bool = True,
+                    ram_budget: int | None = None) -> tuple[int, int]:
+    """(host bytes, device bytes) at the peak of a cell; device bytes are 0 on a CPU-only run."""
+    if ram_budget is None:
+        ram_budget = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
+    weights = 4 * shape.params()
+    block = 4 * (shape.block_params() + 2 * shape.hidden)
+    stream = n * seq * shape.hidden * 4
+    blockwise = method in ("lrq", "flexround", "omniquant", "gptq", "awq")
+    streams = 3 * stream if blockwise else 0
+    acts_ram = streams if streams <= ram_budget else 0      # otherwise memory-mapped from disk
+    # training state of one block: learnables + Adam's two moments + gradients (FlexRound: a full matrix per weight)
+    learn = {"lrq": 0.6, "flexround": 1.0, "omniquant": 0.05}.get(method, 0.0) * block
+    train = 4 * learn
+    gptq = 4 * max(a * a for a, _ in shape.linears()) * 3 if method == "gptq" else 0
+    batch_acts = 16 * seq * max(shape.hidden, shape.intermediate) * 4 * 8   # one batch of 8 windows through a block
+    host = weights + acts_ram + train + gptq + batch_acts
+    if device == "cpu":
+        return int(host), 0
+    dev = (block if offload else weights) + train + gptq + batch_acts
+    return int(host), int(dev)
+
+
+# ---- the machine profile -----------------------------------------------------------------------------------
+
+KINDS = ("walk", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq", "fwd", "rtn")
+
+
+def _random_model(hidden: int, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32,
+                      num_hidden_layers=2, num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval().to(device), cfg
+
+
+def measure_profile(device: str = "cpu", widths: tuple[int, int] = (64, 384), n: int = 8, seq: int = 128,
+                    iters: int = 6) -> dict:
+    """Time every kind of work on random two-block models of two widths; fit per-call overhead and rate."""
+    from lrq.methods import Calibration, get_method
+    from lrq.schemes import get_scheme
+    scheme = get_scheme("w4a16")
+    points: dict[str, list[tuple[float, float, float]]] = {k: [] for k in KINDS}   # (calls, flops, seconds)
+    for hidden in widths:
+        model0, cfg = _random_model(hidden, device)
+        shape = shape_from_config(f"random-{hidden}", cfg)
+        ids = torch.randint(0, cfg.vocab_size, (n, seq))
+        calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
+
+        def timed(fn) -> float:
+            t = time.perf_counter()
+            fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        with torch.no_grad():
+            timed(lambda: model0(ids[:1].to(device)))      # warm-up
+            t = timed(lambda: [model0(ids[i:i + 1].to(device)) for i in range(n)])
+        w = cell_work(shape, "smoothquant", None, {}, n, seq, {}, seq, [], None)["fwd"]
+        points["fwd"].append((w[0], w[1], t))
+
+        def run(method: str, **over) -> tuple[float, dict]:
+            import copy
+            m = get_method(method)
+            if hasattr(m, "checkpoint_dir"):
+                m.checkpoint_dir = None
+            c = m.config("quick", over)
+            model = copy.deepcopy(model0)
+            return timed(lambda: m.quantize(model, scheme, c, calib)), c
+
+        base, c0 = run("lrq", iters=0, heldout_samples=2, error_samples=4)
+        work = cell_work(shape, "lrq", scheme, c0, n, seq, {}, seq, [], None)
+        points["walk"].append((*work["walk"], base))
+        for method in ("lrq", "flexround", "omniquant"):
+            t_b, _ = run(method, iters=0, heldout_samples=2, error_samples=4) if method != "lrq" else (base, None)
+            t_k, c = run(method, iters=iters, heldout_samples=2, error_samples=4)
+            w = cell_work(shape, method, scheme, c, n, seq, {}, seq, [], None)[f"train_{method}"]
+            points[f"train_{method}"].append((w[0], w[1], max(t_k - t_b, 1e-6)))
+        for method in ("gptq", "awq", "rtn"):
+            t, c = run(method)
+            w = cell_work(shape, method, scheme, c, n, seq, {}, seq, [], None)[method]
+            points[method].append((w[0], w[1], t))
+    kinds = {}
+    for k, pts in points.items():
+        (c1, f1, t1), (c2, f2, t2) = pts
+        # t = a*calls + flops/rate through both points; clamp to non-negative overhead and a finite rate
+        det = c1 * f2 - c2 * f1
+        a = (t1 * f2 - t2 * f1) / det if det else 0.0
+        a = max(a, 0.0)
+        inv_rate = max((t2 - a * c2) / f2, 1e-15)
+        kinds[k] = {"per_call_s": a, "flops_per_s": 1.0 / inv_rate, "points": pts}
+    from bench.provenance import hardware, versions
+    return {"device": device, "hardware": hardware(), "versions": versions(), "kinds": kinds,
+            "threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def profile_path(device: str) -> Path:
+    import hashlib
+
+    from bench.models import cache_root
+    from bench.provenance import hardware
+    key = hashlib.sha256(json.dumps([device, hardware(), torch.__version__, torch.get_num_threads()],
+                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache_root() / f"plan-profile-{key}.json"
+
+
+def load_or_measure_profile(device: str, path: str | None = None, remeasure: bool = False) -> dict:
+    if path:
+        try:
+            return json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read the machine profile {path}: {e}.") from None
+    p = profile_path(device)
+    if p.is_file() and not remeasure:
+        return json.loads(p.read_text())
+    prof = measure_profile(device)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof, indent=1))
+    os.replace(tmp, p)
+    return prof
+
+
+def seconds(work: dict[str, tuple[float, float]], profile: dict) -> float:
+    total = 0.0
+    for kind, (calls, flops) in work.items():
+        k = profile["kinds"][kind]
+        total += k["per_call_s"] * calls + flops / k["flops_per_s"]
+    return total
+
+
+def schedule(durations: list[float], workers: int) -> float:
+    """Wall time of independent cells on `workers` devices, longest first onto the least loaded."""
+    loads = [0.0] * max(1, workers)
+    for d in sorted(durations, reverse=True):
+        i = loads.index(min(loads))
+        loads[i] += d
+    return max(loads)
+
+
+def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profile: dict, *, preset: str = "quick",
+               overrides: dict | None = None, n: int = 128, seq: int = 512, eval_tokens: dict[str, int] | None = None,
+               eval_seq: int = 2048, tasks: list[str] | None = None, task_limit: int | None = None,
+               offload: bool = True) -> list[CellPlan]:
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+    out = []
+    eval_tokens = eval_tokens or {}
+    for method in methods:
+        for s in schemes:
+            scheme = get_scheme(s)
+            cfg = get_method(method).config(preset, overrides or {})
+            work = cell_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks or [], task_limit)
+            host, dev = estimate_memory(shape, method, n, seq, profile["device"], offload)
+            out.append(CellPlan(method, s, work, seconds(work, profile), host, dev))
+    return out
+
+
+def check_fits(shape: ModelShape, method: str, n: int, seq: int, device: str, host_available: int,
+               device_available: int | None = None, offload: bool = True) -> None:
+    """Refuse, before any work, a cell whose estimated peak memory exceeds what is available."""
+    host, dev = estimate_memory(shape, method, n, seq, device, offload)
+    gib = 2**30
+    problems = []
+    if host > host_available:
+        problems.append(f"about {host / gib:.1f} GiB of host memory, {host_available / gib:.1f} GiB available")
+    if device_available is not None and dev > device_available:
+        problems.append(f"about {dev / gib:.1f} GiB of device memory, {device_available / gib:.1f} GiB available")
+    if not problems:
+        return
+    fits = [k for k in (n // 2, n // 4, n // 8) if k >= 2 and estimate_memory(shape, method, k, seq, device, offload)[0]
+            <= host_available]
+    hints = []
+    if fits:
+        hints.append(f"fewer calibration samples (--calib-samples {fits[0]} fits)")
+    hints.append("shorter calibration sequences (--calib-seq-len)")
+    hints.append("calibration activations on disk (a smaller LRQ_RAM_BUDGET_GB)")
+    if device != "cpu" and not offload:
+        hints.append("block-by-block offloading")
+    raise UserError(f"{shape.name} {method} with {n} x {seq} calibration tokens needs {' and '.join(problems)}. "
+                    f"What would fit: {'; '.join(hints)}.")
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available now (LRQ_BENCH_HOST_MEMORY_GB declares a smaller limit)."""
+    import psutil
+    avail = psutil.virtual_memory().available
+    limit = os.environ.get("LRQ_BENCH_HOST_MEMORY_GB")
+    return min(avail, int(float(limit) * 2**30)) if limit else avail
+
+
+def as_rows(plans: list[CellPlan]) -> list[dict]:
+    return [{"method": p.method, "scheme": p.scheme, "hours": p.seconds / 3600, "seconds": p.seconds,
+             "host_gib": p.host_bytes / 2**30, "device_gib": p.device_bytes / 2**30} for p in plans]
+
+
+def describe(shape: ModelShape) -> dict:
+    return asdict(shape) | {"params": shape.params()}
+
+
+def fmt_hours(s: float) -> str:
+    return f"{s / 3600:.2f} h" if s >= 360 else f"{s:.0f} s" if s < 600 else f"{s / 60:.0f} min"
+
+
+__all__ = ["ModelShape", "SHAPES", "load_shape", "plan_cells", "estimate_memory", "check_fits", "measure_profile",
+           "load_or_measure_profile", "schedule", "seconds"]

@@ -1,0 +1,98 @@
+"""The planner: shapes from configs alone, a measured machine profile, estimates within a factor of 2 of
+measured cell costs on a model of a width the profile never saw, and the memory pre-flight that refuses a
+cell which cannot fit, saying what would."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from bench import plan as P
+from bench.cli import main
+from bench.store import ResultStore
+from lrq.errors import UserError
+from lrq.methods import Calibration, get_method
+from lrq.schemes import get_scheme
+from tests.conftest import tiny_model
+
+
+def test_llama_shapes_have_their_published_parameter_counts():
+    assert P.SHAPES["llama-2-7b"].params() == pytest.approx(6.74e9, rel=0.01)
+    assert P.SHAPES["llama-2-13b"].params() == pytest.approx(13.0e9, rel=0.01)
+    assert P.SHAPES["llama-2-70b"].params() == pytest.approx(69.0e9, rel=0.01)
+    assert P.SHAPES["smollm2-135m"].params() == pytest.approx(162.8e6, rel=0.01)  # untied head counted twice
+
+
+def test_shape_from_a_config_folder(tiny_model_dir):
+    s = P.load_shape(str(tiny_model_dir))
+    assert (s.hidden, s.layers, s.kv_heads) == (64, 2, 2)
+    with pytest.raises(UserError, match="cannot read a model configuration"):
+        P.load_shape("/no/such/config")
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    return P.measure_profile("cpu")
+
+
+@pytest.mark.parametrize("method, over", [("lrq", {"iters": 20, "heldout_samples": 2}), ("gptq", {}), ("awq", {})])
+def test_estimate_within_a_factor_of_two_of_the_measured_cost(profile, method, over):
+    model = tiny_model("llama", hidden=192, layers=3, vocab_size=256)    # a width the profile never measured
+    shape = P.shape_from_config("tiny-192", model.config)
+    n, seq = 8, 96
+    ids = torch.randint(0, 256, (n, seq), generator=torch.Generator().manual_seed(0))
+    calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
+    m = get_method(method)
+    if hasattr(m, "checkpoint_dir"):
+        m.checkpoint_dir = None
+    cfg = m.config("quick", over)
+    est = P.plan_cells(shape, [method], ["w4a16"], profile, overrides=over, n=n, seq=seq)[0].seconds
+    times = []
+    for _ in range(2):   # the faster of two runs: the machine is shared
+        q = copy.deepcopy(model)
+        t = time.perf_counter()
+        m.quantize(q, get_scheme("w4a16"), cfg, calib)
+        times.append(time.perf_counter() - t)
+    measured = min(times)
+    assert 0.5 <= est / measured <= 2.0, (method, est, measured)
+
+
+def test_plan_command_for_llama_shapes(profile, tmp_path, capsys, monkeypatch):
+    import json
+    f = tmp_path / "machine.json"
+    f.write_text(json.dumps(profile))
+    assert main(["plan", "--model", "llama-2-70b", "--profile", "full", "--methods", "lrq,rtn", "--schemes",
+                 "w4a16,w8a8", "--machine-profile", str(f), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-2-70b (68.98 B parameters, 80 blocks)" in out
+    assert out.count("| lrq ") == 2 and out.count("| rtn ") == 2
+    # a CPU machine's profile gives CPU hours, never labelled as GPU hours
+    assert "wall time on 8 workers" in out and "CPU-process-hours" in out and "GPU" not in out
+    assert main(["plan", "--model", "llama-2-7b", "--methods", "gptq", "--schemes", "w3a16", "--machine-profile",
+                 str(f), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["shape"]["layers"] == 32 and len(plan["cells"]) == 1 and plan["cells"][0]["hours"] > 0
+
+
+def test_memory_preflight_refuses_and_says_what_would_fit():
+    shape = P.SHAPES["llama-2-70b"]
+    with pytest.raises(UserError) as e:
+        P.check_fits(shape, "lrq", 512, 1024, "cpu", host_available=64 * 2**30)
+    msg = str(e.value)
+    assert "needs about" in msg and "GiB of host memory" in msg and "What would fit" in msg
+    P.check_fits(P.SHAPES["smollm2-135m"], "lrq", 128, 512, "cpu", host_available=64 * 2**30)   # fits: no error
+    with pytest.raises(UserError, match="device memory"):
+        P.check_fits(shape, "lrq", 128, 2048, "cuda", host_available=2**50, device_available=2**30)
+
+
+def test_run_refuses_a_cell_that_cannot_fit_before_any_work(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LRQ_BENCH_HOST_MEMORY_GB", "0.001")
+    code = main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "lrq",
+                 "--schemes", "w4a16", "--datasets", "wikitext2", "--data-dir", str(data_dir),
+                 "--results", str(tmp_path / "r.sqlite"), "--calib-samples", "6", "--calib-seq-len", "32"])
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert code == 2 and "needs about" in err and "host memory" in err
+    assert not ResultStore(tmp_path / "r.sqlite").rows()
