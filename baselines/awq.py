@@ -259,7 +259,7 @@ class AWQ(Method):
 
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:
-        device_type = next(model.parameters()).device.type
+        device_type = self.compute_device(model).type
 
         def process(ctx: BlockContext) -> None:
             with torch.autocast(device_type, enabled=False):  # searches in fp32 unless they ask for bf16
@@ -275,7 +275,7 @@ class AWQ(Method):
         # The quantized chain advances under the same autocast as the block forwards (and as evaluation).
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(config["bf16"])):
             per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=int(config["batch_size"]),
-                                    desc=f"awq {scheme.name}")
+                                    desc=f"awq {scheme.name}", device=self.device)
         for m in decoder_blocks(model).modules():
             if isinstance(m, QuantLinear):
                 m.act_quant_enabled = True

@@ -219,7 +219,7 @@ class GPTQ(Method):
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:
         batch_size, bf16 = int(config["batch_size"]), bool(config["bf16"])
-        device_type = next(model.parameters()).device.type
+        device_type = self.compute_device(model).type
 
         def process(ctx: BlockContext) -> None:
             block, inputs = ctx.block, ctx.q_inputs.data
@@ -247,7 +247,7 @@ class GPTQ(Method):
         # The quantized chain advances under the same autocast as the Hessian forwards (and as evaluation).
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
             per_block = walk_blocks(model, calib.input_ids, process, need_targets=False, batch_size=batch_size,
-                                    desc=f"gptq {scheme.name}")
+                                    desc=f"gptq {scheme.name}", device=self.device)
         for m in decoder_blocks(model).modules():
             if isinstance(m, QuantLinear):
                 m.act_quant_enabled = True

@@ -205,9 +205,10 @@ def observe_inputs(block: nn.Module, modules: dict[str, nn.Module], inputs: torc
         return fn
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    dev = next(block.parameters()).device
     try:
         for i in range(0, len(inputs), batch):
-            block(inputs[i:i + batch], **kwargs)
+            block(inputs[i:i + batch].to(dev), **kwargs)
     finally:
         for h in handles:
             h.remove()

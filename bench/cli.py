@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--task-limit", type=int, default=None, help="examples per task (0: all)")
     r.add_argument("--jobs", default=None, help="local executor: cells run at once in worker processes on this "
                    "machine, or 'auto' (2 on a CPU machine with >= 2 cores, 1 with a GPU)")
+    r.add_argument("--device", default="auto", help="where to compute: auto (CUDA when present), cpu or cuda[:i]; "
+                   "a model larger than the device stays on the CPU and block-wise methods move one block at a time")
     r.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="where cells run: this machine (local) or a Ray cluster (ray)")
     r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local cluster)")
@@ -178,6 +180,8 @@ def cmd_run(args) -> int:
         if v is not None and v < 2:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
+    from bench.runner import resolve_device
+    compute = resolve_device(args.device)
     from bench.tasks import ALL_TASKS, ZERO_SHOT
     tasks = {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
     bad = [t for t in tasks if t not in ALL_TASKS]
@@ -195,7 +199,8 @@ def cmd_run(args) -> int:
     overrides = dict(prof.method_settings) | _overrides(args.set)   # explicit --set wins over the profile
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
-                  seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit)
+                  seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit,
+                  device=args.device)
     given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
              "sampling": args.calib_sampling}
     specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, calib=resolve_calib(FP, args.preset, given), **common)]
@@ -206,11 +211,11 @@ def cmd_run(args) -> int:
     if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
         from bench import plan as P
         shape = P.shape_from_config(args.model, loaded.model.config)
-        dev = "cuda" if torch_cuda() else "cpu"
+        dev = compute.type
         dev_avail = None
         if dev == "cuda":
             import torch
-            dev_avail = torch.cuda.mem_get_info()[1]
+            dev_avail = torch.cuda.mem_get_info(compute)[1]
         host_avail = P.host_memory_available() // executor.jobs
         for s in specs:
             if not s.is_fp:

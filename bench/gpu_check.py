@@ -68,6 +68,48 @@ def correctness(device: str, smoke: bool) -> list[dict]:
     return out
 
 
+def offload_check(device: str) -> dict:
+    """Block-wise quantization with the model kept on the CPU and one block at a time on `device` (the
+    offloaded walk) against the same run entirely on the CPU: same weights up to float differences,
+    every block back on the CPU afterwards, device memory bounded by about one block."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lrq.methods import Calibration, get_method
+    from lrq.schemes import get_scheme
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+    calib = Calibration(ids, {"dataset": "random", "n_samples": 8, "seq_len": 64, "seed": 0})
+    out = {}
+    for method in ("lrq", "gptq"):
+        m = get_method(method)
+        if hasattr(m, "checkpoint_dir"):
+            m.checkpoint_dir = None
+        c = m.config("quick", {"iters": 5, "heldout_samples": 2, "autocast": False})
+        ref, off = copy.deepcopy(model), copy.deepcopy(model)
+        m.device = None
+        m.quantize(ref, get_scheme("w4a16"), c, calib)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        m.device = torch.device(device)
+        m.quantize(off, get_scheme("w4a16"), c, calib)
+        m.device = None
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        with torch.no_grad():
+            a, b = ref(ids[:2]).logits, off(ids[:2]).logits
+        block_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+        out[method] = {"max_rel_logit_diff": float((a - b).abs().max() / a.abs().max()),
+                       "all_on_cpu_after": all(p.device.type == "cpu" for p in off.parameters()),
+                       "peak_device_bytes": peak, "block_bytes": block_bytes,
+                       "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        out[method]["ok"] = out[method]["all_on_cpu_after"] and out[method]["max_rel_logit_diff"] < 0.05
+    return out
+
+
 def torch_int4_ms(n: int, k: int, m: int, device: str, timer) -> float | None:
     """torch's own int4 weight-only GEMM (tinygemm) at group 128, the built-in baseline."""
     try:
@@ -96,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
            "hardware": hardware(), "versions": versions(), "git_rev": git_revision(), "smoke": args.smoke}
     doc["correctness"] = correctness(device, args.smoke)
     print(f"correctness: {sum(c['ok'] for c in doc['correctness'])}/{len(doc['correctness'])} ok", flush=True)
+    doc["offload"] = offload_check(device)
+    print(f"offloaded block walk: {json.dumps(doc['offload'])}", flush=True)
     shapes = {"64x96": (64, 96)} if args.smoke else SHAPES_7B
     ms = (1, 16) if args.smoke else MS
     timer = (lambda fn: median_ms(fn, "cuda")) if device == "cuda" else (lambda fn: _cpu_once(fn))
@@ -126,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["wall_s"] = time.time() - t0
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
     print(f"wrote {args.out} in {doc['wall_s']:.0f} s")
-    return 0 if all(c["ok"] for c in doc["correctness"]) else 1
+    ok = all(c["ok"] for c in doc["correctness"]) and all(v["ok"] for v in doc["offload"].values())
+    return 0 if ok else 1
 
 
 def _cpu_once(fn) -> float:

@@ -64,6 +64,7 @@ class CellSpec:
     data_dir: str | None = None
     tasks: tuple[str, ...] = ()          # lm-eval tasks (bench/tasks.py), one "tasks" unit
     task_limit: int | None = None        # examples per task (None: all)
+    device: str = "auto"                 # where to compute: auto (CUDA when present), cpu, cuda[:i]
 
     @property
     def is_fp(self) -> bool:
@@ -116,6 +117,32 @@ def _row(spec: CellSpec, dataset: str, metric: str, value, config: dict, wall_s=
                peak_mem_bytes=peak)
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device is visible here (torch {torch.__version__}); use --device cpu.")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}: use auto, cpu or cuda[:index].") from None
+
+
+def place_model(model: torch.nn.Module, device: torch.device, headroom: float = 1.3) -> bool:
+    """Move the whole model to `device` if it fits (with headroom for activations); True when it is there.
+    A model that does not fit stays on the CPU: block-wise methods then visit the device one block at a time."""
+    if device.type == "cpu":
+        return True
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) * headroom
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        log.warning("the model (%.1f GiB) does not fit the free memory of %s (%.1f GiB): it stays on the CPU and "
+                    "block-wise methods move one block at a time to the device", need / 2**30, device, free / 2**30)
+        return False
+    model.to(device)
+    return True
+
+
 def quantize_cell(spec: CellSpec):
     """Load the cell's model and quantize it with the cell's method (resumable for block-wise methods).
 
@@ -131,8 +158,13 @@ def quantize_cell(spec: CellSpec):
         "scheme_def": None if spec.is_fp else get_scheme(spec.scheme).to_dict(),
     }
     if spec.is_fp:
+        place_model(model, resolve_device(spec.device))
         return model, tok, base_cfg, {}, None
     method, scheme = get_method(spec.method), get_scheme(spec.scheme)
+    device = resolve_device(spec.device)
+    on_device = place_model(model, device)
+    method.device = device
+    base_cfg["device"] = {"compute": str(device), "whole_model_on_device": on_device}
     if hasattr(method, "checkpoint_dir"):  # block-wise methods checkpoint each block here
         method.checkpoint_dir = checkpoint_dir(spec)
     calib = None
@@ -143,6 +175,8 @@ def quantize_cell(spec: CellSpec):
     with measure() as qm:
         stats = method.quantize(model, scheme, base_cfg["method_config"], calib) or {}
     base_cfg["method_stats"] = stats
+    if not on_device and not place_model(model, device):
+        log.warning("evaluating %s on the CPU: the quantized model does not fit %s", spec.label(), device)
     return model, tok, base_cfg, stats, qm
 
 

@@ -203,13 +203,21 @@ class BlockCheckpoint:
 def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[BlockContext], Any], *,
                 need_targets: bool = True, batch_size: int = 8, ram_budget: int = DEFAULT_RAM_BUDGET,
                 desc: str = "blocks", checkpoint: BlockCheckpoint | None = None,
-                restore: Callable[[int, nn.Module, dict], None] | None = None) -> list[dict]:
+                restore: Callable[[int, nn.Module, dict], None] | None = None,
+                device: torch.device | str | None = None) -> list[dict]:
     """Call `process` on every decoder block in order with its calibration streams; returns per-block stats.
+
+    `device`: where each block computes. A block that lives elsewhere (the model kept on the CPU) is moved
+    there for its turn and moved back afterwards, so the device holds one block at a time; the
+    calibration streams stay in host memory (or on disk) and travel to the device batch by batch.
 
     With a checkpoint, blocks already finished are restored by `restore(index, block, state_dict)`
     (which must turn the block into its quantized form and load the state) instead of recomputed."""
     layers = decoder_blocks(model)
     q_in, kwargs = capture_block_inputs(model, input_ids, ram_budget)
+    device = torch.device(device) if device is not None else None
+    if device is not None:
+        kwargs = block_kwargs_for(kwargs, device)
     fp_in = None
     if need_targets:
         fp_in = new_buffer(*q_in.shape, ram_budget)
@@ -233,12 +241,17 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
         for i in tqdm(range(start, len(layers)), desc=desc, leave=False, initial=start, total=len(layers)):
             block = layers[i]
             t0 = time.perf_counter()
+            home = next(block.parameters()).device
+            if device is not None and home != device:
+                block.to(device)
             if need_targets:
                 run_block(block, fp_in, kwargs, fp_out, batch_size)
             ctx = BlockContext(i, len(layers), block, q_in, fp_out, kwargs)
             process(ctx)
             all_stats.append(ctx.stats)
             run_block(layers[i], q_in, kwargs, q_in, batch_size)  # quantized chain advances in place
+            if device is not None and home != device:
+                layers[i].to(home)   # offload: the device holds one block at a time
             ctx.stats["block_s"] = time.perf_counter() - t0
             if need_targets:
                 fp_in, fp_out = fp_out, fp_in

@@ -52,10 +52,11 @@ def block_error(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, k
     if len(inputs) == 0:
         return float("nan")
     total = 0.0
+    dev = next(block.parameters()).device
     for i in range(0, len(inputs), batch):
-        y = block(inputs[i:i + batch], **kwargs)
+        y = block(inputs[i:i + batch].to(dev), **kwargs)
         y = y[0] if isinstance(y, tuple) else y
-        total += block_loss(y, targets[i:i + batch]).item() * len(y)
+        total += block_loss(y, targets[i:i + batch].to(dev)).item() * len(y)
     return total / len(inputs)
 
 
@@ -182,7 +183,7 @@ class ReconstructionMethod(Method):
                                               sort_keys=True, default=str).encode()).hexdigest()
             ckpt = BlockCheckpoint(self.checkpoint_dir, ident)
         per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
-                                checkpoint=ckpt, restore=restore)
+                                checkpoint=ckpt, restore=restore, device=self.device)
         stats: dict[str, Any] = {
             "n_learnable": sum(b["n_learnable"] for b in per_block),
             # wall time of every block, including blocks finished by an interrupted earlier run
@@ -243,7 +244,8 @@ class ReconstructionMethod(Method):
             order = torch.randperm(n_train, generator=gen)
             pos = 0
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
-            autocast = torch.autocast(xt.device.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
+            dev = next(block.parameters()).device    # the walk put the block on the compute device
+            autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
             loss_val = math.nan
             for step in bar:
                 if pos + bs > n_train:
@@ -251,9 +253,9 @@ class ReconstructionMethod(Method):
                 idx = order[pos:pos + bs]
                 pos += bs
                 with torch.enable_grad(), autocast:
-                    y = block(xt[idx], **kw)
+                    y = block(xt[idx].to(dev), **kw)
                     y = y[0] if isinstance(y, tuple) else y
-                    loss = block_loss(y, yt[idx])
+                    loss = block_loss(y, yt[idx].to(dev))
                 loss_val = loss.item()
                 if not math.isfinite(loss_val):
                     raise ReconstructionError(

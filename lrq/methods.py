@@ -39,6 +39,13 @@ class Method:
     # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel
     # executors start costly cells first.
     cost_rank: ClassVar[int] = 1
+    # Where block-wise methods compute (set by the runner). When the model stays on the CPU and this is a
+    # CUDA device, the walk moves one block at a time to it and back (offloading): device memory is then
+    # bounded by one block plus a batch of activations. None: wherever the model is.
+    device: torch.device | None = None
+
+    def compute_device(self, model: nn.Module) -> torch.device:
+        return self.device if self.device is not None else next(model.parameters()).device
 
     def config(self, preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         if preset not in self.defaults:
