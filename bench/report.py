@@ -99,12 +99,15 @@ def _task_section(mdf: pd.DataFrame) -> list[str]:
         body.append(line)
     cfg = sub.iloc[-1]["config"].get("tasks", {})
     limit = cfg.get("limit")
-    scope = "all examples" if not limit else f"the first {limit} examples per task"
+    scope = "all examples" if not limit else f"the first {limit} examples per task" + (
+        " (MMLU: per subject)" if "mmlu" in cols else "")
+    mmlu = ("; MMLU 5-shot, shots dropped last first while the prompt exceeds the max length"
+            if "mmlu" in cols else "")
     heads = [f"{c} ({MAIN_METRIC.get(c, 'acc')})" if c != "zeroshot_avg" else "zero-shot avg" for c in cols]
     return ["### Task accuracy (lm-eval)", "",
             f"Accuracy in %, the LRQ paper's metric per task; the best quantized value per column is bold. "
             f"Batch size {cfg.get('batch_size', '?')}, BOS token {'added' if cfg.get('add_bos_token') else 'not added'}, "
-            f"max length {cfg.get('max_length', '?')}, {scope}; MMLU 5-shot.", "",
+            f"max length {cfg.get('max_length', '?')}, {scope}{mmlu}.", "",
             tabulate(body, headers=["method", "scheme"] + heads, tablefmt="github", disable_numparse=True), ""]
 
 
