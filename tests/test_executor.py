@@ -125,3 +125,9 @@ def test_first_look_profile_runs_every_scheme_with_tasks_in_workers(tiny_model_d
     w8a8 = next(r for r in rows if r.scheme == "w8a8" and r.metric == "ppl")
     assert w8a8.config["calibration"]["n_samples"] == 32   # the profile's calibration size
     assert (tmp_path / "rep" / "leaderboard.md").is_file() and (tmp_path / "rep" / "leaderboard.html").is_file()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_asking_for_cuda_without_a_gpu_is_bad_input(capsys):
+    assert main(["run", "--device", "cuda"]) == 2
+    assert "no CUDA device is visible here" in capsys.readouterr().err.replace("\n", " ")
