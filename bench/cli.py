@@ -134,6 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _apply_profile(args):
+    """Fill every option left unset (None) with the chosen run profile's value; returns the profile."""
+    from bench.profiles import DEFAULT_PROFILE, get_profile
+    prof = get_profile(args.profile or DEFAULT_PROFILE)
+    for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit", "jobs"):
+        if getattr(args, name, None) is None and hasattr(args, name):
+            setattr(args, name, getattr(prof, name))
+    return prof
+
+
+def _task_names(spec: str) -> list[str]:
+    from bench.tasks import ALL_TASKS, ZERO_SHOT
+    return {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(spec, _csv(spec))
+
+
 def _overrides(pairs: list[str]) -> dict[str, str]:
     out = {}
     for kv in pairs:
@@ -153,11 +168,8 @@ def cmd_run(args) -> int:
     from lrq.schemes import DEFAULT_SCHEMES, get_scheme
 
     from bench.executor import LocalExecutor
-    from bench.profiles import DEFAULT_PROFILE, get_profile, resolve_jobs
-    prof = get_profile(args.profile or DEFAULT_PROFILE)
-    for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit", "jobs"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(prof, name))
+    from bench.profiles import resolve_jobs
+    prof = _apply_profile(args)
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
     args.task_limit = args.task_limit if args.task_limit != 0 else None
     if args.executor == "ray":
@@ -182,8 +194,8 @@ def cmd_run(args) -> int:
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
     from bench.runner import resolve_device
     compute = resolve_device(args.device)
-    from bench.tasks import ALL_TASKS, ZERO_SHOT
-    tasks = {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
+    from bench.tasks import ALL_TASKS
+    tasks = _task_names(args.tasks)
     bad = [t for t in tasks if t not in ALL_TASKS]
     if bad:
         raise UserError(f"unknown task(s) {', '.join(bad)}: choose from {', '.join(ALL_TASKS)}, zeroshot or all.")
@@ -246,22 +258,18 @@ def cmd_plan(args) -> int:
     from tabulate import tabulate
 
     from bench import plan as P
-    from bench.profiles import DEFAULT_PROFILE, get_profile, resolve_jobs
+    from bench.profiles import resolve_jobs
     from bench.runner import resolve_calib
-    from bench.tasks import ALL_TASKS, ZERO_SHOT
     from lrq.methods import get_method, load_methods
     from lrq.schemes import DEFAULT_SCHEMES, get_scheme
 
-    prof = get_profile(args.profile or DEFAULT_PROFILE)
-    for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(prof, name))
+    prof = _apply_profile(args)
     shape = P.load_shape(args.model)
     methods = [m for m in (_csv(args.methods) if args.methods else sorted(load_methods())) if m != "fp"]
     for m in methods:
         get_method(m)
     schemes = [get_scheme(s).name for s in (_csv(args.schemes) if args.schemes else DEFAULT_SCHEMES)]
-    tasks = {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(args.tasks, _csv(args.tasks))
+    tasks = _task_names(args.tasks)
     limit = args.task_limit or None
     eval_tokens = {d: min(args.max_eval_tokens or FULL_EVAL_TOKENS[d], FULL_EVAL_TOKENS[d]) for d in _csv(args.datasets)}
     device = "cuda" if torch_cuda() else "cpu"
