@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue as queue_mod
-import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
@@ -98,11 +97,14 @@ class LocalExecutor:
             sink.done(job, wall)
 
     # ---- worker processes --------------------------------------------------------------------------
+    # Each worker gets its own one-way pipe. A shared multiprocessing.Queue would be simpler, but its
+    # writers share one lock: a worker killed (OOM, SIGKILL) while its feeder thread held that lock would
+    # leave every other worker blocked on it forever, and the run would hang. With one pipe per worker a
+    # death breaks only that worker's pipe, which the driver sees as end-of-file.
     def _run_processes(self, jobs: list[Job], sink: Sink) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
-        q = ctx.Queue()
         pending = deque(jobs)
-        running: dict[int, tuple] = {}        # job index -> (process, job)
+        running: dict[int, tuple] = {}        # job index -> (process, job, reader)
         ended: set[int] = set()               # jobs whose final message arrived
         by_index = {j.index: j for j in jobs}
         bar = tqdm(total=len(jobs), desc="cells", unit="cell")
@@ -127,72 +129,77 @@ class LocalExecutor:
                 log.error("cell %s failed:\n%s", job.spec.label(), tb)
                 sink.failed(job, error)
 
+        def finish(idx: int) -> None:
+            """The worker's pipe is closed: it exited after its final message, or it died."""
+            nonlocal n_failed
+            p, job, reader = running.pop(idx)
+            reader.close()
+            p.join(timeout=30)
+            if idx not in ended:
+                ended.add(idx)
+                bar.update(1)
+                n_failed += 1
+                code = p.exitcode
+                why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+                sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
+                                 f"finished are stored; rerun the same command to finish the cell")
+            postfix()
+
         def postfix() -> None:
-            names = ", ".join(f"{j.spec.method} {j.spec.scheme}" for _, j in running.values())
+            names = ", ".join(f"{j.spec.method} {j.spec.scheme}" for _, j, _ in running.values())
             bar.set_postfix_str(f"running: {names}" + (f" | failed: {n_failed}" if n_failed else ""))
 
         try:
             while pending or running:
                 while pending and len(running) < self.jobs:
                     job = pending.popleft()
-                    p = ctx.Process(target=_worker, args=(job, q, self.threads), daemon=True,
+                    reader, writer = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_worker, args=(job, writer, self.threads), daemon=True,
                                     name=f"lrq-bench cell {job.spec.label()}")
                     p.start()
-                    running[job.index] = (p, job)
+                    writer.close()  # the worker holds the only write end: its exit is our end-of-file
+                    running[job.index] = (p, job, reader)
                     postfix()
-                try:
-                    handle(q.get(timeout=0.5))
-                except queue_mod.Empty:
-                    pass
-                for idx, (p, job) in list(running.items()):
-                    if idx in ended:
-                        p.join()
-                        del running[idx]
-                        postfix()
-                    elif not p.is_alive():
-                        # the final message may still be in the pipe: read what is there first
-                        deadline = time.monotonic() + 2.0
-                        while idx not in ended and time.monotonic() < deadline:
-                            try:
-                                handle(q.get(timeout=0.2))
-                            except queue_mod.Empty:
-                                pass
-                        if idx not in ended:
-                            ended.add(idx)
-                            bar.update(1)
-                            n_failed += 1
-                            code = p.exitcode
-                            why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
-                            sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
-                                             f"finished are stored; rerun the same command to finish the cell")
-                        del running[idx]
-                        postfix()
+                readers = {r: idx for idx, (_, _, r) in running.items()}
+                for r in mp_connection.wait(list(readers), timeout=1.0):
+                    idx = readers[r]
+                    try:
+                        msg = r.recv()
+                    except (EOFError, OSError):  # closed, or cut mid-message by a killed worker
+                        finish(idx)
+                        continue
+                    handle(msg)
+                # a worker whose pipe stays open after it ended (a stray child holding the write end)
+                for idx, (p, _, r) in list(running.items()):
+                    if not p.is_alive() and not r.poll():
+                        finish(idx)
         except BaseException:
-            for p, _ in running.values():
+            for p, _, _ in running.values():
                 p.terminate()
-            for p, _ in running.values():
+            for p, _, _ in running.values():
                 p.join(timeout=10)
             raise
         finally:
+            for _, _, r in running.values():
+                r.close()
             bar.close()
 
 
-def _worker(job: Job, q, threads: int) -> None:
+def _worker(job: Job, conn, threads: int) -> None:
     """Entry point of a worker process: run one cell, send each unit and the outcome to the driver."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     torch.set_num_threads(threads)
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
     try:
-        wall = run_job(job, lambda unit, rows: q.put(("unit", job.index, (unit, rows))))
-        q.put(("done", job.index, wall))
+        wall = run_job(job, lambda unit, rows: conn.send(("unit", job.index, (unit, rows))))
+        conn.send(("done", job.index, wall))
     except UserError as e:
-        q.put(("user_error", job.index, str(e)))
+        conn.send(("user_error", job.index, str(e)))
     except BaseException as e:  # noqa: BLE001 (reported to the driver, which decides)
-        q.put(("failed", job.index, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+        conn.send(("failed", job.index, (f"{type(e).__name__}: {e}", traceback.format_exc())))
     finally:
-        q.close()
-        q.join_thread()  # everything sent reaches the pipe before the process exits
+        conn.close()
 
 
 # ---- Ray ----------------------------------------------------------------------------------------------
