@@ -7,6 +7,8 @@ latency of the fused kernels vs torch bf16 matmul and vs torch's built-in int4 w
 
 Targets (issue D, H200): W4A16 >= 3.1x over bf16 at M = 1..16 on 4096x11008; W8A8 >= 1.6x at M >= 1024;
 W4A8 >= 3x at M = 1 and >= 1.6x at M = 4096; never below 1.0x. The JSON says which were met.
+It also measures the sweep planner's machine profile on the GPU (plan-profile-gpu.json beside --out), so
+that `lrq-bench plan --machine-profile plan-profile-gpu.json` gives GPU-hours on any machine.
 On a bare GPU machine, install first from carried wheels: pip install --no-index --find-links wheels/ -e .
 """
 
@@ -140,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"correctness: {sum(c['ok'] for c in doc['correctness'])}/{len(doc['correctness'])} ok", flush=True)
     doc["offload"] = offload_check(device)
     print(f"offloaded block walk: {json.dumps(doc['offload'])}", flush=True)
+    if not args.smoke:
+        # the sweep planner's per-block costs on this GPU: `lrq-bench plan --machine-profile FILE` anywhere
+        from bench.plan import measure_profile
+        prof = measure_profile(device)
+        Path(args.out).with_name("plan-profile-gpu.json").write_text(json.dumps(prof, indent=1, default=str))
+        print(f"plan profile: {json.dumps({k: round(v['flops_per_s'] / 1e12, 2) for k, v in prof['kinds'].items()})} "
+              f"TFLOP/s", flush=True)
     shapes = {"64x96": (64, 96)} if args.smoke else SHAPES_7B
     ms = (1, 16) if args.smoke else MS
     timer = (lambda fn: median_ms(fn, "cuda")) if device == "cuda" else (lambda fn: _cpu_once(fn))
