@@ -19,9 +19,13 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import re
+import sys
+import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 from tqdm.auto import tqdm
@@ -64,10 +68,13 @@ def run_job(job: Job, emit: Callable[[str, list], None]) -> float:
 
 
 class LocalExecutor:
-    def __init__(self, jobs: int = 1, threads: int | None = None):
+    def __init__(self, jobs: int = 1, threads: int | None = None, log_dir: str | os.PathLike | None = None):
         if jobs < 1:
             raise UserError(f"--jobs must be at least 1, got {jobs}.")
         self.jobs = jobs
+        # worker processes write their own output (progress bars, warnings) to one file per cell here, so
+        # that the terminal shows one readable progress line instead of N interleaved sets of bars
+        self.log_dir = log_dir
         # threads per worker: an explicit OMP_NUM_THREADS wins, else the machine's CPUs shared out
         env = os.environ.get("OMP_NUM_THREADS")
         self.threads = threads or (int(env) if env and env.isdigit() else max(1, available_cpus() // jobs))
@@ -107,6 +114,9 @@ class LocalExecutor:
         running: dict[int, tuple] = {}        # job index -> (process, job, reader)
         ended: set[int] = set()               # jobs whose final message arrived
         by_index = {j.index: j for j in jobs}
+        log_dir = self._log_dir()
+        logs = {j.index: log_dir / _log_name(j) for j in jobs}
+        tqdm.write(f"worker output (progress, warnings) of each cell: {log_dir}/", file=sys.stderr)
         bar = tqdm(total=len(jobs), desc="cells", unit="cell")
         n_failed = 0
 
@@ -127,7 +137,7 @@ class LocalExecutor:
                 n_failed += 1
                 error, tb = payload
                 log.error("cell %s failed:\n%s", job.spec.label(), tb)
-                sink.failed(job, error)
+                sink.failed(job, f"{error} (worker output: {logs[idx]})")
 
         def finish(idx: int) -> None:
             """The worker's pipe is closed: it exited after its final message, or it died."""
@@ -142,7 +152,8 @@ class LocalExecutor:
                 code = p.exitcode
                 why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
                 sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
-                                 f"finished are stored; rerun the same command to finish the cell")
+                                 f"finished are stored; rerun the same command to finish the cell (worker "
+                                 f"output: {logs[idx]})")
             postfix()
 
         def postfix() -> None:
@@ -154,7 +165,7 @@ class LocalExecutor:
                 while pending and len(running) < self.jobs:
                     job = pending.popleft()
                     reader, writer = ctx.Pipe(duplex=False)
-                    p = ctx.Process(target=_worker, args=(job, writer, self.threads), daemon=True,
+                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index])), daemon=True,
                                     name=f"lrq-bench cell {job.spec.label()}")
                     p.start()
                     writer.close()  # the worker holds the only write end: its exit is our end-of-file
@@ -185,8 +196,27 @@ class LocalExecutor:
             bar.close()
 
 
-def _worker(job: Job, conn, threads: int) -> None:
+    def _log_dir(self) -> Path:
+        if self.log_dir is not None:
+            d = Path(self.log_dir)
+        else:
+            from bench.models import cache_root
+            d = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+
+def _log_name(job: Job) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{job.index:02d}-{job.spec.method}-{job.spec.scheme}") + ".log"
+
+
+def _worker(job: Job, conn, threads: int, log_path: str | None = None) -> None:
     """Entry point of a worker process: run one cell, send each unit and the outcome to the driver."""
+    if log_path:  # this process's stdout and stderr (ours, tqdm's, lm-eval's, C libraries') go to the cell's log
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     torch.set_num_threads(threads)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +56,9 @@ def test_a_failing_cell_is_reported_and_the_others_complete(tiny_model_dir, data
     assert code == 1, err
     assert "FAILED" in err and "lrq w4a16" in err and "reconstruction loss became" in err
     assert "2 at a time" in err and "1 failed" in err
+    # the workers' own output went to one file per cell, named in the failure report
+    logged = re.search(r"worker output: (\S+\.log)", err)
+    assert logged and Path(logged.group(1)).is_file() and "lrq-w4a16" in logged.group(1)
     stored = {(r.method, r.dataset) for r in ResultStore(results).rows() if r.metric == "ppl"}
     assert stored == {(FP, "wikitext2"), ("rtn", "wikitext2")}
 
