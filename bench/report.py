@@ -1,4 +1,6 @@
-"""Markdown leaderboard from the results store: one table per dataset, FP row first."""
+"""Markdown leaderboard from the results store: a summary of every cell, one table per scheme (FP row
+first, best quantized value per column in bold), then the details (perplexity protocol, quantization
+cost, block reconstruction errors, accuracy per task, speed)."""
 
 from __future__ import annotations
 
@@ -140,6 +142,72 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
     return parts
 
 
+# the leaderboard's columns: (dataset, metric, header, which way is better: "low", "high" or None)
+_SUMMARY_COLS = [("quant", "bits_per_weight", "bits/weight", None),
+                 ("wikitext2", "ppl", "WikiText-2 ppl", "low"), ("c4", "ppl", "C4 ppl", "low"),
+                 ("zeroshot_avg", "acc", "zero-shot avg %", "high"), ("mmlu", "acc", "MMLU %", "high"),
+                 ("lambada_openai", "acc", "LAMBADA %", "high"),
+                 ("quant", "quant_time_s", "quant time (s)", "low"), ("quant", "quant_peak_rss_bytes", "quant peak RSS", None)]
+
+
+def _leaderboard_cols(mdf: pd.DataFrame) -> list[tuple[str, str, str, str | None]]:
+    present = set(zip(mdf["dataset"], mdf["metric"]))
+    extra_ppl = sorted(d for d, m in present if m == "ppl" and d not in ("wikitext2", "c4") and not d.startswith("speed_"))
+    cols = _SUMMARY_COLS[:3] + [(d, "ppl", f"{d} ppl", "low") for d in extra_ppl] + _SUMMARY_COLS[3:]
+    return [c for c in cols if (c[0], c[1]) in present]
+
+
+def _leaderboard_table(mdf: pd.DataFrame, keys: pd.DataFrame, cols) -> str:
+    """One row per (method, scheme) of `keys`, FP first; the best quantized value of each column in bold."""
+    value = {(r["method"], r["scheme"], r["dataset"], r["metric"]): r["value"] for _, r in mdf.iterrows()}
+    keys = _order(keys)
+    best = {}
+    for ds, metric, _, better in cols:
+        vals = [value.get((k["method"], k["scheme"], ds, metric)) for _, k in keys.iterrows() if k["method"] != FP]
+        vals = [v for v in vals if v is not None and not pd.isna(v)]
+        if better and len(vals) > 1:
+            best[(ds, metric)] = min(vals) if better == "low" else max(vals)
+    body = []
+    for _, k in keys.iterrows():
+        line = [k["method"], k["scheme"]]
+        for ds, metric, _, _ in cols:
+            v = value.get((k["method"], k["scheme"], ds, metric))
+            txt = "-" if v is None or pd.isna(v) else (f"{100 * v:.1f}" if metric in ("acc", "acc_norm")
+                                                        else _fmt(metric, v))
+            line.append(f"**{txt}**" if k["method"] != FP and best.get((ds, metric)) == v and txt != "-" else txt)
+        body.append(line)
+    return tabulate(body, headers=["method", "scheme"] + [c[2] for c in cols], tablefmt="github",
+                    disable_numparse=True)
+
+
+def _leaderboard_sections(mdf: pd.DataFrame) -> list[str]:
+    cols = _leaderboard_cols(mdf)
+    if not cols:
+        return []
+    cells = mdf[~mdf["dataset"].str.startswith("speed_")][["method", "scheme"]].drop_duplicates()
+    if cells.empty:
+        return []
+    fp = cells[cells["method"] == FP]
+    parts = ["### Summary", "", "Every cell; the best quantized value of each column in bold (perplexity: lower, "
+             "accuracy: higher, time: shorter). The evaluation settings are under Details.", "",
+             _leaderboard_table(mdf, cells, cols), ""]
+    scheme_rank = {s: i for i, s in enumerate(SCHEMES)}
+    schemes = sorted({s for s in cells["scheme"] if s != FP}, key=lambda s: (scheme_rank.get(s, 99), s))
+    for scheme in schemes:
+        keys = pd.concat([fp, cells[cells["scheme"] == scheme]])
+        desc = SCHEMES[scheme].description + "." if scheme in SCHEMES else ""
+        parts += [f"### Scheme {scheme}", ""] + ([desc, ""] if desc else []) + [_leaderboard_table(mdf, keys, cols), ""]
+    return parts
+
+
+def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
+    ev = mdf[(mdf["dataset"] == ds) & (mdf["metric"] == "ppl")].iloc[-1]["config"].get("eval", {})
+    return (f"- {ds}: {ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
+            f"({ev.get('tokens', '?')} tokens, last partial window "
+            f"{'included' if ev.get('include_partial') else 'dropped'}, {ev.get('autocast', '?')} autocast), "
+            f"exp(mean window NLL).")
+
+
 def markdown_report(rows: list[Row]) -> str:
     if not rows:
         return "# lrq-bench leaderboard\n\nThe results store is empty: run `lrq-bench run` first.\n"
@@ -149,16 +217,15 @@ def markdown_report(rows: list[Row]) -> str:
         parts += [f"## Model: {model}", ""]
         notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
         parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
-        for ds in [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
-                d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
-                if not d.startswith("speed_") and d not in TASK_DATASETS):
-            ev = mdf[mdf["dataset"] == ds].iloc[-1]["config"].get("eval", {})
-            parts += [f"### {ds} perplexity", "",
-                      f"{ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
-                      f"({ev.get('tokens', '?')} tokens, last partial window "
-                      f"{'included' if ev.get('include_partial') else 'dropped'}, {ev.get('autocast', '?')} autocast), "
-                      f"exp(mean window NLL). Lower is better.", "",
-                      dataset_table(mdf, ds, ["ppl"]), ""]
+        parts += _leaderboard_sections(mdf)
+        ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
+            d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
+            if not d.startswith("speed_") and d not in TASK_DATASETS)
+        parts += ["## Details", ""]
+        if ppl_sets:
+            parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
+            for ds in ppl_sets:
+                parts += [f"### {ds} perplexity", "", "Each cell against FP.", "", dataset_table(mdf, ds, ["ppl"]), ""]
         if "quant" in set(mdf["dataset"]):
             parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
                       "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "

@@ -10,6 +10,7 @@ import pytest
 
 from bench.cli import main
 from bench.data import load_rows
+from bench.store import ResultStore
 from lrq.errors import UserError
 
 
@@ -92,6 +93,18 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     assert code == 0
     md = (tmp_path / "rep" / "leaderboard.md").read_text()
     assert "### wikitext2 perplexity" in md and "### c4 perplexity" in md and "| rtn      | w8a8" in md
+    # the leaderboard: a summary and one table per scheme, each with the FP row first
+    assert md.index("### Summary") < md.index("### Scheme w8a8") < md.index("### Scheme w4a16\n")
+    w8a8 = md[md.index("### Scheme w8a8"):md.index("### Scheme w4a16\n")]
+    table = [ln for ln in w8a8.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert table[0].startswith("| method") and table[1].startswith("| fp ") and len(table) == 3, w8a8
+    assert "WikiText-2 ppl" in table[0] and "C4 ppl" in table[0]
+    assert "**" not in w8a8   # one quantized row: nothing to rank
+    summary = md[md.index("### Summary"):md.index("### Scheme w8a8")]
+    latest = {r.scheme: r.value for r in ResultStore(results).rows(latest=True)
+              if r.method == "rtn" and r.dataset == "wikitext2" and r.metric == "ppl"}
+    best, worse = sorted(latest.values())
+    assert f"**{best:.2f}**" in summary and f"{worse:.2f}" in summary and f"**{worse:.2f}**" not in summary
 
 
 def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, data_dir, tmp_path, capsys,
