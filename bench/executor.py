@@ -237,11 +237,13 @@ def _worker(job: Job, conn, threads: int, log_path: str | None = None) -> None:
 class RayExecutor:
     """Cells as Ray tasks on a cluster (`ray start` on each node, or a local cluster when no address is
     given). Each cell declares its resources: one GPU (and one CPU) when the cluster has GPUs, else
-    `cpus_per_cell` CPUs. Units travel to the driver through a Ray queue as they are measured and the
+    `cpus_per_cell` CPUs. Units travel to the driver through an inbox actor as they are measured and the
     driver writes them (SQLite on a shared disk is not safe across nodes). A failed attempt is retried up
     to `retries` times without the units already received; then the cell is reported as failed. Every
     node needs the model and the data folder at the same paths (a shared disk) and this package installed.
     """
+
+    LAST_MESSAGE_TIMEOUT_S = 120.0
 
     def __init__(self, address: str | None = None, retries: int = 2, cpus_per_cell: int = 1,
                  num_cpus: int | None = None):
@@ -249,6 +251,7 @@ class RayExecutor:
             raise UserError("--retries must be >= 0 and --cpus-per-cell >= 1.")
         self.address, self.retries, self.cpus_per_cell, self.num_cpus = address, retries, cpus_per_cell, num_cpus
         self.jobs = None  # set from the cluster's resources at run time
+        self.intervals: list[tuple[float, float]] = []  # (start, end) wall-clock times of finished attempts
 
     def describe(self) -> dict:
         return {"executor": "ray", "address": self.address or "local cluster", "retries": self.retries,
@@ -275,29 +278,36 @@ class RayExecutor:
             started = True
         return ray, started
 
+    @property
+    def max_running(self) -> int:
+        """The most cells that ran at the same time, from the start and end times the cells reported."""
+        iv = self.intervals
+        return max((sum(1 for s2, e2 in iv if s2 <= s < e2) for s, _ in iv), default=0)
+
     def run(self, jobs: list[Job], sink: Sink) -> None:
         if not jobs:
             return
         ray, started = self._init()
-        from ray.util.queue import Empty, Queue
         try:
             res = ray.cluster_resources()
             gpus = int(res.get("GPU", 0))
             opts = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": self.cpus_per_cell}
             threads = 1 if gpus else self.cpus_per_cell
             self.jobs = gpus or max(1, int(res.get("CPU", 1)) // self.cpus_per_cell)
-            q = Queue()
+            inbox = ray.remote(num_cpus=0)(_Inbox).remote()
             remote = ray.remote(_ray_cell).options(max_retries=0, **opts)  # retries are ours: counted, reported
             by_index = {j.index: j for j in jobs}
             received: dict[int, set[str]] = {j.index: set() for j in jobs}
             attempts: dict[int, int] = {}
             running: set[int] = set()
+            starts: dict[tuple[int, int], float] = {}
+            finished: set[tuple[int, int]] = set()    # (cell, attempt) whose last message arrived
             refs: dict = {}
 
             def submit(job: Job) -> None:
                 attempts[job.index] = attempts.get(job.index, 0) + 1
                 todo = frozenset(job.todo - received[job.index])
-                refs[remote.remote(Job(job.index, job.spec, todo, job.keys), q, threads, attempts[job.index])] = job
+                refs[remote.remote(Job(job.index, job.spec, todo, job.keys), inbox, threads, attempts[job.index])] = job
 
             for job in jobs:
                 submit(job)
@@ -305,13 +315,14 @@ class RayExecutor:
             n_failed = 0
 
             def drain() -> None:
-                try:
-                    msgs = q.get_nowait_batch(q.qsize())
-                except Empty:
-                    msgs = []
-                for kind, idx, payload in msgs:
+                for kind, idx, payload in ray.get(inbox.take.remote()):
                     if kind == "start":
                         running.add(idx)
+                        starts[(idx, payload[0])] = payload[1]
+                    elif kind == "end":
+                        running.discard(idx)
+                        finished.add((idx, payload[0]))
+                        self.intervals.append((starts.pop((idx, payload[0]), payload[1]), payload[1]))
                     elif kind == "unit" and payload[0] not in received[idx]:
                         received[idx].add(payload[0])
                         sink.unit(by_index[idx], *payload)
@@ -323,12 +334,21 @@ class RayExecutor:
                     drain()
                     for ref in ready:
                         job = refs.pop(ref)
-                        running.discard(job.index)
                         try:
                             kind, payload = ray.get(ref)
                         except Exception as e:  # the worker or its node died
                             kind, payload = "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
-                        drain()  # units sent just before the end
+                            running.discard(job.index)
+                        else:
+                            # the cell's messages were sent before it returned: wait until the last one is here
+                            deadline = time.monotonic() + self.LAST_MESSAGE_TIMEOUT_S
+                            while (job.index, attempts[job.index]) not in finished and time.monotonic() < deadline:
+                                time.sleep(0.05)
+                                drain()
+                            if (job.index, attempts[job.index]) not in finished:
+                                running.discard(job.index)
+                                kind, payload = "failed", (f"its last results did not reach the driver within "
+                                                           f"{self.LAST_MESSAGE_TIMEOUT_S:.0f} s", "")
                         if kind == "done":
                             bar.update(1)
                             sink.done(job, payload)
@@ -353,15 +373,37 @@ class RayExecutor:
                 ray.shutdown()
 
 
-def _ray_cell(job: Job, q, threads: int, attempt: int):
-    """A Ray task: run one cell, push each unit to the driver's queue; returns (kind, payload)."""
+class _Inbox:
+    """A Ray actor holding the messages cells send to the driver until it takes them."""
+
+    def __init__(self):
+        self.msgs: list = []
+
+    def put(self, msg) -> None:
+        self.msgs.append(msg)
+
+    def take(self) -> list:
+        out, self.msgs = self.msgs, []
+        return out
+
+
+def _ray_cell(job: Job, inbox, threads: int, attempt: int):
+    """A Ray task: run one cell, send each unit to the driver's inbox; returns (kind, payload).
+
+    Messages are sent without waiting on them (`inbox.put.remote`, never `ray.get`): a task blocked in
+    `ray.get` lends its CPU back to the scheduler, which starts another cell on it, so a task that waited
+    on each message (as `ray.util.queue.Queue.put` does) made the cluster run more cells than it has
+    CPUs. The last message, "end", tells the driver that every unit before it has been sent.
+    """
     import torch
     torch.set_num_threads(threads)
-    q.put(("start", job.index, attempt))
+    inbox.put.remote(("start", job.index, (attempt, time.time())))
     try:
-        wall = run_job(job, lambda unit, rows: q.put(("unit", job.index, (unit, rows))))
-        return "done", wall
+        wall = run_job(job, lambda unit, rows: inbox.put.remote(("unit", job.index, (unit, rows))))
+        out = "done", wall
     except UserError as e:
-        return "user_error", str(e)
+        out = "user_error", str(e)
     except Exception as e:  # noqa: BLE001 (reported to the driver, which retries or reports)
-        return "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
+        out = "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
+    inbox.put.remote(("end", job.index, (attempt, time.time())))
+    return out

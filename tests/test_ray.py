@@ -30,6 +30,7 @@ def test_ray_sweep_gives_exactly_the_local_results(cluster, tiny_model_dir, data
     out_r = run_cells(_specs(tiny_model_dir, data_dir, CELLS, overrides=over), remote, executor=ex)
     assert [o.status for o in out_l] == [o.status for o in out_r] == ["done"] * len(CELLS)
     assert ex.jobs == 2                                   # two 1-CPU cells at a time on the 2-CPU cluster
+    assert ex.max_running <= 2, ex.max_running            # and never more (a cell blocked in ray.get frees its CPU)
     vl, vr = _values(local), _values(remote)
     assert len(vl) >= 9 and vl == vr
     assert ray.is_initialized()                           # a cluster it did not start is left running
