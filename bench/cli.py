@@ -234,7 +234,8 @@ def cmd_run(args) -> int:
                 P.check_fits(shape, s.method, s.calib.n_samples, s.calib.seq_len, dev, host_avail, dev_avail)
     t0 = time.perf_counter()
     where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
-             f"{executor.jobs} at a time" + (f" ({executor.threads} threads each)" if executor.jobs > 1 else ""))
+             f"{executor.jobs} at a time" + (f" ({executor.threads} thread{'s' if executor.threads > 1 else ''} each)"
+                                             if executor.jobs > 1 else ""))
     print(f"lrq-bench run: profile {prof.name}, {len(specs)} cells, {where}", file=sys.stderr)
     outcomes = run_cells(specs, store, force=args.force, executor=executor)
     wall = time.perf_counter() - t0
