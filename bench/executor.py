@@ -299,8 +299,7 @@ class RayExecutor:
             by_index = {j.index: j for j in jobs}
             received: dict[int, set[str]] = {j.index: set() for j in jobs}
             attempts: dict[int, int] = {}
-            running: set[int] = set()
-            starts: dict[tuple[int, int], float] = {}
+            starts: dict[tuple[int, int], float] = {}  # (cell, attempt) running -> its start time
             finished: set[tuple[int, int]] = set()    # (cell, attempt) whose last message arrived
             refs: dict = {}
 
@@ -317,16 +316,14 @@ class RayExecutor:
             def drain() -> None:
                 for kind, idx, payload in ray.get(inbox.take.remote()):
                     if kind == "start":
-                        running.add(idx)
                         starts[(idx, payload[0])] = payload[1]
                     elif kind == "end":
-                        running.discard(idx)
                         finished.add((idx, payload[0]))
                         self.intervals.append((starts.pop((idx, payload[0]), payload[1]), payload[1]))
                     elif kind == "unit" and payload[0] not in received[idx]:
                         received[idx].add(payload[0])
                         sink.unit(by_index[idx], *payload)
-                bar.set_postfix_str(f"running: {len(running)}" + (f" | failed: {n_failed}" if n_failed else ""))
+                bar.set_postfix_str(f"running: {len(starts)}" + (f" | failed: {n_failed}" if n_failed else ""))
 
             try:
                 while refs:
@@ -338,7 +335,7 @@ class RayExecutor:
                             kind, payload = ray.get(ref)
                         except Exception as e:  # the worker or its node died
                             kind, payload = "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
-                            running.discard(job.index)
+                            starts.pop((job.index, attempts[job.index]), None)
                         else:
                             # the cell's messages were sent before it returned: wait until the last one is here
                             deadline = time.monotonic() + self.LAST_MESSAGE_TIMEOUT_S
@@ -346,7 +343,7 @@ class RayExecutor:
                                 time.sleep(0.05)
                                 drain()
                             if (job.index, attempts[job.index]) not in finished:
-                                running.discard(job.index)
+                                starts.pop((job.index, attempts[job.index]), None)
                                 kind, payload = "failed", (f"its last results did not reach the driver within "
                                                            f"{self.LAST_MESSAGE_TIMEOUT_S:.0f} s", "")
                         if kind == "done":

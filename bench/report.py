@@ -28,9 +28,11 @@ def rows_frame(rows: list[Row]) -> pd.DataFrame:
                           "config": r.config} for r in rows])
 
 
+_SCHEME_RANK = {s: i for i, s in enumerate(SCHEMES)}
+
+
 def _order(df: pd.DataFrame) -> pd.DataFrame:
-    scheme_rank = {s: i for i, s in enumerate(SCHEMES)}
-    df = df.assign(_m=(df["method"] != FP).astype(int), _s=df["scheme"].map(lambda s: scheme_rank.get(s, -1)))
+    df = df.assign(_m=(df["method"] != FP).astype(int), _s=df["scheme"].map(lambda s: _SCHEME_RANK.get(s, -1)))
     return df.sort_values(["_m", "method", "_s"]).drop(columns=["_m", "_s"])
 
 
@@ -157,9 +159,9 @@ def _leaderboard_cols(mdf: pd.DataFrame) -> list[tuple[str, str, str, str | None
     return [c for c in cols if (c[0], c[1]) in present]
 
 
-def _leaderboard_table(mdf: pd.DataFrame, keys: pd.DataFrame, cols) -> str:
-    """One row per (method, scheme) of `keys`, FP first; the best quantized value of each column in bold."""
-    value = {(r["method"], r["scheme"], r["dataset"], r["metric"]): r["value"] for _, r in mdf.iterrows()}
+def _leaderboard_table(value: dict, keys: pd.DataFrame, cols) -> str:
+    """One row per (method, scheme) of `keys`, FP first; the best quantized value of each column in bold.
+    `value`: {(method, scheme, dataset, metric): value}."""
     keys = _order(keys)
     best = {}
     for ds, metric, _, better in cols:
@@ -188,15 +190,15 @@ def _leaderboard_sections(mdf: pd.DataFrame) -> list[str]:
     if cells.empty:
         return []
     fp = cells[cells["method"] == FP]
+    value = {(r.method, r.scheme, r.dataset, r.metric): r.value for r in mdf.itertuples()}
     parts = ["### Summary", "", "Every cell; the best quantized value of each column in bold (perplexity: lower, "
              "accuracy: higher, time: shorter). The evaluation settings are under Details.", "",
-             _leaderboard_table(mdf, cells, cols), ""]
-    scheme_rank = {s: i for i, s in enumerate(SCHEMES)}
-    schemes = sorted({s for s in cells["scheme"] if s != FP}, key=lambda s: (scheme_rank.get(s, 99), s))
+             _leaderboard_table(value, cells, cols), ""]
+    schemes = sorted({s for s in cells["scheme"] if s != FP}, key=lambda s: (_SCHEME_RANK.get(s, 99), s))
     for scheme in schemes:
         keys = pd.concat([fp, cells[cells["scheme"] == scheme]])
         desc = SCHEMES[scheme].description + "." if scheme in SCHEMES else ""
-        parts += [f"### Scheme {scheme}", ""] + ([desc, ""] if desc else []) + [_leaderboard_table(mdf, keys, cols), ""]
+        parts += [f"### Scheme {scheme}", ""] + ([desc, ""] if desc else []) + [_leaderboard_table(value, keys, cols), ""]
     return parts
 
 
