@@ -23,8 +23,11 @@ Choices and deviations, with reasons:
 - v -> o with grouped-query attention: the reference code only scales v -> o when v_proj and o_proj have
   the same shape. Here it is done exactly for GQA too: one scale per v_proj output channel, repeated
   across the query heads that read it (config `scale_vo`).
-- block inputs come from the already-quantized earlier blocks (lrq.blockwise.walk_blocks), as for GPTQ;
-  the reference code feeds the scaled, still floating-point blocks forward.
+- block inputs come from the already-quantized earlier blocks (lrq.blockwise.walk_blocks), as for GPTQ
+  (`chain="quantized"`); the reference code and llm-compressor feed the scaled (and clipped), still
+  floating-point blocks forward, and quantize every linear at the end (`chain="float"`).
+- the scale grid is ratio = i / n_grid, i = 0..n_grid-1 (`grid="open"`, 0 to 0.95, the reference
+  code's); llm-compressor's is i / (n_grid - 1), 0 to 1 inclusive (`grid="closed"`).
 - `n_samples` calibration sequences are used (the paper: 128 x 512 tokens; static activation ranges
   always use the full calibration set). The scale search runs every inspected module 20 times over
   them, which on 2 CPU cores is most of the cost; the quick preset walks 32 sequences and measures the
@@ -49,6 +52,7 @@ from torch import nn
 
 from lrq.arch import block_linears, decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
+from lrq.errors import UserError
 from lrq.calibration import calibrate_static_activations
 from lrq.methods import Calibration, Method, register
 from lrq.qlinear import QuantLinear
@@ -60,8 +64,10 @@ from lrq.smooth import PAIRS, consumers, fold_scales, to_consumer_space, to_prod
 # pair -> module whose output measures the scale's effect (its input is the pair's shared input)
 INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
-SETTINGS = {"n_grid": 20, "scale_vo": True, "clip": True, "clip_grid": 20, "max_shrink": 0.5,
-            "clip_tokens": 512, "n_samples": 128, "search_tokens": 0, "bf16": True, "batch_size": 8}
+SETTINGS = {"n_grid": 20, "grid": "open", "scale_vo": True, "clip": True, "clip_grid": 20, "max_shrink": 0.5,
+            "clip_tokens": 512, "n_samples": 128, "search_tokens": 0, "bf16": True, "batch_size": 8,
+            "chain": "quantized"}
+CHOICES = {"grid": ("open", "closed"), "chain": ("quantized", "float")}
 QUICK = SETTINGS | {"n_samples": 32, "search_tokens": 4096}
 
 
@@ -137,8 +143,16 @@ class ScaleSearch:
 
 
 @torch.no_grad()
+def grid_ratios(n_grid: int, grid: str = "open") -> list[float]:
+    """The ratios tried: i / n_grid ("open": 0 .. (n-1)/n) or i / (n_grid - 1) ("closed": 0 .. 1)."""
+    if n_grid < 1 or (grid == "closed" and n_grid < 2):
+        raise UserError(f"awq: n_grid={n_grid} is too small for a {grid} grid: use at least 2.")
+    return [i / (n_grid - 1 if grid == "closed" else n_grid) for i in range(n_grid)]
+
+
 def search_scale(block: nn.Module, pair: str, cap: Captured, scheme: Scheme, n_grid: int = 20,
-                 batch_size: int = 8, bf16: bool = False, search_tokens: int = 0) -> ScaleSearch:
+                 batch_size: int = 8, bf16: bool = False, search_tokens: int = 0,
+                 grid: str = "open") -> ScaleSearch:
     """AWQ's grid search of s = mean|x|^ratio for one pair; the block is left as it was.
 
     mean|x| comes from every captured token; with `search_tokens` > 0, the loss of a token-wise
@@ -155,8 +169,7 @@ def search_scale(block: nn.Module, pair: str, cap: Captured, scheme: Scheme, n_g
     originals = [m.weight.data.clone() for m in linears]
     best, losses = None, []
     try:
-        for r in range(n_grid):
-            ratio = r / n_grid
+        for ratio in grid_ratios(n_grid, grid):
             s = x_mean.pow(ratio).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             s_in = to_consumer_space(block, pair, s).view(1, -1)
@@ -219,7 +232,8 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
     bs, bf16 = int(config["batch_size"]), bool(config["bf16"])
     caps = capture(block, inputs, kwargs, [INSPECT[p] for p in pairs], bs, bf16)
     found = {p: search_scale(block, p, caps[INSPECT[p]], scheme, int(config["n_grid"]), bs,
-                             bf16 and scheme.w_bits <= 4, int(config["search_tokens"])) for p in pairs}
+                             bf16 and scheme.w_bits <= 4, int(config["search_tokens"]), str(config["grid"]))
+             for p in pairs}
     for p, res in found.items():
         fold_scales(block, p, res.scale)
         caps[INSPECT[p]].x.div_(to_consumer_space(block, p, res.scale))
@@ -260,22 +274,34 @@ class AWQ(Method):
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:
         device_type = self.compute_device(model).type
+        for key, allowed in CHOICES.items():
+            if config[key] not in allowed:
+                raise UserError(f"awq: {key}={config[key]!r} is not one of {', '.join(allowed)} "
+                                f"(--set {key}={allowed[0]}).")
+        float_chain = config["chain"] == "float"
+
+        def to_quant_linears(block: nn.Module) -> None:
+            for name, lin in block_linears(block).items():
+                qlin = quant_linear_for(lin, name, scheme, *minmax_qparams(lin.weight.data, scheme.w_bits,
+                                                                           scheme.group_size))
+                qlin.act_quant_enabled = False  # weights are chosen for floating-point activations
+                set_submodule(block, name, qlin)
 
         def process(ctx: BlockContext) -> None:
             with torch.autocast(device_type, enabled=False):  # searches in fp32 unless they ask for bf16
                 awq_block(ctx.block, ctx.q_inputs.data, ctx.kwargs, scheme, config, ctx.stats)
             torch.clear_autocast_cache()  # drop bf16 copies of the weights about to be replaced
-            for name, lin in block_linears(ctx.block).items():
-                qlin = quant_linear_for(lin, name, scheme, *minmax_qparams(lin.weight.data, scheme.w_bits,
-                                                                           scheme.group_size))
-                qlin.act_quant_enabled = False  # weights are chosen for floating-point activations
-                set_submodule(ctx.block, name, qlin)
+            if not float_chain:  # else the scaled floating-point block feeds the next; quantized at the end
+                to_quant_linears(ctx.block)
 
         ids = calib.input_ids[:int(config["n_samples"])]
-        # The quantized chain advances under the same autocast as the block forwards (and as evaluation).
+        # The chain advances under the same autocast as the block forwards (and as evaluation).
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(config["bf16"])):
             per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=int(config["batch_size"]),
                                     desc=f"awq {scheme.name}", device=self.device)
+        if float_chain:
+            for block in decoder_blocks(model):
+                to_quant_linears(block)
         for m in decoder_blocks(model).modules():
             if isinstance(m, QuantLinear):
                 m.act_quant_enabled = True

@@ -592,6 +592,23 @@ def model_folder(name: str) -> Path:
                           f"or a built-in name, not a hub id or a .gguf file.")
 
 
+def cached_step(path: Path, key: dict, compute, force: bool = False, label: str = "") -> dict[str, Any]:
+    """`compute()`'s result, from `path` when it holds one computed under the same key (written atomically)."""
+    k = _key(key)
+    if path.exists() and not force:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == k:
+            print(f"{label}: cached ({path})", flush=True)
+            return saved["result"]
+    print(f"{label}: running", flush=True)
+    result = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"key": k, "result": result}, indent=2, default=str))
+    tmp.replace(path)
+    return result
+
+
 def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -704,18 +721,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return ppl, toks
 
     def cached(name: str, key: dict, compute) -> dict[str, Any]:
-        path = workdir / "steps" / f"{name}.json"
-        k = _key(key)
-        if path.exists() and not args.force:
-            saved = json.loads(path.read_text())
-            if saved.get("key") == k:
-                print(f"[crosscheck] {name}: cached ({path})", flush=True)
-                return saved["result"]
-        print(f"[crosscheck] {name}: running", flush=True)
-        result = compute()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": k, "result": result}, indent=2, default=str))
-        return result
+        return cached_step(workdir / "steps" / f"{name}.json", key, compute, args.force, f"[crosscheck] {name}")
 
     rows: list[dict[str, Any]] = []
     if not args.no_fp:

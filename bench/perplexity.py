@@ -46,7 +46,9 @@ def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 128) -> floa
 
 def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include_partial: bool = False,
                autocast: bool = True, desc: str = "perplexity") -> dict:
-    """exp(mean over windows of each window's mean NLL); bf16 autocast by default (as on CPU here)."""
+    """exp(mean over windows of each window's mean NLL); bf16 autocast by default (as on CPU here).
+
+    `window_nll` holds every window's mean NLL, for paired comparisons of two models on the same windows."""
     wins = windows(ids, seq_len, include_partial)
     if not wins:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one {seq_len}-token window")
@@ -58,4 +60,4 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
             nlls.append(window_nll(model, w))
     mean = sum(nlls) / len(nlls)
     return {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),
-            "tokens": int(sum(len(w) for w in wins))}
+            "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls}

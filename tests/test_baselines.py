@@ -4,7 +4,8 @@ single random linear layers."""
 import pytest
 import torch
 
-from baselines.awq import INSPECT, awq_block, capture, clip_weight, rtn, search_clip, search_scale
+import baselines.awq as awq_mod
+from baselines.awq import INSPECT, awq_block, capture, clip_weight, grid_ratios, rtn, search_clip, search_scale
 from baselines.gptq import gptq_quantize
 from conftest import tiny_model
 from lrq.arch import block_linears, decoder_blocks
@@ -113,6 +114,60 @@ def test_awq_scale_is_never_worse_than_no_scaling(arch, pair, scheme_name):
     assert res.losses[0] == pytest.approx(identity_loss, rel=1e-5)
     assert len(res.losses) == 20 and res.ratio == res.losses.index(min(res.losses)) / 20
     assert min(res.losses) <= res.losses[0]
+
+
+def test_awq_grids():
+    assert grid_ratios(20) == [i / 20 for i in range(20)] and max(grid_ratios(20)) == 0.95  # the reference code's
+    closed = grid_ratios(20, "closed")  # llm-compressor's: 0 to 1 inclusive
+    assert len(closed) == 20 and closed[0] == 0 and closed[-1] == 1 and closed[1] == pytest.approx(1 / 19)
+    with pytest.raises(UserError, match="n_grid=1"):
+        grid_ratios(1, "closed")
+    scheme = get_scheme("w3a16")
+    model = tiny_model("llama", hidden=192)
+    inputs, kwargs = capture_block_inputs(model, _ids())
+    block = decoder_blocks(model)[0]
+    cap = capture(block, inputs.data, kwargs, [INSPECT["gate_up"]], 8)[INSPECT["gate_up"]]
+    res = search_scale(block, "gate_up", cap, scheme, n_grid=5, grid="closed")
+    assert len(res.losses) == 5 and res.ratio in (0, 0.25, 0.5, 0.75, 1.0)
+    assert res.ratio == res.losses.index(min(res.losses)) / 4
+
+
+def _block_inputs_seen(monkeypatch, model, ids, cfg):
+    """Run AWQ on `model`, returning the input stream each block's search saw."""
+    seen = []
+
+    def spy(block, inputs, *args):
+        seen.append(inputs.clone())
+        return awq_block(block, inputs, *args)
+    monkeypatch.setattr(awq_mod, "awq_block", spy)
+    get_method("awq").quantize(model, get_scheme("w3a16"), cfg, Calibration(ids))
+    return seen
+
+
+def test_awq_float_chain_feeds_the_floating_point_blocks(monkeypatch):
+    ids = _ids(n=4, seq=32)
+    fp = tiny_model("llama")
+    with torch.no_grad():
+        hidden = fp(ids, output_hidden_states=True).hidden_states
+    fp_inputs = [h for h in hidden[:len(decoder_blocks(fp))]]
+    cfg = get_method("awq").config("quick") | {"clip": False, "bf16": False, "n_samples": 4}
+    float_seen = _block_inputs_seen(monkeypatch, tiny_model("llama"), ids, cfg | {"chain": "float"})
+    quant_seen = _block_inputs_seen(monkeypatch, tiny_model("llama"), ids, cfg)
+    assert len(float_seen) == len(quant_seen) == len(fp_inputs) >= 2
+    for i, (f, q, ref) in enumerate(zip(float_seen, quant_seen, fp_inputs)):
+        # scales folded without quantization leave the function unchanged: the float chain is the FP model's
+        assert torch.allclose(f, ref, atol=1e-4, rtol=1e-4)
+        if i > 0:  # the quantized chain differs from the first quantized block on
+            assert (q - ref).abs().max() > 1e-3
+    model = tiny_model("llama")
+    get_method("awq").quantize(model, get_scheme("w3a16"), cfg | {"chain": "float"}, Calibration(ids))
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 7 * len(decoder_blocks(model))
+
+
+def test_awq_bad_choice_is_a_clear_error():
+    with pytest.raises(UserError, match="chain='fast' is not one of quantized, float"):
+        get_method("awq").quantize(tiny_model("llama"), get_scheme("w3a16"),
+                                   get_method("awq").config("quick", {"chain": "fast"}), Calibration(_ids()))
 
 
 @pytest.mark.parametrize("group_size", [None, 128])

@@ -4,6 +4,7 @@ points, ragged last group, static activation ranges, rescaled norms) into our Qu
 report, and the orchestration end to end with the reference (ours-only) variant on a tiny model."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -248,3 +249,56 @@ def test_run_end_to_end_with_the_reference_variant(tmp_path, data_dir, monkeypat
     # a comparison that needs llm-compressor fails cleanly when its venv is missing
     assert cc.main(argv[:4] + ["gptq"] + argv[5:]) == 2
     assert cc.VENV_COMMAND in capsys.readouterr().err
+
+
+# ---- the AWQ ablation (bench/awq_gap.py) ----------------------------------------------------------------
+
+def test_awq_gap_paired_ratio():
+    from bench.awq_gap import paired_ratio, ppl_of
+    theirs = [3.0, 3.5, 2.8, 3.9, 3.2]
+    same = paired_ratio(theirs, theirs)
+    assert same["ratio"] == same["lo"] == same["hi"] == 1.0
+    shifted = paired_ratio([x + 0.02 for x in theirs], theirs)  # every window 0.02 nats worse
+    assert shifted["ratio"] == pytest.approx(math.exp(0.02)) == pytest.approx(ppl_of([x + 0.02 for x in theirs]) / ppl_of(theirs))
+    assert shifted["lo"] == pytest.approx(shifted["ratio"]) == pytest.approx(shifted["hi"])  # no spread
+    noisy = paired_ratio([x + d for x, d in zip(theirs, [0.05, -0.04, 0.03, -0.02, 0.0])], theirs)
+    assert noisy["lo"] < 1 < noisy["hi"] and noisy["lo"] < noisy["ratio"] < noisy["hi"]
+    with pytest.raises(ValueError, match="same non-empty windows"):
+        paired_ratio(theirs[:3], theirs)
+
+
+def test_awq_gap_variants_are_our_settings_and_need_the_export(tmp_path, capsys):
+    from bench import awq_gap
+    from lrq.methods import get_method
+    base = cc.variants()["awq"].ours
+    for name, overrides in awq_gap.VARIANTS.items():
+        cfg = get_method("awq").config("quick", base | overrides)
+        assert all(cfg[k] == v for k, v in overrides.items())  # every override is a real setting
+    assert awq_gap.VARIANTS["all-three"] == {**awq_gap.VARIANTS["fp32"], **awq_gap.VARIANTS["closed-grid"],
+                                             **awq_gap.VARIANTS["float-chain"]}
+    with pytest.raises(SystemExit):
+        awq_gap.parse_args(["--variants", "fp32,nope"])
+    assert "unknown variant(s) nope" in capsys.readouterr().err
+    cc.write_calibration(tmp_path, torch.zeros(2, 8, dtype=torch.long), {})
+    assert awq_gap.main(["--workdir", str(tmp_path), "--variants", "fp32"]) == 2
+    assert "run the cross-check first" in capsys.readouterr().err
+
+
+def test_awq_gap_markdown_marks_the_paired_ratios():
+    from bench.awq_gap import markdown, paired_ratio, ppl_of
+    theirs = {"c4": [3.0, 3.1, 3.2, 3.3]}
+    ours = {"c4": [3.05, 3.1, 3.25, 3.3]}
+    rows = []
+    for side, nll, ov in (("llm-compressor", theirs, None), ("fp32", ours, {"bf16": False})):
+        rows.append({"side": side, "overrides": ov, "quant": {"cpu_s": 12.0} if ov else None,
+                     "ppl": {"c4": ppl_of(nll["c4"])}, "ppl_slice": {},
+                     "vs_llmc": {} if ov is None else {"c4": paired_ratio(nll["c4"], theirs["c4"])},
+                     "vs_llmc_slice": {} if ov is None else {"c4": paired_ratio(nll["c4"][:2], theirs["c4"][:2])}})
+    text = markdown({"title": "t", "model": "m", "scheme": "w4a16-g128", "slice_windows": 2,
+                     "evaluation": {"c4": {"tokens": 8, "windows": 4, "seq_len": 2}}, "base_overrides": {"clip": False},
+                     "calibration": {"shape": [2, 8], "sha256": "ab" * 20}, "threads": 1, "git_revision": "0" * 40,
+                     "rows": rows})
+    line = next(ln for ln in text.splitlines() if ln.startswith("| ours fp32 (bf16=False)"))
+    r = paired_ratio(ours["c4"], theirs["c4"])
+    assert f"{r['ratio'] - 1:+.2%} [{r['lo'] - 1:+.2%}, {r['hi'] - 1:+.2%}]" in line and line.endswith("| 12 |")
+    assert "| llm-compressor | " in text and "first 2 windows" in text

@@ -34,6 +34,8 @@ def test_perplexity_equals_hand_computation(include_partial):
     res = perplexity(model, ids, seq_len=16, include_partial=include_partial, autocast=False)
     assert res["windows"] == (4 if include_partial else 3)
     assert res["ppl"] == pytest.approx(_hand_ppl(model, ids, 16, include_partial), rel=1e-4)
+    assert len(res["window_nll"]) == res["windows"]  # per window, for paired comparisons
+    assert math.exp(sum(res["window_nll"]) / res["windows"]) == pytest.approx(res["ppl"], rel=1e-12)
 
 
 def test_bf16_autocast_is_close_to_fp32():
