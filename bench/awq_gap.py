@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workdir", type=Path, default=None, help="the cross-check's (default ~/.cache/lrq-bench/crosscheck-llmc)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: the work folder)")
+    p.add_argument("--with-fp", action="store_true", help="also score the floating-point model (a reference row)")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -154,8 +155,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sides[name] = cached(f"ours-{name}", base_key | {"step": "ours", "cfg": cfg, "scheme": base.scheme}, ours)
     export_sha = hashlib.sha256(export.read_bytes()).hexdigest()[:16]
     sides["llm-compressor"] = cached("llmc", base_key | {"step": "llmc", "export": export_sha}, theirs)
-    sides["fp"] = cached("fp", base_key | {"step": "fp"},
-                         lambda: {"window_nll": evaluate(load_model(args.model).model, "fp")})
+    if args.with_fp:
+        sides["fp"] = cached("fp", base_key | {"step": "fp"},
+                             lambda: {"window_nll": evaluate(load_model(args.model).model, "fp")})
 
     slice_windows = SLICE_TOKENS // args.eval_seq_len
     ref = sides["llm-compressor"]["window_nll"]

@@ -161,7 +161,7 @@ def variants(alpha: float = 0.8, n_samples: int = 64) -> dict[str, Variant]:
             {"modifiers": [{"type": "AWQModifier", "quant": False, "kwargs": {"duo_scaling": False, "n_grid": 20}},
                            {"type": "QuantizationModifier", "quant": True, "kwargs": {}}]},
             ("scale grid: llm-compressor tries ratio = i / (n_grid - 1), i = 0..19 (0 to 1 inclusive); ours "
-             "i / n_grid (0 to 0.95)",
+             "i / n_grid (0 to 0.95; `grid=closed` is theirs, see bench/awq_gap.py)",
              "scales: both s = mean|x|^ratio normalised by sqrt(max(s) min(s)) (duo scaling off on their "
              "side: with it on, its weight statistic cannot reshape 576 columns into blocks of 128); ours "
              "has no duo scaling",
@@ -170,7 +170,8 @@ def variants(alpha: float = 0.8, n_samples: int = 64) -> dict[str, Variant]:
              "weight clipping search: llm-compressor's AWQ has none; ours switched off (`clip=false`; its "
              "default is on)",
              "chain: llm-compressor feeds the next layer the scaled, still floating-point layer's output "
-             "(quantization is disabled during its calibration passes); ours feeds the quantized block's output",
+             "(quantization is disabled during its calibration passes); ours feeds the quantized block's output "
+             "(`chain=float` is theirs, see bench/awq_gap.py)",
              "loss: both mean squared error of the inspected module's output over every calibration token "
              f"(ours `search_tokens=0`, `n_samples={n_samples}`: every window; the quick preset uses 32 windows "
              "and 4096 tokens)",
