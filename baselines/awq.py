@@ -52,8 +52,8 @@ from torch import nn
 
 from lrq.arch import block_linears, decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
-from lrq.errors import UserError
 from lrq.calibration import calibrate_static_activations
+from lrq.errors import UserError
 from lrq.methods import Calibration, Method, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
@@ -142,7 +142,6 @@ class ScaleSearch:
     losses: list[float]       # output MSE per grid ratio; losses[0] is s = 1 (plain RTN)
 
 
-@torch.no_grad()
 def grid_ratios(n_grid: int, grid: str = "open") -> list[float]:
     """The ratios tried: i / n_grid ("open": 0 .. (n-1)/n) or i / (n_grid - 1) ("closed": 0 .. 1)."""
     if n_grid < 1 or (grid == "closed" and n_grid < 2):
@@ -150,6 +149,7 @@ def grid_ratios(n_grid: int, grid: str = "open") -> list[float]:
     return [i / (n_grid - 1 if grid == "closed" else n_grid) for i in range(n_grid)]
 
 
+@torch.no_grad()
 def search_scale(block: nn.Module, pair: str, cap: Captured, scheme: Scheme, n_grid: int = 20,
                  batch_size: int = 8, bf16: bool = False, search_tokens: int = 0,
                  grid: str = "open") -> ScaleSearch:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.crosscheck_llmcompressor import (EXPORT_FILE, CrosscheckError, Meter, apply_llmc_export, cached_step,
-                                            read_calibration, variants)
+                                            eval_streams, read_calibration, variants)
 
 # Our overrides on top of the cross-check's AWQ row: each switches one difference to llm-compressor's.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.models import cache_root, load_model
     from bench.perplexity import perplexity
     from bench.provenance import git_revision, hardware, versions
+    from bench.report import write_atomic
     from lrq.methods import Calibration, get_method
     from lrq.schemes import get_scheme
 
@@ -115,15 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = loaded.tokenizer
     data_dir = D.resolve_data_dir(args.data_dir)
     D.check_available(args.dataset_list, data_dir)
-    eval_ids = {}
-    for ds in args.dataset_list:
-        t = D.tokenize(tok, D.eval_text(ds, data_dir).text)
-        cap = D.eval_token_cap(ds)
-        eval_ids[ds] = t[:cap] if cap else t
-    loaded.model = None
-    eval_desc = {ds: {"tokens": int(len(t)), "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16],
-                      "windows": len(t) // args.eval_seq_len, "seq_len": args.eval_seq_len,
-                      "data": D.data_fingerprint(ds, data_dir)} for ds, t in eval_ids.items()}
+    loaded.model = None  # every step loads a fresh copy
+    eval_ids, eval_desc = eval_streams(tok, args.dataset_list, data_dir, args.eval_seq_len)
     base_key = {"model": loaded.fingerprint, "calib": calib_meta["sha256"], "eval": eval_desc,
                 "threads": args.threads}
 
@@ -177,12 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "slice_windows": slice_windows, "base_overrides": base.ours, "rows": rows,
               "git_revision": git_revision(), "versions": versions(), "hardware": hardware(),
               "threads": args.threads}
-    out.mkdir(parents=True, exist_ok=True)
-    for fname, text in (("awq_gap.json", json.dumps(report, indent=2, default=str)),
-                        ("awq_gap.md", markdown(report))):
-        tmp = out / (fname + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / fname)
+    write_atomic(out / "awq_gap.json", json.dumps(report, indent=2, default=str))
+    write_atomic(out / "awq_gap.md", markdown(report))
     print(markdown(report))
     return report
 

@@ -603,11 +603,24 @@ def cached_step(path: Path, key: dict, compute, force: bool = False, label: str 
             return saved["result"]
     print(f"{label}: running", flush=True)
     result = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"key": k, "result": result}, indent=2, default=str))
-    tmp.replace(path)
+    from bench.report import write_atomic  # our venv only (this file also runs in llm-compressor's)
+    write_atomic(path, json.dumps({"key": k, "result": result}, indent=2, default=str))
     return result
+
+
+def eval_streams(tokenizer, datasets: list[str], data_dir, seq_len: int, max_tokens: int | None = None):
+    """Each dataset's evaluation tokens (cut at the protocol's cap and at `max_tokens`) and their
+    description (token count, hash, windows, data fingerprint): ({name: ids}, {name: description})."""
+    from bench import data as D
+    ids = {}
+    for ds in datasets:
+        t = D.tokenize(tokenizer, D.eval_text(ds, data_dir).text)
+        caps = [c for c in (D.eval_token_cap(ds), max_tokens) if c]
+        ids[ds] = t[:min(caps)] if caps else t
+    desc = {ds: {"tokens": int(len(t)), "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16],
+                 "windows": len(t) // seq_len, "seq_len": seq_len, "data": D.data_fingerprint(ds, data_dir)}
+            for ds, t in ids.items()}
+    return ids, desc
 
 
 def _key(obj: Any) -> str:
@@ -703,14 +716,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded.model = None  # every step loads a fresh copy: do not hold a second one through the measurements
     calib = D.calibration_set(tok, data_dir, "c4", args.calib_samples, args.calib_seq_len, args.seed, "random")
     calib_meta = write_calibration(workdir, calib.input_ids, calib.description)
-    eval_ids = {}
-    for ds in args.dataset_list:
-        ids = D.tokenize(tok, D.eval_text(ds, data_dir).text)
-        caps = [c for c in (D.eval_token_cap(ds), args.max_eval_tokens) if c]
-        eval_ids[ds] = ids[:min(caps)] if caps else ids
-    eval_desc = {ds: {"tokens": int(len(t)), "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16],
-                      "windows": len(t) // args.eval_seq_len, "seq_len": args.eval_seq_len,
-                      "data": D.data_fingerprint(ds, data_dir)} for ds, t in eval_ids.items()}
+    eval_ids, eval_desc = eval_streams(tok, args.dataset_list, data_dir, args.eval_seq_len, args.max_eval_tokens)
     base_key = {"model": loaded.fingerprint, "calib": calib_meta["sha256"], "eval": eval_desc,
                 "threads": args.threads}
 
