@@ -4,7 +4,8 @@ Any method's output exports the same way (LRQ and FlexRound fold their learned s
 integers + per-channel/group scale + zero point, so their files are indistinguishable from RTN's).
 
 Per quantized linear `<prefix>` (compressed-tensors names and conventions):
-  <prefix>.weight_packed      int32 [out, ceil(in * b / 32)]  dense LSB-first bit stream of q (lrq.packing);
+  <prefix>.weight_packed      int32 [out, ceil(in * b / 32)]  dense LSB-first bit stream of q (lrq.packing;
+                              a PackedLinear's in-memory planar layout is converted on the way out and in);
                               compressed-tensors' signed value q - 2^(b-1) plus its 2^(b-1) offset is q
   <prefix>.weight_scale       fp16 [out, n_groups]
   <prefix>.weight_zero_point  int32 [ceil(out * b / 32), n_groups]  signed zero point z - 2^(b-1), packed along dim 0
@@ -29,7 +30,7 @@ from torch import nn
 from lrq.arch import KV_LINEARS, decoder_blocks, iter_linears, set_submodule
 from lrq.errors import UserError
 from lrq.packed import PackedLinear, pack_model
-from lrq.packing import pack_bits, unpack_bits
+from lrq.packing import pack_bits, planar_to_stream, stream_to_planar, unpack_bits
 from lrq.qlinear import QuantLinear
 from lrq.schemes import SCHEMES, Scheme
 
@@ -96,7 +97,7 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
         prefix = f"model.layers.{i}.{name}"
         quantized_prefixes.add(prefix)
         ragged |= scheme.group_size is not None and m.in_features % scheme.group_size != 0
-        tensors[f"{prefix}.weight_packed"] = m.weight_packed.contiguous()
+        tensors[f"{prefix}.weight_packed"] = planar_to_stream(m.weight_packed, scheme.w_bits, m.in_features).contiguous()
         tensors[f"{prefix}.weight_scale"] = m.scale.contiguous()
         zp = m.zero.to(torch.int64)   # = (z - offset) + offset: pack the signed zero point with its offset
         tensors[f"{prefix}.weight_zero_point"] = pack_bits(zp.t().contiguous(), scheme.w_bits).t().contiguous()
@@ -176,7 +177,7 @@ def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -
         prefix = f"model.layers.{i}.{name}"
         out_f, in_f = (int(v) for v in tensors.pop(f"{prefix}.weight_shape"))
         m = PackedLinear(in_f, out_f, f"{prefix}.bias" in tensors, scheme, quantize_output=name in KV_LINEARS)
-        m.weight_packed.copy_(tensors.pop(f"{prefix}.weight_packed"))
+        m.weight_packed.copy_(stream_to_planar(tensors.pop(f"{prefix}.weight_packed"), scheme.w_bits, in_f))
         m.scale.copy_(tensors.pop(f"{prefix}.weight_scale"))
         zp = tensors.pop(f"{prefix}.weight_zero_point")
         m.zero.copy_(unpack_bits(zp.t().contiguous(), scheme.w_bits, out_f).t())

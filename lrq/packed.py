@@ -1,7 +1,9 @@
 """Real low-bit storage and a CPU execution path for any method's output.
 
-`PackedLinear` holds what a deployment holds: weights densely bit-packed into int32 words
-(lrq.packing; 4-bit = 8 per word, 3-bit = 32 per 3 words, 8-bit = 4 per word), fp16 scales and uint8
+`PackedLinear` holds what a deployment holds: weights densely bit-packed into int32 words in the
+planar layout (lrq.packing.pack_planar; 4-bit = 8 per word, 8-bit = 4 per word, both exactly
+compressed-tensors' stream; 3-bit = a 2-bit plane of 16 per word and a 1-bit plane of 32 per word, which
+the exporter turns back into the stream), fp16 scales and uint8
 zero points per row or group, the static activation range (w8a8) and the scheme. `pack_model` swaps
 every QuantLinear (whatever method chose its integers: RTN, GPTQ, AWQ, OmniQuant, LRQ and FlexRound
 alike, since their scales are folded) for a PackedLinear, and the weight memory really falls.
@@ -14,7 +16,8 @@ CPU execution (no GPU needed):
   corrected exactly in the epilogue with row/column sums:
       sum_k (xq_k - az)(wq_k - wz) = sum xa*wa + (128 - wz) sum xa + (128 - az) sum wa + K (128 - az)(128 - wz)
   where xa = xq - 128 and wa = wq - 128 are the int8 operands.
-The fused GPU kernels replace these forwards without changing what is stored.
+On a GPU the fused kernels of lrq.kernels run instead (weight-only: the dequantize-GEMM; w8a8/w4a8:
+the activation-quantization kernel and the int8 tensor-core GEMM), reading the same buffers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
-from lrq.packing import pack_bits, packed_words, unpack_bits
+from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
 from lrq.quant import dequantize, n_groups, per_token_fake_quant
 from lrq.schemes import Scheme
@@ -55,7 +58,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.bits, self.group_size = scheme.w_bits, scheme.group_size
         ng = n_groups(in_features, scheme.group_size)
-        self.register_buffer("weight_packed", torch.zeros(out_features, packed_words(in_features, self.bits),
+        # the planar layout (lrq.packing.pack_planar): compressed-tensors' stream itself at 2, 4 and 8 bits
+        self.register_buffer("weight_packed", torch.zeros(out_features, planar_words(in_features, self.bits),
                                                           dtype=torch.int32))
         self.register_buffer("scale", torch.ones(out_features, ng, dtype=torch.float16))
         self.register_buffer("zero", torch.zeros(out_features, ng, dtype=torch.uint8))
@@ -74,7 +78,7 @@ class PackedLinear(nn.Module):
         if q.scheme.static_activations and not q.act_calibrated:
             raise ValueError("a w8a8 layer must have calibrated static activation scales before packing")
         m = cls(q.in_features, q.out_features, q.bias is not None, q.scheme, q.quantize_output)
-        m.weight_packed.copy_(pack_bits(q.qweight, q.bits))
+        m.weight_packed.copy_(pack_planar(q.qweight, q.bits))
         m.scale.copy_(q.scale.to(torch.float16))
         m.zero.copy_(q.zero.round().clamp(0, 2**q.bits - 1).to(torch.uint8))
         if q.bias is not None:
@@ -87,7 +91,7 @@ class PackedLinear(nn.Module):
     # ---- storage ------------------------------------------------------------------------------
     def levels(self) -> torch.Tensor:
         """The unsigned integer levels [out, in] (uint8)."""
-        return unpack_bits(self.weight_packed, self.bits, self.in_features)
+        return unpack_planar(self.weight_packed, self.bits, self.in_features)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.levels(), self.scale, self.zero, self.group_size, dtype)
