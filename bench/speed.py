@@ -31,23 +31,24 @@ LAYER_SCHEMES = ("w4a16", "w4a16-g128", "w3a16", "w8a8", "w4a8")
 
 
 def random_packed(n: int, k: int, scheme_name: str, device: str):
-    """A PackedLinear with random levels, fp16 scales and zero points (speed does not depend on values)."""
+    """A PackedLinear with random levels, fp16 scales and zero points, built on `device` (speed does not depend
+    on values; every bit pattern of the planar layout is valid levels, so the words themselves are random)."""
     from lrq.packed import PackedLinear
-    from lrq.packing import pack_bits
     from lrq.quant import n_groups
     from lrq.schemes import get_scheme
     s = get_scheme(scheme_name)
     if s.group_size is not None and k % s.group_size:
         s = type(s)(**{**s.__dict__, "group_size": 64, "name": s.name.replace("g128", "g64")})
-    m = PackedLinear(k, n, False, s)
-    g = torch.Generator().manual_seed(0)
-    m.weight_packed.copy_(pack_bits(torch.randint(0, 2**s.w_bits, (n, k), generator=g), s.w_bits))
-    m.scale.copy_((torch.rand(n, n_groups(k, s.group_size), generator=g) * 0.01 + 1e-3).half())
+    m = PackedLinear(k, n, False, s).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    m.weight_packed.copy_(torch.randint(-2**31, 2**31, m.weight_packed.shape, generator=g, device=device,
+                                        dtype=torch.int64).to(torch.int32))
+    m.scale.copy_((torch.rand(n, n_groups(k, s.group_size), generator=g, device=device) * 0.01 + 1e-3).half())
     m.zero.fill_(2 ** (s.w_bits - 1))
     if s.static_activations:
         m.act_scale.fill_(0.05)
         m.act_zero.fill_(128)
-    return m.to(device), s.name
+    return m, s.name
 
 
 def median_ms(fn, device: str) -> float:
@@ -184,22 +185,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--results", default=None, help="also store the figures in this results store")
+    ap.add_argument("--shape", default=None,
+                    help="e2e on a random-weight model of this shape (llama-2-7b, llama-2-13b, ...; the default "
+                         "with --device cuda: llama-2-7b), static KV cache and CUDA graphs (bench.speed_e2e)")
+    ap.add_argument("--layers", type=int, default=8, help="decoder blocks of the --shape model")
+    ap.add_argument("--no-graphs", action="store_true", help="--shape: time eager steps instead of CUDA graphs")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # e2e worker: one configuration
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
-    if args.what == "layers":
+    if args.what == "e2e" and (args.shape or args.device == "cuda"):
+        from bench import speed_e2e
+        shape = args.shape or "llama-2-7b"
+        rows = speed_e2e.run(shape, args.layers, schemes, args.device, args.prefill, args.decode,
+                             graphs=not args.no_graphs)
+        args.model = f"{shape} ({args.layers} layers, random weights)"
+    elif args.what == "layers":
         rows = layer_latency(SHAPES[args.shapes], [int(m) for m in args.ms.split(",")], schemes, args.device)
     elif args.one:
         rows = e2e([] if args.one == "bf16" else [args.one], args.prefill, args.decode, args.data_dir, args.model,
                    with_bf16=args.one == "bf16")
     else:
         rows = e2e_isolated(schemes, args.prefill, args.decode, args.data_dir, args.model)
-    doc = {"what": args.what, "device": args.device, **_provenance(), "rows": rows}
+    doc = {"what": args.what, "device": args.device, "model": args.model, **_provenance(), "rows": rows}
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
-    if args.results:
+    if args.results and not any("error" in r for r in rows):
         _store(rows, args.what, args.results, args.model)
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

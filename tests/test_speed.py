@@ -47,3 +47,34 @@ def test_report_shows_speed_sections(tmp_path):
     assert "### Inference speed (end to end)" in md and "| w4a16    | 90.0" in md
     assert "### Per-layer latency" in md and "tiny 48x64" in md
     assert "speed_layers perplexity" not in md
+
+
+def test_e2e_static_cache_runner_on_a_named_shape(tmp_path):
+    """The GPU e2e benchmark's code path (random model of a named shape, RTN packed, static KV cache,
+    greedy steps) runs eagerly on the CPU: every format gets a row, bf16 first, weights shrink."""
+    out = tmp_path / "e2e.json"
+    rc = speed.main(["e2e", "--device", "cpu", "--shape", "smollm2-135m", "--layers", "1", "--prefill", "8",
+                     "--decode", "5", "--schemes", "w4a16,w8a8,w4a8", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and [r["scheme"] for r in doc["rows"]] == ["bf16", "w4a16", "w8a8", "w4a8"]
+    bf16 = doc["rows"][0]
+    for r in doc["rows"]:
+        assert "error" not in r and r["decode_ms_per_token"] > 0 and r["prefill_tok_s"] > 0
+        assert r["cuda_graphs"] is False and r["decode_steps"] == 5
+        assert r["decode_speedup_vs_bf16"] > 0 and r["decode_floor_ms"] > 0
+    assert all(r["weight_bytes"] < bf16["weight_bytes"] for r in doc["rows"][1:])
+    assert doc["model"].startswith("smollm2-135m (1 layers")
+
+
+def test_e2e_runner_keeps_decode_positions():
+    """Repeated prefills and decode blocks never run past the static cache (positions are reset)."""
+    from bench import speed_e2e
+    model = speed_e2e.random_model("smollm2-135m", 1, "cpu")
+    r = speed_e2e._Runner(model, 8, 4, graphs=False)
+    r.capture()
+    for _ in range(3):
+        r.prefill()
+    r.reset()
+    for _ in range(4):
+        r.step()
+    assert int(r.pos) == 12
