@@ -36,7 +36,7 @@ def test_the_kernels_run_under_the_interpreter_here():
 
 @settings(max_examples=25, deadline=None)
 @given(bits=st.integers(2, 8), m=st.integers(1, 20), n=st.integers(1, 70), k=st.integers(1, 300),
-       group=st.sampled_from([None, 32, 64, 128]), bias=st.booleans(), seed=st.integers(0, 1000),
+       group=st.sampled_from([None, 32, 48, 64, 96, 128]), bias=st.booleans(), seed=st.integers(0, 1000),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]))
 def test_wq_gemm_equals_reference(bits, m, n, k, group, bias, seed, dtype, split):
     if group is not None and group > k:
@@ -83,6 +83,18 @@ def test_bucket_selection_and_split_k():
     assert split_k(1, 256, 128, 132) == 1                   # too little K to share
 
 
+def test_small_groups_shrink_the_k_tile():
+    """Groups of 32/64 under a 128-wide tile: the tile shrinks so scales load once per row and tile; a group
+    that is not a multiple of 32 keeps the tile (per-element scales)."""
+    c = TileConfig(16, 64, 128, 4, 4)
+    assert WQ.fit_group(c, 0) == c and WQ.fit_group(c, 128) == c and WQ.fit_group(c, 256) == c
+    assert WQ.fit_group(c, 64).block_k == 64 and WQ.fit_group(c, 32).block_k == 32
+    assert WQ.fit_group(c, 96).block_k == 32
+    assert WQ.fit_group(c, 48) == c
+    (call,) = [ce for _, _, ce in WQ.compilations(1, 4096, 4096, 4, 32, torch.bfloat16, tune=False)]
+    assert call["BLOCK_K"] == 32
+
+
 def test_compilations_follow_the_dispatch():
     """What the GPU check counts as compilations is what the dispatchers launch: the decode bucket splits K
     (float32 atomics) only where the tiles are too few, large M goes to the dequantize kernel."""
@@ -100,7 +112,7 @@ def test_compilations_follow_the_dispatch():
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
-@pytest.mark.parametrize("group", [None, 32, 128])
+@pytest.mark.parametrize("group", [None, 32, 48, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dequantize_kernel_writes_the_weight(bits, group, dtype):
     n, k = 37, 300

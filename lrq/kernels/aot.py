@@ -35,6 +35,7 @@ TENSOR_CORE_OPS = {90: ("wgmma.mma_async",), 80: ("mma.sync",)}
 DTYPES = ("bf16", "fp16")
 BITS = (3, 4, 8)
 GROUPS = (0, 128)
+SMALL_GROUPS = (32, 64)
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ def variant_of(kernel: str, config, constexprs: dict, aligned: bool = True) -> V
 
 def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False) -> list[Variant]:
     """Every (kernel, configuration, constexprs) the checks compile."""
+    from lrq.kernels.common import TileConfig
     from lrq.kernels.int8_gemm import ACT_QUANT_CONFIG, INT8_BUCKETS
-    from lrq.kernels.wq_gemm import DEQUANT_CONFIG, WQ_BUCKETS
+    from lrq.kernels.wq_gemm import DEQUANT_CONFIG, WQ_BUCKETS, fit_group
     out: list[Variant] = []
 
     def gemm(kernel, buckets, extra_cfgs):
@@ -96,12 +98,23 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False) -> li
 
     gemm("wq_gemm", WQ_BUCKETS, extra)
     gemm("int8_gemm", INT8_BUCKETS, extra)
+    # groups smaller than a K tile (32, 64) shrink the tile (wq_gemm.fit_group): those tiles too, at 4 bits, bf16
+    for i, cs in enumerate(WQ_BUCKETS.configs):
+        for c in cs:
+            for group in SMALL_GROUPS:
+                f = fit_group(c, group)
+                if f != c:
+                    for atomic in ((False, True) if i == 0 else (False,)):
+                        out.append(Variant("wq_gemm", _cfg(f), tuple(sorted(
+                            {**_planes(4), "HAS_BIAS": True, "ATOMIC": atomic, "GROUP": group, "UPCAST": False,
+                             "PREC": "tf32", "DT": "bf16", **f.kwargs()}.items()))))
     for bits in BITS:
-        for group in GROUPS:
+        for group in GROUPS + SMALL_GROUPS:
             for dt in DTYPES:
-                out.append(Variant("wq_dequant", _cfg(DEQUANT_CONFIG), tuple(sorted(
-                    {**_planes(bits), "GROUP": group, "BLOCK_N": DEQUANT_CONFIG.block_n,
-                     "BLOCK_K": DEQUANT_CONFIG.block_k, "DT": dt}.items()))))
+                d = fit_group(DEQUANT_CONFIG, group)
+                out.append(Variant("wq_dequant", _cfg(d), tuple(sorted(
+                    {**_planes(bits), "GROUP": group, "BLOCK_N": d.block_n, "BLOCK_K": d.block_k, "DT": dt}.items()))))
+    del TileConfig
     for static in (False, True):
         for dt in DTYPES:
             out.append(Variant("act_quant", _cfg(ACT_QUANT_CONFIG), tuple(sorted(

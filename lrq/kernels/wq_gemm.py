@@ -24,6 +24,8 @@ fused kernel instead. `python -m bench.gpu_check` times both on a GPU.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +63,18 @@ def reference_wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
 def kernel_group(group_size: int | None, k: int) -> int:
     """The kernels' GROUP constexpr: 0 per channel (one group spanning the row counts as per channel)."""
     return 0 if group_size is None or group_size >= k else group_size
+
+
+def fit_group(c: TileConfig, group: int) -> TileConfig:
+    """The configuration with its K tile shrunk (halving, down to one 32-column word of a 1-bit plane)
+    until it lies inside one group, so scales and zero points are loaded once per row and tile. Group
+    sizes that are not a multiple of 32 keep the tile and load them per element (correct, slower)."""
+    if group == 0 or group % c.block_k == 0:
+        return c
+    bk = c.block_k
+    while bk > 32 and group % bk:
+        bk //= 2
+    return replace(c, block_k=bk) if group % bk == 0 else c
 
 
 def check_layout(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,
@@ -164,11 +178,13 @@ def compilations(m: int, n: int, k: int, bits: int, group_size: int | None, dtyp
     """The (kernel, configuration, constexprs) a wq_matmul call of this shape compiles on a GPU with `sms`
     SMs (the GPU check's compile-time estimate; the dispatcher below takes the same decisions)."""
     ce = {"DT": dtype_name(dtype)}
+    group = kernel_group(group_size, k)
     if m >= LARGE_M and _strategy(large_m) == "dequant":
-        return [("wq_dequant", DEQUANT_CONFIG, {**_planes(bits), "GROUP": kernel_group(group_size, k), **ce,
-                                               "BLOCK_N": DEQUANT_CONFIG.block_n, "BLOCK_K": DEQUANT_CONFIG.block_k})]
+        d = fit_group(DEQUANT_CONFIG, group)
+        return [("wq_dequant", d, {**_planes(bits), "GROUP": group, **ce, "BLOCK_N": d.block_n, "BLOCK_K": d.block_k})]
     out = []
     for c in WQ_BUCKETS.candidates(WQ_BUCKETS.bucket(m), tune):
+        c = fit_group(c, group)
         _, sk = WQ_BUCKETS.split(c, m, n, k, sms)
         out.append(("wq_gemm", c, {**_constexprs(bits, group_size, k, dtype, has_bias, False), **ce, "ATOMIC": sk > 1,
                                    **c.kwargs()}))
@@ -184,7 +200,7 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
         return dequantize(unpack_planar(packed, bits, k), scale.float(), zero.float(), group_size).to(dtype)
     n = packed.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
-    c = DEQUANT_CONFIG
+    c = fit_group(DEQUANT_CONFIG, kernel_group(group_size, k))
     off1, off2 = plane_offsets(k, bits)
     grid = (cdiv(n, c.block_n), cdiv(k, c.block_k))
     _wq_dequant_kernel[grid](packed, scale, zero, out, n, k, off1, off2, packed.stride(0), scale.stride(0),
@@ -217,6 +233,7 @@ def wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     sms = device_sms(x.device)
 
     def launch(c: TileConfig) -> torch.Tensor:
+        c = fit_group(c, fixed["GROUP"])
         k_split, sk = WQ_BUCKETS.split(c, m, n, k, sms, split)
         atomic = sk > 1
         y = (torch.zeros if atomic else torch.empty)(m, n, device=x.device,
