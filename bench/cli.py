@@ -28,6 +28,81 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _unique(items) -> list:
+    """In order, each once (`--methods rtn,RTN` is one method; `--schemes w4a16,W4A16` one scheme)."""
+    return list(dict.fromkeys(items))
+
+
+_LISTS = {"methods": "method", "schemes": "scheme", "datasets": "perplexity dataset (wikitext2, c4; or 'none')"}
+
+
+def _check_lists(args) -> None:
+    """A list option given but empty (`--schemes ''`, `--methods ,`) is bad input, not 'the default'."""
+    for name, what in _LISTS.items():
+        raw = getattr(args, name, None)
+        if raw is not None and not _csv(raw):
+            raise UserError(f"--{name} is empty ({raw!r}): name at least one {what}, or leave the option out for "
+                            f"the profile's default.")
+
+
+def _methods(spec: str | None) -> list[str]:
+    from lrq.methods import get_method, load_methods
+    names = _csv(spec) if spec else sorted(load_methods())
+    return _unique(get_method(m).name for m in names if m.strip().lower() != "fp")
+
+
+def _schemes(spec: str | None) -> list[str]:
+    from lrq.schemes import DEFAULT_SCHEMES, get_scheme
+    return _unique(get_scheme(s).name for s in (_csv(spec) if spec else DEFAULT_SCHEMES))
+
+
+def _datasets(spec: str) -> list[str]:
+    from bench.data import DATASETS
+    names = [] if spec.strip().lower() == "none" else _unique(d.lower() for d in _csv(spec))
+    for d in names:
+        if d not in DATASETS:
+            raise UserError(f"unknown dataset {d!r}: choose from {', '.join(DATASETS)} (or 'none').")
+    return names
+
+
+def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
+    """--set KEY=VALUE pairs, every KEY a setting of at least one of `methods` (any preset); an unknown key
+    (a typo such as iter=5000) is bad input with the valid keys and the closest match, never ignored."""
+    import difflib
+
+    from lrq.methods import get_method
+    given = _overrides(pairs)
+    if not given:
+        return given
+    known: dict[str, list[str]] = {}
+    for m in methods:
+        for preset in get_method(m).defaults.values():
+            for k in preset:
+                if m not in known.setdefault(k, []):
+                    known[k].append(m)
+    for k in given:
+        if k not in known:
+            close = difflib.get_close_matches(k, list(known), n=1)
+            raise UserError(
+                f"--set {k}=...: none of the selected methods ({', '.join(methods) or 'none'}) has a setting "
+                f"{k!r}" + (f"; did you mean {close[0]!r}?" if close else ".")
+                + (f" Valid keys: {', '.join(sorted(known))}." if known else " They take no settings."))
+    return given
+
+
+def _check_writable(folder: str) -> None:
+    """--out must be a folder we can write, checked before any cell runs (not after hours of work)."""
+    import tempfile
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".lrq-bench-write-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {folder!r} is not a writable folder ({e.strerror or e}): choose another place for "
+                        f"the leaderboard. Nothing was run.") from None
+
+
 def _default_results() -> Path:
     from bench.models import cache_root
     return cache_root() / "results.sqlite"
@@ -160,15 +235,14 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_run(args) -> int:
-    from bench.data import DATASETS, check_available, resolve_data_dir
+    from bench.data import check_available, resolve_data_dir
     from bench.report import markdown_report, write_report
     from bench.runner import FP, CellSpec, EvalSettings, resolve_calib, run_cells
     from bench.store import ResultStore
-    from lrq.methods import get_method, load_methods
-    from lrq.schemes import DEFAULT_SCHEMES, get_scheme
 
     from bench.executor import LocalExecutor
     from bench.profiles import resolve_jobs
+    _check_lists(args)
     prof = _apply_profile(args)
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
     args.task_limit = args.task_limit if args.task_limit != 0 else None
@@ -177,16 +251,12 @@ def cmd_run(args) -> int:
         executor = RayExecutor(args.ray_address, retries=args.retries, cpus_per_cell=args.cpus_per_cell)
     else:
         executor = LocalExecutor(resolve_jobs(args.jobs))
-    methods = _csv(args.methods) if args.methods else sorted(load_methods())
-    methods = [m for m in methods if m != FP]
-    for m in methods:
-        get_method(m)
-    schemes = _csv(args.schemes) if args.schemes else list(DEFAULT_SCHEMES)
-    schemes = [get_scheme(s).name for s in schemes]
-    datasets = _csv(args.datasets)
-    for d in datasets:
-        if d not in DATASETS:
-            raise UserError(f"unknown dataset {d!r}: choose from {', '.join(DATASETS)}.")
+    methods = _methods(args.methods)
+    schemes = _schemes(args.schemes)
+    datasets = _datasets(args.datasets)
+    user_overrides = _checked_overrides(args.set, methods)
+    if args.out:
+        _check_writable(args.out)
     for name, v in (("--max-eval-tokens", args.max_eval_tokens), ("--eval-seq-len", args.eval_seq_len),
                     ("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):
         if v is not None and v < 2:
@@ -203,12 +273,12 @@ def cmd_run(args) -> int:
         raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
     if args.task_limit is not None and args.task_limit < 1:
         raise UserError(f"--task-limit must be 0 (all) or at least 1, got {args.task_limit}.")
-    store = ResultStore(args.results or _default_results())
+    store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
 
     from bench.models import load_model
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
 
-    overrides = dict(prof.method_settings) | _overrides(args.set)   # explicit --set wins over the profile
+    overrides = dict(prof.method_settings) | user_overrides   # explicit --set wins over the profile
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
                   seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit,
@@ -220,6 +290,9 @@ def cmd_run(args) -> int:
               for m in methods for s in schemes]
     needed = set(datasets) | {s.calib.dataset for s in specs if s.uses_calibration()}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
+    if tasks:
+        from bench.tasks import check_task_data
+        check_task_data(tasks, resolve_data_dir(args.data_dir))
     if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
         from bench import plan as P
         shape = P.shape_from_config(args.model, loaded.model.config)
@@ -240,6 +313,7 @@ def cmd_run(args) -> int:
     outcomes = run_cells(specs, store, force=args.force, executor=executor)
     wall = time.perf_counter() - t0
     rows = [r for r in store.rows(latest=True) if r.model == args.model]
+    _warn_unreadable(store)
     print(markdown_report(rows))
     if args.out:
         print(f"leaderboard written to {write_report(store, Path(args.out))}", file=sys.stderr)
@@ -261,18 +335,17 @@ def cmd_plan(args) -> int:
     from bench import plan as P
     from bench.profiles import resolve_jobs
     from bench.runner import resolve_calib
-    from lrq.methods import get_method, load_methods
-    from lrq.schemes import DEFAULT_SCHEMES, get_scheme
 
+    _check_lists(args)
     prof = _apply_profile(args)
     shape = P.load_shape(args.model)
-    methods = [m for m in (_csv(args.methods) if args.methods else sorted(load_methods())) if m != "fp"]
-    for m in methods:
-        get_method(m)
-    schemes = [get_scheme(s).name for s in (_csv(args.schemes) if args.schemes else DEFAULT_SCHEMES)]
+    methods = _methods(args.methods)
+    schemes = _schemes(args.schemes)
+    user_overrides = _checked_overrides(args.set, methods)
     tasks = _task_names(args.tasks)
     limit = args.task_limit or None
-    eval_tokens = {d: min(args.max_eval_tokens or FULL_EVAL_TOKENS[d], FULL_EVAL_TOKENS[d]) for d in _csv(args.datasets)}
+    eval_tokens = {d: min(args.max_eval_tokens or FULL_EVAL_TOKENS[d], FULL_EVAL_TOKENS[d])
+                   for d in _datasets(args.datasets)}
     device = "cuda" if torch_cuda() else "cpu"
     workers = args.gpus or (resolve_jobs(prof.jobs) if device == "cpu" else 1)
     if device == "cpu" and not args.machine_profile:
@@ -283,7 +356,7 @@ def cmd_plan(args) -> int:
     machine = P.load_or_measure_profile(device, args.machine_profile, args.remeasure)
     if args.save_profile:
         Path(args.save_profile).write_text(json.dumps(machine, indent=1))
-    overrides = dict(prof.method_settings) | _overrides(args.set)
+    overrides = dict(prof.method_settings) | user_overrides
     cells = []
     for m in methods:
         calib = resolve_calib(m, args.preset, {"n_samples": args.calib_samples, "seq_len": args.calib_seq_len})
@@ -325,12 +398,13 @@ def cmd_export(args) -> int:
     from lrq.methods import get_method
     from lrq.schemes import get_scheme
 
-    get_method(args.method)
+    method = get_method(args.method).name
     scheme = get_scheme(args.scheme).name
+    overrides = _checked_overrides(args.set, [method])
     given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
              "sampling": args.calib_sampling}
-    spec = CellSpec(model=args.model, method=args.method, scheme=scheme, datasets=(), preset=args.preset,
-                    overrides=_overrides(args.set), calib=resolve_calib(args.method, args.preset, given),
+    spec = CellSpec(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
+                    overrides=overrides, calib=resolve_calib(method, args.preset, given),
                     seed=args.seed, data_dir=args.data_dir)
     if spec.uses_calibration():
         check_available([spec.calib.dataset], resolve_data_dir(args.data_dir))
@@ -349,23 +423,33 @@ def cmd_compare(args) -> int:
     return code
 
 
-def cmd_report(args) -> int:
-    from bench.report import write_report
+def _existing_store(results: str | None):
     from bench.store import ResultStore
-    path = Path(args.results or _default_results())
+    path = Path(results or _default_results())
     if not path.exists():
         raise UserError(f"results store {str(path)!r} does not exist: run `lrq-bench run` first or pass --results.")
-    out = write_report(ResultStore(path), Path(args.out))
+    return ResultStore(path, check=True)
+
+
+def _warn_unreadable(store) -> None:
+    if store.unreadable:
+        print(f"lrq-bench: warning: {store.unreadable} stored row(s) of {store.path} could not be decoded and are "
+              f"left out.", file=sys.stderr)
+
+
+def cmd_report(args) -> int:
+    from bench.report import write_report
+    store = _existing_store(args.results)
+    out = write_report(store, Path(args.out))
+    _warn_unreadable(store)
     print(out)
     return 0
 
 
 def cmd_results(args) -> int:
-    from bench.store import ResultStore
-    path = Path(args.results or _default_results())
-    if not path.exists():
-        raise UserError(f"results store {str(path)!r} does not exist: run `lrq-bench run` first or pass --results.")
-    rows = ResultStore(path).rows()
+    store = _existing_store(args.results)
+    rows = store.rows()
+    _warn_unreadable(store)
     if args.json:
         json.dump([asdict(r) for r in rows], sys.stdout, indent=1, default=str)
         print()
@@ -382,11 +466,16 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": cmd_run, "plan": cmd_plan, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
                 "results": cmd_results}[args.command](args)
     except UserError as e:
-        print(textwrap.fill(f"lrq-bench: error: {e}", width=100), file=sys.stderr)
+        print(textwrap.fill(f"lrq-bench: error: {e}", width=100, break_long_words=False, break_on_hyphens=False),
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lrq-bench: interrupted; completed cells are stored and will be reused.", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # `lrq-bench results --json | head`: the reader left; nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

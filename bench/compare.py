@@ -41,18 +41,40 @@ class Diff:
         return None if self.base is None or self.cur is None else self.cur - self.base
 
 
+_REQUIRED = ("model", "method", "scheme", "dataset", "metric", "value")
+
+
 def load_rows(path: str | Path) -> list[Row]:
+    """Rows of a results store or a JSON export; anything unreadable or of the wrong shape is bad input
+    (exit 2), never a traceback with the gate's 'regression' exit code 1."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p} does not exist: pass a results store (.sqlite) or a JSON export of one.")
+    if p.is_dir():
+        raise UserError(f"{p} is a folder: pass a results store (.sqlite) or a JSON export of one.")
     if p.suffix == ".json":
         try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p} is not valid JSON ({e}).") from None
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{p} is not readable JSON ({type(e).__name__}: {e}).") from None
         fields = Row.__dataclass_fields__
+        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+            raise UserError(f"{p} is not a results export: a JSON list of rows (objects) is expected, as "
+                            f"`lrq-bench results --json` writes; got {type(data).__name__}.")
+        for i, d in enumerate(data):
+            missing = [k for k in _REQUIRED if k not in d]
+            value = d.get("value")
+            if missing or not (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+                raise UserError(f"{p}: row {i} is not a result row ("
+                                + (f"missing {', '.join(missing)}" if missing else f"value {value!r} is not a number")
+                                + "); a results export has model, method, scheme, dataset, metric and value per row.")
         return [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
-    return ResultStore(p).rows(latest=True)
+    store = ResultStore(p, check=True)
+    rows = store.rows(latest=True)
+    if store.unreadable:
+        raise UserError(f"{p}: {store.unreadable} stored row(s) cannot be decoded; the gate will not compare a "
+                        f"partly readable store. Recover it or compare JSON exports.")
+    return rows
 
 
 def latest(rows: list[Row]) -> dict[Key, float | None]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.hashing import file_sha256
 from lrq.errors import UserError
 from lrq.methods import Calibration
 
@@ -63,17 +64,35 @@ def _hub(dataset: str, part: str):
     return load_dataset("allenai/c4", data_files={part: shard}, split=part)["text"]
 
 
+_ROWS: dict[tuple[str, str], list[str]] = {}
+
+
 def _read_local(dataset: str, data_dir: Path) -> list[str]:
     path = data_dir / _FILES[dataset]
     if not path.is_file():
         raise FileNotFoundError(path)
-    if dataset == "wikitext2":
-        # Rows as the hub's wikitext-2-raw-v1 test split has them: one per line with its newline kept,
-        # blank lines (" \n" in the raw file) as empty rows.
-        lines = path.read_text(encoding="utf-8").split("\n")[:-1]
-        return ["" if line.strip() == "" else line + "\n" for line in lines]
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line)["text"] for line in f]
+    verify_file(data_dir, _FILES[dataset])
+    key = (str(path), file_sha256(path))
+    if key in _ROWS:
+        return list(_ROWS[key])
+    try:
+        if dataset == "wikitext2":
+            # Rows as the hub's wikitext-2-raw-v1 test split has them: one per line with its newline kept,
+            # blank lines (" \n" in the raw file) as empty rows.
+            lines = path.read_text(encoding="utf-8").split("\n")[:-1]
+            rows = ["" if line.strip() == "" else line + "\n" for line in lines]
+        else:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                rows = [json.loads(line)["text"] for line in f]
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"cannot read data file {path}: {type(e).__name__}: {str(e)[:200] or 'no detail'}. The file is "
+            f"damaged or not in the expected format ({'UTF-8 text' if dataset == 'wikitext2' else 'gzip of JSON lines with a text field'}); "
+            f"restore it from its source (see {data_dir / 'SOURCES.md'}) or copy the data folder again.") from None
+    if not rows:
+        raise UserError(f"data file {path} holds no text: restore it from its source (see {data_dir / 'SOURCES.md'}).")
+    _ROWS[key] = rows
+    return list(rows)
 
 
 def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> tuple[list[str], str]:
@@ -98,10 +117,10 @@ def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> 
 
 
 def check_available(datasets: list[str], data_dir: Path | None) -> None:
-    """Fail before any model work when a dataset is in neither the data folder nor reachable on the hub."""
+    """Fail before any model work when a dataset is in neither the data folder nor reachable on the hub, or
+    when its local file is damaged (checksum, unreadable): every file is read once here."""
     for ds in datasets:
-        if data_dir is None or not (data_dir / _FILES[ds]).is_file():
-            load_rows(ds, data_dir)
+        load_rows(ds, data_dir)
 
 
 def eval_text(dataset: str, data_dir: Path | None) -> Text:
@@ -161,12 +180,38 @@ def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_sam
 def data_fingerprint(dataset: str, data_dir: Path | None) -> str:
     """Identifies the text a number was computed on (sha256 of the local file, or the hub route)."""
     if data_dir is not None and (data_dir / _FILES[dataset]).is_file():
-        return "sha256:" + _file_sha256(data_dir / _FILES[dataset])
+        return "sha256:" + file_sha256(data_dir / _FILES[dataset])
     return f"hub:{dataset}"
 
 
-def _file_sha256(path: Path, _cache: dict = {}) -> str:
-    key = (str(path), path.stat().st_mtime_ns)
-    if key not in _cache:
-        _cache[key] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return _cache[key]
+def _checksums(data_dir: Path) -> dict[str, str]:
+    """The data folder's SHA256SUMS (relative path -> hex digest), or {} when it has none."""
+    path = data_dir / "SHA256SUMS"
+    if not path.is_file():
+        return {}
+    out = {}
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            parts = line.strip().split(None, 1)
+            if len(parts) == 2 and len(parts[0]) == 64:
+                out[parts[1].lstrip("*").strip()] = parts[0].lower()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path} ({e}): restore the data folder's checksum file.") from None
+    return out
+
+
+def verify_file(data_dir: Path, rel: str) -> Path:
+    """The data file `rel`, checked against the folder's SHA256SUMS when it lists the file (hashed once per
+    file version, bench.hashing). A mismatch is bad input: the file is damaged or not the one documented."""
+    path = data_dir / rel
+    sums = _checksums(data_dir)
+    expected = sums.get(rel)
+    if expected is not None and path.is_file():
+        actual = file_sha256(path)
+        if actual != expected:
+            raise UserError(
+                f"data file {path} does not match {data_dir / 'SHA256SUMS'}: sha256 {actual[:16]}... instead of "
+                f"{expected[:16]}... ({path.stat().st_size:,} bytes). The file is damaged (cut short, edited or "
+                f"replaced); restore it from its source (see {data_dir / 'SOURCES.md'}) or copy the data folder "
+                f"again. Nothing was computed from it.")
+    return path

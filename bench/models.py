@@ -7,7 +7,6 @@ installed, converted once, and cached as safetensors so later loads take well un
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -59,14 +58,37 @@ class LoadedModel:
     note: str = ""
 
 
+_NOT_MODEL = (".md", ".txt.lock", ".lock")
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files that define a model folder: weights, config, generation config, tokenizer (every
+    top-level file except hidden ones, READMEs and licences)."""
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
+            and not p.name.lower().endswith(_NOT_MODEL) and not p.name.upper().startswith(("LICENSE", "LICENCE"))]
+
+
 def _fingerprint(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-        st = p.stat()
-        h.update(f"{p.name}:{st.st_size}".encode())
-        if p.suffix == ".json":
-            h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+    """The model by content: SHA-256 over every model file's name and contents (bench.hashing: hashed once
+    per file version, so an unchanged folder costs a stat per file)."""
+    from bench.hashing import folder_sha256
+    return folder_sha256(folder, model_files(folder))[:16]
+
+
+def _hub_revision(name: str) -> str | None:
+    """The commit a hub id resolves to: the local snapshot's, else the hub's answer; None when neither."""
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(name, local_files_only=True)).name
+    except Exception:  # noqa: BLE001 - not in the local cache
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return None
+    try:
+        from huggingface_hub import HfApi
+        return HfApi().model_info(name).sha
+    except Exception:  # noqa: BLE001 - unreachable or unknown
+        return None
 
 
 def _from_pretrained(src: str, **kw):
@@ -155,9 +177,8 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
         if not path.is_file():
             raise UserError(f"GGUF file {name!r} does not exist: pass the path of an existing .gguf file.")
         model, tok = _load_gguf(path.resolve())
-        st = path.stat()
-        loaded = LoadedModel(model, tok, name, f"gguf:{path.resolve()}",
-                             hashlib.sha256(f"{path.name}:{st.st_size}".encode()).hexdigest()[:16])
+        from bench.hashing import file_sha256
+        loaded = LoadedModel(model, tok, name, f"gguf:{path.resolve()}", file_sha256(path)[:16])
     elif path.is_dir():
         model, tok = _from_pretrained(str(path.resolve()))
         loaded = LoadedModel(model, tok, name, f"folder:{path.resolve()}", _fingerprint(path))
@@ -176,15 +197,25 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
     return loaded
 
 
+_HUB_REVS: dict[str, str | None] = {}
+
+
 def model_fingerprint(name: str) -> str:
-    """A cheap identity of the weights `name` refers to, without loading them (for result reuse)."""
+    """The identity of the weights `name` refers to, without loading them (the results store's key): a
+    built-in by its pinned release, a local folder or .gguf file by the SHA-256 of its contents (cached per
+    file version: cheap when unchanged), a hub id by the commit it resolves to. A folder whose weights
+    were overwritten, a fine-tune saved over its base, is a different model."""
     name = name.strip()
     path = Path(name).expanduser()
     if name in BUILTINS:
         spec = BUILTINS[name]
         return f"{spec.package}=={spec.version}/{spec.filename}"
     if path.suffix == ".gguf" and path.is_file():
-        return f"gguf:{path.name}:{path.stat().st_size}"
+        from bench.hashing import file_sha256
+        return f"gguf:sha256:{file_sha256(path)[:32]}"
     if path.is_dir():
-        return f"folder:{_fingerprint(path)}"
-    return f"hub:{name}"
+        return f"folder:sha256:{_fingerprint(path)}"
+    if name not in _HUB_REVS:
+        _HUB_REVS[name] = _hub_revision(name)
+    rev = _HUB_REVS[name]
+    return f"hub:{name}@{rev}" if rev else f"hub:{name}@unresolved"

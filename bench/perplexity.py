@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +62,52 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
     mean = sum(nlls) / len(nlls)
     return {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),
             "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls}
+
+
+class NonFiniteResult(RuntimeError):
+    """A measurement came out NaN or infinite: the unit fails (never stored) and the message says where the
+    first non-finite value appeared."""
+
+
+@torch.no_grad()
+def locate_nonfinite(model: nn.Module, ids: torch.Tensor) -> str:
+    """Where the first non-finite value appears: a floating-point parameter or buffer holding one, else the
+    first module (in the order modules finish their forward, innermost first) whose output holds one on
+    `ids` (a 1-D window), else none found (the overflow is in the loss itself)."""
+    for name, t in chain(model.named_parameters(), model.named_buffers()):
+        if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            return f"{name} holds {bad} non-finite value{'s' if bad > 1 else ''} (of {t.numel():,})"
+    first: list[str] = []
+
+    def hook(name):
+        def fn(_m, _args, out):
+            if first:
+                return
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor) and o.is_floating_point() and not torch.isfinite(o).all():
+                    first.append(name)
+                    return
+        return fn
+    handles = [m.register_forward_hook(hook(n or type(model).__name__)) for n, m in model.named_modules()]
+    try:
+        device = next(model.parameters()).device
+        model(input_ids=ids[:256].to(device).unsqueeze(0), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return f"the output of {first[0]}" if first else "no module output (the loss itself overflowed)"
+
+
+def check_finite_perplexity(model: nn.Module, ids: torch.Tensor, res: dict, dataset: str, seq_len: int,
+                            include_partial: bool = False) -> None:
+    """Raise NonFiniteResult, saying where, when a perplexity (or any window's NLL) is NaN or infinite."""
+    bad = [i for i, v in enumerate(res["window_nll"]) if not math.isfinite(v)]
+    if math.isfinite(res["ppl"]) and not bad:
+        return
+    first = bad[0] if bad else 0
+    where = locate_nonfinite(model, windows(ids, seq_len, include_partial)[first])
+    raise NonFiniteResult(
+        f"{dataset} perplexity is not finite ({res['ppl']}): {len(bad)} of {res['windows']} windows have a "
+        f"non-finite NLL (first: window {first}); the first non-finite value: {where}. Nothing was stored for "
+        f"this unit; a rerun recomputes it.")

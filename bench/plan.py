@@ -75,10 +75,23 @@ SHAPES: dict[str, ModelShape] = {
 
 
 def shape_from_config(name: str, cfg: Any) -> ModelShape:
+    """The shape of a Llama/Mistral/Qwen2-style config; anything else is refused (UserError), since the cost
+    and memory model is written for those blocks."""
+    from lrq.arch import SUPPORTED_MODEL_TYPES
     get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    model_type = get("model_type")
     heads = get("num_attention_heads")
-    return ModelShape(name, get("hidden_size"), get("intermediate_size"), get("num_hidden_layers"), heads,
-                      get("num_key_value_heads") or heads, get("vocab_size"))
+    fields = {"hidden_size": get("hidden_size"), "intermediate_size": get("intermediate_size"),
+              "num_hidden_layers": get("num_hidden_layers"), "num_attention_heads": heads,
+              "vocab_size": get("vocab_size")}
+    bad = [k for k, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
+    if (model_type is not None and model_type not in SUPPORTED_MODEL_TYPES) or bad:
+        raise UserError(f"{name}: model type {model_type!r} is not supported by the planner"
+                        + (f" (its config has no usable {', '.join(bad)})" if bad else "")
+                        + f": it prices Llama/Mistral/Qwen2-style decoders ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+                        f"give one of {', '.join(SHAPES)}, or such a model's config.json, folder or hub id.")
+    return ModelShape(name, fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"], heads,
+                      get("num_key_value_heads") or heads, fields["vocab_size"])
 
 
 def load_shape(spec: str) -> ModelShape:
@@ -89,13 +102,20 @@ def load_shape(spec: str) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return shape_from_config(spec, json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise UserError(f"cannot read the model configuration {path} ({type(e).__name__}: {e}).") from None
+        if not isinstance(cfg, dict):
+            raise UserError(f"{path} is not a model configuration (a JSON object expected).")
+        return shape_from_config(spec, cfg)
     try:
         from transformers import AutoConfig
-        return shape_from_config(spec, AutoConfig.from_pretrained(spec))
+        cfg = AutoConfig.from_pretrained(spec)
     except Exception as e:  # noqa: BLE001 (any failure to find a config is the same bad input)
         raise UserError(f"cannot read a model configuration for {spec!r} ({type(e).__name__}): give one of "
                         f"{', '.join(SHAPES)}, a config.json, a model folder or a reachable hub id.") from None
+    return shape_from_config(spec, cfg)
 
 
 # ---- the work of one cell --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ in this process, or in worker processes) and writes each unit of results atomica
 from __future__ import annotations
 
 import logging
+import math
 import random
 import shutil
 import uuid
@@ -21,7 +22,7 @@ import torch
 from bench import data as D
 from bench.measure import measure
 from bench.models import cache_root, load_model, model_fingerprint
-from bench.perplexity import perplexity
+from bench.perplexity import NonFiniteResult, check_finite_perplexity, locate_nonfinite, perplexity
 from bench.provenance import git_revision, hardware, versions
 from bench.store import SCHEMA_VERSION, ResultStore, Row, unit_key
 from lrq.errors import UserError
@@ -198,7 +199,7 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
             if qm.peak_cuda_bytes is not None:
                 rows.append(_row(spec, "quant", "quant_peak_cuda_bytes", qm.peak_cuda_bytes, cfg, qm.wall_s))
             rows += [_row(spec, "quant", k, v, cfg) for k, v in stats.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
         out["quant"] = rows
         if emit is not None:
             emit("quant", rows)
@@ -213,6 +214,7 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
         with measure() as em:
             res = perplexity(model, ids, spec.eval.seq_len, spec.eval.include_partial,
                              autocast=spec.eval.autocast == "bf16", desc=f"{spec.method} {spec.scheme} {ds}")
+        check_finite_perplexity(model, ids, res, ds, spec.eval.seq_len, spec.eval.include_partial)
         cfg = base_cfg | {"eval": asdict(spec.eval) | {"source": text.source, "windows": res["windows"],
                                                        "tokens": res["tokens"]}}
         out[ds] = [_row(spec, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
@@ -223,6 +225,7 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
         from bench import tasks as T
         if data_dir is None:
             raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
+        _check_finite_logits(model, tok)
         with measure() as tm:
             res = T.evaluate_tasks(model, tok, list(spec.tasks), data_dir, spec.task_limit)
         cfg = base_cfg | {"tasks": {"names": list(spec.tasks), "limit": spec.task_limit, "batch_size": T.BATCH_SIZE,
@@ -241,6 +244,18 @@ def execute_cell(spec: CellSpec, todo: set[str], emit: Callable[[str, list[Row]]
         if emit is not None:
             emit("tasks", rows)
     return out
+
+
+@torch.no_grad()
+def _check_finite_logits(model: torch.nn.Module, tok) -> None:
+    """Accuracy from non-finite logits is meaningless: one probe forward first, failing with a location."""
+    ids = D.tokenize(tok, "The quick brown fox jumps over the lazy dog. " * 4)[:32]
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device).unsqueeze(0), use_cache=False).logits
+    if not torch.isfinite(logits).all():
+        raise NonFiniteResult(f"the model's logits are not finite, so task accuracy would be meaningless; the "
+                              f"first non-finite value: {locate_nonfinite(model, ids)}. Nothing was stored for "
+                              f"the task unit.")
 
 
 def checkpoint_dir(spec: CellSpec) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 import uuid
 from collections.abc import Iterable
@@ -78,15 +79,53 @@ _JSON_FIELDS = ("config", "versions", "hardware")
 _COLUMNS = [f for f in Row.__dataclass_fields__]
 
 
+def _reraise(path: Path, e: sqlite3.DatabaseError):
+    """A damaged file (sqlite3.DatabaseError itself: malformed image, not a database) or a full disk is the
+    user's to fix: a UserError. Anything else (constraints, programming errors) propagates as it is."""
+    if type(e) is sqlite3.DatabaseError:
+        raise _damaged(path, e) from None
+    if isinstance(e, sqlite3.OperationalError) and "full" in str(e):
+        raise UserError(f"cannot write to the results store {str(path)!r}: {e}. Free some space (or pass --results "
+                        f"on another disk); the units stored so far are intact.") from None
+    raise e
+
+
+def _damaged(path: Path, e: Exception) -> UserError:
+    return UserError(f"the results store {str(path)!r} is damaged ({type(e).__name__}: {e}); nothing was read from "
+                     f"or written to it. Keep a copy, then recover what is readable with `sqlite3 {path} .recover "
+                     f"| sqlite3 recovered.sqlite` and pass --results recovered.sqlite, or start a new store.")
+
+
 class ResultStore:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, check: bool = False):
         self.path = Path(path).expanduser()
+        self.unreadable = 0   # rows the last rows() call could not decode
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn().close()
+        except sqlite3.DatabaseError as e:
+            if self.path.is_file() and self.path.stat().st_size:
+                raise _damaged(self.path, e) from None
+            raise UserError(f"cannot open the results store {str(self.path)!r} ({e}): pass --results with a "
+                            f"writable file path.") from None
         except (OSError, sqlite3.Error) as e:
             raise UserError(f"cannot open the results store {str(self.path)!r} ({e}): pass --results with a "
                             f"writable file path.") from None
+        if check:
+            self.verify()
+
+    def verify(self) -> None:
+        """SQLite's quick_check over the whole file: a damaged page is bad input, said before any work."""
+        try:
+            conn = self._conn()
+            try:
+                problems = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            raise _damaged(self.path, e) from None
+        if problems != ["ok"]:
+            raise _damaged(self.path, RuntimeError("; ".join(problems[:3])))
 
     def _conn(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=120, isolation_level=None)
@@ -97,15 +136,23 @@ class ResultStore:
         return conn
 
     def has_unit(self, key: str) -> bool:
-        conn = self._conn()
         try:
-            return conn.execute("SELECT 1 FROM results WHERE unit_key = ? LIMIT 1", (key,)).fetchone() is not None
-        finally:
-            conn.close()
+            conn = self._conn()
+            try:
+                return conn.execute("SELECT 1 FROM results WHERE unit_key = ? LIMIT 1", (key,)).fetchone() is not None
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            _reraise(self.path, e)
 
     def write_unit(self, rows: Iterable[Row], key: str, run_id: str | None = None) -> int:
-        """Insert all rows of one unit atomically (all or none); returns the number written."""
+        """Insert all rows of one unit atomically (all or none); returns the number written. A NaN or
+        infinite value is refused (SQLite would store it as NULL, which reads as 'not measured')."""
         rows = list(rows)
+        bad = [r for r in rows if r.value is not None and not math.isfinite(r.value)]
+        if bad:
+            raise ValueError(f"refusing to store non-finite values: "
+                             + ", ".join(f"{r.method} {r.scheme} {r.dataset} {r.metric} = {r.value}" for r in bad[:5]))
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run_id = run_id or uuid.uuid4().hex[:12]
         records = []
@@ -115,35 +162,46 @@ class ResultStore:
             for f in _JSON_FIELDS:
                 d[f] = json.dumps(d[f], sort_keys=True, default=str)
             records.append(tuple(d[c] for c in _COLUMNS))
-        conn = self._conn()
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            conn = self._conn()
             try:
-                conn.executemany(f"INSERT INTO results ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
-                                 records)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        finally:
-            conn.close()
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany(f"INSERT INTO results ({', '.join(_COLUMNS)}) VALUES "
+                                     f"({', '.join('?' * len(_COLUMNS))})", records)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            _reraise(self.path, e)
         return len(records)
 
     def rows(self, latest: bool = False) -> list[Row]:
-        """Every stored row (oldest first); with latest=True only the newest row per unit and metric."""
-        conn = self._conn()
-        conn.row_factory = sqlite3.Row
+        """Every stored row (oldest first); with latest=True only the newest row per unit and metric. Rows
+        whose stored JSON cannot be decoded are skipped and counted in `self.unreadable`."""
         try:
-            sql = f"SELECT {', '.join(_COLUMNS)} FROM results"
-            if latest:
-                sql += (" WHERE id IN (SELECT MAX(id) FROM results GROUP BY model, method, scheme, dataset, metric)")
-            recs = conn.execute(sql + " ORDER BY id").fetchall()
-        finally:
-            conn.close()
+            conn = self._conn()
+            conn.row_factory = sqlite3.Row
+            try:
+                sql = f"SELECT {', '.join(_COLUMNS)} FROM results"
+                if latest:
+                    sql += (" WHERE id IN (SELECT MAX(id) FROM results GROUP BY model, method, scheme, dataset, metric)")
+                recs = conn.execute(sql + " ORDER BY id").fetchall()
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            _reraise(self.path, e)
         out = []
+        self.unreadable = 0
         for rec in recs:
             d = dict(rec)
-            for f in _JSON_FIELDS:
-                d[f] = json.loads(d[f])
-            out.append(Row(**d))
+            try:
+                for f in _JSON_FIELDS:
+                    d[f] = json.loads(d[f])
+                out.append(Row(**d))
+            except (TypeError, ValueError):
+                self.unreadable += 1
         return out

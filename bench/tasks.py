@@ -133,16 +133,31 @@ def _fn_representer(dumper, data):
     return dumper.represent_scalar("!function", str(data)[len("!function "):])
 
 
-def write_tasks(folder: Path, data_dir: Path, names: list[str], tokenizer=None, limit: int | None = None
-                ) -> tuple[list[str], dict]:
-    """Write the YAMLs (+ utils.py, + mmlu.jsonl) for the requested tasks; returns the lm-eval task names to
-    run and MMLU's shot statistics (empty without MMLU)."""
+def check_task_data(names: list[str], data_dir: Path | None) -> None:
+    """Every file the tasks read exists and matches the data folder's SHA256SUMS (hashed once per file
+    version); bad input otherwise, before any model work."""
+    from bench.data import verify_file
+    if data_dir is None:
+        raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
     missing = [FILES[n] for n in names if n in FILES and not (data_dir / FILES[n]).is_file()]
     if "mmlu" in names and not (data_dir / "mmlu" / "test").is_dir():
         missing.append("mmlu/test/*.csv")
     if missing:
         raise UserError(f"task data missing under {data_dir}: {', '.join(missing)} (pass --data-dir with the "
                         f"evaluation data folder).")
+    rels = [FILES[n] for n in names if n in FILES]
+    if "mmlu" in names:
+        rels += [p.relative_to(data_dir).as_posix() for split in ("test", "dev")
+                 for p in sorted((data_dir / "mmlu" / split).glob("*.csv"))]
+    for rel in rels:
+        verify_file(data_dir, rel)
+
+
+def write_tasks(folder: Path, data_dir: Path, names: list[str], tokenizer=None, limit: int | None = None
+                ) -> tuple[list[str], dict]:
+    """Write the YAMLs (+ utils.py, + mmlu.jsonl) for the requested tasks; returns the lm-eval task names to
+    run and MMLU's shot statistics (empty without MMLU)."""
+    check_task_data(names, data_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "utils.py").write_text(UTILS)
     dumper = yaml.SafeDumper

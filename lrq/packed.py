@@ -134,6 +134,13 @@ class PackedLinear(nn.Module):
         self._cpu_int4 = None   # rebuilt on the new device/dtype when needed
         return super()._apply(fn, *args, **kwargs)
 
+    # Shapes each fast path takes (anything else runs the general path: dequantize + BLAS):
+    # * torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`): 4-bit weights, bf16 activations, M <= 64,
+    #   N a multiple of 16, and a group size of 32/64/128/256 dividing K and our own groups;
+    # * torch._int_mm on the CPU (w8a8): per-channel weights and M > 16 (any K, N);
+    # * the GPU kernels (lrq.kernels): any M, N, K, bits 2-8, any group size (masked tiles).
+    CPU_INT4_N_MULTIPLE = 16
+
     def _cpu_int4_group(self) -> int | None:
         """A group size torch's CPU int4 kernel accepts that represents our grouping exactly (every one of
         our groups, the ragged last one included, is a whole number of its groups)."""
@@ -161,8 +168,8 @@ class PackedLinear(nn.Module):
 
     def _use_cpu_int4(self, x: torch.Tensor) -> bool:
         return (self.use_cpu_int4 and self.bits == 4 and x.device.type == "cpu" and x.dtype == torch.bfloat16
-                and x.numel() // x.shape[-1] <= self.CPU_INT4_MAX_M and self._cpu_int4_group() is not None
-                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+                and x.numel() // x.shape[-1] <= self.CPU_INT4_MAX_M and self.out_features % self.CPU_INT4_N_MULTIPLE == 0
+                and self._cpu_int4_group() is not None and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme

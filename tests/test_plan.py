@@ -16,7 +16,7 @@ from bench.store import ResultStore
 from lrq.errors import UserError
 from lrq.methods import Calibration, get_method
 from lrq.schemes import get_scheme
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 
 def test_llama_shapes_have_their_published_parameter_counts():

@@ -10,7 +10,7 @@ from bench.cli import main
 from bench.executor import LocalExecutor, RayExecutor
 from bench.runner import FP, run_cells
 from bench.store import ResultStore
-from tests.test_executor import CELLS, _specs, _values
+from test_executor import CELLS, _specs, _values
 
 ray = pytest.importorskip("ray")   # a dev dependency: present wherever the suite is meant to run
 

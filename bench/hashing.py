@@ -1,0 +1,76 @@
+"""Content hashes of files, streamed, computed once per file version.
+
+A file's SHA-256 is cached under its path, size, modification time (ns) and inode, in this process and
+in `<lrq-bench cache>/file-hashes.json`, so an unchanged 14 GB model folder is hashed once, not on every
+run, while a file rewritten in place (same name and size, new contents) gets a new mtime and is hashed
+again. Writers of the cache file replace it atomically; two processes racing lose at most an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+CHUNK = 16 << 20
+_MEMO: dict[str, str] = {}
+
+
+def _cache_file() -> Path:
+    from bench.models import cache_root
+    return cache_root() / "file-hashes.json"
+
+
+def _key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def _load() -> dict[str, str]:
+    try:
+        data = json.loads(_cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, digest: str) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load()
+        data[key] = digest
+        if len(data) > 20_000:   # forget the oldest entries of a long-lived cache
+            data = dict(list(data.items())[-10_000:])
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a read-only cache only costs re-hashing
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of the file's contents (streamed; cached per file version)."""
+    p = Path(path)
+    key = _key(p)
+    if key in _MEMO:
+        return _MEMO[key]
+    digest = _load().get(key)
+    if digest is None:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+        digest = h.hexdigest()
+        _store(key, digest)
+    _MEMO[key] = digest
+    return digest
+
+
+def folder_sha256(folder: str | os.PathLike, files: list[Path]) -> str:
+    """One hash over the names and contents of `files` (relative to `folder`)."""
+    h = hashlib.sha256()
+    for p in sorted(files):
+        h.update(f"{p.relative_to(folder).as_posix()}\0{file_sha256(p)}\n".encode())
+    return h.hexdigest()

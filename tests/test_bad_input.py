@@ -1,0 +1,344 @@
+"""Nothing wrong comes back with exit 0. One test per bad input a demanding user tried (issue K): each
+reproduces the input, asserts the exit code and the message, and that no stored result changed."""
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.cli import main
+from bench.store import ResultStore
+from conftest import ROOT, tiny_model
+
+QUICK = ["--profile", "full", "--tasks", "none", "--jobs", "1", "--datasets", "wikitext2", "--max-eval-tokens", "512",
+         "--eval-seq-len", "256", "--calib-samples", "4", "--calib-seq-len", "64"]
+
+
+def _run(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, " ".join(err.split())
+
+
+def _snapshot(path: Path):
+    """Every stored row (everything but the creation time), to prove a bad input changed nothing."""
+    if not path.exists():
+        return None
+    return [(r.unit_key, r.method, r.scheme, r.dataset, r.metric, r.value) for r in ResultStore(path).rows()]
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, d)
+    return d
+
+
+# ---- 1. a model folder is identified by its contents -------------------------------------------------------
+
+def test_overwritten_weights_are_a_new_model(model_copy, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    args = ["run", *QUICK, "--model", str(model_copy), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
+            "--data-dir", str(data_dir), "--results", str(results)]
+    code, _, err = _run(args, capsys)
+    assert code == 0 and "1 run, 0 reused" in err
+    before = {r.value for r in ResultStore(results).rows() if r.metric == "ppl"}
+    # other weights of the same shapes saved over the first (a fine-tune over its base)
+    vocab = json.loads((model_copy / "config.json").read_text())["vocab_size"]
+    tiny_model("llama", seed=7, vocab_size=vocab, hidden=64, layers=2).save_pretrained(model_copy)
+    code, _, err = _run(args, capsys)
+    assert code == 0 and "1 run, 0 reused" in err, err      # not "0 run, 1 reused" with the old number
+    after = [r.value for r in ResultStore(results).rows(latest=True) if r.metric == "ppl"]
+    assert after[0] not in before
+    code, _, err = _run(args, capsys)                      # unchanged now: reused
+    assert code == 0 and "0 run, 1 reused" in err
+
+
+def test_unchanged_files_are_hashed_once(tmp_path, monkeypatch):
+    from bench import hashing
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "w.bin"
+    f.write_bytes(os.urandom(1 << 20))
+    calls = []
+    real = hashing.hashlib.sha256
+    monkeypatch.setattr(hashing.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hashing, "_MEMO", {})
+    first = hashing.file_sha256(f)
+    monkeypatch.setattr(hashing, "_MEMO", {})            # a new process: only the on-disk cache is left
+    assert hashing.file_sha256(f) == first and len(calls) == 1
+    f.write_bytes(os.urandom(1 << 20))                    # same name and size, new contents
+    assert hashing.file_sha256(f) != first and len(calls) == 2
+
+
+# ---- 2. a non-finite result is a failure, never stored --------------------------------------------------------
+
+def test_nan_perplexity_fails_the_cell_and_is_not_cached(model_copy, data_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_copy)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    m.save_pretrained(model_copy)
+    results = tmp_path / "r.sqlite"
+    args = ["run", *QUICK, "--model", str(model_copy), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
+            "--data-dir", str(data_dir), "--results", str(results)]
+    for _ in range(2):                                     # the second run computes it again: nothing was cached
+        code, _, err = _run(args, capsys)
+        assert code == 1 and "0 run, 0 reused" in err and "1 failed" in err, err
+        assert "NonFiniteResult: wikitext2 perplexity is not finite (nan)" in err
+        assert "model.layers.1.mlp.down_proj" in err and "Nothing was stored" in err
+        assert not [r for r in ResultStore(results).rows() if r.dataset == "wikitext2"]
+
+
+def test_the_store_refuses_non_finite_values(tmp_path):
+    from bench.store import Row
+    store = ResultStore(tmp_path / "r.sqlite")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="non-finite"):
+            store.write_unit([Row("m", "rtn", "w4a16", "wikitext2", "ppl", bad)], "k")
+    assert store.rows() == []
+
+
+# ---- 3. every option is checked ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "lrq", "--set", "iter=5000"], "has a setting 'iter'; did you mean 'iters'?"),
+    (["--methods", "rtn,gptq", "--set", "lr=1e-3"], "none of the selected methods (rtn, gptq) has a setting 'lr'"),
+    (["--schemes", ""], "--schemes is empty"),
+    (["--methods", ""], "--methods is empty"),
+    (["--methods", " , "], "--methods is empty"),
+    (["--datasets", ""], "--datasets is empty"),
+])
+def test_options_are_never_ignored(args, message, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", "--results", str(results), *args], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert _snapshot(results) in (None, [])
+
+
+def test_method_names_are_case_normalized_and_cells_deduplicated(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn,RTN, Rtn",
+                         "--schemes", "w4a16,W4A16", "--no-fp", "--data-dir", str(data_dir), "--results",
+                         str(results)], capsys)
+    assert code == 0 and "1 cells: 1 run" in err, err
+    assert {r.method for r in ResultStore(results).rows()} == {"rtn"}
+
+
+def test_a_valid_key_of_one_selected_method_is_accepted():
+    from bench.cli import _checked_overrides
+    assert _checked_overrides(["iters=5"], ["rtn", "lrq"]) == {"iters": "5"}
+
+
+# ---- 4. data files are checked --------------------------------------------------------------------------------
+
+def _data_copy(data_dir: Path, dest: Path, with_sums: bool) -> Path:
+    for rel in ("wikitext2/wiki.test.raw", "c4/c4_en_validation_sample2000.jsonl.gz"):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data_dir / rel, dest / rel)
+    if with_sums:
+        shutil.copyfile(data_dir / "SHA256SUMS", dest / "SHA256SUMS")
+    return dest
+
+
+def test_a_truncated_text_file_is_caught_by_its_checksum(tiny_model_dir, data_dir, tmp_path, capsys):
+    d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    f = d / "wikitext2" / "wiki.test.raw"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16",
+                         "--data-dir", str(d), "--results", str(results)], capsys)
+    assert code == 2 and f"data file {f} does not match {d / 'SHA256SUMS'}" in err and "Traceback" not in err
+    assert _snapshot(results) == []
+
+
+def test_a_truncated_gzip_without_checksums_is_a_clear_error(tiny_model_dir, data_dir, tmp_path, capsys):
+    d = _data_copy(data_dir, tmp_path / "data", with_sums=False)
+    f = d / "c4" / "c4_en_validation_sample2000.jsonl.gz"
+    f.write_bytes(f.read_bytes()[:200_000])
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w8a8",
+                         "--data-dir", str(d), "--results", str(results)], capsys)
+    assert code == 2 and f"cannot read data file {f}: EOFError" in err and "Traceback" not in err
+    assert _snapshot(results) == []
+
+
+def test_a_damaged_task_file_is_caught_before_any_model_work(tiny_model_dir, data_dir, tmp_path, capsys):
+    d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    (d / "piqa").mkdir()
+    (d / "piqa" / "valid.jsonl").write_text('{"goal": "x", "sol1": "a", "sol2": "b"}\n')
+    code, _, err = _run(["run", *QUICK[:-2], "--calib-seq-len", "64", "--tasks", "piqa", "--model",
+                         str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--data-dir", str(d),
+                         "--results", str(tmp_path / "r.sqlite")], capsys)
+    assert code == 2 and "piqa/valid.jsonl does not match" in err
+
+
+# ---- 5. the gate and the side commands ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A small store with real rows (no model work: written directly)."""
+    from bench.store import Row
+    path = tmp_path_factory.mktemp("store") / "r.sqlite"
+    store = ResultStore(path)
+    for i in range(40):
+        store.write_unit([Row("m", "rtn", "w4a16", "wikitext2", "ppl", 10.0 + i, config={"pad": "x" * 300})], f"k{i}")
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return path
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00garbage\xff" * 100, "is damaged"),
+    (b"{not json", "is not readable JSON"),
+    (b'{"rows": []}', "is not a results export"),
+    (b'[{"model": "m", "metric": "ppl"}]', "row 0 is not a result row (missing method, scheme, dataset, value)"),
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "d", "metric": "ppl", "value": "7"}]',
+     "value '7' is not a number"),
+])
+def test_compare_exits_2_on_an_unreadable_baseline(content, message, stored, tmp_path, capsys):
+    bad = tmp_path / ("base.json" if content[:1] in (b"{", b"[") else "base.sqlite")
+    bad.write_bytes(content)
+    code, out, err = _run(["compare", str(bad), str(stored)], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    code, out, err = _run(["compare", str(stored), str(bad)], capsys)
+    assert code == 2 and message in err
+
+
+def test_plan_refuses_an_unsupported_architecture(tmp_path, capsys):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257}))
+    code, _, err = _run(["plan", "--model", str(tmp_path / "gpt2")], capsys)
+    assert code == 2 and "model type 'gpt2' is not supported by the planner" in err and "Traceback" not in err
+
+
+def test_unwritable_out_fails_before_any_cell_runs(tiny_model_dir, data_dir, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16",
+                         "--data-dir", str(data_dir), "--results", str(results), "--out", str(blocker / "report")],
+                        capsys)
+    assert code == 2 and "is not a writable folder" in err and "Nothing was run" in err
+    assert _snapshot(results) in (None, [])
+
+
+def _damage(src: Path, dest: Path) -> Path:
+    shutil.copyfile(src, dest)
+    with open(dest, "r+b") as f:   # the b-tree page after the schema's: a damaged page, as a bad disk leaves
+        f.seek(4096 * 2)
+        f.write(b"\xff" * 64)
+    return dest
+
+
+@pytest.mark.parametrize("command", ["run", "results", "report", "compare"])
+def test_a_damaged_store_is_bad_input(command, stored, tmp_path, capsys):
+    bad = _damage(stored, tmp_path / "bad.sqlite")
+    before = bad.read_bytes()
+    args = {"run": ["run", "--results", str(bad), "--methods", "rtn"], "results": ["results", "--results", str(bad)],
+            "report": ["report", "--results", str(bad), "--out", str(tmp_path / "rep")],
+            "compare": ["compare", str(stored), str(bad)]}[command]
+    code, out, err = _run(args, capsys)
+    assert code == 2 and "is damaged" in err and ".recover" in err and "Traceback" not in err
+    assert bad.read_bytes() == before
+
+
+def test_undecodable_rows_are_reported(stored, tmp_path, capsys):
+    p = tmp_path / "r.sqlite"
+    shutil.copyfile(stored, p)
+    conn = sqlite3.connect(p)
+    conn.execute("UPDATE results SET config = '{cut' WHERE id = 40")   # the newest row: the one the gate reads
+    conn.commit()
+    conn.close()
+    code, out, err = _run(["results", "--results", str(p), "--json"], capsys)
+    assert code == 0 and len(json.loads(out)) == 39 and "1 stored row(s)" in err and "left out" in err
+    code, out, err = _run(["compare", str(stored), str(p)], capsys)
+    assert code == 2 and "cannot be decoded" in err
+
+
+def test_results_into_a_closed_pipe_is_quiet(tmp_path):
+    from bench.store import Row
+    path = tmp_path / "big.sqlite"   # far more than a pipe's buffer, so the writer meets the closed pipe
+    ResultStore(path).write_unit([Row("m", "rtn", "w4a16", "wikitext2", f"metric{i}", float(i),
+                                      config={"pad": "x" * 500}) for i in range(2000)], "k")
+    proc = subprocess.run(f"{sys.executable} -m bench.cli results --json --results {path} | head -c 10",
+                          shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert len(proc.stdout) == 10 and proc.stderr == "", proc.stderr
+
+
+# ---- 6. fast paths take only the shapes they can -----------------------------------------------------------
+
+@pytest.mark.parametrize("scheme_name", ["w4a16", "w4a16-g128", "w3a16", "w3a16-g128", "w8a8", "w4a8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_packed_format_on_awkward_shapes(scheme_name, dtype):
+    """N and K not multiples of 16 or of the group size, at decode (M = 1) and prefill (M = 40) sizes: every
+    path a PackedLinear takes on the CPU (torch's int4 kernel, int_mm, dequantize + BLAS) gives the fake-quant
+    result or falls back."""
+    from lrq.packed import PackedLinear
+    from lrq.qlinear import QuantLinear
+    from lrq.quant import minmax_qparams
+    from lrq.schemes import get_scheme
+    torch.manual_seed(0)
+    s = get_scheme(scheme_name)
+    for n, k in ((344, 200), (40, 136), (16, 160)):
+        lin = torch.nn.Linear(k, n)
+        scale, zero = minmax_qparams(lin.weight, s.w_bits, s.group_size)
+        q = QuantLinear.from_linear(lin, s, scale.half().float(), zero)
+        if s.static_activations:
+            q.set_static_range(torch.tensor(0.02), torch.tensor(128.0))
+        p = PackedLinear.from_quant_linear(q)
+        for m in (1, 40):
+            x = torch.randn(m, k).to(dtype)
+            y, ref = p(x), q(x.float())
+            assert y.shape == (m, n) and torch.isfinite(y).all()
+            torch.testing.assert_close(y.float(), ref, rtol=3e-2 if dtype == torch.bfloat16 else 1e-4,
+                                       atol=3e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_generate_with_an_intermediate_size_not_a_multiple_of_16():
+    """The issue's crash: a random Llama with intermediate size 344, 4-bit packed, bf16 generate on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lrq.methods import get_method
+    from lrq.packed import pack_model
+    from lrq.schemes import get_scheme
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=344, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    rtn = get_method("rtn")
+    rtn.quantize(model, get_scheme("w4a16"), rtn.config("quick"), None)
+    pack_model(model)
+    model = model.to(torch.bfloat16)
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+# ---- 7. pytest, python -m pytest and tox collect the same suite --------------------------------------------
+
+def test_bare_pytest_collects_the_suite():
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    runs = [subprocess.run(cmd + ["--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
+                           text=True, env=env, timeout=600) for cmd in ([shutil.which("pytest") or "pytest"],
+                                                                         [sys.executable, "-m", "pytest"])]
+    counts = []
+    for r in runs:
+        assert r.returncode == 0 and "error" not in r.stdout.lower().split("collected")[-1], r.stdout[-2000:]
+        counts.append([l for l in r.stdout.splitlines() if "collected" in l][-1].split(" in ")[0])
+    assert counts[0] == counts[1] and int(counts[0].split()[0]) > 400
+
+
+def test_a_full_disk_is_said_as_such(tmp_path):
+    from bench.store import _reraise
+    from lrq.errors import UserError
+    with pytest.raises(UserError, match="database or disk is full. Free some space"):
+        _reraise(tmp_path / "r.sqlite", sqlite3.OperationalError("database or disk is full"))
+    with pytest.raises(sqlite3.IntegrityError):   # a constraint is a bug, not the user's disk
+        _reraise(tmp_path / "r.sqlite", sqlite3.IntegrityError("NOT NULL constraint failed"))
