@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.models import cache_root, load_model
     from bench.perplexity import perplexity
     from bench.provenance import git_revision, hardware, versions
-    from bench.report import write_atomic
+    from lrq.io import atomic_write_text as write_atomic
     from lrq.methods import Calibration, get_method
     from lrq.schemes import get_scheme
 

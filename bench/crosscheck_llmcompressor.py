@@ -603,7 +603,7 @@ def cached_step(path: Path, key: dict, compute, force: bool = False, label: str 
             return saved["result"]
     print(f"{label}: running", flush=True)
     result = compute()
-    from bench.report import write_atomic  # our venv only (this file also runs in llm-compressor's)
+    from lrq.io import atomic_write_text as write_atomic  # our venv only (this file also runs in llm-compressor's)
     write_atomic(path, json.dumps({"key": k, "result": result}, indent=2, default=str))
     return result
 

@@ -50,9 +50,8 @@ TARGET_MS = sorted({1, 4, 16, 1024, 2048, 4096})
 
 
 def _save(doc: dict, out: Path) -> None:
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(tmp, out)
+    from lrq.io import atomic_write_text
+    atomic_write_text(out, json.dumps(doc, indent=1, default=str))
 
 
 def _layer(n: int, k: int, bits: int, group: int | None, seed: int):

@@ -13,6 +13,9 @@ import json
 import os
 from pathlib import Path
 
+from lrq.errors import UserError
+from lrq.io import atomic_write_text
+
 CHUNK = 16 << 20
 _MEMO: dict[str, str] = {}
 
@@ -43,11 +46,9 @@ def _store(key: str, digest: str) -> None:
         data[key] = digest
         if len(data) > 20_000:   # forget the oldest entries of a long-lived cache
             data = dict(list(data.items())[-10_000:])
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        pass   # a read-only cache only costs re-hashing
+        atomic_write_text(path, json.dumps(data), fsync=False)
+    except (OSError, UserError):
+        pass   # a read-only or full cache only costs re-hashing
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -313,10 +313,8 @@ def load_or_measure_profile(device: str, path: str | None = None, remeasure: boo
     if p.is_file() and not remeasure:
         return json.loads(p.read_text())
     prof = measure_profile(device)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(prof, indent=1))
-    os.replace(tmp, p)
+    from lrq.io import atomic_write_text
+    atomic_write_text(p, json.dumps(prof, indent=1))
     return prof
 
 

@@ -4,14 +4,13 @@ cost, block reconstruction errors, accuracy per task, speed)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 from tabulate import tabulate
 
 from bench.store import ResultStore, Row
+from lrq.io import atomic_write_text
 from lrq.schemes import SCHEMES
 
 FP = "fp"
@@ -251,18 +250,6 @@ def markdown_report(rows: list[Row]) -> str:
     return "\n".join(parts)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_report(store: ResultStore, out_dir: Path) -> Path:
@@ -270,6 +257,6 @@ def write_report(store: ResultStore, out_dir: Path) -> Path:
     from bench.html_report import html_report
     latest = store.rows(latest=True)
     path = Path(out_dir) / "leaderboard.md"
-    write_atomic(path, markdown_report(latest))
-    write_atomic(Path(out_dir) / "leaderboard.html", html_report(latest, store.rows()))
+    atomic_write_text(path, markdown_report(latest))
+    atomic_write_text(Path(out_dir) / "leaderboard.html", html_report(latest, store.rows()))
     return path

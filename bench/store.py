@@ -151,7 +151,7 @@ class ResultStore:
         rows = list(rows)
         bad = [r for r in rows if r.value is not None and not math.isfinite(r.value)]
         if bad:
-            raise ValueError(f"refusing to store non-finite values: "
+            raise ValueError("refusing to store non-finite values: "
                              + ", ".join(f"{r.method} {r.scheme} {r.dataset} {r.metric} = {r.value}" for r in bad[:5]))
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run_id = run_id or uuid.uuid4().hex[:12]

@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lrq.arch import decoder_blocks
+from lrq.io import atomic_write
 
 DEFAULT_RAM_BUDGET = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
 
@@ -171,11 +172,7 @@ class BlockCheckpoint:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _save(self, obj, name: str) -> None:
-        tmp = self.dir / f".{name}.tmp"
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / name)
+        atomic_write(self.dir / name, lambda p: torch.save(obj, p))
 
     def completed(self) -> int:
         """Number of finished blocks recorded here for this identity (0 when none or another identity)."""

@@ -29,6 +29,7 @@ from torch import nn
 
 from lrq.arch import KV_LINEARS, decoder_blocks, iter_linears, set_submodule
 from lrq.errors import UserError
+from lrq.io import atomic_write, atomic_write_text
 from lrq.packed import PackedLinear, pack_model
 from lrq.packing import pack_bits, planar_to_stream, stream_to_planar, unpack_bits
 from lrq.qlinear import QuantLinear
@@ -113,25 +114,14 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
             continue
         tensors[key] = t.detach().contiguous().clone()
     meta = {"format": "pt", "lrq_bench": json.dumps(metadata or {}, default=str)}
-    _atomic(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata=meta))
+    atomic_write(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata=meta))
     cfg = model.config.to_dict()
     cfg["quantization_config"] = quantization_config(scheme, ragged)
-    _atomic(out / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2, default=str)))
+    atomic_write_text(out / "config.json", json.dumps(cfg, indent=2, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
 
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror or e} (is the disk full or the folder read-only?)") from e
 
 
 def scheme_from_config(qc: dict) -> Scheme:
