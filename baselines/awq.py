@@ -54,7 +54,7 @@ from lrq.arch import block_linears, decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
 from lrq.errors import UserError
-from lrq.methods import Calibration, Method, register
+from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
 from lrq.quantize_model import quant_linear_for
@@ -267,9 +267,25 @@ class AWQ(Method):
     summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
     defaults = {"quick": dict(QUICK), "paper": dict(SETTINGS)}
     cost_rank = 5
+    blockwise = True
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
+
+    def work(self, shape, scheme, cfg, n, seq):
+        """Per block: two forwards of the search samples, n_grid candidate forwards, the clipping grid."""
+        L = shape.layers
+        ns = min(int(cfg.get("n_samples", 32)), n)
+        st = min(int(cfg.get("search_tokens", 0)) or ns * seq, ns * seq)
+        clip = sum(int(cfg.get("clip_grid", 20)) * 2.0 * b * a * int(cfg.get("clip_tokens", 512))
+                   for a, b in shape.linears())
+        return add_work(super().work(shape, scheme, cfg, n, seq), "awq", L,
+                        L * (2 * shape.block_fwd_flops(ns * seq, seq)
+                             + int(cfg.get("n_grid", 20)) * shape.block_fwd_flops(st, seq) + clip))
+
+    def profile(self, run, shape, scheme, n, seq, steps=6):
+        t, c = run()
+        return {"awq": (*self.work(shape, scheme, c, n, seq)["awq"], t)}
 
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from torch import nn
 from lrq.arch import decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
-from lrq.methods import Calibration, Method, register
+from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import fake_quant, minmax_qparams, n_groups
 from lrq.quantize_model import quant_linear_for
@@ -212,9 +212,26 @@ class GPTQ(Method):
     summary = "GPTQ: column-wise rounding with inverse-Hessian error feedback, true-sequential, act-order"
     defaults = {"quick": dict(SETTINGS), "paper": dict(SETTINGS)}
     cost_rank = 5
+    blockwise = True
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
+
+    def work(self, shape, scheme, cfg, n, seq):
+        """Per block: the Hessians' forwards and X^T X, the column updates, the quantized chain."""
+        L, T = shape.layers, n * seq
+        upd = sum(a * a * b for a, b in shape.linears())
+        hess = sum(2.0 * T * a * a for a, _ in shape.linears())
+        return add_work(super().work(shape, scheme, cfg, n, seq), "gptq", L,
+                        L * (4 * shape.block_fwd_flops(T, seq) + hess + upd))
+
+    def profile(self, run, shape, scheme, n, seq, steps=6):
+        t, c = run()
+        return {"gptq": (*self.work(shape, scheme, c, n, seq)["gptq"], t)}
+
+    def extra_memory(self, shape) -> int:
+        """The largest Hessian, its inverse and Cholesky factor in float32."""
+        return 4 * max(a * a for a, _ in shape.linears()) * 3
 
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:

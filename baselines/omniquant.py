@@ -242,6 +242,7 @@ class OmniQuant(ReconstructionMethod):
     # calibrating on the evaluation text would flatter the perplexity, so the paper preset draws from C4.
     calib_defaults = {"paper": {"dataset": "c4", "n_samples": 128, "seq_len": 2048, "sampling": "random"}}
     upfront_static_ranges = False   # ranges are observed per block, after the LET is folded
+    learnable_fraction = 0.05       # clipping logits per row/group and LET scales per channel
 
     def resolve(self, scheme: Scheme, config: dict) -> dict:
         cfg = dict(config)

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from lrq.calibration import calibrate_static_activations
-from lrq.methods import Calibration, Method, register
+from lrq.methods import Calibration, Method, add_work, register
 from lrq.quantize_model import replace_linears
 from lrq.schemes import Scheme
 from lrq.quant import minmax_qparams
@@ -17,6 +17,15 @@ from lrq.quant import minmax_qparams
 class RTN(Method):
     name = "rtn"
     summary = "round-to-nearest with min/max ranges per channel or group"
+
+    def work(self, shape, scheme, cfg, n, seq):
+        """A min/max pass and a rounding pass over every weight (about 10 operations per weight)."""
+        return add_work(super().work(shape, scheme, cfg, n, seq), "rtn", shape.layers,
+                        shape.layers * 10.0 * shape.block_params())
+
+    def profile(self, run, shape, scheme, n, seq, steps=6):
+        t, c = run()
+        return {"rtn": (*self.work(shape, scheme, c, n, seq)["rtn"], t)}
 
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:

@@ -36,6 +36,11 @@ class SmoothQuant(Method):
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
 
+    def work(self, shape, scheme, cfg, n, seq):
+        """The activation statistics' whole-model forwards (and W8A8's ranges after smoothing)."""
+        passes = 2 if scheme is not None and scheme.static_activations else 1
+        return {"fwd": (n * shape.layers * passes, shape.model_fwd_flops(n * seq, seq) * passes)}
+
     def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:
         stats = smooth_model(model, calib.input_ids, float(config["alpha"]), config["pairs"])

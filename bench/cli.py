@@ -46,9 +46,9 @@ def _check_lists(args) -> None:
 
 
 def _methods(spec: str | None) -> list[str]:
-    from lrq.methods import get_method, load_methods
+    from lrq.methods import load_methods, method_class
     names = _csv(spec) if spec else sorted(load_methods())
-    return _unique(get_method(m).name for m in names if m.strip().lower() != "fp")
+    return _unique(method_class(m).name for m in names if m.strip().lower() != "fp")
 
 
 def _schemes(spec: str | None) -> list[str]:
@@ -70,13 +70,13 @@ def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
     (a typo such as iter=5000) is bad input with the valid keys and the closest match, never ignored."""
     import difflib
 
-    from lrq.methods import get_method
+    from lrq.methods import method_class
     given = _overrides(pairs)
     if not given:
         return given
     known: dict[str, list[str]] = {}
     for m in methods:
-        for preset in get_method(m).defaults.values():
+        for preset in method_class(m).defaults.values():
             for k in preset:
                 if m not in known.setdefault(k, []):
                     known[k].append(m)
@@ -234,14 +234,20 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def cmd_run(args) -> int:
-    from bench.data import check_available, resolve_data_dir
-    from bench.report import markdown_report, write_report
-    from bench.runner import FP, CellSpec, EvalSettings, resolve_calib, run_cells
-    from bench.store import ResultStore
+def _calib_given(args) -> dict:
+    """The calibration settings the user gave (None: the method's preset default)."""
+    return {"dataset": getattr(args, "calib_dataset", None), "n_samples": args.calib_samples,
+            "seq_len": args.calib_seq_len, "sampling": getattr(args, "calib_sampling", None)}
 
+
+def cmd_run(args) -> int:
+    from bench.cell import FP, EvalSettings, Request, resolve_calib, resolve_device, settle
+    from bench.data import check_available, resolve_data_dir
     from bench.executor import LocalExecutor
     from bench.profiles import resolve_jobs
+    from bench.report import markdown_report, write_report
+    from bench.store import ResultStore
+    from bench.sweep import run_cells
     _check_lists(args)
     prof = _apply_profile(args)
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
@@ -262,7 +268,6 @@ def cmd_run(args) -> int:
         if v is not None and v < 2:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
-    from bench.runner import resolve_device
     compute = resolve_device(args.device)
     from bench.tasks import ALL_TASKS
     tasks = _task_names(args.tasks)
@@ -283,12 +288,11 @@ def cmd_run(args) -> int:
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
                   seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit,
                   device=args.device)
-    given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
-             "sampling": args.calib_sampling}
-    specs = [] if args.no_fp else [CellSpec(method=FP, scheme=FP, calib=resolve_calib(FP, args.preset, given), **common)]
-    specs += [CellSpec(method=m, scheme=s, calib=resolve_calib(m, args.preset, given), **common)
-              for m in methods for s in schemes]
-    needed = set(datasets) | {s.calib.dataset for s in specs if s.uses_calibration()}
+    given = _calib_given(args)
+    pairs = ([] if args.no_fp else [(FP, FP)]) + [(m, s) for m in methods for s in schemes]
+    cells = [settle(Request(method=m, scheme=s, calib=resolve_calib(m, args.preset, given), **common),
+                    bind_device=args.executor == "local") for m, s in pairs]
+    needed = set(datasets) | {c.calib.dataset for c in cells if c.uses_calibration}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
     if tasks:
         from bench.tasks import check_task_data
@@ -302,15 +306,15 @@ def cmd_run(args) -> int:
             import torch
             dev_avail = torch.cuda.mem_get_info(compute)[1]
         host_avail = P.host_memory_available() // executor.jobs
-        for s in specs:
-            if not s.is_fp:
-                P.check_fits(shape, s.method, s.calib.n_samples, s.calib.seq_len, dev, host_avail, dev_avail)
+        for c in cells:
+            if not c.is_fp:
+                P.check_fits(shape, c.method_name, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
     t0 = time.perf_counter()
     where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
              f"{executor.jobs} at a time" + (f" ({executor.threads} thread{'s' if executor.threads > 1 else ''} each)"
                                              if executor.jobs > 1 else ""))
-    print(f"lrq-bench run: profile {prof.name}, {len(specs)} cells, {where}", file=sys.stderr)
-    outcomes = run_cells(specs, store, force=args.force, executor=executor)
+    print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells, {where}", file=sys.stderr)
+    outcomes = run_cells(cells, store, force=args.force, executor=executor)
     wall = time.perf_counter() - t0
     rows = [r for r in store.rows(latest=True) if r.model == args.model]
     _warn_unreadable(store)
@@ -322,7 +326,7 @@ def cmd_run(args) -> int:
           f"{counts['failed']} failed; wall time {wall:.1f} s", file=sys.stderr)
     for o in outcomes:
         if o.status == "failed":
-            print(f"FAILED {o.spec.label()}: {o.error}", file=sys.stderr)
+            print(f"FAILED {o.cell.label()}: {o.error}", file=sys.stderr)
     return 1 if counts["failed"] else 0
 
 
@@ -333,8 +337,8 @@ def cmd_plan(args) -> int:
     from tabulate import tabulate
 
     from bench import plan as P
+    from bench.cell import resolve_calib
     from bench.profiles import resolve_jobs
-    from bench.runner import resolve_calib
 
     _check_lists(args)
     prof = _apply_profile(args)
@@ -359,7 +363,7 @@ def cmd_plan(args) -> int:
     overrides = dict(prof.method_settings) | user_overrides
     cells = []
     for m in methods:
-        calib = resolve_calib(m, args.preset, {"n_samples": args.calib_samples, "seq_len": args.calib_seq_len})
+        calib = resolve_calib(m, args.preset, _calib_given(args))
         cells += P.plan_cells(shape, [m], schemes, machine, preset=args.preset, overrides=overrides,
                               n=calib.n_samples, seq=calib.seq_len, eval_tokens=eval_tokens, eval_seq=args.eval_seq_len,
                               tasks=tasks, task_limit=limit)
@@ -391,24 +395,20 @@ def torch_cuda() -> bool:
 
 
 def cmd_export(args) -> int:
+    from bench.cell import Request, quantize_cell, resolve_calib, settle
     from bench.data import check_available, resolve_data_dir
     from bench.provenance import git_revision, versions
-    from bench.runner import CellSpec, quantize_cell, resolve_calib
     from lrq.export import save_compressed
-    from lrq.methods import get_method
-    from lrq.schemes import get_scheme
 
-    method = get_method(args.method).name
-    scheme = get_scheme(args.scheme).name
+    (method,) = _methods(args.method)
+    (scheme,) = _schemes(args.scheme)
     overrides = _checked_overrides(args.set, [method])
-    given = {"dataset": args.calib_dataset, "n_samples": args.calib_samples, "seq_len": args.calib_seq_len,
-             "sampling": args.calib_sampling}
-    spec = CellSpec(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
-                    overrides=overrides, calib=resolve_calib(method, args.preset, given),
-                    seed=args.seed, data_dir=args.data_dir)
-    if spec.uses_calibration():
-        check_available([spec.calib.dataset], resolve_data_dir(args.data_dir))
-    model, tok, cfg, stats, qm = quantize_cell(spec)
+    cell = settle(Request(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
+                          overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
+                          seed=args.seed, data_dir=args.data_dir))
+    if cell.uses_calibration:
+        check_available([cell.calib.dataset], resolve_data_dir(args.data_dir))
+    model, tok, cfg, stats, qm = quantize_cell(cell)
     meta = cfg | {"versions": versions(), "git_rev": git_revision(), "quant_time_s": qm.wall_s}
     out = save_compressed(model, args.out, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
     print(f"{args.method} {scheme} written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB; "

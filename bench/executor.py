@@ -1,8 +1,10 @@
-"""Executors: where the runner's cells run.
+"""Executors: where cells run.
 
-The runner (bench/runner.py) decides *what* to run (the cells with units missing from the store) and owns
+The sweep (bench/sweep.py) decides *what* to run (the cells with units missing from the store) and owns
 the store: every unit of results reaches the driver and is written there, the moment it is measured, so
-no worker ever opens the SQLite file. An executor decides *where* cells run:
+no worker ever opens the SQLite file. An executor decides *where* cells run, with the function it is
+given (`run(jobs, sink, cell_fn)`, cell_fn = bench.cell.execute): it imports neither the sweep nor the
+cell code itself.
 
 - `LocalExecutor(jobs=1)`: in this process, one after the other (the default on one device);
 - `LocalExecutor(jobs=N)`: N worker processes on this machine, each with its share of the CPU threads.
@@ -24,7 +26,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -37,11 +39,13 @@ log = logging.getLogger("lrq_bench")
 
 @dataclass
 class Job:
-    """One cell to run: its spec, the units still missing, and their store keys."""
+    """One cell to run (a settled bench.cell.Cell) and the units still missing."""
     index: int
-    spec: "CellSpec"  # noqa: F821 (bench.runner imports this module)
+    cell: object
     todo: frozenset[str]
-    keys: dict[str, str] = field(default_factory=dict)
+
+
+CellFn = Callable[[object, set, Callable[[str, list], None]], object]
 
 
 class Sink(Protocol):
@@ -58,12 +62,11 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def run_job(job: Job, emit: Callable[[str, list], None]) -> float:
-    """Run one cell here; return its wall time. Used in-process and inside workers."""
+def run_job(job: Job, emit: Callable[[str, list], None], cell_fn: CellFn) -> float:
+    """Run one cell here with `cell_fn(cell, todo, emit)`; return its wall time. In-process and in workers."""
     from bench.measure import measure
-    from bench.runner import execute_cell
     with measure() as m:
-        execute_cell(job.spec, set(job.todo), emit=emit)
+        cell_fn(job.cell, set(job.todo), emit)
     return m.wall_s
 
 
@@ -82,23 +85,23 @@ class LocalExecutor:
     def describe(self) -> dict:
         return {"executor": "local", "jobs": self.jobs, "threads_per_job": self.threads if self.jobs > 1 else None}
 
-    def run(self, jobs: list[Job], sink: Sink) -> None:
+    def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
         if self.jobs == 1 or len(jobs) <= 1:
-            self._run_inline(jobs, sink)
+            self._run_inline(jobs, sink, cell_fn)
         else:
-            self._run_processes(jobs, sink)
+            self._run_processes(jobs, sink, cell_fn)
 
     # ---- in this process ---------------------------------------------------------------------------
-    def _run_inline(self, jobs: list[Job], sink: Sink) -> None:
+    def _run_inline(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
         bar = tqdm(jobs, desc="cells", unit="cell")
         for job in bar:
-            bar.set_postfix_str(job.spec.label())
+            bar.set_postfix_str(job.cell.label())
             try:
-                wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows))
+                wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows), cell_fn)
             except UserError:
                 raise
             except Exception as e:  # a crash in one cell must not lose the others
-                log.error("cell %s failed:\n%s", job.spec.label(), traceback.format_exc())
+                log.error("cell %s failed:\n%s", job.cell.label(), traceback.format_exc())
                 sink.failed(job, f"{type(e).__name__}: {e}")
                 continue
             sink.done(job, wall)
@@ -108,7 +111,7 @@ class LocalExecutor:
     # writers share one lock: a worker killed (OOM, SIGKILL) while its feeder thread held that lock would
     # leave every other worker blocked on it forever, and the run would hang. With one pipe per worker a
     # death breaks only that worker's pipe, which the driver sees as end-of-file.
-    def _run_processes(self, jobs: list[Job], sink: Sink) -> None:
+    def _run_processes(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
         pending = deque(jobs)
         running: dict[int, tuple] = {}        # job index -> (process, job, reader)
@@ -136,7 +139,7 @@ class LocalExecutor:
             else:
                 n_failed += 1
                 error, tb = payload
-                log.error("cell %s failed:\n%s", job.spec.label(), tb)
+                log.error("cell %s failed:\n%s", job.cell.label(), tb)
                 sink.failed(job, f"{error} (worker output: {logs[idx]})")
 
         def finish(idx: int) -> None:
@@ -157,7 +160,7 @@ class LocalExecutor:
             postfix()
 
         def postfix() -> None:
-            names = ", ".join(f"{j.spec.method} {j.spec.scheme}" for _, j, _ in running.values())
+            names = ", ".join(f"{j.cell.method_name} {j.cell.scheme_name}" for _, j, _ in running.values())
             bar.set_postfix_str(f"running: {names}" + (f" | failed: {n_failed}" if n_failed else ""))
 
         try:
@@ -165,8 +168,8 @@ class LocalExecutor:
                 while pending and len(running) < self.jobs:
                     job = pending.popleft()
                     reader, writer = ctx.Pipe(duplex=False)
-                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index])), daemon=True,
-                                    name=f"lrq-bench cell {job.spec.label()}")
+                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index]), cell_fn),
+                                    daemon=True, name=f"lrq-bench cell {job.cell.label()}")
                     p.start()
                     writer.close()  # the worker holds the only write end: its exit is our end-of-file
                     running[job.index] = (p, job, reader)
@@ -207,10 +210,10 @@ class LocalExecutor:
 
 
 def _log_name(job: Job) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{job.index:02d}-{job.spec.method}-{job.spec.scheme}") + ".log"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{job.index:02d}-{job.cell.method_name}-{job.cell.scheme_name}") + ".log"
 
 
-def _worker(job: Job, conn, threads: int, log_path: str | None = None) -> None:
+def _worker(job: Job, conn, threads: int, log_path: str | None, cell_fn: CellFn) -> None:
     """Entry point of a worker process: run one cell, send each unit and the outcome to the driver."""
     if log_path:  # this process's stdout and stderr (ours, tqdm's, lm-eval's, C libraries') go to the cell's log
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -222,7 +225,7 @@ def _worker(job: Job, conn, threads: int, log_path: str | None = None) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
     try:
-        wall = run_job(job, lambda unit, rows: conn.send(("unit", job.index, (unit, rows))))
+        wall = run_job(job, lambda unit, rows: conn.send(("unit", job.index, (unit, rows))), cell_fn)
         conn.send(("done", job.index, wall))
     except UserError as e:
         conn.send(("user_error", job.index, str(e)))
@@ -284,7 +287,7 @@ class RayExecutor:
         iv = self.intervals
         return max((sum(1 for s2, e2 in iv if s2 <= s < e2) for s, _ in iv), default=0)
 
-    def run(self, jobs: list[Job], sink: Sink) -> None:
+    def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
         if not jobs:
             return
         ray, started = self._init()
@@ -306,7 +309,7 @@ class RayExecutor:
             def submit(job: Job) -> None:
                 attempts[job.index] = attempts.get(job.index, 0) + 1
                 todo = frozenset(job.todo - received[job.index])
-                refs[remote.remote(Job(job.index, job.spec, todo, job.keys), inbox, threads, attempts[job.index])] = job
+                refs[remote.remote(Job(job.index, job.cell, todo), inbox, threads, attempts[job.index], cell_fn)] = job
 
             for job in jobs:
                 submit(job)
@@ -352,13 +355,13 @@ class RayExecutor:
                         elif kind == "user_error":
                             raise UserError(payload)
                         elif attempts[job.index] <= self.retries:
-                            log.warning("cell %s failed (attempt %d of %d), retrying: %s", job.spec.label(),
+                            log.warning("cell %s failed (attempt %d of %d), retrying: %s", job.cell.label(),
                                         attempts[job.index], self.retries + 1, payload[0])
                             submit(job)
                         else:
                             n_failed += 1
                             bar.update(1)
-                            log.error("cell %s failed after %d attempts:\n%s", job.spec.label(), attempts[job.index],
+                            log.error("cell %s failed after %d attempts:\n%s", job.cell.label(), attempts[job.index],
                                       payload[1])
                             sink.failed(job, f"{payload[0]} (after {attempts[job.index]} attempts)")
             finally:
@@ -384,7 +387,7 @@ class _Inbox:
         return out
 
 
-def _ray_cell(job: Job, inbox, threads: int, attempt: int):
+def _ray_cell(job: Job, inbox, threads: int, attempt: int, cell_fn: CellFn):
     """A Ray task: run one cell, send each unit to the driver's inbox; returns (kind, payload).
 
     Messages are sent without waiting on them (`inbox.put.remote`, never `ray.get`): a task blocked in
@@ -396,7 +399,7 @@ def _ray_cell(job: Job, inbox, threads: int, attempt: int):
     torch.set_num_threads(threads)
     inbox.put.remote(("start", job.index, (attempt, time.time())))
     try:
-        wall = run_job(job, lambda unit, rows: inbox.put.remote(("unit", job.index, (unit, rows))))
+        wall = run_job(job, lambda unit, rows: inbox.put.remote(("unit", job.index, (unit, rows))), cell_fn)
         out = "done", wall
     except UserError as e:
         out = "user_error", str(e)

@@ -305,18 +305,12 @@ def offload_check(device: str) -> dict:
     calib = Calibration(ids, {"dataset": "random", "n_samples": 8, "seq_len": 64, "seed": 0})
     out = {}
     for method in ("lrq", "gptq"):
-        m = get_method(method)
-        if hasattr(m, "checkpoint_dir"):
-            m.checkpoint_dir = None
-        c = m.config("quick", {"iters": 5, "heldout_samples": 2, "autocast": False})
+        c = get_method(method).config("quick", {"iters": 5, "heldout_samples": 2, "autocast": False})
         ref, off = copy.deepcopy(model), copy.deepcopy(model)
-        m.device = None
-        m.quantize(ref, get_scheme("w4a16"), c, calib)
+        get_method(method).quantize(ref, get_scheme("w4a16"), c, calib)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        m.device = torch.device(device)
-        m.quantize(off, get_scheme("w4a16"), c, calib)
-        m.device = None
+        get_method(method, device=device).quantize(off, get_scheme("w4a16"), c, calib)   # the offloaded walk
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         with torch.no_grad():
             a, b = ref(ids[:2]).logits, off(ids[:2]).logits

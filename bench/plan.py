@@ -141,50 +141,17 @@ MMLU_SUBJECTS = 57
 
 def cell_work(shape: ModelShape, method: str, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
               eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, tuple[float, float]]:
-    """(calls, flops) per kind of work for one cell; kinds are the profile's."""
-    L, w = shape.layers, {}
-    static = scheme is not None and scheme.static_activations
-    T = n * seq
-
-    def add(kind, calls, flops):
-        c, f = w.get(kind, (0.0, 0.0))
-        w[kind] = (c + calls, f + flops)
-
-    if method in ("lrq", "flexround", "omniquant"):
-        es, iters, bs = cfg.get("error_samples", 16), cfg.get("iters", 100), cfg.get("batch_size", 1)
-        es = min(es, n)
-        add("walk", L, L * shape.block_fwd_flops(2 * T + 4 * es * seq, seq))
-        add(f"train_{method}", L * iters, L * iters * 3 * shape.block_fwd_flops(bs * seq, seq))
-        if static:
-            add("fwd", n * L, shape.model_fwd_flops(T, seq) * (2 if cfg.get("smooth_alpha") else 1))
-    elif method == "gptq":
-        upd = sum(a * a * b for a, b in shape.linears())
-        hess = sum(2.0 * T * a * a for a, _ in shape.linears())
-        add("gptq", L, L * (4 * shape.block_fwd_flops(T, seq) + hess + upd))
-        if static:
-            add("fwd", n * L, shape.model_fwd_flops(T, seq))
-    elif method == "awq":
-        ns = min(cfg.get("n_samples", 32), n)
-        st = cfg.get("search_tokens", 0) or ns * seq
-        st = min(st, ns * seq)
-        clip = sum(cfg.get("clip_grid", 20) * 2.0 * b * a * cfg.get("clip_tokens", 512) for a, b in shape.linears())
-        add("awq", L, L * (2 * shape.block_fwd_flops(ns * seq, seq)
-                           + cfg.get("n_grid", 20) * shape.block_fwd_flops(st, seq) + clip))
-        if static:
-            add("fwd", n * L, shape.model_fwd_flops(T, seq))
-    elif method == "smoothquant":
-        add("fwd", n * L * (2 if static else 1), shape.model_fwd_flops(T, seq) * (2 if static else 1))
-    elif method == "rtn":
-        add("rtn", L, L * 10.0 * shape.block_params())
-        if static:
-            add("fwd", n * L, shape.model_fwd_flops(T, seq))
+    """(calls, flops) per kind of work for one cell: the method's own (`Method.work`) plus the evaluation."""
+    from lrq.methods import add_work, get_method
+    w = {} if method == "fp" else dict(get_method(method).work(shape, scheme, cfg, n, seq))
+    L = shape.layers
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
-        add("fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
+        add_work(w, "fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
     for t in tasks:
         per, toks = TASK_COST[t]
         examples = TASK_SIZE[t] if task_limit is None else min(TASK_SIZE[t], task_limit * (MMLU_SUBJECTS if t == "mmlu" else 1))
-        add("fwd", examples * per * L, examples * per * shape.model_fwd_flops(toks, toks))
+        add_work(w, "fwd", examples * per * L, examples * per * shape.model_fwd_flops(toks, toks))
     return w
 
 
@@ -193,16 +160,16 @@ def estimate_memory(shape: ModelShape, method: str, n: int, seq: int, device: st
     """(host bytes, device bytes) at the peak of a cell; device bytes are 0 on a CPU-only run."""
     if ram_budget is None:
         ram_budget = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
+    from lrq.methods import method_class
+    m = method_class(method)
     weights = 4 * shape.params()
     block = 4 * (shape.block_params() + 2 * shape.hidden)
     stream = n * seq * shape.hidden * 4
-    blockwise = method in ("lrq", "flexround", "omniquant", "gptq", "awq")
-    streams = 3 * stream if blockwise else 0
+    streams = 3 * stream if m.blockwise else 0
     acts_ram = streams if streams <= ram_budget else 0      # otherwise memory-mapped from disk
-    # training state of one block: learnables + Adam's two moments + gradients (FlexRound: a full matrix per weight)
-    learn = {"lrq": 0.6, "flexround": 1.0, "omniquant": 0.05}.get(method, 0.0) * block
-    train = 4 * learn
-    gptq = 4 * max(a * a for a, _ in shape.linears()) * 3 if method == "gptq" else 0
+    # training state of one block: learnables + Adam's two moments + gradients (a full matrix per weight: 1.0)
+    train = 4 * m.learnable_fraction * block
+    gptq = m(None).extra_memory(shape)
     batch_acts = 16 * seq * max(shape.hidden, shape.intermediate) * 4 * 8   # one batch of 8 windows through a block
     host = weights + acts_ram + train + gptq + batch_acts
     if device == "cpu":
@@ -213,7 +180,6 @@ def estimate_memory(shape: ModelShape, method: str, n: int, seq: int, device: st
 
 # ---- the machine profile -----------------------------------------------------------------------------------
 
-KINDS = ("walk", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq", "fwd", "rtn")
 
 
 def _random_model(hidden: int, device: str):
@@ -235,10 +201,10 @@ def measure_profile(device: str = "cpu", widths: tuple[int, int] | None = None, 
     """
     if widths is None:
         widths = (64, 384) if device == "cpu" else (1024, 4096)
-    from lrq.methods import Calibration, get_method
+    from lrq.methods import Calibration, get_method, load_methods
     from lrq.schemes import get_scheme
     scheme = get_scheme("w4a16")
-    points: dict[str, list[tuple[float, float, float]]] = {k: [] for k in KINDS}   # (calls, flops, seconds)
+    points: dict[str, list[tuple[float, float, float]]] = {"fwd": []}   # kind -> (calls, flops, seconds) per width
     for hidden in widths:
         model0, cfg = _random_model(hidden, device)
         shape = shape_from_config(f"random-{hidden}", cfg)
@@ -255,30 +221,20 @@ def measure_profile(device: str = "cpu", widths: tuple[int, int] | None = None, 
         with torch.no_grad():
             timed(lambda: model0(ids[:1].to(device)))      # warm-up
             t = timed(lambda: [model0(ids[i:i + 1].to(device)) for i in range(n)])
-        w = cell_work(shape, "smoothquant", None, {}, n, seq, {}, seq, [], None)["fwd"]
-        points["fwd"].append((w[0], w[1], t))
+        points["fwd"].append((n * shape.layers, shape.model_fwd_flops(n * seq, seq), t))
+        for name in sorted(load_methods()):   # each method times its own kinds (Method.profile)
+            method = get_method(name)
 
-        def run(method: str, **over) -> tuple[float, dict]:
-            import copy
-            m = get_method(method)
-            if hasattr(m, "checkpoint_dir"):
-                m.checkpoint_dir = None
-            c = m.config("quick", over)
-            model = copy.deepcopy(model0)
-            return timed(lambda: m.quantize(model, scheme, c, calib)), c
+            def run(method=method, **over) -> tuple[float, dict]:
+                import copy
+                c = method.config("quick", over)
+                model = copy.deepcopy(model0)
+                return timed(lambda: method.quantize(model, scheme, c, calib)), c
 
-        base, c0 = run("lrq", iters=0, heldout_samples=2, error_samples=4)
-        work = cell_work(shape, "lrq", scheme, c0, n, seq, {}, seq, [], None)
-        points["walk"].append((*work["walk"], base))
-        for method in ("lrq", "flexround", "omniquant"):
-            t_b, _ = run(method, iters=0, heldout_samples=2, error_samples=4) if method != "lrq" else (base, None)
-            t_k, c = run(method, iters=iters, heldout_samples=2, error_samples=4)
-            w = cell_work(shape, method, scheme, c, n, seq, {}, seq, [], None)[f"train_{method}"]
-            points[f"train_{method}"].append((w[0], w[1], max(t_k - t_b, 1e-6)))
-        for method in ("gptq", "awq", "rtn"):
-            t, c = run(method)
-            w = cell_work(shape, method, scheme, c, n, seq, {}, seq, [], None)[method]
-            points[method].append((w[0], w[1], t))
+            for kind, point in method.profile(run, shape, scheme, n, seq, iters).items():
+                pts = points.setdefault(kind, [])
+                if len(pts) < len(points["fwd"]):   # one point per width (the walk is timed by several methods)
+                    pts.append(point)
     kinds = {}
     for k, pts in points.items():
         (c1, f1, t1), (c2, f2, t2) = pts
@@ -321,6 +277,9 @@ def load_or_measure_profile(device: str, path: str | None = None, remeasure: boo
 def seconds(work: dict[str, tuple[float, float]], profile: dict) -> float:
     total = 0.0
     for kind, (calls, flops) in work.items():
+        if kind not in profile["kinds"]:
+            raise UserError(f"the machine profile has no timing for {kind!r} work (it predates that method): "
+                            f"measure it again with `lrq-bench plan --remeasure`.")
         k = profile["kinds"][kind]
         total += k["per_call_s"] * calls + flops / k["flops_per_s"]
     return total

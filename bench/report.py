@@ -69,13 +69,18 @@ RECON_METRICS = ["n_learnable", "mean_block_calib_before", "mean_block_calib_aft
 
 
 def _param_ratio(recon: pd.DataFrame) -> list[str]:
+    """Learnable parameters of each method against the one it declares itself compared with
+    (`Method.compare_learnables_with`), per scheme where both ran."""
+    from lrq.methods import load_methods
     n = recon[recon["metric"] == "n_learnable"].groupby(["method", "scheme"])["value"].last()
+    pairs = [(name, cls.compare_learnables_with) for name, cls in sorted(load_methods().items())
+             if cls.compare_learnables_with]
     lines = []
     for scheme in sorted({s for _, s in n.index}):
-        if ("lrq", scheme) in n.index and ("flexround", scheme) in n.index:
-            lines.append(f"- {scheme}: LRQ / FlexRound learnable parameters = "
-                         f"{n[('lrq', scheme)]:.0f} / {n[('flexround', scheme)]:.0f} = "
-                         f"{n[('lrq', scheme)] / n[('flexround', scheme)]:.3f}")
+        for a, b in pairs:
+            if (a, scheme) in n.index and (b, scheme) in n.index:
+                lines.append(f"- {scheme}: {a} / {b} learnable parameters = {n[(a, scheme)]:.0f} / "
+                             f"{n[(b, scheme)]:.0f} = {n[(a, scheme)] / n[(b, scheme)]:.3f}")
     return lines + [""] if lines else []
 
 

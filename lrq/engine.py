@@ -32,7 +32,7 @@ from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
 from lrq.calibration import observe_input_ranges
 from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import Calibration, Method
+from lrq.methods import Calibration, Method, add_work, static_range_work
 from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
@@ -75,7 +75,8 @@ class ReconstructionMethod(Method):
     # 16x finer than 4-bit ones, so the same step in log-scale moves 16x more levels).
     quick_lr: ClassVar[dict[str, float]] = {}
     cost_rank: ClassVar[int] = 10
-    checkpoint_dir: Path | None = None   # set by the runner: where block checkpoints live for this cell
+    checkpoints: ClassVar[bool] = True
+    blockwise: ClassVar[bool] = True
 
     @staticmethod
     def preset_defaults(quick_extra: dict | None = None, paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
@@ -93,6 +94,28 @@ class ReconstructionMethod(Method):
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
+
+    # ---- cost (bench.plan) ------------------------------------------------------------------------
+    def work(self, shape, scheme: Scheme | None, cfg: dict, n: int, seq: int) -> dict[str, tuple[float, float]]:
+        """The block walk (both calibration chains and the block errors) and `iters` training steps per block
+        (forward + backward ~ 3 forwards of a batch); W8A8's static ranges (twice with a SmoothQuant step)."""
+        es, iters, bs = min(int(cfg.get("error_samples", 16)), n), int(cfg.get("iters", 100)), int(cfg.get("batch_size", 1))
+        L, T = shape.layers, n * seq
+        w: dict[str, tuple[float, float]] = {}
+        add_work(w, "walk", L, L * shape.block_fwd_flops(2 * T + 4 * es * seq, seq))
+        add_work(w, f"train_{self.name}", L * iters, L * iters * 3 * shape.block_fwd_flops(bs * seq, seq))
+        for kind, v in static_range_work(shape, scheme, n, seq, 2 if cfg.get("smooth_alpha") else 1).items():
+            add_work(w, kind, *v)
+        return w
+
+    def profile(self, run, shape, scheme: Scheme, n: int, seq: int, steps: int = 6) -> dict:
+        """The walk alone (0 steps), then `steps` training steps: their difference is the training."""
+        light = {"heldout_samples": 2, "error_samples": 4}
+        t0, c0 = run(iters=0, **light)
+        t1, c1 = run(iters=steps, **light)
+        kind = f"train_{self.name}"
+        return {"walk": (*self.work(shape, scheme, c0, n, seq)["walk"], t0),
+                kind: (*self.work(shape, scheme, c1, n, seq)[kind], max(t1 - t0, 1e-6))}
 
     # ---- settings ---------------------------------------------------------------------------------
     def resolve(self, scheme: Scheme, config: dict) -> dict:

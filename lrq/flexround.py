@@ -37,6 +37,7 @@ class FlexRound(ReconstructionMethod):
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (2.5e-3, False), "w4": (3e-3, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
+    learnable_fraction = 1.0   # a full scaling matrix per weight
 
     def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw):
         return FlexRoundLinear(linear, scheme, scale, zero, **kw)

@@ -72,6 +72,8 @@ class LRQ(ReconstructionMethod):
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (6e-4, True), "w4": (9e-4, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
+    learnable_fraction = 0.6
+    compare_learnables_with = "flexround"   # the paper's point: far fewer learnable scales than FlexRound
 
     def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw) -> LearnableQuantLinear:
         r = choose_rank(linear.out_features, linear.in_features, config["rank_rule"], int(config["rank"]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -30,22 +30,62 @@ class Calibration:
 
 
 class Method:
-    """Base class. Subclasses set `name`, `defaults` (per preset) and implement `quantize`."""
+    """Base class. Subclasses set `name`, `defaults` (per preset) and implement `quantize`; what the harness
+    needs to know about a method (calibration defaults, whether it checkpoints, its cost and memory for the
+    planner, the report sections it feeds) it declares here, so the harness never names a method.
+
+    An instance is configured once, at construction: `device` (where block-wise methods compute; when the
+    model stays on the CPU and this is a CUDA device, the walk moves one block at a time to it and back,
+    so device memory is bounded by one block plus a batch of activations; None: wherever the model is) and
+    `checkpoint_dir` (where a resumable method keeps its per-block checkpoints; None: no checkpoints)."""
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""
     # Settings by preset; every key can be overridden from the CLI (--set key=value) and is recorded.
     defaults: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}, "paper": {}}
+    # Calibration settings per preset that differ from the suite's (dataset, n_samples, seq_len, sampling).
+    calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel
     # executors start costly cells first.
     cost_rank: ClassVar[int] = 1
-    # Where block-wise methods compute (set by the runner). When the model stays on the CPU and this is a
-    # CUDA device, the walk moves one block at a time to it and back (offloading): device memory is then
-    # bounded by one block plus a batch of activations. None: wherever the model is.
-    device: torch.device | None = None
+    # Resumes at the next block from `checkpoint_dir` after a crash.
+    checkpoints: ClassVar[bool] = False
+    # Walks the model block by block with the calibration activations in memory (the planner's memory model).
+    blockwise: ClassVar[bool] = False
+    # Training state of one block (learnables; Adam doubles it twice more), as a fraction of its weights.
+    learnable_fraction: ClassVar[float] = 0.0
+    # The report shows this method's learnable-parameter count against the named method's, per scheme.
+    compare_learnables_with: ClassVar[str | None] = None
+
+    def __init__(self, device: torch.device | str | None = None, checkpoint_dir: str | None = None):
+        self.device = torch.device(device) if isinstance(device, str) else device
+        self.checkpoint_dir = checkpoint_dir if self.checkpoints else None
 
     def compute_device(self, model: nn.Module) -> torch.device:
         return self.device if self.device is not None else next(model.parameters()).device
+
+    # ---- what the planner needs (bench.plan): no method names there -----------------------------------
+    def work(self, shape, scheme: Scheme | None, cfg: dict[str, Any], n: int, seq: int
+             ) -> dict[str, tuple[float, float]]:
+        """(calls, flops) per kind of work to quantize a model of `shape` (bench.plan.ModelShape) with n x seq
+        calibration tokens. Kinds are timed by the planner's machine profile: "fwd" (whole-model forwards)
+        and the kinds `profile` measures. The default: the static activation ranges of W8A8, if any."""
+        return static_range_work(shape, scheme, n, seq)
+
+    def profile(self, run: Callable[..., tuple[float, dict]], shape, scheme: Scheme, n: int, seq: int,
+                steps: int = 6) -> dict[str, tuple[float, float, float]]:
+        """(calls, flops, seconds) points of this method's own kinds of work; `run(**settings)` quantizes a
+        copy of a small random model with the quick preset plus `settings` and returns (seconds, config);
+        `steps`: training steps to time where the method trains."""
+        return {}
+
+    def extra_memory(self, shape) -> int:
+        """Bytes beyond the weights, activation streams and training state at the method's peak."""
+        return 0
+
+    def resolve(self, scheme: Scheme, config: dict[str, Any]) -> dict[str, Any]:
+        """The configuration with every 'auto' decided for `scheme` (what `quantize` will use)."""
+        return dict(config)
 
     def config(self, preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         if preset not in self.defaults:
@@ -65,6 +105,19 @@ class Method:
                  calib: Calibration | None) -> dict[str, Any]:
         """Quantize `model` in place; return statistics worth storing (e.g. learnable-parameter counts)."""
         raise NotImplementedError
+
+
+def static_range_work(shape, scheme: Scheme | None, n: int, seq: int, passes: int = 1) -> dict[str, tuple[float, float]]:
+    """The whole-model forwards that observe W8A8's static activation ranges on n x seq tokens."""
+    if scheme is None or not scheme.static_activations:
+        return {}
+    return {"fwd": (n * shape.layers, shape.model_fwd_flops(n * seq, seq) * passes)}
+
+
+def add_work(work: dict[str, tuple[float, float]], kind: str, calls: float, flops: float) -> dict:
+    c, f = work.get(kind, (0.0, 0.0))
+    work[kind] = (c + calls, f + flops)
+    return work
 
 
 def _coerce(method: str, key: str, default: Any, value: Any) -> Any:
@@ -111,9 +164,14 @@ def load_methods() -> dict[str, type[Method]]:
     return METHODS
 
 
-def get_method(name: str) -> Method:
+def method_class(name: str) -> type[Method]:
     methods = load_methods()
     try:
-        return methods[name.strip().lower()]()
+        return methods[name.strip().lower()]
     except KeyError:
         raise UserError(f"unknown method {name!r}: choose from {', '.join(sorted(methods))}.") from None
+
+
+def get_method(name: str, device: torch.device | str | None = None, checkpoint_dir: str | None = None) -> Method:
+    """An instance of the registered method `name` (case-insensitive), configured once."""
+    return method_class(name)(device=device, checkpoint_dir=checkpoint_dir)

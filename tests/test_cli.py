@@ -111,7 +111,7 @@ def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, d
                                                                   monkeypatch):
     """Units are stored as they finish: a C4 evaluation that crashes loses neither the quantization unit
     nor the WikiText-2 result, and the rerun computes only what is missing."""
-    import bench.runner as runner
+    import bench.cell as runner
     results = tmp_path / "r.sqlite"
     args = ["run", "--profile", "full", "--tasks", "none", "--jobs", "1", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
             "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),

@@ -13,15 +13,16 @@ import pytest
 
 from bench.cli import main
 from bench.executor import LocalExecutor
-from bench.runner import FP, CalibSettings, CellSpec, EvalSettings, run_cells
+from bench.cell import FP, CalibSettings, EvalSettings, Request, execute, settle
+from bench.sweep import run_cells
 from bench.store import ResultStore
 from lrq.errors import UserError
 
 
-def _specs(model_dir, data_dir, methods_schemes, **kw):
+def _cells(model_dir, data_dir, methods_schemes, **kw):
     common = dict(model=str(model_dir), datasets=("wikitext2",), eval=EvalSettings(256, False, kw.pop("tokens", 1024)),
                   calib=CalibSettings(n_samples=6, seq_len=32), data_dir=str(data_dir))
-    return [CellSpec(method=m, scheme=s, **common, **kw) for m, s in methods_schemes]
+    return [settle(Request(method=m, scheme=s, **common, **kw)) for m, s in methods_schemes]
 
 
 def _values(store: ResultStore) -> dict:
@@ -35,13 +36,13 @@ CELLS = [(FP, FP), ("rtn", "w4a16"), ("rtn", "w8a8"), ("lrq", "w3a16")]
 def test_two_workers_give_exactly_the_in_process_results(tiny_model_dir, data_dir, tmp_path):
     over = {"iters": 3, "heldout_samples": 2}
     one, two = ResultStore(tmp_path / "one.sqlite"), ResultStore(tmp_path / "two.sqlite")
-    out1 = run_cells(_specs(tiny_model_dir, data_dir, CELLS, overrides=over), one, executor=LocalExecutor(1))
-    out2 = run_cells(_specs(tiny_model_dir, data_dir, CELLS, overrides=over), two, executor=LocalExecutor(2, threads=1))
+    out1 = run_cells(_cells(tiny_model_dir, data_dir, CELLS, overrides=over), one, executor=LocalExecutor(1))
+    out2 = run_cells(_cells(tiny_model_dir, data_dir, CELLS, overrides=over), two, executor=LocalExecutor(2, threads=1))
     assert [o.status for o in out1] == [o.status for o in out2] == ["done"] * len(CELLS)
     v1, v2 = _values(one), _values(two)
     assert len(v1) >= 9 and v1 == v2   # bit-identical numbers, every unit stored by the driver
     # a second run finds every unit in the store and starts no worker
-    again = run_cells(_specs(tiny_model_dir, data_dir, CELLS, overrides=over), two, executor=LocalExecutor(2))
+    again = run_cells(_cells(tiny_model_dir, data_dir, CELLS, overrides=over), two, executor=LocalExecutor(2))
     assert [o.status for o in again] == ["reused"] * len(CELLS)
 
 
@@ -70,26 +71,26 @@ class _KillOnFirstUnit:
         self.scheme, self.units, self.outcomes = scheme, [], {}
 
     def unit(self, job, unit, rows):
-        self.units.append((job.spec.scheme, unit))
-        if job.spec.scheme == self.scheme and unit == "quant":
+        self.units.append((job.cell.scheme_name, unit))
+        if job.cell.scheme_name == self.scheme and unit == "quant":
             for p in mp.active_children():
-                if p.name.endswith(job.spec.label()):
+                if p.name.endswith(job.cell.label()):
                     os.kill(p.pid, signal.SIGKILL)
 
     def done(self, job, wall_s):
-        self.outcomes[job.spec.scheme] = "done"
+        self.outcomes[job.cell.scheme_name] = "done"
 
     def failed(self, job, error):
-        self.outcomes[job.spec.scheme] = error
+        self.outcomes[job.cell.scheme_name] = error
 
 
 def test_a_worker_that_dies_is_reported_and_the_other_cell_completes(tiny_model_dir, data_dir):
     from bench.executor import Job
     # the whole WikiText-2 test text: the evaluation lasts long enough for the kill to land first
-    specs = _specs(tiny_model_dir, data_dir, [("rtn", "w4a16"), ("rtn", "w3a16")], tokens=None)
-    jobs = [Job(i, s, frozenset({"quant", "wikitext2"}), {}) for i, s in enumerate(specs)]
+    cells = _cells(tiny_model_dir, data_dir, [("rtn", "w4a16"), ("rtn", "w3a16")], tokens=None)
+    jobs = [Job(i, s, frozenset({"quant", "wikitext2"})) for i, s in enumerate(cells)]
     sink = _KillOnFirstUnit("w3a16")
-    LocalExecutor(2, threads=1).run(jobs, sink)
+    LocalExecutor(2, threads=1).run(jobs, sink, execute)
     assert "the worker process died (killed by signal 9)" in sink.outcomes["w3a16"]
     assert sink.outcomes["w4a16"] == "done"
     assert ("w3a16", "quant") in sink.units and ("w3a16", "wikitext2") not in sink.units
@@ -98,9 +99,9 @@ def test_a_worker_that_dies_is_reported_and_the_other_cell_completes(tiny_model_
 
 
 def test_bad_input_inside_a_worker_stops_the_run_with_its_message(tiny_model_dir, data_dir, tmp_path):
-    specs = _specs(tiny_model_dir, data_dir, [("lrq", "w4a16"), ("lrq", "w3a16")], overrides={"heldout_samples": 50})
+    cells = _cells(tiny_model_dir, data_dir, [("lrq", "w4a16"), ("lrq", "w3a16")], overrides={"heldout_samples": 50})
     with pytest.raises(UserError, match=r"heldout_samples \(50\) must be smaller"):
-        run_cells(specs, ResultStore(tmp_path / "r.sqlite"), executor=LocalExecutor(2, threads=1))
+        run_cells(cells, ResultStore(tmp_path / "r.sqlite"), executor=LocalExecutor(2, threads=1))
     assert not mp.active_children()
 
 

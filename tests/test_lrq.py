@@ -176,7 +176,6 @@ def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch
     cfg = {"iters": 8, "lr": 5e-3, "heldout_samples": 2}
     M = get_method("lrq")
     full = tiny_model("llama", layers=3)
-    M.checkpoint_dir = None
     M.quantize(full, get_scheme("w3a16"), M.config("quick", cfg), _calib(6))
 
     real = ReconstructionMethod._reconstruct_block
@@ -189,8 +188,7 @@ def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch
         return real(self, ctx, *a, **k)
 
     monkeypatch.setattr(ReconstructionMethod, "_reconstruct_block", crashing)
-    M2 = get_method("lrq")
-    M2.checkpoint_dir = tmp_path / "ckpt"
+    M2 = get_method("lrq", checkpoint_dir=tmp_path / "ckpt")
     with pytest.raises(KeyboardInterrupt):
         M2.quantize(tiny_model("llama", layers=3), get_scheme("w3a16"), M2.config("quick", cfg), _calib(6))
     assert calls["n"] == 2
@@ -254,7 +252,7 @@ def test_lrq_and_flexround_through_the_cli(tiny_model_dir, data_dir, tmp_path, c
                  "--set", "iters=4", "--set", "heldout_samples=2"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "### Block reconstruction" in out and "LRQ / FlexRound learnable parameters" in out
+    assert "### Block reconstruction" in out and "lrq / flexround learnable parameters" in out
     main(["results", "--results", str(results), "--json"])
     rows = json.loads(capsys.readouterr()[0])
     n = {r["method"]: r["value"] for r in rows if r["metric"] == "n_learnable"}

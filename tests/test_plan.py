@@ -46,8 +46,6 @@ def test_estimate_within_a_factor_of_two_of_the_measured_cost(profile, method, o
     ids = torch.randint(0, 256, (n, seq), generator=torch.Generator().manual_seed(0))
     calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
     m = get_method(method)
-    if hasattr(m, "checkpoint_dir"):
-        m.checkpoint_dir = None
     cfg = m.config("quick", over)
     est = P.plan_cells(shape, [method], ["w4a16"], profile, overrides=over, n=n, seq=seq)[0].seconds
     times = []

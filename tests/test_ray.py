@@ -8,9 +8,10 @@ import pytest
 
 from bench.cli import main
 from bench.executor import LocalExecutor, RayExecutor
-from bench.runner import FP, run_cells
+from bench.cell import FP
+from bench.sweep import run_cells
 from bench.store import ResultStore
-from test_executor import CELLS, _specs, _values
+from test_executor import CELLS, _cells, _values
 
 ray = pytest.importorskip("ray")   # a dev dependency: present wherever the suite is meant to run
 
@@ -25,9 +26,9 @@ def cluster():
 def test_ray_sweep_gives_exactly_the_local_results(cluster, tiny_model_dir, data_dir, tmp_path):
     over = {"iters": 3, "heldout_samples": 2}
     local, remote = ResultStore(tmp_path / "local.sqlite"), ResultStore(tmp_path / "ray.sqlite")
-    out_l = run_cells(_specs(tiny_model_dir, data_dir, CELLS, overrides=over), local, executor=LocalExecutor(2, threads=1))
+    out_l = run_cells(_cells(tiny_model_dir, data_dir, CELLS, overrides=over), local, executor=LocalExecutor(2, threads=1))
     ex = RayExecutor(retries=1)
-    out_r = run_cells(_specs(tiny_model_dir, data_dir, CELLS, overrides=over), remote, executor=ex)
+    out_r = run_cells(_cells(tiny_model_dir, data_dir, CELLS, overrides=over), remote, executor=ex)
     assert [o.status for o in out_l] == [o.status for o in out_r] == ["done"] * len(CELLS)
     assert ex.jobs == 2                                   # two 1-CPU cells at a time on the 2-CPU cluster
     assert ex.max_running <= 2, ex.max_running            # and never more (a cell blocked in ray.get frees its CPU)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.runner import FP, CalibSettings, CellSpec, EvalSettings, execute_cell
+from bench.cell import FP, CalibSettings, EvalSettings, Request, execute, settle
 
 pytestmark = pytest.mark.slow
 
@@ -15,9 +15,9 @@ SLICE = EvalSettings(seq_len=2048, max_tokens=4 * 2048)
 
 
 def _ppl(method, scheme, data_dir):
-    spec = CellSpec(model="smollm2-135m", method=method, scheme=scheme, datasets=("wikitext2",),
-                    calib=CalibSettings(n_samples=16, seq_len=512), eval=SLICE, data_dir=str(data_dir))
-    units = execute_cell(spec, {"quant", "wikitext2"})
+    cell = settle(Request(model="smollm2-135m", method=method, scheme=scheme, datasets=("wikitext2",),
+                          calib=CalibSettings(n_samples=16, seq_len=512), eval=SLICE, data_dir=str(data_dir)))
+    units = execute(cell, {"quant", "wikitext2"})
     row = next(r for r in units["wikitext2"] if r.metric == "ppl")
     assert row.config["eval"]["windows"] == 4 and row.config["eval"]["tokens"] == 4 * 2048
     return row.value, units

@@ -1,0 +1,328 @@
+"""One cell: a request settled into an immutable record, and running it.
+
+A `Request` is what a user asks for (model, method, scheme, preset, --set overrides, calibration and
+evaluation settings, tasks, seed, device). `settle(request)` resolves it once, in the driver, into a
+frozen `Cell`: the method instance (configured with its device and checkpoint folder), the scheme, the
+declared settings and the resolved ones (every `auto` decided for the scheme), the calibration settings
+(the method's preset defaults filled in), the fingerprints of the model and of every data file, the
+task protocol, the store key of every unit and the checkpoint folder. Nothing downstream looks a name up
+again or sets an attribute on a method: the executors ship the Cell, `execute` runs it, the store keys
+and the rows' configurations come from it.
+
+The store keys are unchanged from earlier releases (the identity hashes the *declared* settings: the
+resolved ones are a deterministic function of them, the scheme and the model), so a results store made
+before still resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from bench import data as D
+from bench.measure import measure
+from bench.models import cache_root, load_model, model_fingerprint
+from bench.perplexity import NonFiniteResult, check_finite_perplexity, locate_nonfinite, perplexity
+from bench.provenance import git_revision, hardware, versions
+from bench.store import SCHEMA_VERSION, Row, unit_key
+from lrq.errors import UserError
+from lrq.methods import Method, method_class
+from lrq.quantize_model import model_bits_per_weight
+from lrq.schemes import Scheme, get_scheme
+
+log = logging.getLogger("lrq_bench")
+
+FP = "fp"  # the method and scheme name of the unquantized reference row
+
+
+@dataclass(frozen=True)
+class CalibSettings:
+    dataset: str = "c4"
+    n_samples: int = 128
+    seq_len: int = 512
+    sampling: str = "random"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    seq_len: int = 2048
+    include_partial: bool = False
+    max_tokens: int | None = None
+    autocast: str = "bf16"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to run, as asked: names and options. `calib` None: the method's preset defaults."""
+    model: str
+    method: str
+    scheme: str
+    datasets: tuple[str, ...] = D.DATASETS
+    preset: str = "quick"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    calib: CalibSettings | None = None
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    seed: int = 0
+    data_dir: str | None = None
+    tasks: tuple[str, ...] = ()          # lm-eval tasks (bench/tasks.py), one "tasks" unit
+    task_limit: int | None = None        # examples per task (None: all)
+    device: str = "auto"                 # where to compute: auto (CUDA when present), cpu, cuda[:i]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A settled request (see the module docstring). Immutable: built once by `settle`."""
+    model: str
+    model_id: str                        # the model's content identity (bench.models.model_fingerprint)
+    method_name: str
+    method: Method | None                # the configured instance; None for the FP reference
+    scheme_name: str
+    scheme: Scheme | None                # None for the FP reference
+    preset: str
+    config: dict[str, Any]               # declared settings (preset defaults + overrides): the store key's
+    resolved: dict[str, Any]             # the same with every 'auto' decided for the scheme
+    calib: CalibSettings
+    uses_calibration: bool
+    datasets: tuple[str, ...]
+    eval: EvalSettings
+    tasks: tuple[str, ...]
+    task_limit: int | None
+    seed: int
+    data_dir: str | None                 # the resolved data folder (None: the hub)
+    device: str                          # the compute device ("auto" only where a remote worker decides)
+    data: dict[str, str]                 # dataset -> fingerprint of its text
+    calib_data: str | None               # fingerprint of the calibration text
+    identity: dict[str, Any]             # what the quantization unit's key hashes
+    keys: dict[str, str]                 # unit -> store key
+    checkpoint_dir: str | None           # where a resumable method keeps its per-block state
+
+    @property
+    def is_fp(self) -> bool:
+        return self.method is None
+
+    def label(self) -> str:
+        return f"{self.model} {self.method_name} {self.scheme_name}"
+
+    def compute_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def bound_method(self) -> Method:
+        """The cell's method, bound to the device this process computes on when the cell left it open."""
+        if self.device != "auto":
+            return self.method
+        return type(self.method)(device=self.compute_device(), checkpoint_dir=self.checkpoint_dir)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device is visible here (torch {torch.__version__}); use --device cpu.")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}: use auto, cpu or cuda[:index].") from None
+
+
+def resolve_calib(method: str, preset: str, given: dict[str, Any]) -> CalibSettings:
+    """Calibration settings: what the user gave, else the method's preset defaults, else the suite's."""
+    base = {} if method == FP else dict(method_class(method).calib_defaults.get(preset, {}))
+    base.update({k: v for k, v in given.items() if v is not None})
+    return CalibSettings(**base)
+
+
+def _task_protocol(tasks: tuple[str, ...]) -> dict:
+    from bench import tasks as T
+    return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS}
+            | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in tasks else {}))
+
+
+def settle(req: Request, bind_device: bool = True) -> Cell:
+    """Resolve a request once: names to objects, defaults to values, data to fingerprints, units to keys.
+    `bind_device=False` leaves "auto" to the worker that runs the cell (a remote executor's node)."""
+    is_fp = req.method.strip().lower() == FP
+    cls = None if is_fp else method_class(req.method)
+    method_name = FP if is_fp else cls.name
+    scheme = None if is_fp else get_scheme(req.scheme)
+    scheme_name = FP if is_fp else scheme.name
+    probe = None if is_fp else cls()
+    config = {} if is_fp else probe.config(req.preset, req.overrides)
+    resolved = {} if is_fp else probe.resolve(scheme, config)
+    calib = req.calib or resolve_calib(method_name, req.preset, {})
+    uses_calibration = not is_fp and probe.needs_calibration(scheme)
+    data_dir = D.resolve_data_dir(req.data_dir)
+    ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
+                             "scheme": scheme_name, "config": config, "seed": req.seed}
+    calib_data = None
+    if uses_calibration:
+        calib_data = D.data_fingerprint(calib.dataset, data_dir)
+        ident["calib"] = asdict(calib) | {"data": calib_data}
+    data = {ds: D.data_fingerprint(ds, data_dir) for ds in req.datasets}
+    keys = {"quant": unit_key(ident)}
+    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(req.eval)})
+                 for ds in req.datasets})
+    if req.tasks:
+        keys["tasks"] = unit_key(ident | {"tasks": sorted(req.tasks), "limit": req.task_limit,
+                                          "data": D.data_fingerprint("wikitext2", data_dir),
+                                          "protocol": _task_protocol(req.tasks)})
+    ckpt = None if is_fp or not cls.checkpoints else str(cache_root() / "checkpoints" / keys["quant"][:24])
+    device = str(resolve_device(req.device)) if (bind_device or req.device != "auto") else "auto"
+    method = None if is_fp else cls(device=None if device == "auto" else device, checkpoint_dir=ckpt)
+    return Cell(model=req.model, model_id=ident["model"], method_name=method_name, method=method,
+                scheme_name=scheme_name, scheme=scheme, preset=req.preset, config=config, resolved=resolved,
+                calib=calib, uses_calibration=uses_calibration, datasets=tuple(req.datasets), eval=req.eval,
+                tasks=tuple(req.tasks), task_limit=req.task_limit, seed=req.seed,
+                data_dir=None if data_dir is None else str(data_dir), device=device, data=data,
+                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt)
+
+
+def without_units(cell: Cell, keep: set[str]) -> Cell:
+    """The cell restricted to some units (its keys for the others dropped)."""
+    return replace(cell, keys={u: k for u, k in cell.keys.items() if u in keep})
+
+
+# ---- running one cell ---------------------------------------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _row(cell: Cell, dataset: str, metric: str, value, config: dict, wall_s=None, peak=None) -> Row:
+    return Row(model=cell.model, method=cell.method_name, scheme=cell.scheme_name, dataset=dataset, metric=metric,
+               value=None if value is None else float(value), config=config, seed=cell.seed,
+               versions=versions(), git_rev=git_revision(), hardware=hardware(), wall_s=wall_s,
+               peak_mem_bytes=peak)
+
+
+def place_model(model: torch.nn.Module, device: torch.device, headroom: float = 1.3) -> bool:
+    """Move the whole model to `device` if it fits (with headroom for activations); True when it is there.
+    A model that does not fit stays on the CPU: block-wise methods then visit the device one block at a time."""
+    if device.type == "cpu":
+        return True
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) * headroom
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        log.warning("the model (%.1f GiB) does not fit the free memory of %s (%.1f GiB): it stays on the CPU and "
+                    "block-wise methods move one block at a time to the device", need / 2**30, device, free / 2**30)
+        return False
+    model.to(device)
+    return True
+
+
+def quantize_cell(cell: Cell):
+    """Load the cell's model and quantize it with the cell's method (resumable for block-wise methods).
+
+    Returns (model, tokenizer, base_config, method_stats, measurement or None for FP)."""
+    seed_everything(cell.seed)
+    loaded = load_model(cell.model)
+    model, tok = loaded.model, loaded.tokenizer
+    base_cfg: dict[str, Any] = {
+        "model": cell.model, "model_source": loaded.source, "model_note": loaded.note,
+        "method": cell.method_name, "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
+        "method_config": cell.config, "method_resolved": cell.resolved,
+        "scheme_def": None if cell.is_fp else cell.scheme.to_dict(),
+    }
+    device = cell.compute_device()
+    if cell.is_fp:
+        place_model(model, device)
+        return model, tok, base_cfg, {}, None
+    method = cell.bound_method()
+    on_device = place_model(model, device)
+    base_cfg["device"] = {"compute": str(device), "whole_model_on_device": on_device}
+    calib = None
+    if cell.uses_calibration:
+        data_dir = None if cell.data_dir is None else Path(cell.data_dir)
+        calib = D.calibration_set(tok, data_dir, cell.calib.dataset, cell.calib.n_samples, cell.calib.seq_len,
+                                  cell.seed, cell.calib.sampling)
+        base_cfg["calibration"] = calib.description
+    with measure() as qm:
+        stats = method.quantize(model, cell.scheme, cell.config, calib) or {}
+    base_cfg["method_stats"] = stats
+    if not on_device and not place_model(model, device):
+        log.warning("evaluating %s on the CPU: the quantized model does not fit %s", cell.label(), device)
+    return model, tok, base_cfg, stats, qm
+
+
+def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] | None = None) -> dict[str, list[Row]]:
+    """Quantize and evaluate one cell; return rows per unit for the units named in `todo`.
+
+    `emit(unit, rows)` is called as soon as each unit is complete (the sweep stores it right away, so a
+    crash in a later evaluation loses nothing already measured)."""
+    data_dir = None if cell.data_dir is None else Path(cell.data_dir)
+    model, tok, base_cfg, stats, qm = quantize_cell(cell)
+    out: dict[str, list[Row]] = {}
+    if "quant" in todo:
+        cfg = dict(base_cfg)
+        rows = [_row(cell, "quant", "bits_per_weight", 16.0 if cell.is_fp else model_bits_per_weight(model), cfg)]
+        if qm is not None:
+            rows += [_row(cell, "quant", "quant_time_s", qm.wall_s, cfg, qm.wall_s, qm.peak_rss_bytes),
+                     _row(cell, "quant", "quant_peak_rss_bytes", qm.peak_rss_bytes, cfg, qm.wall_s, qm.peak_rss_bytes)]
+            if qm.peak_cuda_bytes is not None:
+                rows.append(_row(cell, "quant", "quant_peak_cuda_bytes", qm.peak_cuda_bytes, cfg, qm.wall_s))
+            rows += [_row(cell, "quant", k, v, cfg) for k, v in stats.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        out["quant"] = rows
+        if emit is not None:
+            emit("quant", rows)
+    for ds in cell.datasets:
+        if ds not in todo:
+            continue
+        text = D.eval_text(ds, data_dir)
+        ids = D.tokenize(tok, text.text)
+        caps = [c for c in (D.eval_token_cap(ds), cell.eval.max_tokens) if c]
+        if caps:
+            ids = ids[:min(caps)]
+        with measure() as em:
+            res = perplexity(model, ids, cell.eval.seq_len, cell.eval.include_partial,
+                             autocast=cell.eval.autocast == "bf16", desc=f"{cell.method_name} {cell.scheme_name} {ds}")
+        check_finite_perplexity(model, ids, res, ds, cell.eval.seq_len, cell.eval.include_partial)
+        cfg = base_cfg | {"eval": asdict(cell.eval) | {"source": text.source, "windows": res["windows"],
+                                                       "tokens": res["tokens"]}}
+        out[ds] = [_row(cell, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
+                   _row(cell, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s, em.peak_rss_bytes)]
+        if emit is not None:
+            emit(ds, out[ds])
+    if "tasks" in todo and cell.tasks:
+        from bench import tasks as T
+        if data_dir is None:
+            raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
+        _check_finite_logits(model, tok)
+        with measure() as tm:
+            res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit)
+        cfg = base_cfg | {"tasks": {"names": list(cell.tasks), "limit": cell.task_limit, "batch_size": T.BATCH_SIZE,
+                                    "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS,
+                                    "main_metric": T.MAIN_METRIC}
+                          | ({"mmlu_protocol": f"{T.MMLU_SHOTS}-shot from the dev split, shots dropped last first "
+                                               f"while the prompt exceeds {T.MAX_LENGTH} tokens; limit = questions "
+                                               f"per subject"} if "mmlu" in cell.tasks else {})}
+        rows = []
+        for task, metrics in res.items():
+            for metric, value in metrics.items():
+                if metric != "n" and value is not None:
+                    rows.append(_row(cell, task, metric, value, cfg | {"n_examples": metrics.get("n")},
+                                     tm.wall_s, tm.peak_rss_bytes))
+        out["tasks"] = rows
+        if emit is not None:
+            emit("tasks", rows)
+    return out
+
+
+@torch.no_grad()
+def _check_finite_logits(model: torch.nn.Module, tok) -> None:
+    """Accuracy from non-finite logits is meaningless: one probe forward first, failing with a location."""
+    ids = D.tokenize(tok, "The quick brown fox jumps over the lazy dog. " * 4)[:32]
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device).unsqueeze(0), use_cache=False).logits
+    if not torch.isfinite(logits).all():
+        raise NonFiniteResult(f"the model's logits are not finite, so task accuracy would be meaningless; the "
+                              f"first non-finite value: {locate_nonfinite(model, ids)}. Nothing was stored for "
+                              f"the task unit.")
