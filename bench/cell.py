@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+import lrq
 from bench import data as D
 from bench.measure import measure
 from bench.models import cache_root, load_model, model_fingerprint
@@ -245,7 +246,8 @@ def quantize_cell(cell: Cell):
                                   cell.seed, cell.calib.sampling)
         base_cfg["calibration"] = calib.description
     with measure() as qm:
-        stats = method.quantize(model, cell.scheme, cell.config, calib) or {}
+        settings = {k: v for k, v in cell.config.items() if k != "preset"}   # the preset is its own argument
+        _, stats = lrq.quantize(model, method, cell.scheme, calib, preset=cell.preset, **settings)
     base_cfg["method_stats"] = stats
     if not on_device and not place_model(model, device):
         log.warning("evaluating %s on the CPU: the quantized model does not fit %s", cell.label(), device)

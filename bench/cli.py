@@ -66,27 +66,10 @@ def _datasets(spec: str) -> list[str]:
 
 
 def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
-    """--set KEY=VALUE pairs, every KEY a setting of at least one of `methods` (any preset); an unknown key
-    (a typo such as iter=5000) is bad input with the valid keys and the closest match, never ignored."""
-    import difflib
-
-    from lrq.methods import method_class
+    """--set KEY=VALUE pairs, every KEY a setting of at least one of `methods` (lrq.methods.check_settings)."""
+    from lrq.methods import check_settings
     given = _overrides(pairs)
-    if not given:
-        return given
-    known: dict[str, list[str]] = {}
-    for m in methods:
-        for preset in method_class(m).defaults.values():
-            for k in preset:
-                if m not in known.setdefault(k, []):
-                    known[k].append(m)
-    for k in given:
-        if k not in known:
-            close = difflib.get_close_matches(k, list(known), n=1)
-            raise UserError(
-                f"--set {k}=...: none of the selected methods ({', '.join(methods) or 'none'}) has a setting "
-                f"{k!r}" + (f"; did you mean {close[0]!r}?" if close else ".")
-                + (f" Valid keys: {', '.join(sorted(known))}." if known else " They take no settings."))
+    check_settings(given, methods)
     return given
 
 
@@ -397,8 +380,8 @@ def torch_cuda() -> bool:
 def cmd_export(args) -> int:
     from bench.cell import Request, quantize_cell, resolve_calib, settle
     from bench.data import check_available, resolve_data_dir
+    import lrq
     from bench.provenance import git_revision, versions
-    from lrq.export import save_compressed
 
     (method,) = _methods(args.method)
     (scheme,) = _schemes(args.scheme)
@@ -410,7 +393,7 @@ def cmd_export(args) -> int:
         check_available([cell.calib.dataset], resolve_data_dir(args.data_dir))
     model, tok, cfg, stats, qm = quantize_cell(cell)
     meta = cfg | {"versions": versions(), "git_rev": git_revision(), "quant_time_s": qm.wall_s}
-    out = save_compressed(model, args.out, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
+    out = lrq.save(model, args.out, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
     print(f"{args.method} {scheme} written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB; "
           f"quantization {qm.wall_s:.1f} s)", file=sys.stderr)
     return 0

@@ -164,6 +164,25 @@ def load_methods() -> dict[str, type[Method]]:
     return METHODS
 
 
+def check_settings(keys, methods: list[str]) -> None:
+    """Every key a setting of at least one of `methods` (any preset): an unknown key (a typo such as
+    iter=5000) is a UserError naming the valid keys and the closest one, never silently ignored."""
+    import difflib
+    known: dict[str, list[str]] = {}
+    for m in methods:
+        for preset in method_class(m).defaults.values():
+            for k in preset:
+                if m not in known.setdefault(k, []):
+                    known[k].append(m)
+    for k in keys:
+        if k not in known:
+            close = difflib.get_close_matches(k, list(known), n=1)
+            raise UserError(
+                f"--set {k}=...: none of the selected methods ({', '.join(methods) or 'none'}) has a setting "
+                f"{k!r}" + (f"; did you mean {close[0]!r}?" if close else ".")
+                + (f" Valid keys: {', '.join(sorted(known))}." if known else " They take no settings."))
+
+
 def method_class(name: str) -> type[Method]:
     methods = load_methods()
     try:
