@@ -4,7 +4,7 @@ No network is needed to view it: styles, the table-sorting script and the charts
 inline. Every value cell carries its configuration (method settings, calibration, scheme, versions,
 hardware, git revision) in a `title` tooltip and, for the perplexity tables, in a <details> block.
 Charts: perplexity against bits per weight per dataset; the per-block calibration vs held-out error of
-block reconstruction (LRQ paper, Figure 2); inference speed-up per scheme when bench/speed.py stored it.
+block reconstruction (LRQ paper, Figure 2); inference speed-up per scheme when bench/studies/speed.py stored it.
 A history table shows every stored value of each perplexity across git revisions.
 """
 

@@ -31,7 +31,7 @@ def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 128) -> floa
     chunks of positions, in float32, so a 2048 x 49152 logit matrix is never held at once.
     128 positions (25 MB of float32 logits at a 49k vocabulary) keep the logits in the CPU's L3 cache
     across the cast and the log-softmax: 0.5 s per 2048-token window instead of 0.75-0.9 s at 512 on
-    the 2-core test machine (bench/eval_speed.py); the sums differ by < 1e-7 relative.
+    the 2-core test machine (bench/studies/eval_speed.py); the sums differ by < 1e-7 relative.
     """
     device = next(model.parameters()).device
     x = window.to(device).unsqueeze(0)

@@ -120,7 +120,7 @@ def _task_section(mdf: pd.DataFrame) -> list[str]:
 
 
 def _speed_sections(mdf: pd.DataFrame) -> list[str]:
-    """Inference speed (bench/speed.py): end-to-end tokens/s and per-layer latency vs bf16."""
+    """Inference speed (bench/studies/speed.py): end-to-end tokens/s and per-layer latency vs bf16."""
     parts: list[str] = []
     e2e = mdf[mdf["dataset"] == "speed_e2e"]
     if not e2e.empty:

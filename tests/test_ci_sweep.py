@@ -1,10 +1,10 @@
 """CI reruns the small deterministic sweep on the real default model and compares it with the committed
-reference results under the gate's tolerances (bench/ci_sweep.py, reports/reference/ci_sweep*.json: one per
+reference results under the gate's tolerances (bench/studies/ci_sweep.py, reports/reference/ci_sweep*.json: one per
 CPU model, since bf16 numerics differ between CPUs)."""
 
 import json
 
-from bench import ci_sweep
+from bench.studies import ci_sweep
 from bench.provenance import hardware
 
 

@@ -1,4 +1,4 @@
-"""bench/crosscheck_llmcompressor.py without llm-compressor installed: argument handling, the recipe as
+"""bench/studies/crosscheck_llmcompressor.py without llm-compressor installed: argument handling, the recipe as
 data, the calibration export/import round trip, loading an llm-compressor-style export (signed zero
 points, ragged last group, static activation ranges, rescaled norms) into our QuantLinear modules, the
 report, and the orchestration end to end with the reference (ours-only) variant on a tiny model."""
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bench import crosscheck_llmcompressor as cc
+from bench.studies import crosscheck_llmcompressor as cc
 from conftest import _train_tokenizer, tiny_model
 from lrq.arch import iter_linears
 from lrq.qlinear import QuantLinear
@@ -251,10 +251,10 @@ def test_run_end_to_end_with_the_reference_variant(tmp_path, data_dir, monkeypat
     assert cc.VENV_COMMAND in capsys.readouterr().err
 
 
-# ---- the AWQ ablation (bench/awq_gap.py) ----------------------------------------------------------------
+# ---- the AWQ ablation (bench/studies/awq_gap.py) ----------------------------------------------------------------
 
 def test_awq_gap_paired_ratio():
-    from bench.awq_gap import paired_ratio, ppl_of
+    from bench.studies.awq_gap import paired_ratio, ppl_of
     theirs = [3.0, 3.5, 2.8, 3.9, 3.2]
     same = paired_ratio(theirs, theirs)
     assert same["ratio"] == same["lo"] == same["hi"] == 1.0
@@ -268,7 +268,7 @@ def test_awq_gap_paired_ratio():
 
 
 def test_awq_gap_variants_are_our_settings_and_need_the_export(tmp_path, capsys):
-    from bench import awq_gap
+    from bench.studies import awq_gap
     from lrq.methods import get_method
     base = cc.variants()["awq"].ours
     for name, overrides in awq_gap.VARIANTS.items():
@@ -285,7 +285,7 @@ def test_awq_gap_variants_are_our_settings_and_need_the_export(tmp_path, capsys)
 
 
 def test_awq_gap_markdown_marks_the_paired_ratios():
-    from bench.awq_gap import markdown, paired_ratio, ppl_of
+    from bench.studies.awq_gap import markdown, paired_ratio, ppl_of
     theirs = {"c4": [3.0, 3.1, 3.2, 3.3]}
     ours = {"c4": [3.05, 3.1, 3.25, 3.3]}
     rows = []

@@ -1,4 +1,4 @@
-"""bench.eval_speed on a tiny saved Llama: both harnesses score tokens and give finite perplexities."""
+"""bench.studies.eval_speed on a tiny saved Llama: both harnesses score tokens and give finite perplexities."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 
 from bench.data import tokenize
-from bench.eval_speed import _detail, _fmt_table, measure
+from bench.studies.eval_speed import _detail, _fmt_table, measure
 
 
 def test_both_sides_score_tokens(tiny_model_dir, data_dir, tmp_path):

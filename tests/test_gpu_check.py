@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import gpu_check
+from bench.studies import gpu_check
 
 
 def test_gpu_check_smoke(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from bench import speed
+from bench.studies import speed
 from bench.store import ResultStore
 
 
@@ -68,7 +68,7 @@ def test_e2e_static_cache_runner_on_a_named_shape(tmp_path):
 
 def test_e2e_runner_keeps_decode_positions():
     """Repeated prefills and decode blocks never run past the static cache (positions are reset)."""
-    from bench import speed_e2e
+    from bench.studies import speed_e2e
     model = speed_e2e.random_model("smollm2-135m", 1, "cpu")
     r = speed_e2e._Runner(model, 8, 4, graphs=False)
     r.capture()

@@ -3,14 +3,14 @@
     python -m pytest bench/benchmarks --benchmark-only --benchmark-columns=median,iqr,rounds
 
 Each case times one packed layer forward (every scheme) or the bf16 nn.Linear it replaces, on SmolLM2
-shapes, on the CPU (or the GPU when present). `python -m bench.speed layers` prints the same figures
+shapes, on the CPU (or the GPU when present). `python -m bench.studies.speed layers` prints the same figures
 as a speed-up table and stores them.
 """
 
 import pytest
 import torch
 
-from bench.speed import LAYER_SCHEMES, SHAPES, random_packed
+from bench.studies.speed import LAYER_SCHEMES, SHAPES, random_packed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MS = (1, 16, 64, 256, 2048)

@@ -17,7 +17,7 @@ At decode sizes (M <= 16) programs split K (`split_k`) and add into a float32 ou
 
 Large M (>= LARGE_M, prefill): by default `dequantize_packed` writes the bf16/fp16 weight in one kernel
 and the vendor GEMM multiplies (the weight read is amortised over M rows); `large_m="fused"` keeps the
-fused kernel instead. `python -m bench.gpu_check` times both on a GPU.
+fused kernel instead. `python -m bench.studies.gpu_check` times both on a GPU.
 
 `reference_wq_matmul` is the plain-torch definition every path must equal.
 """

@@ -1,7 +1,7 @@
 """Inference speed and memory of packed quantized layers and models vs bf16.
 
-    python -m bench.speed layers [--shapes smollm2|llama2-7b] [--ms 1,16,64,256,2048] [--out layers.json]
-    python -m bench.speed e2e    [--schemes w4a16,w8a8,...] [--prefill 512] [--decode 32] [--out e2e.json]
+    python -m bench.studies.speed layers [--shapes smollm2|llama2-7b] [--ms 1,16,64,256,2048] [--out layers.json]
+    python -m bench.studies.speed e2e    [--schemes w4a16,w8a8,...] [--prefill 512] [--decode 32] [--out e2e.json]
 
 `layers`: per-layer latency (median of torch.utils.benchmark's blocked autorange on the CPU, of
 triton.testing.do_bench on a GPU) of every scheme's PackedLinear forward against the bf16 nn.Linear, and
@@ -95,7 +95,7 @@ def e2e_isolated(schemes: list[str], prefill: int, decode: int, data_dir: str | 
     for name in (["bf16"] if with_bf16 else []) + schemes:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "one.json"
-            cmd = [sys.executable, "-m", "bench.speed", "e2e", "--one", name, "--prefill", str(prefill),
+            cmd = [sys.executable, "-m", "bench.studies.speed", "e2e", "--one", name, "--prefill", str(prefill),
                    "--decode", str(decode), "--model", model_name, "--out", str(out)]
             if data_dir:
                 cmd += ["--data-dir", data_dir]
@@ -187,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", default=None, help="also store the figures in this results store")
     ap.add_argument("--shape", default=None,
                     help="e2e on a random-weight model of this shape (llama-2-7b, llama-2-13b, ...; the default "
-                         "with --device cuda: llama-2-7b), static KV cache and CUDA graphs (bench.speed_e2e)")
+                         "with --device cuda: llama-2-7b), static KV cache and CUDA graphs (bench.studies.speed_e2e)")
     ap.add_argument("--layers", type=int, default=8, help="decoder blocks of the --shape model")
     ap.add_argument("--no-graphs", action="store_true", help="--shape: time eager steps instead of CUDA graphs")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # e2e worker: one configuration
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if args.what == "e2e" and (args.shape or args.device == "cuda"):
-        from bench import speed_e2e
+        from bench.studies import speed_e2e
         shape = args.shape or "llama-2-7b"
         rows = speed_e2e.run(shape, args.layers, schemes, args.device, args.prefill, args.decode,
                              graphs=not args.no_graphs)

@@ -1,7 +1,7 @@
 """End-to-end inference speed that measures the kernels, not Python: a random-weight model of a named
 shape, a static KV cache and CUDA graphs (the way gpt-fast removes launch overhead).
 
-    python -m bench.speed e2e --device cuda --shape llama-2-7b --layers 8 [--schemes ...] [--out FILE]
+    python -m bench.studies.speed e2e --device cuda --shape llama-2-7b --layers 8 [--schemes ...] [--out FILE]
 
 Per format (bf16, then each scheme): the model is built with random weights of the shape (seeded, the
 same for every format), its seven linears per block are RTN-quantized and packed (w8a8's static input

@@ -1,9 +1,9 @@
 """Does an independent loader understand our export? Quantize the default model, export it in the
 compressed-tensors pack-quantized layout (lrq.export), then load the folder with transformers'
-compressed-tensors integration in a separate virtual environment (the one bench/crosscheck_llmcompressor.py
+compressed-tensors integration in a separate virtual environment (the one bench/studies/crosscheck_llmcompressor.py
 creates, which holds compressed-tensors) and compare its logits with ours on the same tokens.
 
-    python -m bench.check_compressed_tensors --data-dir ../shared/data [--schemes w4a16,w8a8] [--method rtn]
+    python -m bench.studies.check_compressed_tensors --data-dir ../shared/data [--schemes w4a16,w8a8] [--method rtn]
 
 Prints one line per scheme and writes a JSON of the figures. The other venv's interpreter is taken from
 --llmc-python (default .venv-llmc/bin/python).
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="rtn")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--llmc-python", default=str(Path(__file__).resolve().parents[1] / ".venv-llmc/bin/python"))
+    ap.add_argument("--llmc-python", default=str(Path(__file__).resolve().parents[2] / ".venv-llmc/bin/python"))
     ap.add_argument("--out", default="ct_check.json")
     args = ap.parse_args(argv)
 

@@ -1,7 +1,7 @@
 """The small deterministic sweep CI reruns and compares against the committed reference.
 
-    python -m bench.ci_sweep --data-dir ../shared/data --results /tmp/ci.sqlite            # run + compare
-    python -m bench.ci_sweep --data-dir ../shared/data --results R --write-reference       # refresh reference
+    python -m bench.studies.ci_sweep --data-dir ../shared/data --results /tmp/ci.sqlite            # run + compare
+    python -m bench.studies.ci_sweep --data-dir ../shared/data --results R --write-reference       # refresh reference
 
 The default model, a handful of methods and schemes (RTN weight-only and W8A8, GPTQ g128, LRQ with a
 few steps), calibration 16 x 256 C4 tokens, WikiText-2's first 8192 tokens (4 windows). Every number is
@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-REFERENCE = Path(__file__).resolve().parent.parent / "reports" / "reference" / "ci_sweep.json"
+REFERENCE = Path(__file__).resolve().parents[2] / "reports" / "reference" / "ci_sweep.json"
 
 
 def _cpu_of(path: Path) -> str | None:

@@ -1,6 +1,6 @@
 """Evaluation speed, side by side: our perplexity harness vs lm-eval's Hugging Face backend.
 
-    python -m bench.eval_speed --data-dir ../shared/data [--max-tokens N] [--out FILE.json]
+    python -m bench.studies.eval_speed --data-dir ../shared/data [--max-tokens N] [--out FILE.json]
 
 One process, one model, the same WikiText-2 test text, three timed runs back to back:
 
@@ -306,7 +306,7 @@ def measure(model: nn.Module, tokenizer, ids: torch.Tensor, docs_path: Path, max
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.eval_speed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.eval_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", default=None, help="data folder (default: $LRQ_BENCH_DATA)")
     p.add_argument("--model", default="smollm2-135m", help="model to load (default: the built-in default model)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [r.as_dict() | {"ratio_vs_lm_eval": r.tokens_per_s / ref.tokens_per_s} for r in rows],
             "total_s": total, "loadavg_before": load0, "loadavg_after": load1, "note": note,
             "versions": versions(), "hardware": hardware(), "git_revision": git_revision(),
-            "command": " ".join(["python -m bench.eval_speed"] + (argv if argv is not None else sys.argv[1:])),
+            "command": " ".join(["python -m bench.studies.eval_speed"] + (argv if argv is not None else sys.argv[1:])),
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

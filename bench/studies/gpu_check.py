@@ -1,8 +1,8 @@
 """The whole GPU check in one bounded run, writing its JSON after every stage.
 
-    python -m bench.gpu_check --out reports/gpu/gpu_check.json     # on a GPU machine (<= 5 min, cold cache)
-    python -m bench.gpu_check --estimate                            # no GPU needed: compilations x compile time
-    TRITON_INTERPRET=1 python -m bench.gpu_check --smoke            # the same code path on the CPU, tiny shapes
+    python -m bench.studies.gpu_check --out reports/gpu/gpu_check.json     # on a GPU machine (<= 5 min, cold cache)
+    python -m bench.studies.gpu_check --estimate                            # no GPU needed: compilations x compile time
+    TRITON_INTERPRET=1 python -m bench.studies.gpu_check --smoke            # the same code path on the CPU, tiny shapes
 
 Stages, in order (a run cut short still leaves every finished stage in the JSON):
 1. correctness: every kernel on the GPU against its torch reference (bits 2-8, groups, odd shapes,
@@ -180,7 +180,7 @@ def latency_rows(shapes: dict, ms, schemes, device: str, timer, deadline: float,
                  measured: list[dict] = ()) -> tuple[list, bool]:
     """One row per (shape, M, format); rows already `measured` are reused (only the peers are added);
     stops (returning False) when the deadline passes."""
-    from bench.speed import random_packed
+    from bench.studies.speed import random_packed
     from lrq.kernels.wq_gemm import LARGE_M, wq_matmul
     rows = []
     with torch.no_grad():
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate:
         return estimate(None if args.out == "gpu_check.json" else args.out)
     from bench.provenance import git_revision, hardware, versions
-    from bench.speed import median_ms
+    from bench.studies.speed import median_ms
     t0 = time.time()
     deadline = t0 + args.budget_s
     device = "cuda" if torch.cuda.is_available() else "cpu"

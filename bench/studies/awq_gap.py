@@ -1,9 +1,9 @@
 """Where does our AWQ differ from llm-compressor's? An ablation on the cross-check's own inputs.
 
-    python -m bench.awq_gap --data-dir ../shared/data                    # every variant, then the report
-    python -m bench.awq_gap --data-dir ../shared/data --variants fp32    # one variant (cached per step)
+    python -m bench.studies.awq_gap --data-dir ../shared/data                    # every variant, then the report
+    python -m bench.studies.awq_gap --data-dir ../shared/data --variants fp32    # one variant (cached per step)
 
-The cross-check (bench/crosscheck_llmcompressor.py, `--variants awq`) compares the two AWQs on one
+The cross-check (bench/studies/crosscheck_llmcompressor.py, `--variants awq`) compares the two AWQs on one
 model, one set of calibration windows and the first 40,960 tokens of each evaluation set. Its AWQ row
 left a C4 gap of +2.0 % with three known differences between the sides not separated:
 
@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.crosscheck_llmcompressor import (EXPORT_FILE, CrosscheckError, Meter, apply_llmc_export, cached_step,
+from bench.studies.crosscheck_llmcompressor import (EXPORT_FILE, CrosscheckError, Meter, apply_llmc_export, cached_step,
                                             eval_streams, read_calibration, variants)
 
 # Our overrides on top of the cross-check's AWQ row: each switches one difference to llm-compressor's.
@@ -70,7 +70,7 @@ def ppl_of(nlls: list[float]) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.awq_gap", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.awq_gap", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"from {', '.join(VARIANTS)}")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     export = workdir / "llmc-awq" / EXPORT_FILE
     if not export.is_file():
         raise CrosscheckError(f"no llm-compressor AWQ export at {export}: run the cross-check first "
-                              f"(python -m bench.crosscheck_llmcompressor run --variants awq ...)")
+                              f"(python -m bench.studies.crosscheck_llmcompressor run --variants awq ...)")
     calib = Calibration(ids, calib_meta["description"])
     base = variants(n_samples=int(ids.shape[0]))["awq"]
     scheme, method = get_scheme(base.scheme), get_method(base.method)

@@ -1,7 +1,7 @@
 """Cross-check our GPTQ, AWQ and SmoothQuant against llm-compressor's, on the same model and data.
 
-    python -m bench.crosscheck_llmcompressor setup-venv                 # once: .venv-llmc (about 2 minutes)
-    OMP_NUM_THREADS=1 TQDM_DISABLE=1 python -m bench.crosscheck_llmcompressor run \\
+    python -m bench.studies.crosscheck_llmcompressor setup-venv                 # once: .venv-llmc (about 2 minutes)
+    OMP_NUM_THREADS=1 TQDM_DISABLE=1 python -m bench.studies.crosscheck_llmcompressor run \\
         --data-dir ../shared/data --calib-samples 64 --calib-seq-len 512 --max-eval-tokens 40960
 
 llm-compressor (PyPI `llmcompressor`) pins transformers and compressed-tensors versions of its own, so it
@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LLMC_VERSION = "0.14.0.1"
 TORCH_PIN = "torch==2.13.0"
 DEFAULT_LLMC_VENV = REPO_ROOT / ".venv-llmc"
@@ -161,7 +161,7 @@ def variants(alpha: float = 0.8, n_samples: int = 64) -> dict[str, Variant]:
             {"modifiers": [{"type": "AWQModifier", "quant": False, "kwargs": {"duo_scaling": False, "n_grid": 20}},
                            {"type": "QuantizationModifier", "quant": True, "kwargs": {}}]},
             ("scale grid: llm-compressor tries ratio = i / (n_grid - 1), i = 0..19 (0 to 1 inclusive); ours "
-             "i / n_grid (0 to 0.95; `grid=closed` is theirs, see bench/awq_gap.py)",
+             "i / n_grid (0 to 0.95; `grid=closed` is theirs, see bench/studies/awq_gap.py)",
              "scales: both s = mean|x|^ratio normalised by sqrt(max(s) min(s)) (duo scaling off on their "
              "side: with it on, its weight statistic cannot reshape 576 columns into blocks of 128); ours "
              "has no duo scaling",
@@ -171,7 +171,7 @@ def variants(alpha: float = 0.8, n_samples: int = 64) -> dict[str, Variant]:
              "default is on)",
              "chain: llm-compressor feeds the next layer the scaled, still floating-point layer's output "
              "(quantization is disabled during its calibration passes); ours feeds the quantized block's output "
-             "(`chain=float` is theirs, see bench/awq_gap.py)",
+             "(`chain=float` is theirs, see bench/studies/awq_gap.py)",
              "loss: both mean squared error of the inspected module's output over every calibration token "
              f"(ours `search_tokens=0`, `n_samples={n_samples}`: every window; the quick preset uses 32 windows "
              "and 4096 tokens)",
@@ -568,7 +568,7 @@ def llmc_python(venv: Path) -> Path:
         raise CrosscheckError(
             f"the llm-compressor virtual environment {venv} does not exist. Create it (about 2 minutes, "
             f"1.5 GB) from the repository root with:\n    {VENV_COMMAND}\nor run: python -m "
-            f"bench.crosscheck_llmcompressor setup-venv, or pass --llmc-venv PATH to an existing one.")
+            f"bench.studies.crosscheck_llmcompressor setup-venv, or pass --llmc-venv PATH to an existing one.")
     probe = subprocess.run([str(py), "-c", "import llmcompressor, compressed_tensors; print(llmcompressor.__version__)"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
@@ -641,7 +641,7 @@ class Side:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.crosscheck_llmcompressor",
+    p = argparse.ArgumentParser(prog="python -m bench.studies.crosscheck_llmcompressor",
                                 description="Cross-check our GPTQ/AWQ/SmoothQuant against llm-compressor.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="quantize with both stacks, evaluate with ours, write the report")

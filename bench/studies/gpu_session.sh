@@ -4,13 +4,13 @@
 # cache, CUDA graphs). Results go to $OUT (the device tool brings it back) and reports/gpu/, with the
 # machine's versions; each step writes its JSON as it goes, so a cut run still leaves numbers.
 #
-#   run(command="bash bench/gpu_session.sh", carry=["wheels"], timeout_s=540)
+#   run(command="bash bench/studies/gpu_session.sh", carry=["wheels"], timeout_s=540)
 #
 # The machine has its own torch/Triton and no registry: the project runs from the source tree
 # (PYTHONPATH=.), and pure-Python extras come as wheels under wheels/ (e.g. gemlite:
 # `pip wheel --no-deps gemlite==0.6.0.post2 -w wheels/` here, then carry=["wheels"]).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEST=${OUT:-reports/gpu}
 mkdir -p "$DEST"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -21,10 +21,10 @@ fi
   "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; \
   } > "$DEST/machine.txt" 2>&1
 start=$(date +%s)
-timeout 320 python -m bench.gpu_check --out "$DEST/gpu_check.json" --budget-s 290 2>&1 | tee "$DEST/gpu_check.log"
+timeout 320 python -m bench.studies.gpu_check --out "$DEST/gpu_check.json" --budget-s 290 2>&1 | tee "$DEST/gpu_check.log"
 echo "gpu_check: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$DEST/machine.txt"
 start=$(date +%s)
-timeout 170 python -m bench.speed e2e --device cuda --shape llama-2-7b --layers 8 --prefill 512 --decode 64 \
+timeout 170 python -m bench.studies.speed e2e --device cuda --shape llama-2-7b --layers 8 --prefill 512 --decode 64 \
   --out "$DEST/e2e.json" 2>&1 | tee "$DEST/e2e.log"
 echo "e2e: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$DEST/machine.txt"
 if [ "$DEST" != reports/gpu ]; then mkdir -p reports/gpu && cp "$DEST"/* reports/gpu/ 2>/dev/null || true; fi
