@@ -288,7 +288,8 @@ def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] |
                              autocast=cell.eval.autocast == "bf16", desc=f"{cell.method_name} {cell.scheme_name} {ds}")
         check_finite_perplexity(model, ids, res, ds, cell.eval.seq_len, cell.eval.include_partial)
         cfg = base_cfg | {"eval": asdict(cell.eval) | {"source": text.source, "windows": res["windows"],
-                                                       "tokens": res["tokens"]}}
+                                                       "tokens": res["tokens"], "window_nll": res["window_nll"],
+                                                       "window_tokens": res["window_tokens"]}}
         out[ds] = [_row(cell, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
                    _row(cell, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s, em.peak_rss_bytes)]
         if emit is not None:

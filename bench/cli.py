@@ -47,7 +47,7 @@ def _check_lists(args) -> None:
 
 def _methods(spec: str | None) -> list[str]:
     from lrq.methods import load_methods, method_class
-    names = _csv(spec) if spec else sorted(load_methods())
+    names = _csv(spec) if spec else sorted(n for n, c in load_methods().items() if not c.external)
     return _unique(method_class(m).name for m in names if m.strip().lower() != "fp")
 
 

@@ -174,7 +174,7 @@ def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_sam
     windows = torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in picks])
     digest = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
     return Calibration(windows, {"dataset": dataset, "source": src, "n_samples": n_samples, "seq_len": seq_len,
-                                 "seed": seed, "sampling": sampling, "tokens_sha256": digest})
+                                 "seed": seed, "sampling": sampling, "tokens_sha256": digest}, tokenizer)
 
 
 def data_fingerprint(dataset: str, data_dir: Path | None) -> str:

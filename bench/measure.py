@@ -1,4 +1,8 @@
-"""Wall time and peak memory of a step: resident set size sampled in a thread, CUDA peak from torch."""
+"""Wall time, CPU time and peak memory of a step: resident set size sampled in a thread, CUDA peak from torch.
+
+The one memory meter of the project (results, studies, and the llm-compressor worker, which imports it
+in its own environment: it needs only psutil and torch). On a shared machine CPU time (user + system,
+all threads) is the steadier figure: wall time also counts the time other processes held the cores."""
 
 from __future__ import annotations
 
@@ -16,12 +20,16 @@ class Measurement:
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
+    cpu_s: float = 0.0
+    rss_before_bytes: int = 0
 
 
 @contextmanager
 def measure(interval: float = 0.02):
     proc = psutil.Process()
     m = Measurement(peak_rss_bytes=proc.memory_info().rss)
+    m.rss_before_bytes = m.peak_rss_bytes
+    cpu0 = proc.cpu_times()
     stop = threading.Event()
 
     def sample():
@@ -38,6 +46,8 @@ def measure(interval: float = 0.02):
         yield m
     finally:
         m.wall_s = time.perf_counter() - t0
+        cpu = proc.cpu_times()
+        m.cpu_s = (cpu.user - cpu0.user) + (cpu.system - cpu0.system)
         stop.set()
         thread.join()
         m.peak_rss_bytes = max(m.peak_rss_bytes, proc.memory_info().rss)

@@ -49,7 +49,8 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
                autocast: bool = True, desc: str = "perplexity") -> dict:
     """exp(mean over windows of each window's mean NLL); bf16 autocast by default (as on CPU here).
 
-    `window_nll` holds every window's mean NLL, for paired comparisons of two models on the same windows."""
+    `window_nll` holds every window's mean NLL (over `window_tokens` predicted tokens each), for paired
+    comparisons of two models on the same windows; the results store keeps both with every perplexity."""
     wins = windows(ids, seq_len, include_partial)
     if not wins:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one {seq_len}-token window")
@@ -61,7 +62,8 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
             nlls.append(window_nll(model, w))
     mean = sum(nlls) / len(nlls)
     return {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),
-            "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls}
+            "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls,
+            "window_tokens": [len(w) - 1 for w in wins]}   # the tokens each window's mean NLL is over
 
 
 class NonFiniteResult(RuntimeError):

@@ -303,6 +303,9 @@ def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profil
     out = []
     eval_tokens = eval_tokens or {}
     for method in methods:
+        if get_method(method).external:
+            raise UserError(f"{method} runs another stack in its own environment: the planner has no cost model "
+                            f"for it (time one cell instead).")
         for s in schemes:
             scheme = get_scheme(s)
             cfg = get_method(method).config(preset, overrides or {})

@@ -24,9 +24,11 @@ from lrq.schemes import Scheme
 
 @dataclass
 class Calibration:
-    """Calibration token windows [n_samples, seq_len] and how they were drawn (recorded with results)."""
+    """Calibration token windows [n_samples, seq_len] and how they were drawn (recorded with results);
+    `tokenizer`, when known, is the one that produced them (a method running another stack needs it)."""
     input_ids: torch.Tensor
     description: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
 
 
 class Method:
@@ -56,6 +58,9 @@ class Method:
     learnable_fraction: ClassVar[float] = 0.0
     # The report shows this method's learnable-parameter count against the named method's, per scheme.
     compare_learnables_with: ClassVar[str | None] = None
+    # Runs another stack in its own environment (an adapter): never in the default sweep, not priced by
+    # the planner; named explicitly (`--methods llmc-gptq`).
+    external: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None, checkpoint_dir: str | None = None):
         self.device = torch.device(device) if isinstance(device, str) else device

@@ -1,11 +1,10 @@
-"""Where does our AWQ differ from llm-compressor's? An ablation on the cross-check's own inputs.
+"""Where does our AWQ differ from llm-compressor's? An ablation on the cross-check's inputs.
 
     python -m bench.studies.awq_gap --data-dir ../shared/data                    # every variant, then the report
-    python -m bench.studies.awq_gap --data-dir ../shared/data --variants fp32    # one variant (cached per step)
+    python -m bench.studies.awq_gap --data-dir ../shared/data --variants fp32    # one variant
 
 The cross-check (bench/studies/crosscheck_llmcompressor.py, `--variants awq`) compares the two AWQs on one
-model, one set of calibration windows and the first 40,960 tokens of each evaluation set. Its AWQ row
-left a C4 gap of +2.0 % with three known differences between the sides not separated:
+model and one set of calibration windows. Three known differences between the sides:
 
 - precision: llm-compressor runs its calibration forwards and searches in float32, ours in bf16
   autocast (`bf16=false` switches ours to float32);
@@ -13,31 +12,25 @@ left a C4 gap of +2.0 % with three known differences between the sides not separ
 - the chain: theirs feeds the next layer the scaled, still floating-point layer, ours the quantized
   block (`chain=float` is theirs).
 
-This script reads the cross-check's work folder (its calibration windows, checked by hash, and
-llm-compressor's exported AWQ model), runs our AWQ with the cross-check's settings and with each
-difference switched to llm-compressor's choice, alone and all together, and scores every model on the
-full evaluation protocol (the whole WikiText-2 test set, 256 x 2048 tokens of C4) as well as on the
-cross-check's 20-window slice. Because every model is scored on the same windows, each comparison
-with llm-compressor is paired: the ratio of perplexities is exp(mean over windows of the NLL
-difference), and its 95 % interval comes from the spread of those per-window differences. A gap
-whose interval holds 1.0 is not told apart from noise by this much text.
-
-Steps are cached in the work folder (`steps/gap-*.json`, keyed by everything that determines them);
-the report goes to --out as awq_gap.md and awq_gap.json.
+Every variant is a cell of the results store (ours: `awq` with the cross-check's overrides plus the
+variant's; theirs: `llmc-awq`, the same cell as the cross-check's), on the same calibration windows,
+scored on the full evaluation protocol (the whole WikiText-2 test set, 256 x 2048 tokens of C4); the
+store keeps every window's NLL, so each comparison with llm-compressor is paired: the ratio of
+perplexities is exp(mean over windows of the NLL difference), with a 95 % interval from the spread of
+those differences, on the full texts and on the first 20 windows (the cross-check's slice).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.studies.crosscheck_llmcompressor import (EXPORT_FILE, CrosscheckError, Meter, apply_llmc_export, cached_step,
-                                            eval_streams, read_calibration, variants)
+from bench.studies.crosscheck_llmcompressor import paired_ratio, variants as crosscheck_variants
+from lrq.errors import UserError
 
 # Our overrides on top of the cross-check's AWQ row: each switches one difference to llm-compressor's.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -48,21 +41,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "all-three": {"bf16": False, "grid": "closed", "chain": "float"},
 }
 SLICE_TOKENS = 40960  # the cross-check's evaluation slice
-Z95 = 1.959963984540054
-
-
-def paired_ratio(ours: list[float], theirs: list[float]) -> dict[str, float]:
-    """ppl(ours) / ppl(theirs) over the same windows, with a 95 % interval from the per-window NLL
-    differences (normal approximation of their mean)."""
-    if len(ours) != len(theirs) or not ours:
-        raise ValueError(f"paired comparison needs the same non-empty windows ({len(ours)} vs {len(theirs)})")
-    d = [a - b for a, b in zip(ours, theirs)]
-    n = len(d)
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else float("nan")
-    se = sd / math.sqrt(n)
-    return {"ratio": math.exp(mean), "lo": math.exp(mean - Z95 * se), "hi": math.exp(mean + Z95 * se),
-            "windows": n, "sd_window_diff": sd}
 
 
 def ppl_of(nlls: list[float]) -> float:
@@ -75,12 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"from {', '.join(VARIANTS)}")
     p.add_argument("--datasets", default="wikitext2,c4")
+    p.add_argument("--calib-samples", type=int, default=64)
+    p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--eval-seq-len", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--workdir", type=Path, default=None, help="the cross-check's (default ~/.cache/lrq-bench/crosscheck-llmc)")
-    p.add_argument("--out", type=Path, default=None, help="report folder (default: the work folder)")
+    p.add_argument("--llmc-venv", default=".venv-llmc")
+    p.add_argument("--results", default=None, help="results store (default ~/.cache/lrq-bench/crosscheck.sqlite)")
+    p.add_argument("--out", type=Path, default=None, help="report folder (default: beside the store)")
     p.add_argument("--with-fp", action="store_true", help="also score the floating-point model (a reference row)")
-    p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
     bad = [v for v in a.variant_list if v not in VARIANTS]
@@ -90,98 +69,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    from bench import data as D
-    from bench.models import cache_root, load_model
-    from bench.perplexity import perplexity
-    from bench.provenance import git_revision, hardware, versions
-    from lrq.io import atomic_write_text as write_atomic
-    from lrq.methods import Calibration, get_method
-    from lrq.schemes import get_scheme
-
-    torch.set_num_threads(args.threads)
-    workdir = args.workdir or (cache_root() / "crosscheck-llmc")
-    out = args.out or workdir
-    ids, calib_meta = read_calibration(workdir)
-    export = workdir / "llmc-awq" / EXPORT_FILE
-    if not export.is_file():
-        raise CrosscheckError(f"no llm-compressor AWQ export at {export}: run the cross-check first "
-                              f"(python -m bench.studies.crosscheck_llmcompressor run --variants awq ...)")
-    calib = Calibration(ids, calib_meta["description"])
-    base = variants(n_samples=int(ids.shape[0]))["awq"]
-    scheme, method = get_scheme(base.scheme), get_method(base.method)
-
-    loaded = load_model(args.model)
-    tok = loaded.tokenizer
-    data_dir = D.resolve_data_dir(args.data_dir)
-    D.check_available(args.dataset_list, data_dir)
-    loaded.model = None  # every step loads a fresh copy
-    eval_ids, eval_desc = eval_streams(tok, args.dataset_list, data_dir, args.eval_seq_len)
-    base_key = {"model": loaded.fingerprint, "calib": calib_meta["sha256"], "eval": eval_desc,
-                "threads": args.threads}
-
-    def evaluate(model, label: str) -> dict[str, list[float]]:
-        return {ds: perplexity(model, t, args.eval_seq_len, desc=f"{label} {ds}")["window_nll"]
-                for ds, t in eval_ids.items()}
-
-    def cached(name: str, key: dict, compute) -> dict[str, Any]:
-        return cached_step(workdir / "steps" / f"gap-{name}.json", key, compute, args.force, f"[awq-gap] {name}")
-
-    def theirs():
-        from safetensors.torch import load_file
-        model = load_model(args.model).model
-        apply_llmc_export(model, load_file(str(export)), scheme)
-        return {"window_nll": evaluate(model, "llmc awq")}
-
-    sides: dict[str, dict[str, Any]] = {}
-    for name in args.variant_list:
-        overrides = base.ours | VARIANTS[name]
-        cfg = method.config("quick", overrides)
-
-        def ours(cfg=cfg, name=name):
-            model = load_model(args.model).model
-            torch.manual_seed(0)
-            with Meter() as m:
-                stats = method.quantize(model, scheme, cfg, calib) or {}
-            return {"window_nll": evaluate(model, f"ours {name}"), "quant": m.to_dict(), "config": cfg,
-                    "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}}
-        sides[name] = cached(f"ours-{name}", base_key | {"step": "ours", "cfg": cfg, "scheme": base.scheme}, ours)
-    export_sha = hashlib.sha256(export.read_bytes()).hexdigest()[:16]
-    sides["llm-compressor"] = cached("llmc", base_key | {"step": "llmc", "export": export_sha}, theirs)
+def cells(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(side, settled cell): llm-compressor's AWQ, each variant of ours, optionally FP."""
+    from bench.cell import FP, CalibSettings, EvalSettings, Request, settle
+    base = crosscheck_variants(n_samples=args.calib_samples)["awq"]
+    common = dict(model=args.model, datasets=tuple(args.dataset_list), data_dir=args.data_dir,
+                  calib=CalibSettings("c4", args.calib_samples, args.calib_seq_len, "random"),
+                  eval=EvalSettings(args.eval_seq_len, False, None))
+    out = [("llm-compressor", settle(Request(method=base.theirs, scheme=base.scheme,
+                                             overrides=base.theirs_overrides | {"venv": args.llmc_venv}, **common)))]
+    out += [(name, settle(Request(method=base.ours, scheme=base.scheme, overrides=base.ours_overrides | VARIANTS[name],
+                                  **common))) for name in args.variant_list]
     if args.with_fp:
-        sides["fp"] = cached("fp", base_key | {"step": "fp"},
-                             lambda: {"window_nll": evaluate(load_model(args.model).model, "fp")})
+        out.append(("fp", settle(Request(method=FP, scheme=FP, **common))))
+    return out
 
-    slice_windows = SLICE_TOKENS // args.eval_seq_len
-    ref = sides["llm-compressor"]["window_nll"]
-    rows = []
-    for name, side in sides.items():
-        row = {"side": name, "overrides": VARIANTS.get(name), "quant": side.get("quant"),
-               "stats": side.get("stats"), "ppl": {}, "ppl_slice": {}, "vs_llmc": {}, "vs_llmc_slice": {}}
-        for ds, nlls in side["window_nll"].items():
-            row["ppl"][ds] = ppl_of(nlls)
-            row["ppl_slice"][ds] = ppl_of(nlls[:slice_windows])
-            if name != "llm-compressor":
-                row["vs_llmc"][ds] = paired_ratio(nlls, ref[ds])
-                row["vs_llmc_slice"][ds] = paired_ratio(nlls[:slice_windows], ref[ds][:slice_windows])
-        rows.append(row)
-    report = {"title": "AWQ w4a16-g128: our AWQ against llm-compressor's, difference by difference",
-              "model": args.model, "scheme": base.scheme, "calibration": calib_meta, "evaluation": eval_desc,
-              "slice_windows": slice_windows, "base_overrides": base.ours, "rows": rows,
-              "git_revision": git_revision(), "versions": versions(), "hardware": hardware(),
-              "threads": args.threads}
-    write_atomic(out / "awq_gap.json", json.dumps(report, indent=2, default=str))
-    write_atomic(out / "awq_gap.md", markdown(report))
-    print(markdown(report))
-    return report
+
+def report_rows(rows, sides, eval_seq_len: int) -> list[dict[str, Any]]:
+    by_key = {r.unit_key: r for r in rows if r.metric == "ppl"}
+    cpu = {r.unit_key: r.value for r in rows if r.metric == "quant_time_s"}
+    nll = {}
+    for side, cell in sides:
+        nll[side] = {}
+        for ds in cell.datasets:
+            r = by_key.get(cell.keys[ds])
+            w = None if r is None else r.config.get("eval", {}).get("window_nll")
+            if w is None:
+                raise UserError(f"{side}: no per-window NLLs stored for {ds} (a store made before they were kept?): "
+                                f"rerun with a new --results file.")
+            nll[side][ds] = w
+    ref = nll["llm-compressor"]
+    n_slice = SLICE_TOKENS // eval_seq_len
+    out = []
+    for side, cell in sides:
+        row = {"side": side, "overrides": VARIANTS.get(side), "quant_time_s": cpu.get(cell.keys["quant"]),
+               "ppl": {}, "ppl_slice": {}, "vs_llmc": {}, "vs_llmc_slice": {}}
+        for ds, w in nll[side].items():
+            row["ppl"][ds], row["ppl_slice"][ds] = ppl_of(w), ppl_of(w[:n_slice])
+            if side != "llm-compressor":
+                row["vs_llmc"][ds] = paired_ratio(w, ref[ds])
+                row["vs_llmc_slice"][ds] = paired_ratio(w[:n_slice], ref[ds][:n_slice])
+        out.append(row)
+    return out
 
 
 def markdown(report: dict[str, Any]) -> str:
-    ds = list(report["evaluation"])
+    ds = report["datasets"]
     n = report["slice_windows"]
     head = (["model"] + [f"{d} ppl (full)" for d in ds] + [f"{d} vs llm-compressor (full, 95 % CI)" for d in ds]
-            + [f"{d} vs llm-compressor (first {n} windows)" for d in ds] + ["quant CPU (s)"])
+            + [f"{d} vs llm-compressor (first {n} windows)" for d in ds] + ["quant (s)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def pct(r: dict) -> str:
@@ -190,21 +126,44 @@ def markdown(report: dict[str, Any]) -> str:
         label = r["side"] if r["overrides"] is None else (
             f"ours {r['side']}" + (" (" + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) + ")"
                                    if r["overrides"] else ""))
-        q = r.get("quant") or {}
         cells = ([label] + [f"{r['ppl'][d]:.3f}" for d in ds]
                  + [pct(r["vs_llmc"][d]) if d in r["vs_llmc"] else "-" for d in ds]
                  + [pct(r["vs_llmc_slice"][d]) if d in r["vs_llmc_slice"] else "-" for d in ds]
-                 + [f"{q['cpu_s']:.0f}" if q.get("cpu_s") else "-"])
+                 + [f"{r['quant_time_s']:.0f}" if r.get("quant_time_s") else "-"])
         lines.append("| " + " | ".join(cells) + " |")
-    ev = ", ".join(f"{d} {e['tokens']:,} tokens ({e['windows']} x {e['seq_len']})" for d, e in report["evaluation"].items())
-    cal = report["calibration"]
     return "\n".join([
         f"## {report['title']}", "",
-        f"Model {report['model']}, scheme {report['scheme']}; the cross-check's calibration windows "
-        f"({cal['shape'][0]} x {cal['shape'][1]}, sha256 {cal['sha256'][:16]}); cross-check overrides of our quick "
-        f"preset: {', '.join(f'{k}={v}' for k, v in report['base_overrides'].items())}. Scored with our "
-        f"perplexity function (bf16 autocast) on {ev}; the ratios are paired over the same windows. "
-        f"{report['threads']} torch thread(s); lrq-bench {report['git_revision'][:12]}.", "", *lines, ""])
+        f"Model {report['model']}, scheme {report['scheme']}; calibration {report['calibration']}; the cross-check's "
+        f"overrides of our quick preset: {', '.join(f'{k}={v}' for k, v in report['base_overrides'].items())}. "
+        f"Scored with our perplexity function (bf16 autocast) on the full protocol; the ratios are paired over "
+        f"the same windows. Cells in {report['results']}; lrq-bench {report['git_revision'][:12]}.", "", *lines, ""])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.executor import LocalExecutor
+    from bench.models import cache_root
+    from bench.provenance import git_revision, hardware, versions
+    from bench.store import ResultStore
+    from bench.sweep import run_cells
+    from lrq.io import atomic_write_text
+    sides = cells(args)
+    store = ResultStore(args.results or cache_root() / "crosscheck.sqlite", check=True)
+    outcomes = run_cells([c for _, c in sides], store, executor=LocalExecutor(1))
+    failed = [f"{o.cell.label()}: {o.error}" for o in outcomes if o.status == "failed"]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    base = crosscheck_variants(n_samples=args.calib_samples)["awq"]
+    report = {"title": "AWQ w4a16-g128: our AWQ against llm-compressor's, difference by difference",
+              "model": args.model, "scheme": base.scheme, "datasets": args.dataset_list,
+              "calibration": f"{args.calib_samples} x {args.calib_seq_len} C4 tokens, seed 0",
+              "slice_windows": SLICE_TOKENS // args.eval_seq_len, "base_overrides": base.ours_overrides,
+              "rows": report_rows(store.rows(latest=True), sides, args.eval_seq_len), "results": str(store.path),
+              "git_revision": git_revision(), "versions": versions(), "hardware": hardware()}
+    out = args.out or store.path.parent / "crosscheck-llmcompressor"
+    atomic_write_text(out / "awq_gap.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(out / "awq_gap.md", markdown(report))
+    print(markdown(report))
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
         return 0
-    except CrosscheckError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
