@@ -12,14 +12,14 @@ zero point; every other decoder parameter (norms that AWQ/SmoothQuant rescaled);
 quantized forward on the first window's start (the reference our loaded copy must reproduce); and a
 JSON record of the run (time, versions, the recipe, the windows that reached the embedding).
 
-Nothing here imports lrq or baselines (this environment pins its own transformers and compressed-tensors).
+Nothing here imports lrq or baselines (this environment pins its own transformers and compressed-tensors);
+of the harness only bench.measure and bench.provenance, which need nothing but psutil and torch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,17 +35,6 @@ def tokens_sha256(ids) -> str:
     """SHA-256 of int64 token windows [n, L] (row-major bytes): identifies a calibration set exactly."""
     import torch
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
-
-
-def package_versions(names=LLMC_PACKAGES) -> dict[str, str]:
-    import importlib.metadata
-    out = {"python": platform.python_version()}
-    for n in names:
-        try:
-            out[n] = importlib.metadata.version(n)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def _disable_pinning_without_accelerator() -> bool:
@@ -92,6 +81,7 @@ def run(job_path: Path) -> int:
     from llmcompressor import oneshot
 
     from bench.measure import measure
+    from bench.provenance import package_versions
 
     ids = load_file(job["calib_path"])["input_ids"]
     if tokens_sha256(ids) != job["calib_sha256"]:
@@ -158,7 +148,7 @@ def run(job_path: Path) -> int:
     save_file(tensors, str(out / EXPORT_FILE))
     result = {
         "quant": {"wall_s": meter.wall_s, "cpu_s": meter.cpu_s, "peak_rss_bytes": meter.peak_rss_bytes},
-        "threads": threads, "torch_threads": torch.get_num_threads(), "versions": package_versions(),
+        "threads": threads, "torch_threads": torch.get_num_threads(), "versions": package_versions(LLMC_PACKAGES),
         "recipe": job["recipe"], "recipe_repr": [repr(m) for m in recipe],
         "quant_args_example": next(iter(quant_args.values())),
         "distinct_args": len({json.dumps(v, sort_keys=True) for v in quant_args.values()}),

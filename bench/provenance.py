@@ -14,15 +14,20 @@ import torch
 PACKAGES = ("lrq-bench", "torch", "triton", "transformers", "lm_eval", "datasets", "gguf", "numpy")
 
 
-@functools.lru_cache(maxsize=1)
-def versions() -> dict[str, str]:
+def package_versions(names) -> dict[str, str]:
+    """Python's and each installed package's version (absent packages left out)."""
     out = {"python": platform.python_version()}
-    for p in PACKAGES:
+    for p in names:
         try:
             out[p] = importlib.metadata.version(p)
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    return package_versions(PACKAGES)
 
 
 @functools.lru_cache(maxsize=1)

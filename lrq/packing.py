@@ -45,15 +45,20 @@ def _positions(n: int, bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return start // 32, start % 32   # word index, bit offset within it
 
 
-def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[rows, n] unsigned levels (any integer dtype, values in [0, 2^b)) -> [rows, ceil(n*b/32)] int32."""
+def _levels(q: torch.Tensor, bits: int, who: str) -> torch.Tensor:
+    """q as int64, checked: 2-D, every value in [0, 2^b)."""
     _check(bits)
     if q.dim() != 2:
-        raise ValueError(f"pack_bits expects a 2-D tensor, got shape {tuple(q.shape)}")
+        raise ValueError(f"{who} expects a 2-D tensor, got shape {tuple(q.shape)}")
     v = q.to(torch.int64)
     if v.numel() and (v.min() < 0 or v.max() >= 1 << bits):
         raise ValueError(f"values outside [0, {(1 << bits) - 1}] cannot be packed into {bits} bits")
-    return _pack(v, bits)
+    return v
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, n] unsigned levels (any integer dtype, values in [0, 2^b)) -> [rows, ceil(n*b/32)] int32."""
+    return _pack(_levels(q, bits, "pack_bits"), bits)
 
 
 def _pack(v: torch.Tensor, bits: int) -> torch.Tensor:
@@ -87,12 +92,7 @@ def plane_offsets(n: int, bits: int) -> tuple[int, int]:
 
 def pack_planar(q: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, n] levels -> [rows, planar_words(n, bits)] int32, planes concatenated along each row."""
-    _check(bits)
-    if q.dim() != 2:
-        raise ValueError(f"pack_planar expects a 2-D tensor, got shape {tuple(q.shape)}")
-    v = q.to(torch.int64)
-    if v.numel() and (v.min() < 0 or v.max() >= 1 << bits):
-        raise ValueError(f"values outside [0, {(1 << bits) - 1}] cannot be packed into {bits} bits")
+    v = _levels(q, bits, "pack_planar")
     out, shift = [], 0
     for p in plane_bits(bits):
         out.append(_pack((v >> shift) & ((1 << p) - 1), p))

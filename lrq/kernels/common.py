@@ -107,6 +107,16 @@ def split_k(tiles: int, k: int, block_k: int, sms: int) -> int:
     return s
 
 
+def split_output(buckets: "Buckets", c: TileConfig, m: int, n: int, k: int, device: torch.device,
+                 dtype: torch.dtype, split: int | None = None):
+    """A launch's K split, output buffer and grid: split K adds float32 partial sums into a zeroed buffer
+    (atomics), else the kernel writes the activations' dtype directly. Returns (k_split, atomic, y, grid)."""
+    k_split, sk = buckets.split(c, m, n, k, device_sms(device), split)
+    atomic = sk > 1
+    y = (torch.zeros if atomic else torch.empty)(m, n, device=device, dtype=torch.float32 if atomic else dtype)
+    return k_split, atomic, y, (cdiv(n, c.block_n), cdiv(m, c.block_m), sk)
+
+
 class Tuner:
     """Picks one configuration per key by timing the candidates once (bounded: a bucket has at most a few).
     `launch(config)` must run the whole operation (buffers, kernel, epilogue) so the timing is its cost."""

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from lrq.kernels.common import (INTERPRET, Buckets, TileConfig, Tuner, cdiv, check_activation, device_sms,
-                                dtype_name, load_levels, tl, triton)
+from lrq.kernels.common import (INTERPRET, Buckets, TileConfig, Tuner, check_activation, dtype_name, load_levels,
+                                split_output, tl, triton)
 from lrq.kernels.wq_gemm import _planes, check_layout
 from lrq.packing import plane_offsets, unpack_planar
 
@@ -229,15 +229,10 @@ def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
         wsum = weight_sums(packed, zero, bits, k)
     off1, off2 = plane_offsets(k, bits)
     bucket = INT8_BUCKETS.bucket(m)
-    sms = device_sms(x.device)
 
     def launch(c: TileConfig) -> torch.Tensor:
         xa, sx, zx, xsum = quantize_activations_gpu(x2, static)
-        k_split, sk = INT8_BUCKETS.split(c, m, n, k, sms, split)
-        atomic = sk > 1
-        y = (torch.zeros if atomic else torch.empty)(m, n, device=x.device,
-                                                     dtype=torch.float32 if atomic else x.dtype)
-        grid = (cdiv(n, c.block_n), cdiv(m, c.block_m), sk)
+        k_split, atomic, y, grid = split_output(INT8_BUCKETS, c, m, n, k, x.device, x.dtype, split)
         _int8_gemm_kernel[grid](xa, sx, zx, xsum, packed, scale, zero, wsum, bias if bias is not None else scale, y,
                                 m, n, k, off1, off2, xa.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
                                 k_split, **_planes(bits), HAS_BIAS=bias is not None, ATOMIC=atomic,

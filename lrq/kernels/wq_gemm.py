@@ -29,8 +29,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from lrq.kernels.common import (INTERPRET, Buckets, TileConfig, Tuner, cdiv, check_activation, device_sms,
-                                dtype_name, load_levels, load_qparams, tl, triton)
+from lrq.kernels.common import (INTERPRET, Buckets, TileConfig, Tuner, cdiv, check_activation, dtype_name,
+                                load_levels, load_qparams, split_output, tl, triton)
 from lrq.packing import plane_bits, plane_offsets, planar_words, unpack_planar
 from lrq.quant import dequantize, n_groups
 
@@ -230,15 +230,10 @@ def wq_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     bucket = WQ_BUCKETS.bucket(m)
     off1, off2 = plane_offsets(k, bits)
     fixed = _constexprs(bits, group_size, k, x.dtype, bias is not None)
-    sms = device_sms(x.device)
 
     def launch(c: TileConfig) -> torch.Tensor:
         c = fit_group(c, fixed["GROUP"])
-        k_split, sk = WQ_BUCKETS.split(c, m, n, k, sms, split)
-        atomic = sk > 1
-        y = (torch.zeros if atomic else torch.empty)(m, n, device=x.device,
-                                                     dtype=torch.float32 if atomic else x.dtype)
-        grid = (cdiv(n, c.block_n), cdiv(m, c.block_m), sk)
+        k_split, atomic, y, grid = split_output(WQ_BUCKETS, c, m, n, k, x.device, x.dtype, split)
         _wq_gemm_kernel[grid](x2, packed, scale, zero, bias if bias is not None else scale, y, m, n, k, off1, off2,
                               x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0), k_split,
                               ATOMIC=atomic, **fixed, **c.kwargs(), **({} if INTERPRET else c.options()))
