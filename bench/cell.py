@@ -29,7 +29,8 @@ import torch
 import lrq
 from bench import data as D
 from bench.measure import measure
-from bench.models import cache_root, load_model, model_fingerprint
+from bench.cache import cache_root
+from bench.models import load_model, model_fingerprint
 from bench.perplexity import NonFiniteResult, check_finite_perplexity, locate_nonfinite, perplexity
 from bench.provenance import git_revision, hardware, versions
 from bench.store import SCHEMA_VERSION, Row, unit_key

@@ -87,7 +87,7 @@ def _check_writable(folder: str) -> None:
 
 
 def _default_results() -> Path:
-    from bench.models import cache_root
+    from bench.cache import cache_root
     return cache_root() / "results.sqlite"
 
 
@@ -291,7 +291,7 @@ def cmd_run(args) -> int:
         host_avail = P.host_memory_available() // executor.jobs
         for c in cells:
             if not c.is_fp:
-                P.check_fits(shape, c.method_name, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
+                P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
     t0 = time.perf_counter()
     where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
              f"{executor.jobs} at a time" + (f" ({executor.threads} thread{'s' if executor.threads > 1 else ''} each)"
@@ -350,7 +350,7 @@ def cmd_plan(args) -> int:
         cells += P.plan_cells(shape, [m], schemes, machine, preset=args.preset, overrides=overrides,
                               n=calib.n_samples, seq=calib.seq_len, eval_tokens=eval_tokens, eval_seq=args.eval_seq_len,
                               tasks=tasks, task_limit=limit)
-    fp_work = P.cell_work(shape, "fp", None, {}, 1, 1, eval_tokens, args.eval_seq_len, tasks, limit)
+    fp_work = P.cell_work(shape, None, None, {}, 1, 1, eval_tokens, args.eval_seq_len, tasks, limit)
     fp_s = P.seconds(fp_work, machine)
     total = fp_s + sum(c.seconds for c in cells)
     wall = P.schedule([fp_s] + [c.seconds for c in cells], workers)

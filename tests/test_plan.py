@@ -78,12 +78,12 @@ def test_plan_command_for_llama_shapes(profile, tmp_path, capsys, monkeypatch):
 def test_memory_preflight_refuses_and_says_what_would_fit():
     shape = P.SHAPES["llama-2-70b"]
     with pytest.raises(UserError) as e:
-        P.check_fits(shape, "lrq", 512, 1024, "cpu", host_available=64 * 2**30)
+        P.check_fits(shape, get_method("lrq"), 512, 1024, "cpu", host_available=64 * 2**30)
     msg = str(e.value)
     assert "needs about" in msg and "GiB of host memory" in msg and "What would fit" in msg
-    P.check_fits(P.SHAPES["smollm2-135m"], "lrq", 128, 512, "cpu", host_available=64 * 2**30)   # fits: no error
+    P.check_fits(P.SHAPES["smollm2-135m"], get_method("lrq"), 128, 512, "cpu", host_available=64 * 2**30)   # fits: no error
     with pytest.raises(UserError, match="device memory"):
-        P.check_fits(shape, "lrq", 128, 2048, "cuda", host_available=2**50, device_available=2**30)
+        P.check_fits(shape, get_method("lrq"), 128, 2048, "cuda", host_available=2**50, device_available=2**30)
 
 
 def test_run_refuses_a_cell_that_cannot_fit_before_any_work(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):

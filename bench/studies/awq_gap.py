@@ -141,7 +141,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.executor import LocalExecutor
-    from bench.models import cache_root
+    from bench.cache import cache_root
     from bench.provenance import git_revision, hardware, versions
     from bench.store import ResultStore
     from bench.sweep import run_cells
