@@ -310,10 +310,13 @@ def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] |
                                                f"per subject"} if "mmlu" in cell.tasks else {})}
         rows = []
         for task, metrics in res.items():
+            per = metrics.get("per_example") or {}
             for metric, value in metrics.items():
-                if metric != "n" and value is not None:
-                    rows.append(_row(cell, task, metric, value, cfg | {"n_examples": metrics.get("n")},
-                                     tm.wall_s, tm.peak_rss_bytes))
+                if metric not in ("n", "per_example", "doc_ids") and value is not None:
+                    extra = {"n_examples": metrics.get("n")}
+                    if metric in per:   # every example's 0/1 score, for intervals and paired comparisons
+                        extra |= {"per_example": per[metric], "doc_ids": metrics.get("doc_ids")}
+                    rows.append(_row(cell, task, metric, value, cfg | extra, tm.wall_s, tm.peak_rss_bytes))
         out["tasks"] = rows
         if emit is not None:
             emit("tasks", rows)

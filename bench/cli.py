@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method setting (repeatable), e.g. --set lr=5e-4")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seeds", default=None, help="comma-separated seeds (e.g. 0,1,2): every cell that depends on "
+                   "calibration data runs once per seed (independent calibration draws and initialisations); cells "
+                   "that do not (FP, RTN weight-only) run once, with the first")
     r.add_argument("--force", action="store_true", help="recompute cells already in the store")
     r.add_argument("--no-fp", action="store_true", help="skip the floating-point reference row")
     r.add_argument("--out", default=None, help="also write the leaderboard to this folder")
@@ -217,6 +220,19 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _seeds(args) -> list[int]:
+    """--seeds 0,1,2 (each once, in order), else [--seed]."""
+    if args.seeds is None:
+        return [args.seed]
+    try:
+        seeds = _unique(int(s) for s in _csv(args.seeds))
+    except ValueError:
+        raise UserError(f"--seeds takes comma-separated integers (e.g. 0,1,2), not {args.seeds!r}.") from None
+    if not seeds or any(s < 0 for s in seeds):
+        raise UserError(f"--seeds needs at least one non-negative integer, got {args.seeds!r}.")
+    return seeds
+
+
 def _calib_given(args) -> dict:
     """The calibration settings the user gave (None: the method's preset default)."""
     return {"dataset": getattr(args, "calib_dataset", None), "n_samples": args.calib_samples,
@@ -267,14 +283,20 @@ def cmd_run(args) -> int:
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
 
     overrides = dict(prof.method_settings) | user_overrides   # explicit --set wins over the profile
+    seeds = _seeds(args)
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
-                  seed=args.seed, data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit,
-                  device=args.device)
+                  data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit, device=args.device)
     given = _calib_given(args)
     pairs = ([] if args.no_fp else [(FP, FP)]) + [(m, s) for m in methods for s in schemes]
-    cells = [settle(Request(method=m, scheme=s, calib=resolve_calib(m, args.preset, given), **common),
-                    bind_device=args.executor == "local") for m, s in pairs]
+    cells = []
+    for m, s in pairs:
+        for i, seed in enumerate(seeds):
+            cell = settle(Request(method=m, scheme=s, calib=resolve_calib(m, args.preset, given), seed=seed, **common),
+                          bind_device=args.executor == "local")
+            if i and not cell.uses_calibration:
+                break   # nothing in this cell depends on the seed: one run says it all
+            cells.append(cell)
     needed = set(datasets) | {c.calib.dataset for c in cells if c.uses_calibration}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
     if tasks:

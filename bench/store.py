@@ -180,7 +180,7 @@ class ResultStore:
         return len(records)
 
     def rows(self, latest: bool = False) -> list[Row]:
-        """Every stored row (oldest first); with latest=True only the newest row per unit and metric. Rows
+        """Every stored row (oldest first); with latest=True only the newest row per cell, seed and metric. Rows
         whose stored JSON cannot be decoded are skipped and counted in `self.unreadable`."""
         try:
             conn = self._conn()
@@ -188,7 +188,8 @@ class ResultStore:
             try:
                 sql = f"SELECT {', '.join(_COLUMNS)} FROM results"
                 if latest:
-                    sql += (" WHERE id IN (SELECT MAX(id) FROM results GROUP BY model, method, scheme, dataset, metric)")
+                    sql += (" WHERE id IN (SELECT MAX(id) FROM results "
+                            "GROUP BY model, method, scheme, dataset, metric, seed)")
                 recs = conn.execute(sql + " ORDER BY id").fetchall()
             finally:
                 conn.close()

@@ -189,6 +189,7 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     device = str(next(model.parameters()).device)
     raw: dict[str, Any] = {}
     n_samples: dict[str, Any] = {}
+    samples: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         run, mmlu_stats = write_tasks(Path(tmp), data_dir, names, tokenizer, limit)
         tm = TaskManager(include_path=tmp, include_defaults=False)
@@ -199,17 +200,22 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
         for tasks, lim in (([t for t in run if t != mmlu], limit), ([t for t in run if t == mmlu], None)):
             if tasks:
                 res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=lim, bootstrap_iters=0,
-                                              log_samples=False, num_fewshot=None)
+                                              log_samples=True, num_fewshot=None)
                 raw.update(res["results"])
                 n_samples.update(res.get("n-samples", {}))
+                samples.update(res.get("samples", {}))
     out: dict[str, Any] = {}
     for task, metrics in raw.items():
         name = task[len(PREFIX):]
         vals = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and not k.split(",")[0].endswith("_stderr")}
         out[name] = vals | {"n": (n_samples.get(task) or {}).get("effective")}
+        # every example's score (0/1) per metric, in document order: what intervals and paired tests use
+        docs = sorted(samples.get(task, []), key=lambda s: s["doc_id"])
+        out[name]["per_example"] = {m: [float(s[m]) for s in docs] for m in vals if docs and m in docs[0]}
+        out[name]["doc_ids"] = [int(s["doc_id"]) for s in docs]
     if "mmlu" in out:
         out["mmlu"].update(mmlu_stats)
     if all(t in out for t in ZERO_SHOT):
         out["zeroshot_avg"] = {"acc": sum(out[t].get(MAIN_METRIC[t], out[t].get("acc")) for t in ZERO_SHOT)
-                               / len(ZERO_SHOT), "n": None}
+                               / len(ZERO_SHOT), "n": None, "per_example": {}, "doc_ids": []}
     return out
