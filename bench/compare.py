@@ -12,6 +12,12 @@ newest row per key. Tolerances come from a TOML file (reports/tolerances.toml by
 A metric missing from the tolerances is reported but never fails the gate (timings, throughput).
 A key present in the baseline but absent now is a regression (a cell silently disappeared), unless
 `--allow-missing`.
+
+Beside each compared value the report shows its 95 % interval where the stored rows carry their windows
+(perplexity) or examples (accuracy), and, for a change, the paired interval of current against baseline
+over the same windows/examples: a regression is named by the tolerance alone, and the report says
+whether the change is also outside the paired interval (i.e. more than noise of that much text).
+Rows are keyed by (model, method, scheme, dataset, metric, seed).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from bench.store import ResultStore, Row
 from lrq.errors import UserError
 
 DEFAULT_TOLERANCES = Path(__file__).resolve().parent.parent / "reports" / "tolerances.toml"
-Key = tuple[str, str, str, str, str]
+Key = tuple[str, str, str, str, str, int]
 
 
 @dataclass
@@ -35,6 +41,10 @@ class Diff:
     cur: float | None
     status: str          # ok, regressed, improved, missing, new, untracked
     allowed: float | None = None
+    base_ci: str = ""    # the values' 95 % intervals and the paired change (bench.stats), where known
+    cur_ci: str = ""
+    paired: str = ""
+    outside: bool | None = None
 
     @property
     def delta(self) -> float | None:
@@ -78,10 +88,43 @@ def load_rows(path: str | Path) -> list[Row]:
 
 
 def latest(rows: list[Row]) -> dict[Key, float | None]:
-    out: dict[Key, float | None] = {}
+    return {k: r.value for k, r in latest_rows(rows).items()}
+
+
+def latest_rows(rows: list[Row]) -> dict[Key, Row]:
+    out: dict[Key, Row] = {}
     for r in rows:   # oldest first: later rows win
-        out[(r.model, r.method, r.scheme, r.dataset, r.metric)] = r.value
+        out[(r.model, r.method, r.scheme, r.dataset, r.metric, r.seed or 0)] = r
     return out
+
+
+def _samples(r: Row):
+    c = r.config or {}
+    return (c.get("eval") or {}).get("window_nll") if r.metric == "ppl" else c.get("per_example")
+
+
+def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> None:
+    """Fill each diff's intervals and paired change from the rows' windows/examples (where stored)."""
+    from bench import stats as S
+    for d in diffs:
+        b, c = base.get(d.key), cur.get(d.key)
+        if d.key[4] == "ppl":
+            est, cmp, pct = S.ppl_estimate, S.paired_ppl, False
+        elif d.key[4] in ("acc", "acc_norm"):
+            est, cmp, pct = S.acc_estimate, S.paired_acc, True
+        else:
+            continue
+        f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.4g}")
+        for row, attr in ((b, "base_ci"), (c, "cur_ci")):
+            if row is not None and row.value is not None:
+                e = est(_samples(row), row.value)
+                setattr(d, attr, f"{f(e.lo)}-{f(e.hi)}" if e.known else "?")
+        if b is not None and c is not None:
+            p = cmp(_samples(c), _samples(b))
+            if p is not None and p.lo is not None:
+                d.paired = (f"{p.effect:.4f}x [{p.lo:.4f}, {p.hi:.4f}]" if not pct else
+                            f"{100 * p.effect:+.1f} pt [{100 * p.lo:+.1f}, {100 * p.hi:+.1f}]")
+                d.outside = p.separated
 
 
 def load_tolerances(path: str | Path | None) -> dict[str, dict]:
@@ -133,19 +176,24 @@ def markdown(diffs: list[Diff], show_all: bool = False) -> str:
         f"{v} {k}" for k, v in counts.items() if v)
     if not shown:
         return head + "\n"
-    lines = [head, "", "| model | method | scheme | dataset | metric | baseline | current | delta | allowed | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| model | method | scheme | dataset | metric | seed | baseline (95 %) | current (95 %) | delta | "
+             "allowed | status | paired change (95 %) | outside the paired interval |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
+    with_ci = lambda v, ci: fmt(v) + (f" ({ci})" if ci else "")  # noqa: E731
     for d in shown:
-        lines.append("| " + " | ".join(list(d.key) + [fmt(d.base), fmt(d.cur), fmt(d.delta), fmt(d.allowed),
-                                                        d.status]) + " |")
+        outside = "-" if d.outside is None else ("yes" if d.outside else "no")
+        lines.append("| " + " | ".join([*map(str, d.key), with_ci(d.base, d.base_ci), with_ci(d.cur, d.cur_ci),
+                                        fmt(d.delta), fmt(d.allowed), d.status, d.paired or "-", outside]) + " |")
     return "\n".join(lines) + "\n"
 
 
 def gate(baseline: str | Path, current: str | Path, tolerances: str | Path | None = None,
          allow_missing: bool = False, show_all: bool = False) -> tuple[int, str]:
     """(exit code, Markdown): 1 when anything regressed or went missing, else 0."""
-    diffs = compare(latest(load_rows(baseline)), latest(load_rows(current)), load_tolerances(tolerances),
-                    allow_missing)
+    base, cur = latest_rows(load_rows(baseline)), latest_rows(load_rows(current))
+    diffs = compare({k: r.value for k, r in base.items()}, {k: r.value for k, r in cur.items()},
+                    load_tolerances(tolerances), allow_missing)
+    annotate(diffs, base, cur)
     bad = any(d.status in ("regressed", "missing") for d in diffs)
     return (1 if bad else 0), markdown(diffs, show_all)

@@ -45,16 +45,19 @@ def _fmt(metric: str, v) -> str:
     return f"{v:.4g}"
 
 
-def scatter_svg(points: list[tuple[str, float, float]], xlabel: str, ylabel: str, logy: bool = True,
+def scatter_svg(points: list[tuple], xlabel: str, ylabel: str, logy: bool = True,
                 width: int = 560, height: int = 320) -> str:
-    """points: (series, x, y). A small inline SVG scatter with axes, ticks and a legend."""
-    pts = [(s, x, y) for s, x, y in points if x is not None and y is not None and y > 0]
+    """points: (series, x, y) or (series, x, y, lo, hi) with a 95 % interval drawn as an error bar. A small
+    inline SVG scatter with axes, ticks (x labels that would overlap are left out) and a legend."""
+    pts = [(p[0], p[1], p[2], *(p[3:5] if len(p) >= 5 else (None, None))) for p in points]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None and p[2] > 0]
     if not pts:
         return ""
-    series = sorted({s for s, _, _ in pts})
+    series = sorted({p[0] for p in pts})
     color = {s: PALETTE[i % len(PALETTE)] for i, s in enumerate(series)}
     tx = lambda v: math.log10(v) if logy else v  # noqa: E731
-    xs, ys = [p[1] for p in pts], [tx(p[2]) for p in pts]
+    xs = [p[1] for p in pts]
+    ys = [tx(v) for p in pts for v in (p[2], p[3], p[4]) if v is not None and v > 0]
     x0, x1 = min(xs) - 0.5, max(xs) + 0.5
     y0, y1 = min(ys), max(ys)
     if y1 - y0 < 1e-9:
@@ -71,16 +74,24 @@ def scatter_svg(points: list[tuple[str, float, float]], xlabel: str, ylabel: str
         v = y0 + (y1 - y0) * i / 4
         lab = f"{10 ** v:.3g}" if logy else f"{v:.3g}"
         out.append(f'<text x="{L - 5}" y="{sy(v) + 4:.1f}" font-size="10" text-anchor="end">{lab}</text>')
-    for v in sorted({round(x, 3) for x in xs}):
-        out.append(f'<text x="{sx(v):.1f}" y="{height - B + 14}" font-size="10" text-anchor="middle">{v:g}</text>')
+    last = -1e9
+    for v in sorted({round(x, 3) for x in xs}):   # a label only where it does not run into the previous one
+        if sx(v) - last >= 34:
+            out.append(f'<text x="{sx(v):.1f}" y="{height - B + 14}" font-size="10" text-anchor="middle">{v:g}</text>')
+            last = sx(v)
+        out.append(f'<line x1="{sx(v):.1f}" x2="{sx(v):.1f}" y1="{height - B}" y2="{height - B + 4}" stroke="#999"/>')
     out.append(f'<text x="{(L + width - R) / 2}" y="{height - 8}" font-size="11" text-anchor="middle">'
                f'{html.escape(xlabel)}</text>')
     out.append(f'<text x="12" y="{(T + height - B) / 2}" font-size="11" text-anchor="middle" '
                f'transform="rotate(-90 12 {(T + height - B) / 2})">{html.escape(ylabel)}{" (log)" if logy else ""}'
                f'</text>')
-    for s, x, y in pts:
+    for s, x, y, lo, hi in pts:
+        if lo is not None and hi is not None and lo > 0:
+            out.append(f'<line class="errorbar" x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{sy(tx(lo)):.1f}" '
+                       f'y2="{sy(tx(hi)):.1f}" stroke="{color[s]}" stroke-width="1.2"/>')
+        ci = f" (95 %: {lo:.4g}-{hi:.4g})" if lo is not None and hi is not None else ""
         out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(tx(y)):.1f}" r="4" fill="{color[s]}">'
-                   f'<title>{html.escape(s)}: {y:.4g} at {x:g}</title></circle>')
+                   f'<title>{html.escape(s)}: {y:.4g}{ci} at {x:g}</title></circle>')
     for i, s in enumerate(series):
         out.append(f'<circle cx="{width - R + 12}" cy="{T + 10 + 16 * i}" r="4" fill="{color[s]}"/>'
                    f'<text x="{width - R + 20}" y="{T + 14 + 16 * i}" font-size="11">{html.escape(s)}</text>')
@@ -130,23 +141,28 @@ TEMPLATE = """<!DOCTYPE html>
 body{font-family:system-ui,sans-serif;margin:24px;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:8px 0 20px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3;cursor:pointer;user-select:none}td:first-child,td:nth-child(2){text-align:left}
-tr.fp td{background:#f7fbff}td.best{font-weight:bold;background:#eaf7ea}details{margin:2px 0}
+tr.fp td{background:#f7fbff}td.best{font-weight:bold;background:#eaf7ea}td.tie{background:#fff8e1}details{margin:2px 0}
 pre{font-size:11px;background:#fafafa;padding:6px;overflow:auto;max-height:240px}.note{color:#555;font-size:13px}
 </style></head><body>
 <h1>lrq-bench leaderboard</h1>
 <p class="note">Generated from {{ n_rows }} stored rows. Hover any number for the configuration that produced it;
-click a column header to sort. Lower perplexity is better; the best quantized value per column is bold.</p>
+click a column header to sort. Lower perplexity is better. {{ method_text }}</p>
 {% for m in models %}
 <h2>Model: {{ m.name }}</h2>
 {% for note in m.notes %}<p class="note">{{ note }}</p>{% endfor %}
 {% for t in m.ppl_tables %}
 <h3>{{ t.dataset }} perplexity</h3>
 <p class="note">{{ t.protocol }}</p>
+<table class="grid" data-grid="{{ t.dataset }}"><thead><tr><th>method</th>{% for s in t.schemes %}<th>{{ s }}</th>{% endfor %}</tr></thead><tbody>
+{% for g in t.grid %}<tr><td>{{ g.method }}</td>{% for c in g.cells %}<td class="{{ c.mark }}" title="{{ c.title }}">{{ c.text }}</td>{% endfor %}</tr>
+{% endfor %}</tbody></table>
+<p class="note">Method x scheme: perplexity (95 % interval). Per scheme, bold: the best, separated from the runner-up; shaded: tied with the best.
+{% for v in t.verdicts %}<br>{{ v }}{% endfor %}</p>
 <table class="sortable" data-dataset="{{ t.dataset }}"><thead><tr><th>method</th><th>scheme</th><th>bits/weight</th>
-<th>ppl</th><th>ppl / FP</th></tr></thead><tbody>
+<th>ppl</th><th>95 % interval</th><th>ppl / FP (95 %)</th></tr></thead><tbody>
 {% for r in t.rows %}<tr class="{{ 'fp' if r.method == 'fp' else '' }}" data-method="{{ r.method }}" data-scheme="{{ r.scheme }}">
 <td>{{ r.method }}</td><td>{{ r.scheme }}</td><td>{{ r.bits }}</td>
-<td class="{{ 'best' if r.best else '' }}" title="{{ r.prov }}" data-value="{{ r.value }}">{{ r.ppl }}</td><td>{{ r.ratio }}</td></tr>
+<td class="{{ r.mark }}" title="{{ r.prov }}" data-value="{{ r.value }}">{{ r.ppl }}</td><td>{{ r.ci }}</td><td>{{ r.ratio }}</td></tr>
 {% endfor %}</tbody></table>
 <div>{{ t.chart|safe }}</div>
 {% endfor %}
@@ -186,31 +202,64 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 
 
 def _model_section(name: str, rows: list[Row], history_rows: list[Row]) -> dict:
-    by = defaultdict(dict)   # (method, scheme) -> metric/dataset -> row
-    for r in rows:
+    from bench import stats as S
+    from bench.report import _fmt_cmp, _verdict, cell_stats
+    stats = cell_stats(rows)
+    by = defaultdict(dict)   # (method, scheme) -> metric/dataset -> row (the lowest seed's)
+    for r in sorted(rows, key=lambda r: -(r.seed or 0)):
         by[(r.method, r.scheme)][(r.dataset, r.metric)] = r
     notes = sorted({r.config.get("model_note") for r in rows if r.config.get("model_note")})
     datasets = [d for d in ("wikitext2", "c4") if any(r.dataset == d and r.metric == "ppl" for r in rows)]
     datasets += sorted({r.dataset for r in rows if r.metric == "ppl"} - set(datasets))
     tables = []
     for ds in datasets:
-        fp = next((v[(ds, "ppl")].value for (m, _), v in by.items() if m == "fp" and (ds, "ppl") in v), None)
-        entries = [(k, v[(ds, "ppl")], v.get(("quant", "bits_per_weight"))) for k, v in by.items() if (ds, "ppl") in v]
+        col = (ds, "ppl")
+        fp_stat = stats.get(("fp", "fp"), {}).get(col)
+        fp = fp_stat.value if fp_stat else None
+        entries = [(k, v[col], v.get(("quant", "bits_per_weight"))) for k, v in by.items() if col in v]
         entries.sort(key=lambda e: (e[0][0] != "fp", e[0][0], e[0][1]))
-        best = min((e[1].value for e in entries if e[0][0] != "fp" and e[1].value is not None), default=None)
+        overall = S.rank({k: stats[k].get(col) for k, _, _ in entries if k[0] != "fp"}, True)
         trs, pts = [], []
         for (method, scheme), r, b in entries:
+            cs = stats[(method, scheme)].get(col)
+            e = cs.first() if cs else None
+            ci = (f"{e.lo:.2f}-{e.hi:.2f}" if e and e.known else "unknown") if len(cs.seeds) == 1 else \
+                f"+-{cs.seed_sd:.2f} over {len(cs.seeds)} seeds"
+            vs_fp = S.compare(cs, fp_stat) if cs and fp_stat and method != "fp" else None
+            mark = overall.marks.get((method, scheme), "")
             trs.append({"method": method, "scheme": scheme, "bits": _fmt("bits_per_weight", b.value if b else None),
-                        "ppl": _fmt("ppl", r.value), "value": r.value, "prov": _prov(r),
-                        "ratio": "-" if method == "fp" or not fp or r.value is None else f"{r.value / fp:.3f}x",
-                        "best": method != "fp" and r.value == best})
+                        "ppl": _fmt("ppl", cs.value if cs else r.value), "value": cs.value if cs else r.value,
+                        "prov": _prov(r), "ci": ci, "mark": mark,
+                        "ratio": "-" if vs_fp is None else _fmt_cmp(vs_fp, False)})
             if b is not None and method != "fp":
-                pts.append((method, b.value, r.value))
+                pts.append((method, b.value, cs.value, e.lo if e and len(cs.seeds) == 1 else None,
+                            e.hi if e and len(cs.seeds) == 1 else None))
+        schemes = sorted({k[1] for k, _, _ in entries if k[0] != "fp"})
+        methods = sorted({k[0] for k, _, _ in entries})
+        grid, verdicts = [], [v for v in [_verdict("all schemes", overall, False)] if v]
+        per_scheme = {}
+        for s_name in schemes:
+            rk = S.rank({k: stats[k].get(col) for k, _, _ in entries if k[1] == s_name and k[0] != "fp"}, True)
+            per_scheme[s_name] = rk
+            v = _verdict(s_name, rk, False)
+            if v:
+                verdicts.append(v)
+        from bench.report import _fmt_stat
+        for m in methods:
+            cells = []
+            for s_name in (["fp"] if m == "fp" else schemes):
+                cs = stats.get((m, s_name), {}).get(col)
+                cells.append({"text": _fmt_stat(cs) if cs else "-", "title": f"{m} {s_name}",
+                              "mark": per_scheme.get(s_name).marks.get((m, s_name), "") if s_name in per_scheme else ""})
+            if m == "fp":
+                cells += [{"text": "", "title": "", "mark": ""}] * (len(schemes) - 1)
+            grid.append({"method": m, "cells": cells})
         ev = entries[-1][1].config.get("eval", {}) if entries else {}
         protocol = (f"{ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens ({ev.get('tokens', '?')} "
                     f"tokens), exp(mean window NLL); FP = {_fmt('ppl', fp)}.")
-        tables.append({"dataset": ds, "rows": trs, "protocol": protocol,
-                       "chart": scatter_svg(pts, "bits per weight", f"{ds} perplexity")})
+        tables.append({"dataset": ds, "rows": trs, "protocol": protocol, "schemes": schemes, "grid": grid,
+                       "verdicts": verdicts,
+                       "chart": scatter_svg(pts, "bits per weight", f"{ds} perplexity (95 % interval)")})
     cost = []
     for (method, scheme), v in sorted(by.items()):
         t = v.get(("quant", "quant_time_s"))
@@ -254,4 +303,5 @@ def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> st
     models = []
     for name in dict.fromkeys(r.model for r in latest_rows):
         models.append(_model_section(name, [r for r in latest_rows if r.model == name], all_rows or []))
-    return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows))
+    from bench.stats import METHOD_TEXT
+    return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=METHOD_TEXT)

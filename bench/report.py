@@ -1,6 +1,10 @@
 """Markdown leaderboard from the results store: a summary of every cell, one table per scheme (FP row
-first, best quantized value per column in bold), then the details (perplexity protocol, quantization
-cost, block reconstruction errors, accuracy per task, speed)."""
+first), then the details (perplexity protocol, paired comparisons with FP and RTN, seeds, quantization
+cost, block reconstruction errors, accuracy per task, speed).
+
+Every perplexity and accuracy is shown with its 95 % interval (bench.stats); a column's best quantized
+value is bold only when its paired comparison with the runner-up excludes no difference, otherwise the
+tied leaders are marked ~ and a line under the table says so."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ from pathlib import Path
 import pandas as pd
 from tabulate import tabulate
 
+from collections import defaultdict
+
+from bench import stats as S
 from bench.store import ResultStore, Row
 from lrq.io import atomic_write_text
 from lrq.schemes import SCHEMES
@@ -84,39 +91,29 @@ def _param_ratio(recon: pd.DataFrame) -> list[str]:
     return lines + [""] if lines else []
 
 
-def _task_section(mdf: pd.DataFrame) -> list[str]:
-    """Accuracy per lm-eval task (the paper's metric per task), the zero-shot average, MMLU; best marked."""
+def _task_section(mdf: pd.DataFrame, stats: dict) -> list[str]:
+    """Accuracy per lm-eval task (the paper's metric per task), the zero-shot average, MMLU, each with its
+    95 % interval; the best quantized value of a column bold only when separated from the runner-up."""
     from bench.tasks import ALL_TASKS, MAIN_METRIC
     sub = mdf[mdf["dataset"].isin(TASK_DATASETS)]
     if sub.empty:
         return []
-    cols = [t for t in ALL_TASKS + ("zeroshot_avg",) if t in set(sub["dataset"])]
-    cell = {}
-    for _, r in sub.iterrows():
-        if r["metric"] == MAIN_METRIC.get(r["dataset"], "acc"):
-            cell[(r["method"], r["scheme"], r["dataset"])] = r["value"]
-    keys = _order(sub[["method", "scheme"]].drop_duplicates())
-    best = {c: max((v for (m, _, d), v in cell.items() if d == c and m != FP), default=None) for c in cols}
-    body = []
-    for _, k in keys.iterrows():
-        line = [k["method"], k["scheme"]]
-        for c in cols:
-            v = cell.get((k["method"], k["scheme"], c))
-            txt = "-" if v is None else f"{100 * v:.1f}"
-            line.append(f"**{txt}**" if v is not None and k["method"] != FP and v == best[c] else txt)
-        body.append(line)
+    tasks = [t for t in ALL_TASKS + ("zeroshot_avg",) if t in set(sub["dataset"])]
+    cols = [(t, MAIN_METRIC.get(t, "acc") if t != "zeroshot_avg" else "acc",
+             f"{t} ({MAIN_METRIC.get(t, 'acc')})" if t != "zeroshot_avg" else "zero-shot avg", "high") for t in tasks]
+    value = {(r.method, r.scheme, r.dataset, r.metric): r.value for r in sub.itertuples()}
+    table, verdicts = _leaderboard_table(value, stats, sub[["method", "scheme"]].drop_duplicates(), cols)
     cfg = sub.iloc[-1]["config"].get("tasks", {})
     limit = cfg.get("limit")
     scope = "all examples" if not limit else f"the first {limit} examples per task" + (
-        " (MMLU: per subject)" if "mmlu" in cols else "")
+        " (MMLU: per subject)" if "mmlu" in tasks else "")
     mmlu = ("; MMLU 5-shot, shots dropped last first while the prompt exceeds the max length"
-            if "mmlu" in cols else "")
-    heads = [f"{c} ({MAIN_METRIC.get(c, 'acc')})" if c != "zeroshot_avg" else "zero-shot avg" for c in cols]
+            if "mmlu" in tasks else "")
     return ["### Task accuracy (lm-eval)", "",
-            f"Accuracy in %, the LRQ paper's metric per task; the best quantized value per column is bold. "
-            f"Batch size {cfg.get('batch_size', '?')}, BOS token {'added' if cfg.get('add_bos_token') else 'not added'}, "
-            f"max length {cfg.get('max_length', '?')}, {scope}{mmlu}.", "",
-            tabulate(body, headers=["method", "scheme"] + heads, tablefmt="github", disable_numparse=True), ""]
+            f"Accuracy in % with its 95 % interval, the LRQ paper's metric per task; bold only when separated "
+            f"from the runner-up over the same examples, tied leaders ~. Batch size {cfg.get('batch_size', '?')}, "
+            f"BOS token {'added' if cfg.get('add_bos_token') else 'not added'}, "
+            f"max length {cfg.get('max_length', '?')}, {scope}{mmlu}.", "", table, "", *verdicts, ""]
 
 
 def _speed_sections(mdf: pd.DataFrame) -> list[str]:
@@ -163,30 +160,114 @@ def _leaderboard_cols(mdf: pd.DataFrame) -> list[tuple[str, str, str, str | None
     return [c for c in cols if (c[0], c[1]) in present]
 
 
-def _leaderboard_table(value: dict, keys: pd.DataFrame, cols) -> str:
-    """One row per (method, scheme) of `keys`, FP first; the best quantized value of each column in bold.
-    `value`: {(method, scheme, dataset, metric): value}."""
+def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S.CellStat]]:
+    """Per (method, scheme) and column (dataset, metric): the value per seed with its interval and the
+    per-window NLLs / per-example scores it came from (none for rows stored before they were kept)."""
+    from bench.tasks import MAIN_METRIC, ZERO_SHOT
+    out: dict = defaultdict(dict)
+    task_scores: dict = defaultdict(dict)
+    averages = {}
+    for r in rows:
+        if r.value is None:
+            continue
+        key, seed, cfg = (r.method, r.scheme), r.seed or 0, r.config or {}
+        if r.metric == "ppl":
+            w = (cfg.get("eval") or {}).get("window_nll")
+            cs = out[key].setdefault((r.dataset, "ppl"), S.CellStat("ppl"))
+            cs.seeds[seed] = S.ppl_estimate(w, r.value)
+            if w:
+                cs.samples[seed] = w
+        elif r.dataset == "zeroshot_avg" and r.metric == "acc":
+            averages[(key, seed)] = r.value
+        elif r.dataset in TASK_DATASETS and r.metric in ("acc", "acc_norm"):
+            per = cfg.get("per_example")
+            cs = out[key].setdefault((r.dataset, r.metric), S.CellStat("acc"))
+            cs.seeds[seed] = S.acc_estimate(per, r.value)
+            if per:
+                cs.samples[seed] = per
+                if r.metric == MAIN_METRIC.get(r.dataset, "acc"):
+                    task_scores[(key, seed)][r.dataset] = per
+    for (key, seed), value in averages.items():
+        lists = [task_scores[(key, seed)].get(t) for t in ZERO_SHOT]
+        cs = out[key].setdefault(("zeroshot_avg", "acc"), S.CellStat("avg"))
+        if all(lists):
+            cs.seeds[seed], cs.samples[seed] = S.avg_estimate(lists, value), lists
+        else:
+            cs.seeds[seed] = S.Estimate(value)
+    return out
+
+
+def _fmt_stat(cs: S.CellStat) -> str:
+    """`v (lo-hi)` for one seed, `v +-sd (k seeds)` for several; accuracy in %."""
+    pct = cs.kind != "ppl"
+    f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.2f}")
+    if len(cs.seeds) > 1:
+        return f"{f(cs.value)} +-{f(cs.seed_sd)} ({len(cs.seeds)} seeds)"
+    e = cs.first()
+    return f"{f(e.value)} ({f(e.lo)}-{f(e.hi)})" if e.known else f"{f(e.value)} (?)"
+
+
+def _fmt_cmp(c: S.Comparison | None, pct: bool) -> str:
+    if c is None:
+        return "-"
+    if pct:
+        body = f"{100 * c.effect:+.1f} pt" + (f" [{100 * c.lo:+.1f}, {100 * c.hi:+.1f}]" if c.lo is not None else "")
+    else:
+        body = f"{c.effect:.3f}x" + (f" [{c.lo:.3f}, {c.hi:.3f}]" if c.lo is not None else "")
+    return body + (" *" if c.separated else "")
+
+
+def _verdict(header: str, r: S.Ranking, pct: bool) -> str | None:
+    name = lambda k: f"{k[0]} {k[1]}"  # noqa: E731
+    if r.status == "separated":
+        return (f"- {header}: best {name(r.best)}, separated from the runner-up {name(r.runner_up)} "
+                f"({_fmt_cmp(r.comparison, pct).rstrip(' *')}).")
+    if r.status == "tied":
+        tied = [name(k) for k in r.marks if k != r.best]
+        return (f"- {header}: no separated best: {name(r.best)} leads, tied with {', '.join(tied)} "
+                f"(runner-up {_fmt_cmp(r.comparison, pct)}; marked ~).")
+    if r.best is not None:
+        return f"- {header}: interval unknown (stored before per-window/per-example data were kept): nothing bold."
+    return None
+
+
+def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tuple[str, list[str]]:
+    """One row per (method, scheme) of `keys`, FP first; perplexities and accuracies with their intervals,
+    the best quantized value of a column bold only when separated from the runner-up, tied leaders ~.
+    Returns the table and one verdict line per ranked column."""
     keys = _order(keys)
-    best = {}
-    for ds, metric, _, better in cols:
-        vals = [value.get((k["method"], k["scheme"], ds, metric)) for _, k in keys.iterrows() if k["method"] != FP]
-        vals = [v for v in vals if v is not None and not pd.isna(v)]
-        if better and len(vals) > 1:
-            best[(ds, metric)] = min(vals) if better == "low" else max(vals)
+    ranked, verdicts = {}, []
+    for ds, metric, header, better in cols:
+        if better is None or metric not in ("ppl", "acc", "acc_norm"):
+            continue
+        column = {(k["method"], k["scheme"]): stats.get((k["method"], k["scheme"]), {}).get((ds, metric))
+                  for _, k in keys.iterrows() if k["method"] != FP}
+        r = S.rank(column, better == "low")
+        ranked[(ds, metric)] = r.marks
+        line = _verdict(header, r, metric != "ppl")
+        if line:
+            verdicts.append(line)
     body = []
     for _, k in keys.iterrows():
+        key = (k["method"], k["scheme"])
         line = [k["method"], k["scheme"]]
         for ds, metric, _, _ in cols:
-            v = value.get((k["method"], k["scheme"], ds, metric))
-            txt = "-" if v is None or pd.isna(v) else (f"{100 * v:.1f}" if metric in ("acc", "acc_norm")
-                                                        else _fmt(metric, v))
-            line.append(f"**{txt}**" if k["method"] != FP and best.get((ds, metric)) == v and txt != "-" else txt)
+            cs = stats.get(key, {}).get((ds, metric))
+            if cs is not None:
+                txt = _fmt_stat(cs)
+            else:
+                v = value.get((*key, ds, metric))
+                txt = "-" if v is None or pd.isna(v) else (f"{100 * v:.1f}" if metric in ("acc", "acc_norm")
+                                                            else _fmt(metric, v))
+            mark = ranked.get((ds, metric), {}).get(key)
+            line.append(f"**{txt}**" if mark == "best" else (f"{txt} ~" if mark == "tie" else txt))
         body.append(line)
-    return tabulate(body, headers=["method", "scheme"] + [c[2] for c in cols], tablefmt="github",
-                    disable_numparse=True)
+    table = tabulate(body, headers=["method", "scheme"] + [c[2] for c in cols], tablefmt="github",
+                     disable_numparse=True)
+    return table, verdicts
 
 
-def _leaderboard_sections(mdf: pd.DataFrame) -> list[str]:
+def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
     cols = _leaderboard_cols(mdf)
     if not cols:
         return []
@@ -195,15 +276,59 @@ def _leaderboard_sections(mdf: pd.DataFrame) -> list[str]:
         return []
     fp = cells[cells["method"] == FP]
     value = {(r.method, r.scheme, r.dataset, r.metric): r.value for r in mdf.itertuples()}
-    parts = ["### Summary", "", "Every cell; the best quantized value of each column in bold (perplexity: lower, "
-             "accuracy: higher, time: shorter). The evaluation settings are under Details.", "",
-             _leaderboard_table(value, cells, cols), ""]
+    table, verdicts = _leaderboard_table(value, stats, cells, cols)
+    parts = ["### Summary", "", "Every cell. " + S.METHOD_TEXT + " The evaluation settings are under Details.", "",
+             table, "", *verdicts, ""]
     schemes = sorted({s for s in cells["scheme"] if s != FP}, key=lambda s: (_SCHEME_RANK.get(s, 99), s))
     for scheme in schemes:
         keys = pd.concat([fp, cells[cells["scheme"] == scheme]])
         desc = SCHEMES[scheme].description + "." if scheme in SCHEMES else ""
-        parts += [f"### Scheme {scheme}", ""] + ([desc, ""] if desc else []) + [_leaderboard_table(value, keys, cols), ""]
+        table, verdicts = _leaderboard_table(value, stats, keys, cols)
+        parts += [f"### Scheme {scheme}", ""] + ([desc, ""] if desc else []) + [table, ""] + verdicts + [""]
     return parts
+
+
+def _paired_section(stats: dict, datasets: list[str]) -> list[str]:
+    """Each quantized cell against FP and against RTN at the same scheme, over the same windows / examples."""
+    cols = [(d, "ppl") for d in datasets] + ([("zeroshot_avg", "acc")] if any(
+        ("zeroshot_avg", "acc") in v for v in stats.values()) else [])
+    if not cols:
+        return []
+    fp = stats.get((FP, FP), {})
+    body = []
+    for key in sorted(k for k in stats if k[0] != FP):
+        rtn = stats.get(("rtn", key[1]), {})
+        line = [key[0], key[1]]
+        for col in cols:
+            cs = stats[key].get(col)
+            pct = col[1] != "ppl"
+            line.append(_fmt_cmp(S.compare(cs, fp[col]) if cs and col in fp else None, pct))
+            line.append("-" if key[0] == "rtn" else _fmt_cmp(S.compare(cs, rtn[col]) if cs and col in rtn else None, pct))
+        body.append(line)
+    heads = ["method", "scheme"]
+    for d, m in cols:
+        name = "zero-shot avg" if d == "zeroshot_avg" else f"{d} ppl"
+        heads += [f"{name} vs FP", f"{name} vs RTN"]
+    return ["### Paired comparisons with FP and RTN", "",
+            "Perplexity: the ratio to FP and to RTN at the same scheme over the same windows; zero-shot average: "
+            "the difference in points over the same examples; 95 % intervals; * marks an interval that excludes "
+            "no difference. With several seeds on both sides the comparison is over seeds.", "",
+            tabulate(body, headers=heads, tablefmt="github", disable_numparse=True), ""]
+
+
+def _seeds_section(stats: dict) -> list[str]:
+    body = []
+    for key in sorted(stats):
+        for (ds, metric), cs in sorted(stats[key].items()):
+            if len(cs.seeds) > 1:
+                per = "; ".join(f"seed {sd}: {_fmt_stat(S.CellStat(cs.kind, {sd: e}))}" for sd, e in sorted(cs.seeds.items()))
+                body.append([key[0], key[1], f"{ds} {metric}", _fmt_stat(cs), per])
+    if not body:
+        return []
+    return ["### Seeds", "", "Cells run with several seeds (independent calibration draws and initialisations): the "
+            "mean +- standard deviation over seeds beside each seed's own value and 95 % interval.", "",
+            tabulate(body, headers=["method", "scheme", "column", "over seeds", "per seed"], tablefmt="github",
+                     disable_numparse=True), ""]
 
 
 def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
@@ -223,15 +348,16 @@ def markdown_report(rows: list[Row]) -> str:
         parts += [f"## Model: {model}", ""]
         notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
         parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
-        parts += _leaderboard_sections(mdf)
+        stats = cell_stats([r for r in rows if r.model == model])
+        parts += _leaderboard_sections(mdf, stats)
         ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
             d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
             if not d.startswith("speed_") and d not in TASK_DATASETS)
         parts += ["## Details", ""]
         if ppl_sets:
             parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
-            for ds in ppl_sets:
-                parts += [f"### {ds} perplexity", "", "Each cell against FP.", "", dataset_table(mdf, ds, ["ppl"]), ""]
+        parts += _paired_section(stats, ppl_sets)
+        parts += _seeds_section(stats)
         if "quant" in set(mdf["dataset"]):
             parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
                       "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "
@@ -247,7 +373,7 @@ def markdown_report(rows: list[Row]) -> str:
                       "LRQ should generalize better.", "",
                       dataset_table(mdf, "quant", RECON_METRICS), ""]
             parts += _param_ratio(recon)
-        parts += _task_section(mdf)
+        parts += _task_section(mdf, stats)
         parts += _speed_sections(mdf)
         revs = sorted(set(mdf["git_rev"]))
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "

@@ -92,7 +92,8 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     code, out, err = _run(["report", "--results", str(results), "--out", str(tmp_path / "rep")], capsys)
     assert code == 0
     md = (tmp_path / "rep" / "leaderboard.md").read_text()
-    assert "### wikitext2 perplexity" in md and "### c4 perplexity" in md and "| rtn      | w8a8" in md
+    assert "### Paired comparisons with FP and RTN" in md and "wikitext2 ppl vs FP" in md and "c4 ppl vs RTN" in md
+    assert "| rtn      | w8a8" in md
     # the leaderboard: a summary and one table per scheme, each with the FP row first
     assert md.index("### Summary") < md.index("### Scheme w8a8") < md.index("### Scheme w4a16\n")
     w8a8 = md[md.index("### Scheme w8a8"):md.index("### Scheme w4a16\n")]
@@ -104,7 +105,15 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     latest = {r.scheme: r.value for r in ResultStore(results).rows(latest=True)
               if r.method == "rtn" and r.dataset == "wikitext2" and r.metric == "ppl"}
     best, worse = sorted(latest.values())
-    assert f"**{best:.2f}**" in summary and f"{worse:.2f}" in summary and f"**{worse:.2f}**" not in summary
+    # bold only when the paired comparison with the runner-up separates them; else both marked tied
+    from bench import stats as S
+    from bench.report import cell_stats
+    ranked = S.rank({k: v[("wikitext2", "ppl")] for k, v in cell_stats(ResultStore(results).rows(latest=True)).items()
+                     if k[0] != "fp"}, True)
+    if ranked.status == "separated":
+        assert f"**{best:.2f} (" in summary and f"**{worse:.2f}" not in summary
+    else:
+        assert ranked.status == "tied" and "**" not in summary.split("- WikiText-2")[0] and "no separated best" in summary
 
 
 def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, data_dir, tmp_path, capsys,

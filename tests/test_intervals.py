@@ -1,0 +1,172 @@
+"""How sure the leaderboard is (bench.stats, the reports, the gate): intervals, paired comparisons, seeds,
+and bold only on separated values."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench import stats as S
+from bench.cli import main
+from bench.report import cell_stats, markdown_report
+from bench.store import ResultStore, Row
+
+
+# ---- the statistics ----------------------------------------------------------------------------------------
+
+def test_ppl_interval_is_exp_of_the_mean_nll_interval():
+    w = [3.0, 3.2, 2.9, 3.1]
+    e = S.ppl_estimate(w)
+    m = sum(w) / 4
+    sd = math.sqrt(sum((x - m) ** 2 for x in w) / 3)
+    assert e.value == pytest.approx(math.exp(m))
+    assert e.lo == pytest.approx(math.exp(m - 3.182446305 * sd / 2)) and e.hi == pytest.approx(math.exp(m + 3.182446305 * sd / 2))
+    assert not S.ppl_estimate(None, 12.0).known and S.ppl_estimate(None, 12.0).value == 12.0
+
+
+def test_wilson_interval():
+    lo, hi = S.wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)   # textbook values
+    assert S.wilson(0, 10)[0] == 0.0 and S.wilson(10, 10)[1] == pytest.approx(1.0)
+    e = S.acc_estimate([1, 0, 1, 1, 0, 1, 0, 1, 1, 0])
+    assert e.value == 0.6 and e.n == 10 and e.lo < 0.6 < e.hi
+
+
+def test_paired_comparisons():
+    base = [3.0, 3.5, 2.8, 3.9, 3.2]
+    same = S.paired_ppl(base, base)
+    assert same.effect == 1.0 and not same.separated
+    worse = S.paired_ppl([x + 0.02 + 0.001 * i for i, x in enumerate(base)], base)
+    assert worse.separated and worse.lo > 1.0
+    assert S.paired_ppl(base[:3], base) is None                     # different windows: no paired comparison
+    a, b = [1, 1, 1, 0, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0, 1, 0]
+    d = S.paired_acc(a, b)
+    assert d.effect == pytest.approx(0.625) and d.separated
+    assert not S.paired_acc([1, 0, 1, 0], [0, 1, 0, 1]).separated
+
+
+def test_seeds_compare_by_welch():
+    a = S.CellStat("ppl", {0: S.Estimate(30.0), 1: S.Estimate(30.5), 2: S.Estimate(29.8)})
+    b = S.CellStat("ppl", {0: S.Estimate(30.2), 1: S.Estimate(29.9), 2: S.Estimate(30.4)})
+    c = S.compare(a, b)
+    assert c.how == "seeds (Welch)" and not c.separated
+    far = S.CellStat("ppl", {0: S.Estimate(40.0), 1: S.Estimate(40.3), 2: S.Estimate(39.9)})
+    assert S.compare(far, a).separated
+
+
+# ---- the bold rule on real (tiny) cells --------------------------------------------------------------------
+
+def _cell(method, scheme, windows, seed=0):
+    ppl = math.exp(sum(windows) / len(windows))
+    return Row("m", method, scheme, "wikitext2", "ppl", ppl, {"eval": {"window_nll": windows}}, seed=seed)
+
+
+def test_identical_methods_with_different_seeds_are_never_bold_against_each_other():
+    """Two cells of the same method that differ only by seed (their seeds' values swapped between them) are
+    not separated, however tight each seed's own interval, and are marked tied."""
+    s0 = [3.00, 3.10, 3.20, 3.30]
+    s1 = [x + 0.05 for x in s0]           # another seed: consistently a bit worse on every window
+    s2 = [x + 0.02 for x in s0]
+    rows = [_cell("lrq-a", "w4a16", w, seed=i) for i, w in enumerate((s0, s1, s2))]
+    rows += [_cell("lrq-b", "w4a16", w, seed=i) for i, w in enumerate((s1, s2, s0))]
+    stats = cell_stats(rows)
+    r = S.rank({k: v[("wikitext2", "ppl")] for k, v in stats.items()}, True)
+    assert r.status == "tied" and set(r.marks.values()) == {"tie"}
+    md = markdown_report(rows)
+    assert "**" not in md.split("### Scheme")[0] and "~" in md and "no separated best" in md
+    assert "+-" in md and "(3 seeds)" in md
+
+
+@pytest.mark.slow
+def test_a_clearly_worse_cell_is_separated(data_dir):
+    """On the default model, RTN w4a16-g128 against RTN with 3x widened ranges (a 3x coarser grid), both
+    scored on the same 8 WikiText-2 windows: the plain RTN is bold, the widened one is not tied with it."""
+    from bench import data as D
+    from bench.models import load_model
+    from bench.perplexity import perplexity
+    from lrq.methods import get_method
+    from lrq.qlinear import QuantLinear
+    from lrq.quant import minmax_qparams, quantize
+    from lrq.schemes import get_scheme
+    rows = []
+    for name, widen in (("rtn", 1.0), ("rtn-widened", 3.0)):
+        loaded = load_model("smollm2-135m")
+        model, tok = loaded.model, loaded.tokenizer
+        ids = D.tokenize(tok, D.eval_text("wikitext2", data_dir).text)[: 8 * 256]
+        get_method("rtn").quantize(model, get_scheme("w4a16-g128"), {}, None)
+        if widen != 1.0:
+            with torch.no_grad():
+                for m in model.modules():
+                    if isinstance(m, QuantLinear):
+                        w = m.dequantized_weight()
+                        scale, zero = minmax_qparams(w * widen, 4, 128)   # the range 3x wider: a coarser grid
+                        m.set_weight(quantize(w, scale, zero, 4, 128), scale, zero)
+        res = perplexity(model, ids, 256)
+        rows.append(Row("m", name, "w4a16-g128", "wikitext2", "ppl", res["ppl"],
+                        {"eval": {"window_nll": res["window_nll"]}}))
+    stats = cell_stats(rows)
+    r = S.rank({k: v[("wikitext2", "ppl")] for k, v in stats.items()}, True)
+    assert rows[1].value > rows[0].value
+    assert r.status == "separated" and r.best == ("rtn", "w4a16-g128") and r.comparison.separated
+    assert "**" in markdown_report(rows)
+
+
+def test_old_rows_without_windows_are_shown_with_unknown_intervals():
+    rows = [Row("m", "rtn", "w4a16", "wikitext2", "ppl", 30.0), Row("m", "gptq", "w4a16", "wikitext2", "ppl", 29.0)]
+    md = markdown_report(rows)
+    assert "30.00 (?)" in md and "interval unknown" in md and "**" not in md
+
+
+# ---- accuracy, seeds and the gate through the CLI --------------------------------------------------------
+
+def test_seeds_repeat_only_calibration_dependent_cells(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    code = main(["run", "--profile", "full", "--tasks", "none", "--jobs", "1", "--model", str(tiny_model_dir),
+                 "--methods", "rtn,lrq", "--schemes", "w4a16,w8a8", "--datasets", "wikitext2", "--data-dir",
+                 str(data_dir), "--results", str(results), "--max-eval-tokens", "512", "--eval-seq-len", "256",
+                 "--calib-samples", "6", "--calib-seq-len", "32", "--set", "iters=2", "--set", "heldout_samples=2",
+                 "--seeds", "0,1"])
+    out, err = capsys.readouterr()
+    # FP and RTN w4a16 (no calibration) once; RTN w8a8, LRQ w4a16 and LRQ w8a8 per seed
+    assert code == 0 and "8 cells: 8 run" in err, err
+    seeds = {(r.method, r.scheme): set() for r in ResultStore(results).rows()}
+    for r in ResultStore(results).rows():
+        seeds[(r.method, r.scheme)].add(r.seed)
+    assert seeds == {("fp", "fp"): {0}, ("rtn", "w4a16"): {0}, ("rtn", "w8a8"): {0, 1}, ("lrq", "w4a16"): {0, 1},
+                     ("lrq", "w8a8"): {0, 1}}
+    assert "(2 seeds)" in out and "### Seeds" in out
+    assert main(["run", "--seeds", "a,b"]) == 2 and "--seeds takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_task_rows_keep_every_example_and_show_intervals(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    code = main(["run", "--profile", "full", "--tasks", "piqa,boolq", "--task-limit", "6", "--jobs", "1",
+                 "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--datasets", "none",
+                 "--data-dir", str(data_dir), "--results", str(results)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    acc = [r for r in ResultStore(results).rows() if r.metric in ("acc", "acc_norm")]
+    for r in acc:
+        per = r.config["per_example"]
+        assert len(per) == 6 and set(per) <= {0.0, 1.0} and sum(per) / 6 == pytest.approx(r.value)
+        assert r.config["doc_ids"] == list(range(6))
+    assert "### Task accuracy" in out and "(" in out.split("### Task accuracy")[1]
+
+
+def test_the_gate_shows_intervals_and_whether_a_change_is_outside_them(tmp_path, capsys):
+    base = [3.0, 3.1, 3.2, 3.3]
+    worse = [x + 0.05 for x in base]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([_cell("rtn", "w4a16", base).__dict__]))
+    b.write_text(json.dumps([_cell("rtn", "w4a16", worse).__dict__]))
+    code = main(["compare", str(a), str(b)])
+    out = capsys.readouterr().out
+    assert code == 1 and "regressed" in out and "| yes |" in out and "1.0513x [" in out
+    # 2.8 % worse on average (beyond the 0.5 % tolerance: a regression), but not on every window: the change
+    # is inside its paired interval, and the gate says so
+    noisy = [x + d for x, d in zip(base, (0.08, -0.02, 0.06, -0.01))]
+    b.write_text(json.dumps([_cell("rtn", "w4a16", noisy).__dict__]))
+    code = main(["compare", str(a), str(b)])
+    out = capsys.readouterr().out
+    assert code == 1 and "regressed" in out and "| no |" in out
