@@ -5,8 +5,9 @@ configuration (calibration size, evaluation slice, task limit, method settings),
 different profiles are never mixed up: they are different cells of the store.
 
 - `sweep` (the default): every registered method under the six standard schemes on the default model,
-  perplexity on the first 8,192 tokens of WikiText-2 and of C4, the paper's seven zero-shot tasks on
-  10 examples each, calibration 32 x 512 C4 tokens (8 held out), the quick preset with 20 training steps
+  perplexity on the first 16,384 tokens of WikiText-2 and of C4 (8 windows of 2048 each, so a
+  perplexity's 95 % interval rests on 7 degrees of freedom), the paper's seven zero-shot tasks on
+  10 examples each (shown with their intervals, never ranked at that size), calibration 32 x 512 C4 tokens (8 held out), the quick preset with 20 training steps
   per block for the block-wise methods (LRQ, FlexRound, OmniQuant; their block errors on 8 windows), two
   worker processes on a CPU. Sized to finish within 2 hours on 2 CPU cores: it is the whole picture at a glance, the question a new user
   asks first ("which methods are worth a closer look at my bit width?").
@@ -19,8 +20,8 @@ different profiles are never mixed up: they are different cells of the store.
 Why the sweep differs from `full` (measured on the default model, one thread per process, 3 processes on
 2 cores): a training step of one block costs about 0.43 s, so the quick preset's 100 steps x 30 blocks
 are about 22 minutes per LRQ-family cell (18 such cells); the calibration chain and block errors on 32
-windows add about 4 minutes; 8,192 tokens of perplexity take 24 s and the seven zero-shot tasks on 10
-examples each 56 s. A full WikiText-2 + C4 evaluation is about 15 minutes per cell for 43 cells. The
+windows add about 4 minutes; 8,192 tokens of perplexity take 24 s (so 16,384 take about 48 s) and the
+seven zero-shot tasks on 10 examples each 56 s. A full WikiText-2 + C4 evaluation is about 15 minutes per cell for 43 cells. The
 sweep keeps every method and scheme and cuts the sample sizes instead; its figures carry those sizes.
 """
 
@@ -47,9 +48,9 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {
-    "sweep": Profile("sweep", max_eval_tokens=8192, calib_samples=32, tasks="zeroshot", task_limit=10,
+    "sweep": Profile("sweep", max_eval_tokens=16384, calib_samples=32, tasks="zeroshot", task_limit=10,
                      method_settings={"iters": 20, "heldout_samples": 8, "error_samples": 8}),
-    "first-look": Profile("first-look", methods="rtn", max_eval_tokens=8192, calib_samples=32, tasks="zeroshot",
+    "first-look": Profile("first-look", methods="rtn", max_eval_tokens=16384, calib_samples=32, tasks="zeroshot",
                           task_limit=10),
     "full": Profile("full", tasks="all", jobs="1"),
 }

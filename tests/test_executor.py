@@ -125,7 +125,7 @@ def test_first_look_profile_runs_every_scheme_with_tasks_in_workers(tiny_model_d
     cells = {(r.method, r.scheme) for r in rows}
     assert cells == {(FP, FP)} | {("rtn", s) for s in ("w8a8", "w4a8", "w4a16")}
     ppl = [r for r in rows if r.metric == "ppl"]
-    assert len(ppl) == 8 and all(r.config["eval"]["max_tokens"] == 8192 for r in ppl)
+    assert len(ppl) == 8 and all(r.config["eval"]["max_tokens"] == 16384 for r in ppl)
     avg = [r for r in rows if r.dataset == "zeroshot_avg"]
     assert len(avg) == 4 and all(r.config["tasks"]["limit"] == 2 for r in avg)
     w8a8 = next(r for r in rows if r.scheme == "w8a8" and r.metric == "ppl")
