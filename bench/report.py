@@ -331,6 +331,71 @@ def _seeds_section(stats: dict) -> list[str]:
                      disable_numparse=True), ""]
 
 
+def seed_rankings(stats: dict) -> list[dict]:
+    """Per scheme and column where some method has several seeds: the methods in order of their mean over
+    seeds (best first), and for each neighbour in that order whether it is ahead on every seed. Seeds are
+    matched by number; a cell with one seed only (a calibration-free RTN, FP) counts as the same on every seed."""
+    out = []
+    by_col: dict = defaultdict(dict)
+    for (method, scheme), cols in stats.items():
+        for col, cs in cols.items():
+            by_col[(scheme, col)][method] = cs
+    for (scheme, col), cells in sorted(by_col.items()):
+        seeds = sorted({sd for cs in cells.values() if len(cs.seeds) > 1 for sd in cs.seeds})
+        if not seeds or len(cells) < 2:
+            continue
+        lower = col[1] == "ppl"
+
+        def per_seed(cs):
+            if len(cs.seeds) == 1:
+                return {sd: cs.first().value for sd in seeds}
+            return {sd: e.value for sd, e in cs.seeds.items() if e.value is not None}
+
+        order = sorted(cells, key=lambda m: cells[m].value if lower else -cells[m].value)
+        steps = []
+        for a, b in zip(order, order[1:]):
+            va, vb = per_seed(cells[a]), per_seed(cells[b])
+            common = sorted(set(va) & set(vb))
+            gaps = [(vb[sd] - va[sd]) if lower else (va[sd] - vb[sd]) for sd in common]  # > 0: a ahead
+            steps.append({"ahead": a, "behind": b, "seeds": common, "gaps": gaps,
+                          "holds": bool(common) and all(g > 0 for g in gaps)})
+        out.append({"scheme": scheme, "column": col, "order": order,
+                    "cells": {m: (cells[m].value, cells[m].seed_sd, len(cells[m].seeds)) for m in order},
+                    "steps": steps})
+    return out
+
+
+def _seed_rankings_section(stats: dict) -> list[str]:
+    ranks = seed_rankings(stats)
+    if not ranks:
+        return []
+    body = []
+    for r in ranks:
+        pct = r["column"][1] != "ppl"
+        f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.2f}")
+        cells = []
+        for m in r["order"]:
+            v, sd, k = r["cells"][m]
+            cells.append(f"{m} {f(v)}" + (f" +-{f(sd)}" if sd is not None else " (1 seed)"))
+        links = []
+        for st in r["steps"]:
+            g = st["gaps"]
+            mean = sum(g) / len(g) if g else float("nan")
+            sd = (sum((x - mean) ** 2 for x in g) / (len(g) - 1)) ** 0.5 if len(g) > 1 else None
+            gap = f"{f(mean)}" + (f" +-{f(sd)}" if sd is not None else "")
+            links.append(f"{st['ahead']} > {st['behind']}: {gap} ({'all' if st['holds'] else 'not all'} "
+                         f"{len(st['seeds'])} seeds)")
+        name = "zero-shot avg %" if r["column"][0] == "zeroshot_avg" else f"{r['column'][0]} {r['column'][1]}"
+        body.append([r["scheme"], name, "; ".join(cells), "; ".join(links)])
+    return ["### Rankings across seeds", "",
+            "Per scheme and column, the methods in order of their mean over seeds (+- standard deviation over "
+            "seeds), and for each neighbour the gap to the next one (mean +- sd of the per-seed gaps, seeds matched "
+            "by number; positive: ahead) and whether it is ahead on all seeds. A calibration-free cell has one "
+            "seed and counts as the same on every seed.", "",
+            tabulate(body, headers=["scheme", "column", "order (mean over seeds)", "gap to the next, over seeds"],
+                     tablefmt="github", disable_numparse=True), ""]
+
+
 def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
     ev = mdf[(mdf["dataset"] == ds) & (mdf["metric"] == "ppl")].iloc[-1]["config"].get("eval", {})
     return (f"- {ds}: {ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
@@ -358,6 +423,7 @@ def markdown_report(rows: list[Row]) -> str:
             parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
         parts += _paired_section(stats, ppl_sets)
         parts += _seeds_section(stats)
+        parts += _seed_rankings_section(stats)
         if "quant" in set(mdf["dataset"]):
             parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
                       "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "

@@ -118,6 +118,32 @@ def test_old_rows_without_windows_are_shown_with_unknown_intervals():
     assert "30.00 (?)" in md and "interval unknown" in md and "**" not in md
 
 
+def test_rankings_across_seeds_say_which_orders_hold_on_every_seed():
+    """a beats b on every seed; b and c swap places between seeds; RTN (one seed) counts on every seed."""
+    from bench.report import seed_rankings
+    base = [3.0, 3.1, 3.2, 3.3]
+    shift = lambda d: [x + d for x in base]
+    rows = [_cell("a", "w3a16", shift(d), seed=i) for i, d in enumerate((0.00, 0.01, 0.02))]
+    rows += [_cell("b", "w3a16", shift(d), seed=i) for i, d in enumerate((0.10, 0.30, 0.12))]
+    rows += [_cell("c", "w3a16", shift(d), seed=i) for i, d in enumerate((0.20, 0.15, 0.22))]
+    rows += [_cell("rtn", "w3a16", shift(0.5))]
+    (r,) = seed_rankings(cell_stats(rows))
+    assert r["order"] == ["a", "b", "c", "rtn"] and r["cells"]["rtn"][2] == 1
+    held = {(st["ahead"], st["behind"]): st["holds"] for st in r["steps"]}
+    assert held == {("a", "b"): True, ("b", "c"): False, ("c", "rtn"): True}
+    ppl = lambda d: math.exp(3.15 + d)
+    ab = [ppl(db) - ppl(da) for da, db in ((0.00, 0.10), (0.01, 0.30), (0.02, 0.12))]
+    assert r["steps"][0]["gaps"] == pytest.approx(ab) and r["steps"][0]["seeds"] == [0, 1, 2]
+    md = markdown_report(rows)
+    section = md.split("### Rankings across seeds")[1].split("###")[0]
+    mean = sum(ab) / 3
+    sd = (sum((g - mean) ** 2 for g in ab) / 2) ** 0.5
+    assert f"a > b: {mean:.2f} +-{sd:.2f} (all 3 seeds)" in section
+    assert "b > c: " in section and "(not all 3 seeds)" in section and f"rtn {ppl(0.5):.2f} (1 seed)" in section
+    # one seed everywhere: no section
+    assert "Rankings across seeds" not in markdown_report([_cell("a", "w3a16", base), _cell("b", "w3a16", shift(1))])
+
+
 # ---- accuracy, seeds and the gate through the CLI --------------------------------------------------------
 
 def test_seeds_repeat_only_calibration_dependent_cells(tiny_model_dir, data_dir, tmp_path, capsys):
