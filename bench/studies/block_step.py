@@ -1,0 +1,184 @@
+"""What one block-reconstruction step costs: FlexRound and LRQ on one decoder block, step by step.
+
+    python -m bench.studies.block_step                                  # quick regime: batch 1 x 512, bf16
+    python -m bench.studies.block_step --batch 2 --seq 1024 --fp32      # the paper's regime (fp32, batch 2)
+    python -m bench.studies.block_step --profile 15                     # plus torch.profiler's top operators
+
+The loop body is the engine's (lrq/engine.py, `_reconstruct_block`): the block's forward under the same
+autocast, the authors' loss, backward, Adam. The two methods' steps alternate (FlexRound, LRQ, FlexRound,
+...) so both see the same machine; medians of `--steps` steps after `--warmup`, split into forward,
+backward and optimizer. Inputs are the block's real inputs for random token ids (the cost does not depend
+on the values); quantization parameters are min/max at `--scheme`; LRQ's rank follows its quick preset
+(a quarter of min(Cout, Cin)) unless `--rank`. Writes `--out`/block_step.json and .md with versions,
+hardware, threads, git revision and the load average around the run; the 5,000-step projection is
+5,000 x the median step (training only: the block walk and the error measurements come on top).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lrq.errors import UserError
+from lrq.io import atomic_write_text
+
+METHODS = ("flexround", "lrq")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.studies.block_step", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--block", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast (the paper preset's setting)")
+    p.add_argument("--scheme", default="w4a16")
+    p.add_argument("--rank", type=int, default=0, help="LRQ rank (0: a quarter of min(Cout, Cin), the quick preset)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", type=int, default=0, help="print torch.profiler's top N operators per method")
+    p.add_argument("--out", default="reports/block-step")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.batch < 1 or a.seq < 2:
+        p.error("--steps, --batch must be >= 1 and --seq >= 2")
+    return a
+
+
+def build(block0, method: str, scheme, rank: int):
+    from lrq.arch import block_linears, set_submodule
+    from lrq.flexround import FlexRoundLinear
+    from lrq.lrq import LRQLinear, choose_rank
+    from lrq.quant import minmax_qparams
+    block = copy.deepcopy(block0)
+    learn = {}
+    for name, lin in block_linears(block).items():
+        s, z = minmax_qparams(lin.weight.detach().float(), scheme.w_bits, scheme.group_size)
+        if method == "lrq":
+            r = choose_rank(lin.out_features, lin.in_features, "uniform" if rank else "fraction", rank, 0.25)
+            m = LRQLinear(lin, scheme, s, z, rank=r, generator=torch.Generator().manual_seed(0))
+        else:
+            m = FlexRoundLinear(lin, scheme, s, z)
+        set_submodule(block, name, m)
+        learn[name] = m
+    for q in block.parameters():
+        q.requires_grad_(False)
+    params = [q for m in learn.values() for q in m.learnables()]
+    for q in params:
+        q.requires_grad_(True)
+    return block, params, torch.optim.Adam([{"params": params, "lr": 1e-3}])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from bench.models import load_model
+    from bench.provenance import git_revision, hardware, versions
+    from lrq.arch import decoder_blocks
+    from lrq.blockwise import capture_block_inputs
+    from lrq.engine import block_loss
+    from lrq.schemes import get_scheme
+
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    model = load_model(args.model).model
+    blocks = decoder_blocks(model)
+    if not 0 <= args.block < len(blocks):
+        raise UserError(f"--block {args.block}: the model has blocks 0..{len(blocks) - 1}.")
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    # the chosen block's real inputs: the chain of full-precision blocks before it
+    buf, kw = capture_block_inputs(model, ids)
+    x = buf.data[:].clone()
+    with torch.no_grad():
+        for b in blocks[:args.block]:
+            o = b(x, **kw)
+            x = o[0] if isinstance(o, tuple) else o
+        o = blocks[args.block](x, **kw)
+        y = (o[0] if isinstance(o, tuple) else o).clone()
+    scheme = get_scheme(args.scheme)
+    built = {m: build(blocks[args.block], m, scheme, args.rank) for m in METHODS}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32)
+
+    def step(method):
+        block, _, opt = built[method]
+        t0 = time.perf_counter()
+        with torch.enable_grad(), autocast:
+            out = block(x, **kw)
+            out = out[0] if isinstance(out, tuple) else out
+            loss = block_loss(out, y)
+        loss.item()
+        t1 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0}
+
+    times = {m: {k: [] for k in ("forward", "backward", "optimizer", "step")} for m in METHODS}
+    for i in range(args.warmup + args.steps):
+        for m in METHODS:
+            t = step(m)
+            if i >= args.warmup:
+                for k, v in t.items():
+                    times[m][k].append(v)
+    med = {m: {k: statistics.median(v) for k, v in times[m].items()} for m in METHODS}
+    result = {"config": {"model": args.model, "block": args.block, "batch": args.batch, "seq": args.seq,
+                         "autocast": "off (fp32)" if args.fp32 else "bf16", "scheme": args.scheme,
+                         "lrq_rank": args.rank or "quarter of min(Cout, Cin)", "steps": args.steps,
+                         "warmup": args.warmup, "threads": torch.get_num_threads(),
+                         "command": " ".join(["python -m bench.studies.block_step",
+                                              *(argv if argv is not None else sys.argv[1:])]),
+                         "versions": versions(), "hardware": hardware(), "git": git_revision(),
+                         "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]},
+              "learnables": {m: sum(q.numel() for q in built[m][1]) for m in METHODS},
+              "median_s": med, "times_s": {m: {k: [round(v, 5) for v in vs] for k, vs in times[m].items()}
+                                           for m in METHODS},
+              "lrq_over_flexround": med["lrq"]["step"] / med["flexround"]["step"],
+              "projected_5000_steps_min": {m: 5000 * med[m]["step"] / 60 for m in METHODS}}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        result["profile"] = {}
+        for m in METHODS:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(2):
+                    step(m)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile)
+            result["profile"][m] = table
+            print(f"{m}: two steps\n{table}")
+    c = result["config"]
+    md = ["# One block-reconstruction step: FlexRound vs LRQ", "",
+          f"{c['model']} block {c['block']}, batch {c['batch']} x {c['seq']} tokens, autocast {c['autocast']}, "
+          f"{c['scheme']}, LRQ rank {c['lrq_rank']}; {c['threads']} thread(s); medians of {c['steps']} alternating "
+          f"steps after {c['warmup']} warm-up. Command: `{c['command']}`.",
+          f"{c['hardware']['cpu']} x{c['hardware']['cpu_count']}; torch {c['versions'].get('torch')}; git {c['git']}; "
+          f"load average before / after: {c['load_before']} / {c['load_after']}.", "",
+          "| method | learnables | forward s | backward s | optimizer s | step s | 5,000 steps (min) |",
+          "|---|---|---|---|---|---|---|"]
+    for m in METHODS:
+        t = med[m]
+        md.append(f"| {m} | {result['learnables'][m]:,} | {t['forward']:.4f} | {t['backward']:.4f} | "
+                  f"{t['optimizer']:.4f} | {t['step']:.4f} | {result['projected_5000_steps_min'][m]:.1f} |")
+    md += ["", f"LRQ / FlexRound step time: {result['lrq_over_flexround']:.2f}.", ""]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"b{args.batch}x{args.seq}-{'fp32' if args.fp32 else 'bf16'}-t{torch.get_num_threads()}"
+    atomic_write_text(out / f"block_step-{tag}.json", json.dumps(result, indent=1))
+    atomic_write_text(out / f"block_step-{tag}.md", "\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"python -m bench.studies.block_step: error: {e}", file=sys.stderr)
+        sys.exit(2)
