@@ -1,0 +1,63 @@
+"""bench/studies/paper_claims.py on stores written here: each verdict follows the intervals."""
+
+import json
+import math
+
+import pytest
+
+
+def _claims_store(path, lrq_held, fr_held, lrq_ppl_shift):
+    from bench.store import ResultStore, Row
+    store = ResultStore(path)
+    base = [2.0, 2.2, 2.1, 2.3, 2.05, 2.15]
+    regime = {"method_resolved": {"iters": 20, "batch_size": 1, "heldout_samples": 8, "preset": "quick",
+                                  "rank_rule": "fraction", "rank": 1024, "rank_fraction": 0.25},
+              "calibration": {"n_samples": 32, "seq_len": 512}}
+    rows = []
+    for m, held, shift in (("lrq", lrq_held, lrq_ppl_shift), ("flexround", fr_held, 0.0), ("gptq", None, 0.05)):
+        for ds in ("wikitext2", "c4"):
+            w = [x + shift for x in base]
+            rows.append(Row("smollm2-135m", m, "w4a16", ds, "ppl", math.exp(sum(w) / len(w)),
+                            regime | {"eval": {"window_nll": w}}, seed=0))
+        if held is not None:
+            from bench.studies.paper_claims import param_counts
+            from bench.plan import SHAPES
+            n = param_counts(SHAPES["smollm2-135m"], "fraction")[m]
+            be = [{"calib_before": 10.0, "calib_after": 5.0 + 0.1 * i, "heldout_before": 11.0,
+                   "heldout_after": held + 0.1 * i} for i in range(6)]
+            rows.append(Row("smollm2-135m", m, "w4a16", "quant", "n_learnable", float(n),
+                            regime | {"method_stats": {"block_errors": be}}, seed=0))
+    for i, r in enumerate(rows):
+        store.write_unit([r], key=f"k{i}")
+    return store
+
+
+def test_paper_claims_verdicts_follow_the_intervals(tmp_path):
+    from bench.studies.paper_claims import main
+    _claims_store(tmp_path / "good.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    assert main(["--results", str(tmp_path / "good.sqlite"), "--out", str(tmp_path / "good")]) == 0
+    res = json.loads((tmp_path / "good" / "claims.json").read_text())
+    by = {c["claim"]: c for c in res["claims"]}
+    assert by["Learnable parameters"]["verdict"] == "holds in part"     # the official rule is full rank here
+    assert "stored counts equal to the formula: 2 of 2 cells" in by["Learnable parameters"]["measurement"]
+    assert by["Figure 2: generalization"]["verdict"] == "holds"
+    assert "20 steps/block, batch 1, calibration 32 x 512" in by["Figure 2: generalization"]["regime"]
+    w4 = by["Results at W4A16"]
+    # lower perplexity than FlexRound and GPTQ on every window: separated; the rest are not in the store
+    assert w4["verdict"] == "holds" and "vs omniquant: not in the store" in w4["measurement"]
+    assert by["The rank"]["verdict"] == "not measurable here"
+    assert (tmp_path / "good" / "claims.html").read_text().count("<tr>") == len(res["claims"]) + 1
+
+    _claims_store(tmp_path / "bad.sqlite", lrq_held=6.6, fr_held=6.0, lrq_ppl_shift=0.02)
+    assert main(["--results", str(tmp_path / "bad.sqlite"), "--out", str(tmp_path / "bad")]) == 0
+    by = {c["claim"]: c for c in json.loads((tmp_path / "bad" / "claims.json").read_text())["claims"]}
+    assert by["Figure 2: generalization"]["verdict"] == "does not hold"
+    assert by["Results at W4A16"]["verdict"] == "does not hold"
+    assert "separated worse than flexround on wikitext2" in by["Results at W4A16"]["why"]
+
+
+def test_paper_claims_refuses_a_missing_store(tmp_path):
+    from bench.studies.paper_claims import main
+    from lrq.errors import UserError
+    with pytest.raises(UserError, match="does not exist"):
+        main(["--results", str(tmp_path / "none.sqlite"), "--out", str(tmp_path)])
