@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from lrq.quant import _score_bounds, _search_error, _search_groups, search_qparams, search_qparams_exhaustive, \
-    SCALE_EPS
+from lrq.quant import _score_bounds, _search_error, _search_groups, _sorted_groups, search_qparams, \
+    search_qparams_exhaustive, SCALE_EPS
 
 
 def _same(w, bits, group, grid=100, norm=2.4):
@@ -76,7 +76,7 @@ def test_the_bound_is_below_every_score():
         scores = torch.stack([_search_error(flat[:, None, :], valid[:, None, :], delta[:, i, None, None], zps,
                                             qmax, 2.4) for i in range(grid)], 1)             # [N, G, Z]
         for split in (True, False):
-            bound = _score_bounds(flat, valid, delta, qmax, 2.4, split)
+            bound = _score_bounds(_sorted_groups(flat, valid), delta, qmax, 2.4, split)
             assert bound.shape == scores.shape
             ratio = scores.double() / bound.double()
             assert ratio[bound > 0].min() >= 1 - 1e-5, (bits, group, split, ratio.min().item())
