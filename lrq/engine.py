@@ -75,6 +75,10 @@ class ReconstructionMethod(Method):
     # 16x finer than 4-bit ones, so the same step in log-scale moves 16x more levels).
     quick_lr: ClassVar[dict[str, float]] = {}
     cost_rank: ClassVar[int] = 10
+    # Not a setting: when > 0, every `curve_every` steps the block's output error on the calibration and the
+    # held-out error windows is measured (frozen, no gradient, no random numbers: training is unchanged) and
+    # kept as the block's "curve" (bench/studies/figure2.py sets it on its method object).
+    curve_every: int = 0
     checkpoints: ClassVar[bool] = True
     blockwise: ClassVar[bool] = True
 
@@ -270,6 +274,7 @@ class ReconstructionMethod(Method):
             dev = next(block.parameters()).device    # the walk put the block on the compute device
             autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
             loss_val = math.nan
+            curve = [{"step": 0, "loss": math.nan, "calib": out["calib_before"], "heldout": out["heldout_before"]}]
             for step in bar:
                 if pos + bs > n_train:
                     order, pos = torch.randperm(n_train, generator=gen), 0
@@ -291,7 +296,13 @@ class ReconstructionMethod(Method):
                     sched.step()
                 if step % 10 == 0 or step == iters - 1:
                     bar.set_postfix(loss=f"{loss_val:.4g}")
+                if self.curve_every and ((step + 1) % self.curve_every == 0 or step == iters - 1):
+                    with _frozen(block, learn):
+                        curve.append({"step": step + 1, "loss": loss_val, "calib": block_error(block, xe, ye, kw),
+                                      "heldout": block_error(block, xh, yh, kw)})
             out["final_loss"] = loss_val
+            if self.curve_every:
+                out["curve"] = curve
         for name, m in learn.items():
             set_submodule(block, name, m.freeze())
         for p in params:

@@ -1,0 +1,257 @@
+"""The LRQ paper's Figure 2 in its regime: calibration vs held-out block error while training, LRQ and FlexRound.
+
+    python -m bench.studies.figure2                                  # blocks 0, 15, 29; 5,000 steps; batch 2
+    python -m bench.studies.figure2 --blocks 0 --iters 1000 --every 100 --threads 2
+    python -m bench.studies.figure2 --device cuda --blocks all       # every block, on a GPU
+
+Each chosen block is trained exactly as the engine trains it (`ReconstructionMethod._reconstruct_block`,
+the paper preset: Adam, cosine decay, fp32, the authors' learning rates and s1 initialisation per scheme)
+on the full-precision chain's inputs to that block (so blocks are independent and any subset can be
+measured), with calibration windows of C4 taken in order as in the authors' code, and `--heldout` more
+windows that are never trained on. Every `--every` steps the block's output error (the training loss's
+quantity, on the first `--error-samples` training windows and on the held-out windows) is logged.
+
+The default model's C4 pool holds 418 windows of 1,024 tokens beside the evaluation documents: the
+default is 384 training + 32 held-out windows (the paper: 512 training windows). Results are written
+after every (block, method) to `--out`/figure2.json, with the configuration, and a rerun with the same
+configuration resumes where it stopped; figure2.md and figure2.html hold the table and the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from lrq.errors import UserError
+from lrq.io import atomic_write_text
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.studies.figure2", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--methods", default="lrq,flexround")
+    p.add_argument("--scheme", default="w3a16")
+    p.add_argument("--blocks", default="first,middle,last", help="comma-separated indices, first/middle/last, or all")
+    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--calib-samples", type=int, default=384)
+    p.add_argument("--heldout", type=int, default=32)
+    p.add_argument("--error-samples", type=int, default=32, help="windows the errors are measured on (each side)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more method settings")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="reports/figure2")
+    a = p.parse_args(argv)
+    if a.iters < 1 or a.every < 1 or a.heldout < 2 or a.error_samples < 2 or a.calib_samples < a.batch_size:
+        p.error("--iters and --every must be >= 1, --heldout and --error-samples >= 2, --calib-samples >= --batch-size")
+    return a
+
+
+def _blocks(spec: str, n: int) -> list[int]:
+    named = {"first": 0, "middle": n // 2, "last": n - 1}
+    if spec == "all":
+        return list(range(n))
+    out = []
+    for t in spec.split(","):
+        t = t.strip()
+        i = named.get(t, None)
+        if i is None:
+            try:
+                i = int(t)
+            except ValueError:
+                raise UserError(f"--blocks {spec!r}: give block indices, first, middle, last or all.") from None
+        if not 0 <= i < n:
+            raise UserError(f"--blocks {spec!r}: the model has blocks 0..{n - 1}.")
+        if i not in out:
+            out.append(i)
+    return out
+
+
+def _settings(args, methods: list[str]) -> dict:
+    from bench.cli import _checked_overrides  # the CLI's own KEY=VALUE parsing and key check
+    extra = _checked_overrides(args.set, methods)
+    return {"iters": args.iters, "batch_size": args.batch_size, "heldout_samples": args.heldout,
+            "error_samples": args.error_samples} | extra
+
+
+def run(args) -> dict:
+    from bench.data import calibration_set, resolve_data_dir
+    from bench.models import load_model
+    from bench.provenance import git_revision, hardware, versions
+    from lrq.arch import decoder_blocks
+    from lrq.blockwise import capture_block_inputs
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    scheme = get_scheme(args.scheme)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    objs = {m: get_method(m, device=dev) for m in methods}
+    for m, o in objs.items():
+        if not hasattr(o, "curve_every"):
+            raise UserError(f"--methods: {m} is not trained block by block; choose among lrq, flexround, omniquant.")
+    settings = _settings(args, methods)
+    loaded = load_model(args.model)
+    model = loaded.model.to(dev)
+    blocks = decoder_blocks(model)
+    chosen = _blocks(args.blocks, len(blocks))
+    n_total = args.calib_samples + args.heldout
+    calib = calibration_set(loaded.tokenizer, resolve_data_dir(args.data_dir), "c4", n_total, args.seq_len,
+                            seed=args.seed, sampling="sequential")
+    config = {"model": args.model, "scheme": args.scheme, "methods": methods, "blocks": chosen,
+              "settings": settings, "calibration": calib.description, "train_windows": args.calib_samples,
+              "heldout_windows": args.heldout, "every": args.every, "seed": args.seed, "device": str(dev)}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "figure2.json"
+    res = json.loads(path.read_text()) if path.exists() else {}
+    if res.get("config") != config:
+        res = {"config": config, "results": {}}
+    res["provenance"] = {"versions": versions(), "hardware": hardware(), "git": git_revision(),
+                         "threads": torch.get_num_threads()}
+    todo = [(b, m) for b in chosen for m in methods if f"{b}/{m}" not in res["results"]]
+    if not todo:
+        return res
+    # the full-precision chain's inputs to every chosen block, and that block's full-precision outputs
+    buf, kw = capture_block_inputs(model, calib.input_ids.to(dev))
+    x = buf.data[:].clone()
+    with torch.no_grad():
+        for i in range(max(chosen) + 1):
+            y = torch.empty_like(x)
+            for a in range(0, len(x), 8):
+                o = blocks[i](x[a:a + 8], **kw)
+                y[a:a + 8] = o[0] if isinstance(o, tuple) else o
+            if i in chosen and any(b == i for b, _ in todo):
+                for b, m in [t for t in todo if t[0] == i]:
+                    method = objs[m]
+                    method.curve_every = args.every
+                    cfg = method.resolve(scheme, method.config("paper", settings))
+                    ctx = SimpleNamespace(index=i, n_blocks=len(blocks), block=copy.deepcopy(blocks[i]),
+                                          q_inputs=SimpleNamespace(data=x), fp_targets=SimpleNamespace(data=y),
+                                          kwargs=kw, stats={})
+                    t0 = time.perf_counter()
+                    with torch.enable_grad():
+                        out = method._reconstruct_block(ctx, scheme, cfg, {}, args.calib_samples, args.seed)
+                    res["results"][f"{b}/{m}"] = {"block": b, "method": m, "resolved": cfg,
+                                                  "n_learnable": out["n_learnable"], "curve": out["curve"],
+                                                  "wall_s": time.perf_counter() - t0}
+                    atomic_write_text(path, json.dumps(res, indent=1, default=str))
+                    print(f"block {b} {m}: {len(out['curve'])} points, {time.perf_counter() - t0:.0f} s", flush=True)
+            x = y
+    return res
+
+
+def summary(res: dict) -> list[dict]:
+    """Per block: each method's final calibration and held-out errors, and LRQ / FlexRound at the end."""
+    rows = []
+    by_block: dict = {}
+    for r in res["results"].values():
+        by_block.setdefault(r["block"], {})[r["method"]] = r
+    for b in sorted(by_block):
+        ms = by_block[b]
+        row = {"block": b}
+        for m, r in ms.items():
+            row[m] = {"calib": r["curve"][-1]["calib"], "heldout": r["curve"][-1]["heldout"],
+                      "calib_min": min(p["calib"] for p in r["curve"]),
+                      "heldout_min": min(p["heldout"] for p in r["curve"]), "steps": r["curve"][-1]["step"]}
+        if "lrq" in ms and "flexround" in ms:
+            row["lrq_over_flexround"] = {k: row["lrq"][k] / row["flexround"][k] for k in ("calib", "heldout")}
+        rows.append(row)
+    return rows
+
+
+def _geo_ci(ratios: list[float]):
+    from bench import stats as S
+    if len(ratios) < 2:
+        return None
+    d = [math.log(r) for r in ratios]
+    m, sd = S._mean_sd(d)
+    h = S.t95(len(d)) * sd / math.sqrt(len(d))
+    return math.exp(m), math.exp(m - h), math.exp(m + h)
+
+
+def markdown(res: dict) -> str:
+    c = res["config"]
+    s = c["settings"]
+    rows = summary(res)
+    lines = ["# Figure 2: calibration vs held-out block error during training", "",
+             f"{c['model']}, {c['scheme']}, blocks {', '.join(map(str, c['blocks']))} (each on the full-precision "
+             f"chain's inputs); {s['iters']} steps at batch {s['batch_size']}; {c['train_windows']} x "
+             f"{c['calibration']['seq_len']} C4 training windows in order, {c['heldout_windows']} held-out windows "
+             f"never trained on; errors on {s['error_samples']} windows each side every {c['every']} steps. "
+             f"Code {res['provenance']['git'][:12]}, {res['provenance']['hardware'].get('cpu')}, "
+             f"{res['provenance']['threads']} thread(s).", "",
+             "| block | method | steps | calibration error (end) | held-out error (end) | held-out (lowest) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        for m in c["methods"]:
+            if m in r:
+                v = r[m]
+                lines.append(f"| {r['block']} | {m} | {v['steps']} | {v['calib']:.4g} | {v['heldout']:.4g} | "
+                             f"{v['heldout_min']:.4g} |")
+    ratios = [r["lrq_over_flexround"] for r in rows if "lrq_over_flexround" in r]
+    if ratios:
+        lines.append("")
+        for k, name in (("calib", "calibration"), ("heldout", "held-out")):
+            per = ", ".join(f"{x[k]:.3f}" for x in ratios)
+            ci = _geo_ci([x[k] for x in ratios])
+            lines.append(f"- LRQ / FlexRound {name} error at the end, per block: {per}"
+                         + (f"; geometric mean {ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}] (95 %, over blocks)" if ci else ""))
+    return "\n".join(lines) + "\n"
+
+
+def html(res: dict) -> str:
+    from jinja2 import Environment, select_autoescape
+
+    from bench.html_report import lines_svg
+    charts = []
+    by_block: dict = {}
+    for r in res["results"].values():
+        by_block.setdefault(r["block"], {})[r["method"]] = r
+    for b in sorted(by_block):
+        series = {}
+        for m, r in by_block[b].items():
+            series[f"{m} calibration"] = [p["calib"] for p in r["curve"]]
+            series[f"{m} held-out"] = [p["heldout"] for p in r["curve"]]
+        last = max(p["step"] for r in by_block[b].values() for p in r["curve"])
+        charts.append({"block": b, "svg": lines_svg(series, f"training step (0 to {last}, every "
+                                                            f"{res['config']['every']})", "block output error")})
+    env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
+    tpl = env.from_string("""<!doctype html><html><head><meta charset="utf-8"><title>Figure 2</title></head>
+<body style="font-family:sans-serif;max-width:1100px;margin:2em auto"><h1>Figure 2: calibration vs held-out block
+error</h1><pre>{{ md }}</pre>{% for c in charts %}<h2>Block {{ c.block }}</h2>{{ c.svg | safe }}{% endfor %}
+</body></html>""")
+    return tpl.render(md=markdown(res), charts=charts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    out = Path(args.out)
+    atomic_write_text(out / "figure2.md", markdown(res))
+    atomic_write_text(out / "figure2.html", html(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"python -m bench.studies.figure2: error: {e}", file=sys.stderr)
+        sys.exit(2)

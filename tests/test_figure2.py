@@ -1,0 +1,89 @@
+"""bench/studies/figure2.py on a tiny model, and the engine's error curve leaving training unchanged."""
+
+import json
+
+import pytest
+import torch
+
+from bench.studies.figure2 import main, markdown, summary
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+ARGS = ["--seq-len", "32", "--calib-samples", "8", "--heldout", "4", "--error-samples", "4", "--iters", "6",
+        "--every", "2", "--blocks", "first,last", "--threads", "1", "--scheme", "w4a16", "--set", "lr=0.01"]
+
+
+def test_figure2_curves_and_resume(tiny_model_dir, data_dir, tmp_path):
+    out = tmp_path / "fig2"
+    args = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--out", str(out)] + ARGS
+    assert main(args) == 0
+    res = json.loads((out / "figure2.json").read_text())
+    assert sorted(res["results"]) == ["0/flexround", "0/lrq", "1/flexround", "1/lrq"]
+    for r in res["results"].values():
+        assert [p["step"] for p in r["curve"]] == [0, 2, 4, 6]
+        assert all(p["calib"] > 0 and p["heldout"] > 0 for p in r["curve"])
+        assert r["resolved"]["iters"] == 6 and r["resolved"]["preset"] == "paper" and r["resolved"]["lr"] == 0.01
+    assert res["config"]["calibration"]["sampling"] == "sequential" and res["config"]["heldout_windows"] == 4
+    rows = summary(res)
+    assert [r["block"] for r in rows] == [0, 1] and "lrq_over_flexround" in rows[0]
+    md = (out / "figure2.md").read_text()
+    assert "| 0 | lrq | 6 |" in md and "LRQ / FlexRound held-out error at the end, per block" in md
+    page = (out / "figure2.html").read_text()
+    assert page.count("<svg") == 2 and "lrq held-out" in page
+    # a rerun with the same configuration trains nothing again; a changed one starts over
+    before = (out / "figure2.json").read_text()
+    assert main(args) == 0
+    assert json.loads((out / "figure2.json").read_text())["results"] == json.loads(before)["results"]
+    assert main(args[:-2] + ["--set", "lr=0.02", "--blocks", "first"]) == 0
+    res2 = json.loads((out / "figure2.json").read_text())
+    assert sorted(res2["results"]) == ["0/flexround", "0/lrq"] and res2["config"]["settings"]["lr"] == "0.02"
+    assert markdown(res2).count("| 0 |") == 2
+
+
+def test_figure2_rejects_bad_blocks(tiny_model_dir, data_dir, tmp_path):
+    from lrq.errors import UserError
+    with pytest.raises(UserError, match="blocks 0..1"):
+        main(["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--out", str(tmp_path)] + ARGS
+             + ["--blocks", "7"])
+
+
+def test_the_curve_does_not_change_training(tiny_model_dir, data_dir):
+    """The same block trained with and without the curve ends with bitwise the same quantized weights."""
+    import copy
+    from types import SimpleNamespace
+
+    from bench.data import calibration_set
+    from bench.models import load_model
+    from lrq.arch import block_linears, decoder_blocks
+    from lrq.blockwise import capture_block_inputs
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+
+    loaded = load_model(str(tiny_model_dir))
+    calib = calibration_set(loaded.tokenizer, data_dir, "c4", 6, 32, sampling="sequential")
+    buf, kw = capture_block_inputs(loaded.model, calib.input_ids)
+    x = buf.data[:].clone()
+    block = decoder_blocks(loaded.model)[0]
+    with torch.no_grad():
+        y = block(x, **kw)[0] if isinstance(block(x, **kw), tuple) else block(x, **kw)
+    scheme = get_scheme("w4a16")
+    weights = []
+    for every, iters in ((0, "5"), (2, "5"), (0, "0")):
+        m = get_method("lrq")
+        m.curve_every = every
+        cfg = m.resolve(scheme, m.config("paper", {"iters": iters, "batch_size": "2", "error_samples": "2",
+                                                   "lr": "0.01"}))
+        ctx = SimpleNamespace(index=0, n_blocks=2, block=copy.deepcopy(block), q_inputs=SimpleNamespace(data=x),
+                              fp_targets=SimpleNamespace(data=y), kwargs=kw, stats={})
+        out = m._reconstruct_block(ctx, scheme, cfg, {}, 4, 0)
+        assert ("curve" in out) == bool(every) and (len(out.get("curve", [])) == 4 if every else True)
+        weights.append({n: (q.qweight.clone(), q.scale.clone()) for n, q in block_linears(ctx.block).items()})
+    assert all(torch.equal(weights[0][n][k], weights[1][n][k]) for n in weights[0] for k in (0, 1))
+    # and training did move the weights (0 steps: round to nearest)
+    assert not all(torch.equal(weights[0][n][0], weights[2][n][0]) for n in weights[0])
