@@ -251,7 +251,6 @@ def _score_bounds(groups: tuple, delta: torch.Tensor, qmax: int, norm: float, sp
     up0 = nt - c0[..., hi_i]
     up1 = p1.gather(1, n[:, None])[:, :, None] - c1[..., hi_i]
     up2 = p2.gather(1, n[:, None])[:, :, None] - c2[..., hi_i]
-    mid0 = nt - low0 - up0
     low = low2 - 2 * lo_l * dd * low1 + lo_l * lo_l * dd * dd * low0
     up = up2 - 2 * hi_l * dd * up1 + hi_l * hi_l * dd * dd * up0
     # levels -zp + 1 .. qmax - zp - 1: runs lo_i + 1 .. hi_i, i.e. cumulated entries hi_i minus lo_i

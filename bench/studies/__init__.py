@@ -6,5 +6,22 @@ entry point), kept apart from the product (bench/: cli, cell, sweep, executor, s
 - speed, speed_e2e: per-layer and end-to-end latency and memory of packed models;
 - eval_speed: our perplexity evaluation against lm-eval's, same tokens;
 - crosscheck_llmcompressor, awq_gap: our GPTQ/AWQ/SmoothQuant against llm-compressor's;
-- check_compressed_tensors: our export loaded by transformers' compressed-tensors integration.
+- check_compressed_tensors: our export loaded by transformers' compressed-tensors integration;
+- s1_search: the s1 clipping search, naive loop vs exhaustive vs fast, side by side;
+- block_step: one block-reconstruction step of FlexRound and LRQ, timed and profiled;
+- figure2: the paper's Figure 2 (calibration vs held-out block error while training) in its regime;
+- paper_claims: the paper's claims from a results store, one row each with a verdict.
 """
+
+import sys
+from typing import Callable
+
+
+def run_main(main: Callable[[], int], prog: str) -> None:
+    """A study's entry point: its exit code, or exit 2 with a one-line message on bad input (UserError)."""
+    from lrq.errors import UserError
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -177,8 +177,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"python -m bench.studies.block_step: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from bench.studies import run_main
+    run_main(main, "python -m bench.studies.block_step")

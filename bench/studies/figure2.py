@@ -23,8 +23,6 @@ import argparse
 import copy
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -250,8 +248,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"python -m bench.studies.figure2: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from bench.studies import run_main
+    run_main(main, "python -m bench.studies.figure2")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -313,8 +312,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"python -m bench.studies.paper_claims: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from bench.studies import run_main
+    run_main(main, "python -m bench.studies.paper_claims")
