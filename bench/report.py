@@ -331,17 +331,21 @@ def _seeds_section(stats: dict) -> list[str]:
                      disable_numparse=True), ""]
 
 
-def seed_rankings(stats: dict) -> list[dict]:
+def seed_rankings(stats: dict, seedless: set | None = None) -> list[dict]:
     """Per scheme and column where some method has several seeds: the methods in order of their mean over
     seeds (best first), and for each neighbour in that order whether it is ahead on every seed. Seeds are
-    matched by number; a cell with one seed only (a calibration-free RTN, FP) counts as the same on every seed."""
+    matched by number; a cell in `seedless` (calibration-free: RTN without calibration, FP) counts as the
+    same on every seed; other cells run with one seed only are left out (listed in "single_seed")."""
+    seedless = seedless or set()
     out = []
     by_col: dict = defaultdict(dict)
     for (method, scheme), cols in stats.items():
         for col, cs in cols.items():
             by_col[(scheme, col)][method] = cs
-    for (scheme, col), cells in sorted(by_col.items()):
-        seeds = sorted({sd for cs in cells.values() if len(cs.seeds) > 1 for sd in cs.seeds})
+    for (scheme, col), all_cells in sorted(by_col.items()):
+        seeds = sorted({sd for cs in all_cells.values() if len(cs.seeds) > 1 for sd in cs.seeds})
+        cells = {m: cs for m, cs in all_cells.items() if len(cs.seeds) > 1 or (m, scheme) in seedless}
+        single = sorted(set(all_cells) - set(cells))
         if not seeds or len(cells) < 2:
             continue
         lower = col[1] == "ppl"
@@ -359,14 +363,14 @@ def seed_rankings(stats: dict) -> list[dict]:
             gaps = [(vb[sd] - va[sd]) if lower else (va[sd] - vb[sd]) for sd in common]  # > 0: a ahead
             steps.append({"ahead": a, "behind": b, "seeds": common, "gaps": gaps,
                           "holds": bool(common) and all(g > 0 for g in gaps)})
-        out.append({"scheme": scheme, "column": col, "order": order,
+        out.append({"scheme": scheme, "column": col, "order": order, "single_seed": single,
                     "cells": {m: (cells[m].value, cells[m].seed_sd, len(cells[m].seeds)) for m in order},
                     "steps": steps})
     return out
 
 
-def _seed_rankings_section(stats: dict) -> list[str]:
-    ranks = seed_rankings(stats)
+def _seed_rankings_section(stats: dict, seedless: set) -> list[str]:
+    ranks = seed_rankings(stats, seedless)
     if not ranks:
         return []
     body = []
@@ -386,13 +390,15 @@ def _seed_rankings_section(stats: dict) -> list[str]:
             links.append(f"{st['ahead']} > {st['behind']}: {gap} ({'all' if st['holds'] else 'not all'} "
                          f"{len(st['seeds'])} seeds)")
         name = "zero-shot avg %" if r["column"][0] == "zeroshot_avg" else f"{r['column'][0]} {r['column'][1]}"
-        body.append([r["scheme"], name, "; ".join(cells), "; ".join(links)])
+        body.append([r["scheme"], name, "; ".join(cells), "; ".join(links), ", ".join(r["single_seed"]) or "-"])
     return ["### Rankings across seeds", "",
             "Per scheme and column, the methods in order of their mean over seeds (+- standard deviation over "
             "seeds), and for each neighbour the gap to the next one (mean +- sd of the per-seed gaps, seeds matched "
             "by number; positive: ahead) and whether it is ahead on all seeds. A calibration-free cell has one "
-            "seed and counts as the same on every seed.", "",
-            tabulate(body, headers=["scheme", "column", "order (mean over seeds)", "gap to the next, over seeds"],
+            "seed and counts as the same on every seed; cells that depend on calibration but ran with one seed "
+            "are left out of the order (last column).", "",
+            tabulate(body, headers=["scheme", "column", "order (mean over seeds)", "gap to the next, over seeds",
+                                    "left out (one seed)"],
                      tablefmt="github", disable_numparse=True), ""]
 
 
@@ -423,7 +429,10 @@ def markdown_report(rows: list[Row]) -> str:
             parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
         parts += _paired_section(stats, ppl_sets)
         parts += _seeds_section(stats)
-        parts += _seed_rankings_section(stats)
+        mrows = [r for r in rows if r.model == model]
+        calibrated = {(r.method, r.scheme) for r in mrows if (r.config or {}).get("calibration")}
+        seedless = {(r.method, r.scheme) for r in mrows} - calibrated
+        parts += _seed_rankings_section(stats, seedless)
         if "quant" in set(mdf["dataset"]):
             parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
                       "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "

@@ -127,8 +127,11 @@ def test_rankings_across_seeds_say_which_orders_hold_on_every_seed():
     rows += [_cell("b", "w3a16", shift(d), seed=i) for i, d in enumerate((0.10, 0.30, 0.12))]
     rows += [_cell("c", "w3a16", shift(d), seed=i) for i, d in enumerate((0.20, 0.15, 0.22))]
     rows += [_cell("rtn", "w3a16", shift(0.5))]
-    (r,) = seed_rankings(cell_stats(rows))
-    assert r["order"] == ["a", "b", "c", "rtn"] and r["cells"]["rtn"][2] == 1
+    once = _cell("d", "w3a16", shift(-1.0))            # calibration-dependent, one seed only: left out
+    once.config["calibration"] = {"n_samples": 32, "seed": 0}
+    rows.append(once)
+    (r,) = seed_rankings(cell_stats(rows), {("rtn", "w3a16")})
+    assert r["order"] == ["a", "b", "c", "rtn"] and r["cells"]["rtn"][2] == 1 and r["single_seed"] == ["d"]
     held = {(st["ahead"], st["behind"]): st["holds"] for st in r["steps"]}
     assert held == {("a", "b"): True, ("b", "c"): False, ("c", "rtn"): True}
     ppl = lambda d: math.exp(3.15 + d)
@@ -140,6 +143,8 @@ def test_rankings_across_seeds_say_which_orders_hold_on_every_seed():
     sd = (sum((g - mean) ** 2 for g in ab) / 2) ** 0.5
     assert f"a > b: {mean:.2f} +-{sd:.2f} (all 3 seeds)" in section
     assert "b > c: " in section and "(not all 3 seeds)" in section and f"rtn {ppl(0.5):.2f} (1 seed)" in section
+    row = next(l for l in section.splitlines() if l.startswith("| w3a16"))
+    assert row.rstrip(" |").endswith("| d")
     # one seed everywhere: no section
     assert "Rankings across seeds" not in markdown_report([_cell("a", "w3a16", base), _cell("b", "w3a16", shift(1))])
 
