@@ -244,7 +244,8 @@ def cmd_run(args) -> int:
     from bench.data import check_available, resolve_data_dir
     from bench.executor import LocalExecutor
     from bench.profiles import resolve_jobs
-    from bench.report import markdown_report, write_report
+    from bench.html_report import write_report
+    from bench.report import markdown_report
     from bench.store import ResultStore
     from bench.sweep import run_cells
     _check_lists(args)
@@ -443,7 +444,7 @@ def _warn_unreadable(store) -> None:
 
 
 def cmd_report(args) -> int:
-    from bench.report import write_report
+    from bench.html_report import write_report
     store = _existing_store(args.results)
     out = write_report(store, Path(args.out))
     _warn_unreadable(store)

@@ -14,6 +14,7 @@ import html
 import json
 import math
 from collections import defaultdict
+from pathlib import Path
 
 from jinja2 import Environment, select_autoescape
 
@@ -305,3 +306,15 @@ def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> st
         models.append(_model_section(name, [r for r in latest_rows if r.model == name], all_rows or []))
     from bench.stats import METHOD_TEXT
     return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=METHOD_TEXT)
+
+
+def write_report(store, out_dir) -> Path:
+    """leaderboard.md and the self-contained leaderboard.html, each written atomically (report.py writes the
+    Markdown, this module the HTML; the writer lives here so that neither module imports the other's caller)."""
+    from bench.report import markdown_report
+    from lrq.io import atomic_write_text
+    latest = store.rows(latest=True)
+    path = Path(out_dir) / "leaderboard.md"
+    atomic_write_text(path, markdown_report(latest))
+    atomic_write_text(Path(out_dir) / "leaderboard.html", html_report(latest, store.rows()))
+    return path

@@ -8,7 +8,6 @@ tied leaders are marked ~ and a line under the table says so."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pandas as pd
 from tabulate import tabulate
@@ -16,8 +15,7 @@ from tabulate import tabulate
 from collections import defaultdict
 
 from bench import stats as S
-from bench.store import ResultStore, Row
-from lrq.io import atomic_write_text
+from bench.store import Row
 from lrq.schemes import SCHEMES
 
 FP = "fp"
@@ -454,15 +452,3 @@ def markdown_report(rows: list[Row]) -> str:
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
                   f"`lrq-bench results --json`.", ""]
     return "\n".join(parts)
-
-
-
-
-def write_report(store: ResultStore, out_dir: Path) -> Path:
-    """leaderboard.md and the self-contained leaderboard.html, each written atomically."""
-    from bench.html_report import html_report
-    latest = store.rows(latest=True)
-    path = Path(out_dir) / "leaderboard.md"
-    atomic_write_text(path, markdown_report(latest))
-    atomic_write_text(Path(out_dir) / "leaderboard.html", html_report(latest, store.rows()))
-    return path
