@@ -116,30 +116,30 @@ class Comparison:
         return self.lo is not None and self.hi is not None and not (self.lo <= self.null <= self.hi)
 
 
-def paired_ppl(a: list[float] | None, b: list[float] | None) -> Comparison | None:
-    """ppl(a) / ppl(b) over the same windows (None when either lacks windows or they differ in number)."""
+def _paired(a: list[float] | None, b: list[float] | None, ratio: bool, how: str) -> Comparison | None:
+    """Mean of the paired differences a - b with a t interval (None when either side is missing or they
+    differ in length); `ratio`: a and b are log values (NLLs), so the effect is exp(mean), null 1."""
     if not a or not b or len(a) != len(b):
         return None
     d = [x - y for x, y in zip(a, b)]
     m, sd = _mean_sd(d)
     n = len(d)
+    f = math.exp if ratio else (lambda v: v)
+    null = 1.0 if ratio else 0.0
     if n < 2:
-        return Comparison(math.exp(m), None, None, 1.0, n, "paired windows")
+        return Comparison(f(m), None, None, null, n, how)
     h = t95(n) * sd / math.sqrt(n)
-    return Comparison(math.exp(m), math.exp(m - h), math.exp(m + h), 1.0, n, "paired windows")
+    return Comparison(f(m), f(m - h), f(m + h), null, n, how)
+
+
+def paired_ppl(a: list[float] | None, b: list[float] | None) -> Comparison | None:
+    """ppl(a) / ppl(b) over the same windows (None when either lacks windows or they differ in number)."""
+    return _paired(a, b, True, "paired windows")
 
 
 def paired_acc(a: list[float] | None, b: list[float] | None) -> Comparison | None:
     """acc(a) - acc(b) over the same examples."""
-    if not a or not b or len(a) != len(b):
-        return None
-    d = [x - y for x, y in zip(a, b)]
-    m, sd = _mean_sd(d)
-    n = len(d)
-    if n < 2:
-        return Comparison(m, None, None, 0.0, n, "paired examples")
-    h = t95(n) * sd / math.sqrt(n)
-    return Comparison(m, m - h, m + h, 0.0, n, "paired examples")
+    return _paired(a, b, False, "paired examples")
 
 
 def paired_avg(a: list[list[float]] | None, b: list[list[float]] | None) -> Comparison | None:
