@@ -46,11 +46,13 @@ def test_figure2_curves_and_resume(tiny_model_dir, data_dir, tmp_path):
     assert markdown(res2).count("| 0 |") == 2
 
 
-def test_figure2_rejects_bad_blocks(tiny_model_dir, data_dir, tmp_path):
+def test_figure2_rejects_bad_blocks_and_static_schemes(tiny_model_dir, data_dir, tmp_path):
     from lrq.errors import UserError
+    base = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--out", str(tmp_path)] + ARGS
     with pytest.raises(UserError, match="blocks 0..1"):
-        main(["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--out", str(tmp_path)] + ARGS
-             + ["--blocks", "7"])
+        main(base + ["--blocks", "7"])
+    with pytest.raises(UserError, match="static activation ranges"):
+        main(base + ["--scheme", "w8a8"])
 
 
 def test_the_curve_does_not_change_training(tiny_model_dir, data_dir):

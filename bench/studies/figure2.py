@@ -98,6 +98,10 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     scheme = get_scheme(args.scheme)
+    if scheme.static_activations:
+        raise UserError(f"--scheme {args.scheme}: static activation ranges need the whole model's calibration pass, "
+                        f"which this per-block study does not make; use a weight-only or per-token scheme "
+                        f"(w3a16, w4a16, w4a8, or their -g128 forms).")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     objs = {m: get_method(m, device=dev) for m in methods}
     for m, o in objs.items():
