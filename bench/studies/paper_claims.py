@@ -166,7 +166,7 @@ def claim_figure2(rows) -> dict:
             "measurement": lines, "verdict": verdict,
             "why": f"held-out error lower with LRQ (separated) in {counts['holds']} of {len(outcomes)} schemes, "
                    f"higher in {counts['does not hold']}, not separated in {counts['not separated']}; end of "
-                   "training only (the curves over steps need the engine's error log)",
+                   "training only (the curves over steps: python -m bench.studies.figure2)",
             "regime": "; ".join(sorted(regimes))}
 
 
