@@ -10,8 +10,11 @@ Conventions (METHOD.md section 1 and 4):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
+import numpy as np
 import torch
 
 from lrq.errors import UserError
@@ -137,12 +140,23 @@ def weight_bits_per_element(bits: int, group_size: int | None, in_features: int,
     return bits + n_groups(in_features, group_size) * (scale_bits + zero_bits) / in_features
 
 
+# Scores are sums of float32 |e|^p. torch computes pow over whole vectors with one routine and the
+# remainder of a buffer that is not a whole number of vectors with another, which can differ in the last
+# bit; so the searches lay every group out in a multiple of SEARCH_ALIGN columns (padding masked out) and
+# score on one thread, where every element goes through the vector routine whatever the layout, the block
+# sizes or the machine's thread count, and both searches agree to the last bit.
+SEARCH_ALIGN = 32
+
+
 def _search_groups(w: torch.Tensor, group_size: int | None):
-    """Rows/groups of `w` as [N, g] float32 (padding 0), the valid mask, and each group's lo <= 0 <= hi."""
+    """Rows/groups of `w` as [N, g] float32 (padding 0, g a multiple of SEARCH_ALIGN), the valid mask, and
+    each group's lo <= 0 <= hi."""
     rows = w.shape[0]
     wg = _group_view(w.float(), group_size, math.nan)            # [rows, ng, g], NaN = padding
     ng, g = wg.shape[1], wg.shape[2]
     flat = wg.reshape(rows * ng, g)
+    if g % SEARCH_ALIGN:
+        flat = torch.nn.functional.pad(flat, (0, SEARCH_ALIGN - g % SEARCH_ALIGN), value=math.nan)
     valid = ~torch.isnan(flat)
     flat = torch.nan_to_num(flat, nan=0.0)
     lo = torch.where(valid, flat, torch.full_like(flat, math.inf)).amin(-1).clamp(max=0)
@@ -154,13 +168,61 @@ def _search_error(x: torch.Tensor, valid: torch.Tensor, delta: torch.Tensor, zp:
                   norm: float) -> torch.Tensor:
     """The search's score sum |W - W_hat|^norm, float32, for x [R, 1, g] against candidates delta/zp [R, C, 1].
 
-    Both searches score with exactly these float32 operations, so their scores agree to the last bit.
+    Both searches score with exactly these float32 operations (on one thread, g a multiple of
+    SEARCH_ALIGN), so their scores agree to the last bit.
     """
     q = torch.clamp(torch.round(x / delta) + zp, 0, qmax)
     err = ((q - zp) * delta - x).abs().pow(norm)
     return torch.where(valid, err, 0).sum(-1)
 
 
+def _score_candidates(flat: torch.Tensor, valid: torch.Tensor | None, rows: torch.Tensor, delta: torch.Tensor,
+                      zp: torch.Tensor, qmax: int, norm: float, block_elems: int = 2**16) -> torch.Tensor:
+    """The exact scores [K] of K candidates: group rows[k] of `flat` [N, g] at step delta[k], zero point zp[k].
+
+    The same float32 operations as `_search_error`, element by element and summed in the same order, hence
+    the same scores to the last bit, but in place and in blocks of about `block_elems` elements that stay in
+    the cache (about 4x faster than one pass over all candidates). `valid` None: no padding.
+    """
+    K, g = rows.numel(), flat.shape[1]
+    out = torch.empty(K)
+    per = max(1, block_elems // g)
+    for a in range(0, K, per):
+        r, d, z = rows[a:a + per], delta[a:a + per, None], zp[a:a + per, None]
+        x = flat[r]
+        q = x / d
+        q.round_().add_(z).clamp_(0, qmax).sub_(z).mul_(d).sub_(x).abs_().pow_(norm)
+        if valid is not None:
+            q.masked_fill_(~valid[r], 0)
+        out[a:a + per] = q.sum(-1)
+    return out
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread for the duration (see SEARCH_ALIGN); the caller's thread count is restored."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _on_cpu(search):
+    """Run a search on the CPU, one thread, whatever device `w` is on; the results go back to that device."""
+    @functools.wraps(search)
+    def run(w: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        with _one_thread():
+            scale, zero = search(w.detach().float().cpu(), *args, **kwargs)
+        return scale.to(w.device), zero.to(w.device)
+    return run
+
+
+@_on_cpu
 def search_qparams_exhaustive(w: torch.Tensor, bits: int, group_size: int | None = None, grid: int = 100,
                               norm: float = 2.4, chunk_elems: int = 2**24) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipping search by scoring every candidate (the definition; `search_qparams` is the fast equivalent).
@@ -199,13 +261,20 @@ def _sorted_groups(x: torch.Tensor, valid: torch.Tensor):
     """Each group sorted (float32, padding last as inf), its size and prefix sums of x and x^2 (float64)."""
     R, g = x.shape
     n = valid.sum(-1)
-    xs = torch.where(valid, x.float(), math.inf).sort(-1).values
-    xz = torch.where(torch.arange(g)[None, :] < n[:, None], xs.double(), 0.0)
-    zero_col = torch.zeros(R, 1, dtype=torch.float64)
-    return xs, n, torch.cat([zero_col, xz.cumsum(-1)], 1), torch.cat([zero_col, (xz * xz).cumsum(-1)], 1)
+    # numpy's sort (vectorised where the CPU allows) is about 15x torch's on rows; the values are the same
+    xs = torch.from_numpy(np.sort(torch.where(valid, x.float(), math.inf).numpy(), axis=-1))
+    xz = xs.double()
+    if not bool(valid.all()):
+        xz.masked_fill_(torch.arange(g)[None, :] >= n[:, None], 0.0)
+    p1 = torch.zeros(R, g + 1, dtype=torch.float64)
+    p2 = torch.zeros(R, g + 1, dtype=torch.float64)
+    torch.cumsum(xz, -1, out=p1[:, 1:])
+    torch.cumsum(xz.mul_(xz), -1, out=p2[:, 1:])
+    return xs, n, p1, p2
 
 
-def _score_bounds(groups: tuple, delta: torch.Tensor, qmax: int, norm: float, split: bool = True) -> torch.Tensor:
+def _score_bounds(groups: tuple, delta: torch.Tensor, qmax: int, norm: float, split: bool = True,
+                  squares: bool = False) -> torch.Tensor:
     """A lower bound [R, G, Z] on every candidate's score sum |e|^p (p = norm >= 2), for the groups given
     sorted (`_sorted_groups`) and the steps delta [R, G].
 
@@ -219,7 +288,8 @@ def _score_bounds(groups: tuple, delta: torch.Tensor, qmax: int, norm: float, sp
     the levels -zp..qmax - zp: every weight below the boundary of level -zp takes level -zp, every one
     from the boundary below level qmax - zp takes that level, and the levels in between add up by
     cumulative sums over the levels. Rounding ties are taken upwards here (the scores round half to
-    even), which with float64 rounding is what the caller's margin absorbs.
+    even), which with float64 rounding is what the caller's margin absorbs. With `squares` (and not
+    `split`) the sums of squared errors themselves are returned, float64.
     """
     xs, n, p1, p2 = groups
     R = xs.shape[0]
@@ -257,7 +327,8 @@ def _score_bounds(groups: tuple, delta: torch.Tensor, qmax: int, norm: float, sp
     mid = (c2[..., hi_i] - low2) - 2 * dd * (s1[..., hi_i] - s1[..., lo_i]) + dd * dd * (s0[..., hi_i] - s0[..., lo_i])
     e = norm / 2
     if not split:
-        return nt.float() ** (1 - e) * (low + mid + up).clamp_(min=0).float() ** e
+        sq = (low + mid + up).clamp_(min=0)
+        return sq if squares else nt.float() ** (1 - e) * sq.float() ** e
     # Long rows: each part bounded apart, by its sum of |e| as well: for r < s < t the moments obey
     # M_s^(t - r) <= M_r^(t - s) M_t^(s - r) (Lyapunov); r = 1, s = 2, t = p gives
     # sum |e|^p >= (sum e^2)^(p - 1) / (sum |e|)^(p - 2), never below the power-mean bound and much closer
@@ -302,30 +373,46 @@ def _extreme_bounds(x: torch.Tensor, valid: torch.Tensor, delta: torch.Tensor, q
     return torch.maximum(below, above).amin(-1).pow_(norm)
 
 
+def _row_lists(mask: torch.Tensor) -> torch.Tensor | None:
+    """Each row's True columns of `mask` [R, G], as indices [R, Gm] (Gm = the most in any row), short rows
+    padded with their first index (computing a bound twice is harmless); None when no row has any."""
+    cnt = mask.sum(1)
+    gm = int(cnt.max()) if cnt.numel() else 0
+    if gm == 0:
+        return None
+    idx = torch.sort(mask.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :gm]
+    return torch.where(torch.arange(gm)[None, :] >= cnt[:, None], idx[:, :1], idx)
+
+
+@_on_cpu
 def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, grid: int = 100,
-                   norm: float = 2.4, chunk_elems: int = 2**22, margin: float = 1e-2,
+                   norm: float = 2.4, chunk_elems: int = 2**20, margin: float = 1e-2,
                    stats: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipping search for per-row (or per-group) scale and zero point (METHOD.md section 3).
 
     The same search as `search_qparams_exhaustive` (same candidates, same float32 scores, same tie rule,
     hence the same scales and zero points, which equal the authors'), without scoring every candidate.
-    For norm >= 2 a candidate's score has lower bounds that cost far less than the score: from its squared
-    (and absolute) errors, closed-form for all zero points of a width from one sort of the group
+    For norm >= 2 a candidate's score has lower bounds that cost far less than the score: closed-form from
+    its squared (and absolute) errors for all zero points of a width from one sort of the group
     (`_score_bounds`), and, cheaper still, from the group's extreme weights alone (`_extreme_bounds`).
-    Pass 1 bounds every 5th width in closed form and scores its 8 most promising candidates exactly: e0,
-    an upper bound on the group's best score. Pass 2 computes the closed-form bounds of the widths whose
-    extremes bound does not already exceed e0 (groups needing as many widths are batched together) and
-    scores every candidate whose bound, less a `margin` for rounding, does not exceed e0. No other candidate
-    can reach e0, so none can win or tie. On the default model's weights about 20-30 of the 1,600 (4-bit)
-    candidates per row or group are scored.
+    Pass 1 computes the squared errors of every 5th width and scores the 8 most promising candidates
+    exactly: e0, an upper bound on the group's best score. A candidate can only reach e0 if its squared
+    error is at most T^2 = e0^(2/p) n^(1 - 2/p) (power means), and the squared error moves slowly with the
+    step: with the same levels k, | ||k d - x|| - ||k d' - x|| | <= |d - d'| ||k||, and ||k|| <= (||x|| + T) / d
+    for any candidate within T. So the coarse widths rule out most of the others with no further work.
+    Pass 2 computes, per group, the closed-form bounds of only the widths still in play (power means, then
+    the tighter bounds on those still left) and scores every candidate whose bound, less a `margin` for
+    rounding, does not exceed e0. No other candidate can reach e0, so none can win or tie. On the default
+    model's weights about 20-30 of the 1,600 (4-bit) candidates per row or group are scored.
     Norms below 2 (no such bound) and non-finite weights use the exhaustive search. `stats`, when given,
-    receives "candidates" (per group) and "scored" (a tensor: how many were scored in each group).
+    receives "candidates" (per group), "scored" (a tensor: how many were scored in each group) and
+    "bounded" (a tensor: how many widths got closed-form bounds in each group, of `grid`).
     """
     check_bits(bits)
     if norm < 2 or not torch.isfinite(w).all():
         if stats is not None:
-            stats.update(candidates=grid * 2**bits, scored=None)
-        return search_qparams_exhaustive(w, bits, group_size, grid, norm)
+            stats.update(candidates=grid * 2**bits, scored=None, bounded=None)
+        return search_qparams_exhaustive.__wrapped__(w, bits, group_size, grid, norm)
     rows = w.shape[0]
     qmax = 2**bits - 1
     Z = qmax + 1
@@ -337,70 +424,100 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
     delta = torch.stack([(width * i / grid / qmax).clamp(min=SCALE_EPS) for i in range(1, grid + 1)], dim=1)
     # the tails' own bounds cut the candidates scored by about half; worth their cost on long rows only
     split = g > 256
-    first = min(8, C)
-    step = max(1, min(chunk_elems // (grid * (2 * qmax + 2) * 8), chunk_elems // (first * g)))
+    first = min(4, C)
+    step = max(1, chunk_elems // (grid * (2 * qmax + 2) * 8))
     chunks = [slice(a, min(a + step, N)) for a in range(0, N, step)]
-    # Pass 1: the closed-form bounds on every 5th width (the widest first); the `first` best of those
-    # candidates are scored exactly: an upper bound e0 on every group's best score.
+    pad = None if bool(valid.all()) else valid
+    srt = _sorted_groups(flat, valid)
+    n = srt[1].double()
+    p = norm
+    # Pass 1: squared errors of every 5th width (the widest first) for every zero point, their power-mean
+    # bounds, and the `first` most promising candidates scored exactly: e0.
     coarse = torch.arange(grid - 1, -1, -5).flip(0)
     Gc = len(coarse)
     cand0 = torch.empty(N, first, dtype=torch.long)
     score0 = torch.empty(N, first)
+    sq0 = torch.empty(N, Gc, Z, dtype=torch.float64)
     table0 = torch.empty(N, Gc, Z)
-    srt = _sorted_groups(flat, valid)
     for sl in chunks:
-        x, m, dl = flat[sl], valid[sl], delta[sl]
-        b = _score_bounds(tuple(t[sl] for t in srt), dl[:, coarse], qmax, norm, split)        # [R, Gc, Z]
+        dl = delta[sl]
+        sq = _score_bounds(tuple(t[sl] for t in srt), dl[:, coarse], qmax, norm, False, squares=True)
+        sq0[sl] = sq
+        b = n[sl, None, None].float() ** (1 - p / 2) * sq.float() ** (p / 2)                  # [R, Gc, Z]
         table0[sl] = b
-        top = b.reshape(len(x), -1).topk(first, dim=1, largest=False, sorted=False).indices
+        R = len(b)
+        top = b.reshape(R, -1).topk(first, dim=1, largest=False, sorted=False).indices
         cand = coarse[top // Z] * Z + top % Z
         cand0[sl] = cand
-        score0[sl] = _search_error(x[:, None, :], m[:, None, :], dl.gather(1, cand // Z)[..., None],
-                                   (cand % Z).float()[..., None], qmax, norm)
-    e0 = score0.amin(1)
-    # Which widths can still beat e0, by the cheap bound from the extreme weights; groups that need as many
-    # widths go together, so pass 2 computes the closed-form bounds of few widths per group.
+        rows0 = torch.arange(sl.start, sl.stop).repeat_interleave(first)
+        score0[sl] = _score_candidates(flat, pad, rows0, dl.gather(1, cand // Z).reshape(-1),
+                                       (cand % Z).float().reshape(-1), qmax, norm).reshape(R, first)
+    e0 = score0.amin(1).double()
+    # Which candidates are still in play: not ruled out by the extreme weights (`_extreme_bounds`) nor, via
+    # the nearest coarse width on either side, by the squared errors' slow change with the step (above).
+    T = (e0 * (1 + margin)) ** (2 / p) * n ** (1 - 2 / p)                                    # T^2, [N]
+    T = T.sqrt()[:, None, None]
+    xnorm = srt[3].gather(1, srt[1][:, None]).sqrt()[:, :, None]                            # ||x||, [N, 1, 1]
+    zp = torch.arange(Z, dtype=torch.float64)
+    kmax = torch.maximum(zp, qmax - zp) * n.sqrt()[:, None]                                 # ||k|| <= this
+    j = torch.arange(grid)
+    left = ((j - 4).clamp(min=0) // 5).clamp(max=Gc - 1)        # the coarse width at or below j (or the first)
+    right = (j // 5).clamp(max=Gc - 1)                            # at or above j
+    live = torch.empty(N, grid, Z, dtype=torch.bool)
     ext = torch.empty(N, grid)
     for sl in chunks:
         ext[sl] = _extreme_bounds(flat[sl], valid[sl], delta[sl], qmax, norm)
-    need = ext.double() * (1 - margin) <= e0[:, None].double()
+        d = delta[sl].double()[:, :, None]                                                   # [R, G, 1]
+        knorm = torch.minimum((xnorm[sl] + T[sl]) / d, kmax[sl][:, None, :])               # [R, G, Z]
+        keep = torch.ones(d.shape[0], grid, Z, dtype=torch.bool)
+        for side in (left, right):
+            dc = delta[sl].double()[:, coarse[side], None]
+            reach = T[sl] + (dc - d).abs() * knorm
+            keep &= sq0[sl][:, side].sqrt() * (1 - margin) <= reach
+        keep &= (ext[sl].double() * (1 - margin) <= e0[sl, None])[:, :, None]
+        live[sl] = keep
+    live[:, coarse] = True            # the coarse widths have their bounds already; pass 2 takes them as they are
+    need = live.any(-1)
     need[:, coarse] = False
     order = torch.sort(need.sum(1), stable=True).indices
     best = torch.empty(N, dtype=torch.long)
     scored = torch.empty(N, dtype=torch.long)
-    # Pass 2: every candidate bounded (closed form where computed, else its width's extremes bound); those
-    # whose bound does not exceed e0 are scored exactly.
+    bounded = torch.full((N,), Gc, dtype=torch.long)
+    # Pass 2: every candidate in play bounded in closed form (power means; then, with `split`, the tighter
+    # bounds for the widths those leave in play), each group its own widths; those whose bound does not
+    # exceed e0 are scored exactly.
     for a in range(0, N, step):
         idx = order[a:a + step]
-        x, m, dl = flat[idx], valid[idx], delta[idx]
+        dl = delta[idx]
         R = len(idx)
-        bound = ext[idx].double()[:, :, None].repeat(1, 1, Z)                                  # [R, G, Z]
+        grp = tuple(t[idx] for t in srt)
+        bound = torch.where(live[idx], ext[idx].double()[:, :, None], math.inf)               # [R, G, Z]
         bound[:, coarse] = torch.maximum(bound[:, coarse], table0[idx].double())
-        extra = need[idx].any(0).nonzero().squeeze(1)
-        if extra.numel():
-            bound[:, extra] = torch.maximum(bound[:, extra], _score_bounds(
-                tuple(t[idx] for t in srt), dl[:, extra], qmax, norm, split).double())
+        cols = _row_lists(need[idx])
+        if cols is not None:
+            vals = _score_bounds(grp, dl.gather(1, cols), qmax, norm, False).double()
+            bound.scatter_reduce_(1, cols[:, :, None].expand(-1, -1, Z), vals, "amax")
+        if split:
+            alive = (bound * (1 - margin) <= e0[idx, None, None]).any(-1)
+            bounded[idx] += alive.sum(1)
+            cols = _row_lists(alive)
+            if cols is not None:
+                vals = _score_bounds(grp, dl.gather(1, cols), qmax, norm, True).double()
+                bound.scatter_reduce_(1, cols[:, :, None].expand(-1, -1, Z), vals, "amax")
+        bounded[idx] += need[idx].sum(1)
         bound = bound.reshape(R, C) * (1 - margin)
         c0, s0 = cand0[idx], score0[idx]
         bound.scatter_(1, c0, math.inf)
-        r2, c2 = (bound <= e0[idx, None].double()).nonzero(as_tuple=True)
-        pr = [torch.arange(R)[:, None].expand(R, first).reshape(-1)]
-        pc, ps = [c0.reshape(-1)], [s0.reshape(-1)]
-        per = max(2, chunk_elems // g)
-        for b in range(0, r2.numel(), per):
-            rr, cc = r2[b:b + per], c2[b:b + per]
-            if rr.numel() == 1:  # a single output would let torch split the sum across threads: keep >= 2
-                rr, cc = rr.repeat(2), cc.repeat(2)
-            sc = _search_error(x[rr][:, None, :], m[rr][:, None, :], dl[rr, cc // Z][:, None, None],
-                               (cc % Z).float()[:, None, None], qmax, norm)[:, 0]
-            pr.append(rr), pc.append(cc), ps.append(sc)
-        pr, pc, ps = torch.cat(pr), torch.cat(pc), torch.cat(ps)
+        r2, c2 = (bound <= e0[idx, None]).nonzero(as_tuple=True)
+        sc = _score_candidates(flat, pad, idx[r2], dl[r2, c2 // Z], (c2 % Z).float(), qmax, norm)
+        pr = torch.cat([torch.arange(R)[:, None].expand(R, first).reshape(-1), r2])
+        pc, ps = torch.cat([c0.reshape(-1), c2]), torch.cat([s0.reshape(-1), sc])
         # the lowest score wins, then the lowest candidate index (the exhaustive search's order)
         low = torch.full((R,), math.inf).scatter_reduce(0, pr, ps, "amin")
         win = torch.where(ps == low[pr], pc, C)
         best[idx] = torch.full((R,), C).scatter_reduce(0, pr, win, "amin")
         scored[idx] = first + torch.bincount(r2, minlength=R)
     if stats is not None:
-        stats.update(candidates=C, scored=scored)
+        stats.update(candidates=C, scored=scored, bounded=bounded)
     scale = delta.gather(1, (best // Z)[:, None])[:, 0]
     return scale.reshape(rows, ng), (best % Z).float().reshape(rows, ng)

@@ -9,7 +9,9 @@ Times, in one run and interleaved (so all three share the machine's conditions):
   (width, zero point) order;
 - `exhaustive`: `lrq.quant.search_qparams_exhaustive`, every candidate scored, vectorised over zero points
   (the implementation before the fast one);
-- `fast`: `lrq.quant.search_qparams`, which scores only the candidates its lower bounds cannot rule out.
+- `fast`: `lrq.quant.search_qparams`, which scores only the candidates its lower bounds cannot rule out;
+- `fast@REV` (with `--against REV`): `search_qparams` as it was at git revision REV (its `lrq/quant.py`
+  loaded from git), to measure a change to the fast search before and after in one run.
 
 All three must return bitwise-identical scales and zero points, or the study fails (exit 1). Medians of
 `--repeats` runs; ratios are of medians from the same run. Writes `--out`/s1_search.json (after every
@@ -72,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--norm", type=float, default=2.4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--impls", default="naive,exhaustive,fast")
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="also time `search_qparams` as it was at this git revision (e.g. a commit before a change)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="reports/s1-search")
     p.add_argument("--smoke", action="store_true", help="a random 64 x 256 matrix, 1 repeat (the suite's check)")
@@ -85,6 +89,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
     return a
+
+
+def search_at_revision(rev: str) -> tuple[str, Callable]:
+    """`search_qparams` from `lrq/quant.py` at git revision `rev`, loaded as a module of its own."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        full = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        src = subprocess.run(["git", "show", f"{full}:lrq/quant.py"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        raise UserError(f"--against {rev}: no lrq/quant.py at that revision in {root} ({e}); name a commit of "
+                        f"this repository, e.g. --against HEAD~1.") from None
+    path = Path(tempfile.mkdtemp(prefix="s1-against-")) / f"quant_{full[:12]}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"lrq_quant_{full[:12]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return f"fast@{full[:7]}", mod.search_qparams
 
 
 def load_weight(args) -> torch.Tensor:
@@ -111,17 +138,24 @@ def markdown(result: dict) -> str:
         f"{c['hardware']['cpu']} x{c['hardware']['cpu_count']}; torch {c['versions'].get('torch')}; git "
         f"{c['git']}; load average before / after: {c['load_before']} / {c['load_after']}.",
         "",
-        "| bits | groups | candidates per row/group | scored by `fast` (mean, max) | naive s | exhaustive s | fast s "
-        "| naive / fast | exhaustive / fast | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    names = [k for k in c.get("impls", ["naive", "exhaustive", "fast"])]
+    others = [k for k in names if k != "fast"]
+    lines += ["| bits | groups | candidates per row/group | scored by `fast` (mean, max) | "
+              + " | ".join(f"{k} s" for k in names) + " | " + " | ".join(f"{k} / fast" for k in others)
+              + " | identical |",
+              "|---" * (5 + len(names) + len(others)) + "|"]
     for r in result["rows"]:
         t = r["median_s"]
-        f = lambda k: f"{t[k]:.3f}" if k in t else "-"
-        ratio = lambda k: f"{t[k] / t['fast']:.1f}x" if k in t else "-"
-        lines.append(f"| {r['bits']} | {r['groups']} | {r['candidates']:,} | {r['scored_mean']:.1f}, {r['scored_max']} "
-                     f"| {f('naive')} | {f('exhaustive')} | {f('fast')} | {ratio('naive')} | {ratio('exhaustive')} "
-                     f"| {'yes' if r['identical'] else 'NO'} |")
+        lines.append(f"| {r['bits']} | {r['groups']} | {r['candidates']:,} | {r['scored_mean']:.1f}, {r['scored_max']} | "
+                     + " | ".join(f"{t[k]:.3f}" for k in names) + " | "
+                     + " | ".join(f"{t[k] / t['fast']:.1f}x" for k in others)
+                     + f" | {'yes' if r['identical'] else 'NO'} |")
+    bounded = [f"{r['bits']}-bit {r['groups']} {r['bounded_mean']:.1f}" for r in result["rows"]
+               if r.get("bounded_mean") is not None]
+    if bounded:
+        lines += ["", f"Widths (of {c['grid']}) whose closed-form bounds `fast` computed, per row or group (mean): "
+                  + "; ".join(bounded) + "."]
     lines += ["", "Every run's times (s): " + "; ".join(
         f"{r['bits']}-bit {r['groups']}: " + ", ".join(f"{k} {v}" for k, v in r["times_s"].items())
         for r in result["rows"]), ""]
@@ -133,12 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from bench.provenance import git_revision, hardware, versions
+    impls = {name: IMPLS[name] for name in args.impls}
+    if args.against:
+        name, fn = search_at_revision(args.against)
+        impls = {**{k: v for k, v in impls.items() if k != "fast"}, name: fn, "fast": impls["fast"]}
     w = load_weight(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"config": {"model": "random (smoke)" if args.smoke else args.model,
                          "weight": "random" if args.smoke else args.weight, "shape": list(w.shape),
-                         "grid": args.grid, "norm": args.norm, "repeats": 1 if args.smoke else args.repeats,
+                         "grid": args.grid, "norm": args.norm, "impls": list(impls),
+                         "repeats": 1 if args.smoke else args.repeats,
                          "threads": torch.get_num_threads(), "command": " ".join(["python -m bench.studies.s1_search",
                                                                                   *(argv if argv is not None else sys.argv[1:])]),
                          "versions": versions(), "hardware": hardware(), "git": git_revision(),
@@ -146,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for bits in args.bits:
         for group in args.groups:
-            times: dict[str, list[float]] = {k: [] for k in args.impls}
+            times: dict[str, list[float]] = {k: [] for k in impls}
             outs: dict[str, tuple] = {}
             stats: dict = {}
             for _ in range(result["config"]["repeats"]):
-                for name in args.impls:
+                for name, fn in impls.items():
                     kw = {"stats": stats} if name == "fast" else {}
                     t0 = time.perf_counter()
-                    outs[name] = IMPLS[name](w, bits, group, args.grid, args.norm, **kw)
+                    outs[name] = fn(w, bits, group, args.grid, args.norm, **kw)
                     times[name].append(round(time.perf_counter() - t0, 4))
             ref = outs["fast"]
             identical = all(torch.equal(o[0], ref[0]) and torch.equal(o[1], ref[1]) for o in outs.values())
@@ -163,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                    "candidates": stats["candidates"], "identical": identical, "times_s": times,
                    "median_s": {k: statistics.median(v) for k, v in times.items()},
                    "scored_mean": float(scored.mean()) if scored is not None else float(stats["candidates"]),
-                   "scored_max": int(scored.max()) if scored is not None else stats["candidates"]}
+                   "scored_max": int(scored.max()) if scored is not None else stats["candidates"],
+                   "bounded_mean": float(stats["bounded"].float().mean()) if stats.get("bounded") is not None
+                   else None}
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in ("bits", "groups", "median_s", "scored_mean", "identical")}), flush=True)
             atomic_write_text(out / "s1_search.json", json.dumps(result, indent=1))
