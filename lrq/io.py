@@ -15,8 +15,19 @@ from typing import Callable
 from lrq.errors import UserError
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync: bool = True) -> Path:
-    """Call `write(tmp_path)` to produce the file, then move it to `path` in one rename."""
+    """Call `write(tmp_path)` to produce the file, then move it to `path` in one rename. The file gets the
+    permissions a plain open() would give it (those of the file it replaces, else 0666 less the umask),
+    not the temporary file's private 0600."""
     path = Path(path)
     tmp = None
     try:
@@ -25,6 +36,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync
         os.close(fd)
         tmp = Path(name)
         write(tmp)
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_UMASK
+        os.chmod(tmp, mode)
         if fsync:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())

@@ -342,3 +342,19 @@ def test_a_full_disk_is_said_as_such(tmp_path):
         _reraise(tmp_path / "r.sqlite", sqlite3.OperationalError("database or disk is full"))
     with pytest.raises(sqlite3.IntegrityError):   # a constraint is a bug, not the user's disk
         _reraise(tmp_path / "r.sqlite", sqlite3.IntegrityError("NOT NULL constraint failed"))
+
+
+def test_written_files_are_readable_like_plain_ones(tmp_path):
+    """Reports and stores are written atomically through a private temporary file; the result must not keep
+    its 0600 mode (a shared results folder would be unreadable to the rest of the team)."""
+    import os
+    import stat
+
+    from lrq.io import _UMASK, atomic_write_text
+    new = atomic_write_text(tmp_path / "report.md", "a")
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~_UMASK
+    kept = tmp_path / "kept.md"
+    kept.write_text("old")
+    os.chmod(kept, 0o640)
+    atomic_write_text(kept, "new")
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_text() == "new"
