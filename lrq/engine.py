@@ -48,6 +48,27 @@ def block_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def window_errors(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict,
+                  batch: int = 8) -> list[float]:
+    """`block_loss` of each window alone (its squared error summed over tokens, averaged over hidden)."""
+    out: list[float] = []
+    dev = next(block.parameters()).device
+    for i in range(0, len(inputs), batch):
+        y = block(inputs[i:i + batch].to(dev), **kwargs)
+        y = y[0] if isinstance(y, tuple) else y
+        out += (y.float() - targets[i:i + batch].to(dev).float()).pow(2).sum(dim=1).mean(-1).tolist()
+    return out
+
+
+def _curve_point(step: int, loss: float, block: nn.Module, calib: tuple, heldout: tuple, kwargs: dict) -> dict:
+    """One point of a block's training curve: the mean error over the calibration windows measured and over
+    the held-out ones, and every window's own error (for intervals across windows)."""
+    c, h = window_errors(block, *calib, kwargs), window_errors(block, *heldout, kwargs)
+    mean = lambda v: sum(v) / len(v) if v else math.nan
+    return {"step": step, "loss": loss, "calib": mean(c), "heldout": mean(h), "calib_windows": c, "heldout_windows": h}
+
+
+@torch.no_grad()
 def block_error(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict, batch: int = 8) -> float:
     if len(inputs) == 0:
         return float("nan")
@@ -274,7 +295,9 @@ class ReconstructionMethod(Method):
             dev = next(block.parameters()).device    # the walk put the block on the compute device
             autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
             loss_val = math.nan
-            curve = [{"step": 0, "loss": math.nan, "calib": out["calib_before"], "heldout": out["heldout_before"]}]
+            if self.curve_every:
+                with _frozen(block, learn):
+                    curve = [_curve_point(0, math.nan, block, (xe, ye), (xh, yh), kw)]
             for step in bar:
                 if pos + bs > n_train:
                     order, pos = torch.randperm(n_train, generator=gen), 0
@@ -298,8 +321,7 @@ class ReconstructionMethod(Method):
                     bar.set_postfix(loss=f"{loss_val:.4g}")
                 if self.curve_every and ((step + 1) % self.curve_every == 0 or step == iters - 1):
                     with _frozen(block, learn):
-                        curve.append({"step": step + 1, "loss": loss_val, "calib": block_error(block, xe, ye, kw),
-                                      "heldout": block_error(block, xh, yh, kw)})
+                        curve.append(_curve_point(step + 1, loss_val, block, (xe, ye), (xh, yh), kw))
             out["final_loss"] = loss_val
             if self.curve_every:
                 out["curve"] = curve

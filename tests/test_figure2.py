@@ -34,6 +34,18 @@ def test_figure2_curves_and_resume(tiny_model_dir, data_dir, tmp_path):
     assert [r["block"] for r in rows] == [0, 1] and "lrq_over_flexround" in rows[0]
     md = (out / "figure2.md").read_text()
     assert "| 0 | lrq | 6 |" in md and "LRQ / FlexRound held-out error at the end, per block" in md
+    # every point keeps each window's error: intervals across windows, and the paired per-window ratio
+    for r in res["results"].values():
+        for p in r["curve"]:
+            assert len(p["heldout_windows"]) == 4 and len(p["calib_windows"]) == 4
+            assert p["heldout"] == pytest.approx(sum(p["heldout_windows"]) / 4, rel=1e-12)
+    lo, hi = rows[0]["lrq"]["heldout_ci"][1:]
+    assert lo < rows[0]["lrq"]["heldout"] < hi
+    g, glo, ghi = rows[0]["lrq_over_flexround"]["heldout_paired"]
+    a = res["results"]["0/lrq"]["curve"][-1]["heldout_windows"]
+    b = res["results"]["0/flexround"]["curve"][-1]["heldout_windows"]
+    assert glo < g < ghi and min(x / y for x, y in zip(a, b)) <= g <= max(x / y for x, y in zip(a, b))
+    assert "window by window on the same windows" in md and f"block 0 {g:.3f} [{glo:.3f}, {ghi:.3f}]" in md
     page = (out / "figure2.html").read_text()
     assert page.count("<svg") == 2 and "lrq held-out" in page
     # a rerun with the same configuration trains nothing again; a changed one starts over
@@ -44,6 +56,31 @@ def test_figure2_curves_and_resume(tiny_model_dir, data_dir, tmp_path):
     res2 = json.loads((out / "figure2.json").read_text())
     assert sorted(res2["results"]) == ["0/flexround", "0/lrq"] and res2["config"]["settings"]["lr"] == "0.02"
     assert markdown(res2).count("| 0 |") == 2
+
+
+def test_methods_run_apart_then_merged(tiny_model_dir, data_dir, tmp_path):
+    """One process per method (each its own --out), then --merge: the same table as one run of both."""
+    from lrq.errors import UserError
+    one_block = ARGS.copy()
+    one_block[one_block.index("--blocks") + 1] = "first"
+    base = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir)] + one_block
+    assert main(base + ["--methods", "lrq", "--out", str(tmp_path / "a")]) == 0
+    assert main(base + ["--methods", "flexround", "--out", str(tmp_path / "b")]) == 0
+    assert main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 0
+    res = json.loads((tmp_path / "m" / "figure2.json").read_text())
+    assert sorted(res["results"]) == ["0/flexround", "0/lrq"] and res["config"]["methods"] == ["lrq", "flexround"]
+    assert "lrq_over_flexround" in summary(res)[0] and (tmp_path / "m" / "figure2.html").exists()
+    assert main(base + ["--out", str(tmp_path / "both")]) == 0      # the same training, whichever process ran it
+    one = json.loads((tmp_path / "both" / "figure2.json").read_text())
+    for k in ("0/lrq", "0/flexround"):
+        assert res["results"][k]["curve"] == one["results"][k]["curve"]
+    assert main(base + ["--methods", "lrq", "--iters", "4", "--out", str(tmp_path / "c")]) == 0
+    with pytest.raises(UserError, match="different configuration"):
+        main(["--merge", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "m2")])
+    with pytest.raises(UserError, match="more than one run"):
+        main(["--merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "m3")])
+    with pytest.raises(UserError, match="does not exist"):
+        main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m4")])
 
 
 def test_figure2_rejects_bad_blocks_and_static_schemes(tiny_model_dir, data_dir, tmp_path):

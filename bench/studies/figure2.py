@@ -15,6 +15,12 @@ The default model's C4 pool holds 418 windows of 1,024 tokens beside the evaluat
 default is 384 training + 32 held-out windows (the paper: 512 training windows). Results are written
 after every (block, method) to `--out`/figure2.json, with the configuration, and a rerun with the same
 configuration resumes where it stopped; figure2.md and figure2.html hold the table and the curves.
+Every point keeps each window's own error: the table gives 95 % intervals across windows, and LRQ /
+FlexRound is the geometric mean of the per-window ratios on the same held-out windows, with its interval.
+
+The methods may run in separate processes (one thread each, side by side on a 2-core machine), each with
+its own `--out`; `--merge DIR DIR ...` then joins their results into `--out` (the configurations must be
+the same but for the methods) and writes the page.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="reports/figure2")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="join the results of runs made apart (e.g. one per method) into --out, and render")
     a = p.parse_args(argv)
     if a.iters < 1 or a.every < 1 or a.heldout < 2 or a.error_samples < 2 or a.calib_samples < a.batch_size:
         p.error("--iters and --every must be >= 1, --heldout and --error-samples >= 2, --calib-samples >= --batch-size")
@@ -158,8 +166,47 @@ def run(args) -> dict:
     return res
 
 
+def merge(dirs: list[str], out: Path) -> dict:
+    """Join figure2.json files whose configurations agree but for the methods (runs made apart)."""
+    parts = []
+    for d in dirs:
+        path = Path(d) / "figure2.json"
+        if not path.exists():
+            raise UserError(f"--merge: {path} does not exist; give the --out folders of finished runs.")
+        parts.append(json.loads(path.read_text()))
+    strip = lambda c: {k: v for k, v in c.items() if k != "methods"}
+    base = strip(parts[0]["config"])
+    for d, r in zip(dirs, parts):
+        if strip(r["config"]) != base:
+            diff = sorted(k for k in set(base) | set(strip(r["config"])) if base.get(k) != r["config"].get(k))
+            raise UserError(f"--merge: {d} was run with a different configuration ({', '.join(diff)}); only the "
+                            f"methods may differ between the runs joined.")
+    methods = [m for r in parts for m in r["config"]["methods"]]
+    if len(set(methods)) != len(methods):
+        raise UserError(f"--merge: a method appears in more than one run ({methods}); join runs of distinct methods.")
+    res = {"config": base | {"methods": methods}, "results": {}, "merged_from": [str(d) for d in dirs],
+           "provenance": parts[0]["provenance"]}
+    for r in parts:
+        res["results"].update(r["results"])
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "figure2.json", json.dumps(res, indent=1, default=str))
+    return res
+
+
+def _mean_ci(v: list[float]):
+    """Mean and 95 % t-interval across windows (None when fewer than 2)."""
+    from bench import stats as S
+    if len(v) < 2:
+        return None
+    m, sd = S._mean_sd(v)
+    h = S.t95(len(v)) * sd / math.sqrt(len(v))
+    return m, m - h, m + h
+
+
 def summary(res: dict) -> list[dict]:
-    """Per block: each method's final calibration and held-out errors, and LRQ / FlexRound at the end."""
+    """Per block: each method's final calibration and held-out errors (with 95 % intervals across windows
+    where the windows were kept), and LRQ / FlexRound at the end: the ratio of the means, and the geometric
+    mean of the per-window ratios on the same windows with its interval."""
     rows = []
     by_block: dict = {}
     for r in res["results"].values():
@@ -168,23 +215,27 @@ def summary(res: dict) -> list[dict]:
         ms = by_block[b]
         row = {"block": b}
         for m, r in ms.items():
-            row[m] = {"calib": r["curve"][-1]["calib"], "heldout": r["curve"][-1]["heldout"],
+            last = r["curve"][-1]
+            row[m] = {"calib": last["calib"], "heldout": last["heldout"],
                       "calib_min": min(p["calib"] for p in r["curve"]),
-                      "heldout_min": min(p["heldout"] for p in r["curve"]), "steps": r["curve"][-1]["step"]}
+                      "heldout_min": min(p["heldout"] for p in r["curve"]), "steps": last["step"],
+                      "calib_ci": _mean_ci(last.get("calib_windows", [])),
+                      "heldout_ci": _mean_ci(last.get("heldout_windows", []))}
         if "lrq" in ms and "flexround" in ms:
             row["lrq_over_flexround"] = {k: row["lrq"][k] / row["flexround"][k] for k in ("calib", "heldout")}
+            for k in ("calib", "heldout"):
+                a = ms["lrq"]["curve"][-1].get(f"{k}_windows", [])
+                b = ms["flexround"]["curve"][-1].get(f"{k}_windows", [])
+                ok = len(a) == len(b) and all(x > 0 and y > 0 for x, y in zip(a, b))
+                row["lrq_over_flexround"][f"{k}_paired"] = _geo_ci([x / y for x, y in zip(a, b)]) if ok else None
         rows.append(row)
     return rows
 
 
 def _geo_ci(ratios: list[float]):
-    from bench import stats as S
-    if len(ratios) < 2:
-        return None
-    d = [math.log(r) for r in ratios]
-    m, sd = S._mean_sd(d)
-    h = S.t95(len(d)) * sd / math.sqrt(len(d))
-    return math.exp(m), math.exp(m - h), math.exp(m + h)
+    """Geometric mean of positive ratios and its 95 % t-interval (on the logs); None when fewer than 2."""
+    ci = _mean_ci([math.log(r) for r in ratios])
+    return tuple(math.exp(v) for v in ci) if ci else None
 
 
 def markdown(res: dict) -> str:
@@ -198,13 +249,16 @@ def markdown(res: dict) -> str:
              f"never trained on; errors on {s['error_samples']} windows each side every {c['every']} steps. "
              f"Code {res['provenance']['git'][:12]}, {res['provenance']['hardware'].get('cpu')}, "
              f"{res['provenance']['threads']} thread(s).", "",
+             "Errors at the end with their 95 % intervals across windows (t, over the windows measured).", "",
              "| block | method | steps | calibration error (end) | held-out error (end) | held-out (lowest) |",
              "|---|---|---|---|---|---|"]
+    ci = lambda v, k: (f"{v[k]:.4g} [{v[k + '_ci'][1]:.4g}, {v[k + '_ci'][2]:.4g}]" if v.get(k + "_ci")
+                       else f"{v[k]:.4g}")
     for r in rows:
         for m in c["methods"]:
             if m in r:
                 v = r[m]
-                lines.append(f"| {r['block']} | {m} | {v['steps']} | {v['calib']:.4g} | {v['heldout']:.4g} | "
+                lines.append(f"| {r['block']} | {m} | {v['steps']} | {ci(v, 'calib')} | {ci(v, 'heldout')} | "
                              f"{v['heldout_min']:.4g} |")
     ratios = [r["lrq_over_flexround"] for r in rows if "lrq_over_flexround" in r]
     if ratios:
@@ -214,6 +268,13 @@ def markdown(res: dict) -> str:
             ci = _geo_ci([x[k] for x in ratios])
             lines.append(f"- LRQ / FlexRound {name} error at the end, per block: {per}"
                          + (f"; geometric mean {ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}] (95 %, over blocks)" if ci else ""))
+            paired = [(r["block"], r["lrq_over_flexround"].get(f"{k}_paired")) for r in rows
+                      if "lrq_over_flexround" in r]
+            paired = [(b, p) for b, p in paired if p]
+            if paired:
+                lines.append(f"- LRQ / FlexRound {name} error at the end, window by window on the same windows "
+                             f"(geometric mean of the per-window ratios, 95 % interval across windows): "
+                             + "; ".join(f"block {b} {p[0]:.3f} [{p[1]:.3f}, {p[2]:.3f}]" for b, p in paired))
     return "\n".join(lines) + "\n"
 
 
@@ -243,8 +304,8 @@ error</h1><pre>{{ md }}</pre>{% for c in charts %}<h2>Block {{ c.block }}</h2>{{
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    res = run(args)
     out = Path(args.out)
+    res = merge(args.merge, out) if args.merge else run(args)
     atomic_write_text(out / "figure2.md", markdown(res))
     atomic_write_text(out / "figure2.html", html(res))
     print(markdown(res))
