@@ -20,7 +20,6 @@ import hashlib
 from contextlib import nullcontext
 import json
 import math
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
