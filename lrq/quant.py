@@ -425,16 +425,18 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
     # the tails' own bounds cut the candidates scored by about half; worth their cost on long rows only
     split = g > 256
     first = min(4, C)
-    step = max(1, chunk_elems // (grid * (2 * qmax + 2) * 8))
-    chunks = [slice(a, min(a + step, N)) for a in range(0, N, step)]
+    coarse = torch.arange(grid - 1, -1, -5).flip(0)
+    Gc = len(coarse)
+    # rows per chunk: pass 1 bounds the Gc coarse widths of each; pass 2 a few dozen widths per row at most
+    step1 = max(1, chunk_elems // (max(Gc, 8) * (2 * qmax + 2) * 8))
+    step = max(1, chunk_elems // (32 * (2 * qmax + 2) * 8))
+    chunks = [slice(a, min(a + step1, N)) for a in range(0, N, step1)]
     pad = None if bool(valid.all()) else valid
     srt = _sorted_groups(flat, valid)
     n = srt[1].double()
     p = norm
     # Pass 1: squared errors of every 5th width (the widest first) for every zero point, their power-mean
     # bounds, and the `first` most promising candidates scored exactly: e0.
-    coarse = torch.arange(grid - 1, -1, -5).flip(0)
-    Gc = len(coarse)
     cand0 = torch.empty(N, first, dtype=torch.long)
     score0 = torch.empty(N, first)
     sq0 = torch.empty(N, Gc, Z, dtype=torch.float64)
@@ -455,11 +457,12 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
     e0 = score0.amin(1).double()
     # Which candidates are still in play: not ruled out by the extreme weights (`_extreme_bounds`) nor, via
     # the nearest coarse width on either side, by the squared errors' slow change with the step (above).
-    T = (e0 * (1 + margin)) ** (2 / p) * n ** (1 - 2 / p)                                    # T^2, [N]
-    T = T.sqrt()[:, None, None]
-    xnorm = srt[3].gather(1, srt[1][:, None]).sqrt()[:, :, None]                            # ||x||, [N, 1, 1]
-    zp = torch.arange(Z, dtype=torch.float64)
-    kmax = torch.maximum(zp, qmax - zp) * n.sqrt()[:, None]                                 # ||k|| <= this
+    # (A pruning test only, in float32: its rounding is far inside the margin.)
+    T = ((e0 * (1 + margin)) ** (2 / p) * n ** (1 - 2 / p)).sqrt().float()[:, None, None]     # T, [N, 1, 1]
+    xnorm = srt[3].gather(1, srt[1][:, None]).sqrt().float()[:, :, None]                    # ||x||, [N, 1, 1]
+    zp = torch.arange(Z, dtype=torch.float32)
+    kmax = torch.maximum(zp, qmax - zp) * n.sqrt().float()[:, None]                         # ||k|| <= this
+    reach0 = sq0.sqrt().float().mul_(1 - margin)                                            # [N, Gc, Z]
     j = torch.arange(grid)
     left = ((j - 4).clamp(min=0) // 5).clamp(max=Gc - 1)        # the coarse width at or below j (or the first)
     right = (j // 5).clamp(max=Gc - 1)                            # at or above j
@@ -467,14 +470,12 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
     ext = torch.empty(N, grid)
     for sl in chunks:
         ext[sl] = _extreme_bounds(flat[sl], valid[sl], delta[sl], qmax, norm)
-        d = delta[sl].double()[:, :, None]                                                   # [R, G, 1]
+        d = delta[sl][:, :, None]                                                            # [R, G, 1]
         knorm = torch.minimum((xnorm[sl] + T[sl]) / d, kmax[sl][:, None, :])               # [R, G, Z]
-        keep = torch.ones(d.shape[0], grid, Z, dtype=torch.bool)
+        keep = (ext[sl].double() * (1 - margin) <= e0[sl, None])[:, :, None].expand(-1, -1, Z).clone()
         for side in (left, right):
-            dc = delta[sl].double()[:, coarse[side], None]
-            reach = T[sl] + (dc - d).abs() * knorm
-            keep &= sq0[sl][:, side].sqrt() * (1 - margin) <= reach
-        keep &= (ext[sl].double() * (1 - margin) <= e0[sl, None])[:, :, None]
+            dc = delta[sl][:, coarse[side], None]
+            keep &= reach0[sl][:, side] <= (dc - d).abs_() * knorm + T[sl]
         live[sl] = keep
     live[:, coarse] = True            # the coarse widths have their bounds already; pass 2 takes them as they are
     need = live.any(-1)
@@ -493,18 +494,14 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
         grp = tuple(t[idx] for t in srt)
         bound = torch.where(live[idx], ext[idx].double()[:, :, None], math.inf)               # [R, G, Z]
         bound[:, coarse] = torch.maximum(bound[:, coarse], table0[idx].double())
-        cols = _row_lists(need[idx])
+        todo = need[idx]
+        if split:   # straight to the tighter bounds, on the widths in play and the coarse ones still alive
+            todo = todo | (bound * (1 - margin) <= e0[idx, None, None]).any(-1)
+        cols = _row_lists(todo)
         if cols is not None:
-            vals = _score_bounds(grp, dl.gather(1, cols), qmax, norm, False).double()
+            vals = _score_bounds(grp, dl.gather(1, cols), qmax, norm, split).double()
             bound.scatter_reduce_(1, cols[:, :, None].expand(-1, -1, Z), vals, "amax")
-        if split:
-            alive = (bound * (1 - margin) <= e0[idx, None, None]).any(-1)
-            bounded[idx] += alive.sum(1)
-            cols = _row_lists(alive)
-            if cols is not None:
-                vals = _score_bounds(grp, dl.gather(1, cols), qmax, norm, True).double()
-                bound.scatter_reduce_(1, cols[:, :, None].expand(-1, -1, Z), vals, "amax")
-        bounded[idx] += need[idx].sum(1)
+        bounded[idx] += todo.sum(1)
         bound = bound.reshape(R, C) * (1 - margin)
         c0, s0 = cand0[idx], score0[idx]
         bound.scatter_(1, c0, math.inf)
