@@ -61,3 +61,40 @@ def test_paper_claims_refuses_a_missing_store(tmp_path):
     from lrq.errors import UserError
     with pytest.raises(UserError, match="does not exist"):
         main(["--results", str(tmp_path / "none.sqlite"), "--out", str(tmp_path)])
+
+
+def _figure2_dir(path, lrq_held, fr_held):
+    """A finished Figure-2 study's output: one block, both methods, 4 held-out windows per point."""
+    def curve(calib, held):
+        return [{"step": st, "loss": 1.0, "calib": sum(calib) / 4, "heldout": sum(held) / 4,
+                 "calib_windows": [x * (1 + st / 10) for x in calib], "heldout_windows": [x * (1 + st / 10) for x in held]}
+                for st in (0, 10)]
+    res = {"config": {"model": "smollm2-135m", "scheme": "w3a16", "methods": ["lrq", "flexround"], "blocks": [0],
+                      "settings": {"iters": 10, "batch_size": 2, "heldout_samples": 4, "error_samples": 4},
+                      "calibration": {"seq_len": 1024}, "train_windows": 8, "heldout_windows": 4, "every": 10,
+                      "seed": 0, "device": "cpu"},
+           "provenance": {"git": "0" * 40, "hardware": {"cpu": "x"}, "threads": 1},
+           "results": {"0/lrq": {"block": 0, "method": "lrq", "curve": curve([5.1, 5.3, 5.0, 5.2], lrq_held)},
+                       "0/flexround": {"block": 0, "method": "flexround",
+                                       "curve": curve([5.0, 5.2, 4.9, 5.1], fr_held)}}}
+    path.mkdir()
+    (path / "figure2.json").write_text(json.dumps(res))
+    return path
+
+
+@pytest.mark.parametrize("lrq_held, verdict", [([6.0, 6.1, 5.9, 6.2], "holds"), ([6.9, 7.1, 6.8, 7.2], "does not hold"),
+                                                ([6.0, 7.2, 6.1, 7.0], "not separated")])
+def test_the_figure2_study_joins_the_page(tmp_path, lrq_held, verdict):
+    from bench.studies.paper_claims import main
+    from lrq.errors import UserError
+    _claims_store(tmp_path / "s.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    f2 = _figure2_dir(tmp_path / "f2", lrq_held, [6.5, 6.6, 6.4, 6.7])
+    assert main(["--results", str(tmp_path / "s.sqlite"), "--figure2", str(f2), "--out", str(tmp_path / "o")]) == 0
+    by = {c["claim"]: c for c in json.loads((tmp_path / "o" / "claims.json").read_text())["claims"]}
+    row = by["Figure 2 in the paper's regime"]
+    assert row["verdict"] == verdict and "10 steps/block, batch 2, calibration 8 x 1024 (4 held out)" in row["regime"]
+    assert "block 0 after 10 steps" in row["measurement"][0] and "4 windows each" in row["measurement"][0]
+    page = (tmp_path / "o" / "claims.html").read_text()
+    assert "paper's regime: block error during training" in page and page.count("<svg") == 1
+    with pytest.raises(UserError, match="no figure2.json"):
+        main(["--results", str(tmp_path / "s.sqlite"), "--figure2", str(tmp_path), "--out", str(tmp_path / "o2")])

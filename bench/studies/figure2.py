@@ -278,9 +278,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def html(res: dict) -> str:
-    from jinja2 import Environment, select_autoescape
-
+def charts(res: dict) -> list[dict]:
+    """One SVG per block: calibration and held-out error of every method over the training steps."""
     from bench.html_report import lines_svg
     charts = []
     by_block: dict = {}
@@ -294,12 +293,18 @@ def html(res: dict) -> str:
         last = max(p["step"] for r in by_block[b].values() for p in r["curve"])
         charts.append({"block": b, "svg": lines_svg(series, f"training step (0 to {last}, every "
                                                             f"{res['config']['every']})", "block output error")})
+    return charts
+
+
+def html(res: dict) -> str:
+    from jinja2 import Environment, select_autoescape
+
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
     tpl = env.from_string("""<!doctype html><html><head><meta charset="utf-8"><title>Figure 2</title></head>
 <body style="font-family:sans-serif;max-width:1100px;margin:2em auto"><h1>Figure 2: calibration vs held-out block
 error</h1><pre>{{ md }}</pre>{% for c in charts %}<h2>Block {{ c.block }}</h2>{{ c.svg | safe }}{% endfor %}
 </body></html>""")
-    return tpl.render(md=markdown(res), charts=charts)
+    return tpl.render(md=markdown(res), charts=charts(res))
 
 
 def main(argv=None) -> int:

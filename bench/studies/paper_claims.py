@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", required=True, help="the results store to read (SQLite)")
     p.add_argument("--model", default="smollm2-135m", help="the model whose rows are read, and its shape")
     p.add_argument("--out", default="reports/paper-claims")
+    p.add_argument("--figure2", action="append", default=[], metavar="DIR",
+                   help="a `python -m bench.studies.figure2` output folder: its paper-regime curves join the page")
     return p.parse_args(argv)
 
 
@@ -170,6 +172,47 @@ def claim_figure2(rows) -> dict:
             "regime": "; ".join(sorted(regimes))}
 
 
+def claim_figure2_study(path: str) -> tuple[dict, list[dict]]:
+    """Claim 2 in the paper's regime, from a Figure-2 study's figure2.json: LRQ / FlexRound block error at
+    the end of training, window by window on the same windows (geometric mean and 95 % interval); and the
+    study's curves."""
+    from bench.studies import figure2 as F
+    f = Path(path) / "figure2.json"
+    if not f.exists():
+        raise UserError(f"--figure2 {path}: no figure2.json there; give the --out folder of a finished "
+                        f"`python -m bench.studies.figure2` run.")
+    res = json.loads(f.read_text())
+    c, s = res["config"], res["config"]["settings"]
+    regime = (f"{s['iters']} steps/block, batch {s['batch_size']}, calibration {c['train_windows']} x "
+              f"{c['calibration']['seq_len']} ({c['heldout_windows']} held out), paper preset; blocks "
+              f"{', '.join(map(str, c['blocks']))}; Figure-2 study ({path})")
+    lines, outcomes = [], []
+    for row in F.summary(res):
+        q = row.get("lrq_over_flexround")
+        if not q or not q.get("heldout_paired") or not q.get("calib_paired"):
+            continue
+        cal, held = q["calib_paired"], q["heldout_paired"]
+        n = len(res["results"][f"{row['block']}/lrq"]["curve"][-1]["heldout_windows"])
+        outcomes.append("holds" if held[2] < 1 else "does not hold" if held[1] > 1 else "not separated")
+        lines.append(f"block {row['block']} after {row['lrq']['steps']} steps: LRQ / FlexRound block error, "
+                     f"calibration {cal[0]:.3f} [{cal[1]:.3f}, {cal[2]:.3f}], held-out {held[0]:.3f} "
+                     f"[{held[1]:.3f}, {held[2]:.3f}] (geometric mean of per-window ratios, {n} windows each)")
+    statement = ("LRQ's block error on the calibration set ends slightly above FlexRound's, on held-out data "
+                 "below it (the paper's Figure 2, in its training regime)")
+    if not outcomes:
+        return ({"id": "2b", "claim": "Figure 2 in the paper's regime", "statement": statement, "measurement": [],
+                 "verdict": "not measurable here", "why": f"{f} has no block with both LRQ and FlexRound finished",
+                 "regime": regime}, [])
+    counts = {o: outcomes.count(o) for o in ("holds", "does not hold", "not separated")}
+    verdict = ("holds" if counts["holds"] == len(outcomes) else
+               "does not hold" if counts["does not hold"] == len(outcomes) else
+               "not separated" if counts["not separated"] == len(outcomes) else "mixed")
+    why = (f"held-out error lower with LRQ (separated) in {counts['holds']} of {len(outcomes)} blocks, higher in "
+           f"{counts['does not hold']}, not separated in {counts['not separated']}; the curves are on the HTML page")
+    return ({"id": "2b", "claim": "Figure 2 in the paper's regime", "statement": statement, "measurement": lines,
+             "verdict": verdict, "why": why, "regime": regime}, F.charts(res))
+
+
 # ---- claim 3: results per scheme ---------------------------------------------------------------------------
 def claim_schemes(rows) -> list[dict]:
     from bench.report import cell_stats
@@ -249,7 +292,7 @@ def claim_rank(all_rows) -> dict:
             "regime": "as stored"}
 
 
-def build(store_path: str, model: str) -> dict:
+def build(store_path: str, model: str, figure2: list[str] = ()) -> dict:
     from bench.plan import load_shape
     from bench.provenance import git_revision
     from bench.store import ResultStore
@@ -261,10 +304,12 @@ def build(store_path: str, model: str) -> dict:
     if not rows:
         raise UserError(f"the store {store_path!r} has no rows of model {model!r}: run lrq-bench run first, or "
                         f"pass --model with one of its models.")
-    claims = [claim_params(load_shape(model), rows), claim_figure2(rows), *claim_schemes(rows), claim_rank(all_rows)]
+    studies = [claim_figure2_study(d) for d in figure2]
+    claims = [claim_params(load_shape(model), rows), claim_figure2(rows), *(c for c, _ in studies),
+              *claim_schemes(rows), claim_rank(all_rows)]
     revs = sorted({r.git_rev for r in rows})
     return {"model": model, "store": str(store_path), "rows": len(rows), "row_revisions": revs,
-            "written_by": git_revision(), "claims": claims}
+            "written_by": git_revision(), "claims": claims, "curves": [ch for _, cs in studies for ch in cs]}
 
 
 def _rev(r: str) -> str:
@@ -293,17 +338,19 @@ regime stated in its row, not beyond it.</p>
 <table><tr><th>#</th><th>claim</th><th>the paper's statement</th><th>our measurement</th><th>verdict</th><th>regime</th></tr>
 {% for c in r.claims %}<tr><td>{{ c.id }}</td><td>{{ c.claim }}</td><td>{{ c.statement }}</td>
 <td>{% for l in c.measurement %}{{ l }}<br>{% endfor %}</td><td><span class="v">{{ c.verdict }}</span>: {{ c.why }}</td>
-<td>{{ c.regime }}</td></tr>{% endfor %}</table></body></html>
+<td>{{ c.regime }}</td></tr>{% endfor %}</table>
+{% if r.curves %}<h2>Figure 2 in the paper's regime: block error during training</h2>
+{% for ch in r.curves %}<h3>Block {{ ch.block }}</h3>{{ ch.svg | safe }}{% endfor %}{% endif %}</body></html>
 """
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jinja2 import Environment, select_autoescape
-    res = build(args.results, args.model)
+    res = build(args.results, args.model, args.figure2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "claims.json", json.dumps(res, indent=1))
+    atomic_write_text(out / "claims.json", json.dumps({k: v for k, v in res.items() if k != "curves"}, indent=1))
     atomic_write_text(out / "claims.md", markdown(res))
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
     atomic_write_text(out / "claims.html", env.from_string(_HTML).render(r=res))
