@@ -46,6 +46,21 @@ def _mean_sd(v: list[float]) -> tuple[float, float]:
     return m, (math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1)) if n > 1 else 0.0)
 
 
+def mean_interval(v: list[float]) -> tuple[float, float, float] | None:
+    """Mean of v and its 95 % t-interval; None when fewer than 2 values."""
+    if len(v) < 2:
+        return None
+    m, sd = _mean_sd(v)
+    h = t95(len(v)) * sd / math.sqrt(len(v))
+    return m, m - h, m + h
+
+
+def ratio_interval(a: list[float], b: list[float]) -> tuple[float, float, float] | None:
+    """Geometric mean of the paired ratios a_i / b_i (all positive) and its 95 % t-interval on the logs."""
+    ci = mean_interval([math.log(x / y) for x, y in zip(a, b)])
+    return tuple(math.exp(v) for v in ci) if ci else None
+
+
 @dataclass
 class Estimate:
     """One number with its 95 % interval (None: unknown), over n windows or examples."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -193,17 +192,8 @@ def merge(dirs: list[str], out: Path) -> dict:
     return res
 
 
-def _mean_ci(v: list[float]):
-    """Mean and 95 % t-interval across windows (None when fewer than 2)."""
-    from bench import stats as S
-    if len(v) < 2:
-        return None
-    m, sd = S._mean_sd(v)
-    h = S.t95(len(v)) * sd / math.sqrt(len(v))
-    return m, m - h, m + h
-
-
 def summary(res: dict) -> list[dict]:
+    from bench import stats as S
     """Per block: each method's final calibration and held-out errors (with 95 % intervals across windows
     where the windows were kept), and LRQ / FlexRound at the end: the ratio of the means, and the geometric
     mean of the per-window ratios on the same windows with its interval."""
@@ -219,26 +209,21 @@ def summary(res: dict) -> list[dict]:
             row[m] = {"calib": last["calib"], "heldout": last["heldout"],
                       "calib_min": min(p["calib"] for p in r["curve"]),
                       "heldout_min": min(p["heldout"] for p in r["curve"]), "steps": last["step"],
-                      "calib_ci": _mean_ci(last.get("calib_windows", [])),
-                      "heldout_ci": _mean_ci(last.get("heldout_windows", []))}
+                      "calib_ci": S.mean_interval(last.get("calib_windows", [])),
+                      "heldout_ci": S.mean_interval(last.get("heldout_windows", []))}
         if "lrq" in ms and "flexround" in ms:
             row["lrq_over_flexround"] = {k: row["lrq"][k] / row["flexround"][k] for k in ("calib", "heldout")}
             for k in ("calib", "heldout"):
                 a = ms["lrq"]["curve"][-1].get(f"{k}_windows", [])
                 b = ms["flexround"]["curve"][-1].get(f"{k}_windows", [])
                 ok = len(a) == len(b) and all(x > 0 and y > 0 for x, y in zip(a, b))
-                row["lrq_over_flexround"][f"{k}_paired"] = _geo_ci([x / y for x, y in zip(a, b)]) if ok else None
+                row["lrq_over_flexround"][f"{k}_paired"] = S.ratio_interval(a, b) if ok else None
         rows.append(row)
     return rows
 
 
-def _geo_ci(ratios: list[float]):
-    """Geometric mean of positive ratios and its 95 % t-interval (on the logs); None when fewer than 2."""
-    ci = _mean_ci([math.log(r) for r in ratios])
-    return tuple(math.exp(v) for v in ci) if ci else None
-
-
 def markdown(res: dict) -> str:
+    from bench import stats as S
     c = res["config"]
     s = c["settings"]
     rows = summary(res)
@@ -265,7 +250,7 @@ def markdown(res: dict) -> str:
         lines.append("")
         for k, name in (("calib", "calibration"), ("heldout", "held-out")):
             per = ", ".join(f"{x[k]:.3f}" for x in ratios)
-            ci = _geo_ci([x[k] for x in ratios])
+            ci = S.ratio_interval([x[k] for x in ratios], [1.0] * len(ratios))
             lines.append(f"- LRQ / FlexRound {name} error at the end, per block: {per}"
                          + (f"; geometric mean {ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}] (95 %, over blocks)" if ci else ""))
             paired = [(r["block"], r["lrq_over_flexround"].get(f"{k}_paired")) for r in rows

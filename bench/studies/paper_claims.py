@@ -120,12 +120,8 @@ def _regime(cfg: dict) -> str:
 
 def _log_ratio_ci(a: list[float], b: list[float]) -> tuple[float, float, float, int] | None:
     pairs = [(x, y) for x, y in zip(a, b) if x and y and x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)]
-    if len(pairs) < 2:
-        return None
-    d = [math.log(x / y) for x, y in pairs]
-    m, sd = S._mean_sd(d)
-    h = S.t95(len(d)) * sd / math.sqrt(len(d))
-    return math.exp(m), math.exp(m - h), math.exp(m + h), len(d)
+    ci = S.ratio_interval([x for x, _ in pairs], [y for _, y in pairs])
+    return (*ci, len(pairs)) if ci else None
 
 
 def claim_figure2(rows) -> dict:
