@@ -28,8 +28,35 @@ _METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:
 
 def rows_frame(rows: list[Row]) -> pd.DataFrame:
     return pd.DataFrame([{"model": r.model, "method": r.method, "scheme": r.scheme, "dataset": r.dataset,
-                          "metric": r.metric, "value": r.value, "git_rev": r.git_rev, "created_at": r.created_at,
-                          "config": r.config} for r in rows])
+                          "metric": r.metric, "value": r.value, "seed": r.seed or 0, "git_rev": r.git_rev,
+                          "created_at": r.created_at, "config": r.config} for r in rows])
+
+
+def _seed_values(df: pd.DataFrame) -> dict[tuple, dict[int, float]]:
+    """(method, scheme, dataset, metric) -> {seed: value}, the latest row of each seed."""
+    out: dict = defaultdict(dict)
+    for r in df.itertuples():
+        out[(r.method, r.scheme, r.dataset, r.metric)][r.seed] = r.value
+    return out
+
+
+def _fmt_seeds(metric: str, by_seed: dict[int, float] | None) -> str:
+    """One seed (or the same value on every seed): the value; several: mean +-sd over seeds and how many,
+    never one seed's value alone."""
+    vals = [v for v in (by_seed or {}).values() if v is not None and not pd.isna(v)]
+    if not vals:
+        return "-"
+    scale = 100 if metric in ("acc", "acc_norm") else 1
+    if len(set(vals)) == 1:       # one seed, or the same on every seed (bits per weight)
+        return f"{scale * vals[0]:.1f}" if scale != 1 else _fmt(metric, vals[0])
+    m, sd = S._mean_sd([scale * v for v in vals])
+    sd_txt = f"{sd / 2**20:.0f} MiB" if metric.endswith("_bytes") else _METRIC_FMT.get(metric, "{:.4g}").format(sd)
+    return f"{_fmt(metric, m) if scale == 1 else f'{m:.1f}'} +-{sd_txt} ({len(vals)} seeds)"
+
+
+def _seed_mean(by_seed: dict[int, float] | None) -> float | None:
+    vals = [v for v in (by_seed or {}).values() if v is not None and not pd.isna(v)]
+    return sum(vals) / len(vals) if vals else None
 
 
 _SCHEME_RANK = {s: i for i, s in enumerate(SCHEMES)}
@@ -54,16 +81,17 @@ def dataset_table(df: pd.DataFrame, dataset: str, metrics: list[str] | None = No
         sub = sub[sub["metric"].isin(metrics)]
     if sub.empty:
         return ""
-    wide = sub.pivot_table(index=["method", "scheme"], columns="metric", values="value", aggfunc="last").reset_index()
-    wide = _order(wide)
-    cols = [c for c in (metrics or sorted(set(sub["metric"]))) if c in wide.columns]
-    fp = wide[wide["method"] == FP]
-    fp_ppl = fp["ppl"].iloc[0] if "ppl" in wide.columns and len(fp) else None
+    vals = _seed_values(sub)
+    wide = _order(sub[["method", "scheme"]].drop_duplicates())
+    cols = [c for c in (metrics or sorted(set(sub["metric"]))) if c in set(sub["metric"])]
+    fp_ppl = _seed_mean(vals.get((FP, FP, dataset, "ppl")))
     body = []
     for _, r in wide.iterrows():
-        line = [r["method"], r["scheme"]] + [_fmt(c, r[c]) for c in cols]
+        line = [r["method"], r["scheme"]] + [_fmt_seeds(c, vals.get((r["method"], r["scheme"], dataset, c)))
+                                             for c in cols]
         if fp_ppl is not None:
-            line.append("-" if r["method"] == FP or pd.isna(r.get("ppl")) else f"{r['ppl'] / fp_ppl:.3f}x")
+            ppl = _seed_mean(vals.get((r["method"], r["scheme"], dataset, "ppl")))
+            line.append("-" if r["method"] == FP or ppl is None else f"{ppl / fp_ppl:.3f}x")
         body.append(line)
     headers = ["method", "scheme"] + cols + (["ppl / FP"] if fp_ppl is not None else [])
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
@@ -99,8 +127,7 @@ def _task_section(mdf: pd.DataFrame, stats: dict) -> list[str]:
     tasks = [t for t in ALL_TASKS + ("zeroshot_avg",) if t in set(sub["dataset"])]
     cols = [(t, MAIN_METRIC.get(t, "acc") if t != "zeroshot_avg" else "acc",
              f"{t} ({MAIN_METRIC.get(t, 'acc')})" if t != "zeroshot_avg" else "zero-shot avg", "high") for t in tasks]
-    value = {(r.method, r.scheme, r.dataset, r.metric): r.value for r in sub.itertuples()}
-    table, verdicts = _leaderboard_table(value, stats, sub[["method", "scheme"]].drop_duplicates(), cols)
+    table, verdicts = _leaderboard_table(_seed_values(sub), stats, sub[["method", "scheme"]].drop_duplicates(), cols)
     cfg = sub.iloc[-1]["config"].get("tasks", {})
     limit = cfg.get("limit")
     scope = "all examples" if not limit else f"the first {limit} examples per task" + (
@@ -251,12 +278,7 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
         line = [k["method"], k["scheme"]]
         for ds, metric, _, _ in cols:
             cs = stats.get(key, {}).get((ds, metric))
-            if cs is not None:
-                txt = _fmt_stat(cs)
-            else:
-                v = value.get((*key, ds, metric))
-                txt = "-" if v is None or pd.isna(v) else (f"{100 * v:.1f}" if metric in ("acc", "acc_norm")
-                                                            else _fmt(metric, v))
+            txt = _fmt_stat(cs) if cs is not None else _fmt_seeds(metric, value.get((*key, ds, metric)))
             mark = ranked.get((ds, metric), {}).get(key)
             line.append(f"**{txt}**" if mark == "best" else (f"{txt} ~" if mark == "tie" else txt))
         body.append(line)
@@ -273,7 +295,7 @@ def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
     if cells.empty:
         return []
     fp = cells[cells["method"] == FP]
-    value = {(r.method, r.scheme, r.dataset, r.metric): r.value for r in mdf.itertuples()}
+    value = _seed_values(mdf)
     table, verdicts = _leaderboard_table(value, stats, cells, cols)
     parts = ["### Summary", "", "Every cell. " + S.METHOD_TEXT + " The evaluation settings are under Details.", "",
              table, "", *verdicts, ""]

@@ -201,3 +201,20 @@ def test_the_gate_shows_intervals_and_whether_a_change_is_outside_them(tmp_path,
     code = main(["compare", str(a), str(b)])
     out = capsys.readouterr().out
     assert code == 1 and "regressed" in out and "| no |" in out
+
+
+def test_plain_columns_of_a_multi_seed_cell_show_every_seed():
+    """Quantization time and memory have no interval, but a cell run with several seeds shows their mean +-
+    sd over seeds (and how many), never whichever seed's row came last; a value equal on every seed (bits
+    per weight) shows once."""
+    rows = []
+    for seed, (t, mem) in enumerate(((100.0, 2**30), (130.0, 2**30 + 2**27), (160.0, 2**30))):
+        rows += [_cell("gptq", "w4a16", [3.0 + 0.01 * seed] * 4, seed=seed),
+                 Row("m", "gptq", "w4a16", "quant", "quant_time_s", t, {}, seed=seed),
+                 Row("m", "gptq", "w4a16", "quant", "quant_peak_rss_bytes", float(mem), {}, seed=seed),
+                 Row("m", "gptq", "w4a16", "quant", "bits_per_weight", 4.029, {}, seed=seed)]
+    md = markdown_report(rows)
+    line = next(l for l in md.split("### Quantization cost")[1].splitlines() if l.startswith("| gptq"))
+    assert "130.0 +-30.0 (3 seeds)" in line and "1067 MiB +-74 MiB (3 seeds)" in line and "| 4.029 " in line
+    summary = next(l for l in md.split("### Summary")[1].splitlines() if l.startswith("| gptq"))
+    assert "130.0 +-30.0 (3 seeds)" in summary and "160.0" not in summary
