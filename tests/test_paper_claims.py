@@ -74,7 +74,7 @@ def _figure2_dir(path, lrq_held, fr_held):
                       "calibration": {"seq_len": 1024}, "train_windows": 8, "heldout_windows": 4, "every": 10,
                       "seed": 0, "device": "cpu"},
            "provenance": {"git": "0" * 40, "hardware": {"cpu": "x"}, "threads": 1},
-           "results": {"0/lrq": {"block": 0, "method": "lrq", "curve": curve([5.1, 5.3, 5.0, 5.2], lrq_held)},
+           "results": {"0/lrq": {"block": 0, "method": "lrq", "n_learnable": 10, "curve": curve([5.1, 5.3, 5.0, 5.2], lrq_held)},
                        "0/flexround": {"block": 0, "method": "flexround",
                                        "curve": curve([5.0, 5.2, 4.9, 5.1], fr_held)}}}
     path.mkdir()
