@@ -39,7 +39,6 @@ per-tensor ranges are calibrated afterwards on the quantized model.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +50,7 @@ from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
 from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
-from lrq.quant import fake_quant, minmax_qparams, n_groups
+from lrq.quant import fake_quant, minmax_qparams, n_groups, single_cpu_thread
 from lrq.quantize_model import quant_linear_for
 from lrq.schemes import Scheme
 
@@ -90,25 +89,12 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, max_retries: int = MAX_
     return None, max_retries + 1
 
 
-@contextmanager
-def single_cpu_thread(device: torch.device):
-    """The column loop is thousands of small operations: on a CPU, thread synchronisation costs more
-    than it saves (100x slower on 2 busy cores), so it runs on one thread."""
-    if device.type != "cpu":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 @torch.no_grad()
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = None, *,
                   damp: float = 0.01, block_size: int = 128, act_order: bool = True) -> GPTQResult:
     """Quantize the rows of `w` [rows, cols] against the Hessian `h` [cols, cols] of their shared input."""
+    # the column loop is thousands of small operations: on a CPU, thread synchronisation costs more than it
+    # saves (100x slower on 2 busy cores), so it runs on one thread
     with single_cpu_thread(w.device):
         return _gptq(w, h, bits, group_size, damp, block_size, act_order)
 

@@ -199,10 +199,12 @@ def _score_candidates(flat: torch.Tensor, valid: torch.Tensor | None, rows: torc
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """torch on one thread for the duration (see SEARCH_ALIGN); the caller's thread count is restored."""
+def single_cpu_thread(device: torch.device | str = "cpu"):
+    """torch on one CPU thread for the duration (nothing changes for another device); the caller's thread
+    count is restored. For work that must not depend on the thread count (the searches, see SEARCH_ALIGN)
+    or that is many small operations, where thread synchronisation costs more than it saves (GPTQ)."""
     before = torch.get_num_threads()
-    if before == 1:
+    if torch.device(device).type != "cpu" or before == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -216,7 +218,7 @@ def _on_cpu(search):
     """Run a search on the CPU, one thread, whatever device `w` is on; the results go back to that device."""
     @functools.wraps(search)
     def run(w: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        with _one_thread():
+        with single_cpu_thread():
             scale, zero = search(w.detach().float().cpu(), *args, **kwargs)
         return scale.to(w.device), zero.to(w.device)
     return run
@@ -395,13 +397,13 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
     For norm >= 2 a candidate's score has lower bounds that cost far less than the score: closed-form from
     its squared (and absolute) errors for all zero points of a width from one sort of the group
     (`_score_bounds`), and, cheaper still, from the group's extreme weights alone (`_extreme_bounds`).
-    Pass 1 computes the squared errors of every 5th width and scores the 8 most promising candidates
+    Pass 1 computes the squared errors of every 5th width and scores the 4 most promising candidates
     exactly: e0, an upper bound on the group's best score. A candidate can only reach e0 if its squared
     error is at most T^2 = e0^(2/p) n^(1 - 2/p) (power means), and the squared error moves slowly with the
     step: with the same levels k, | ||k d - x|| - ||k d' - x|| | <= |d - d'| ||k||, and ||k|| <= (||x|| + T) / d
     for any candidate within T. So the coarse widths rule out most of the others with no further work.
-    Pass 2 computes, per group, the closed-form bounds of only the widths still in play (power means, then
-    the tighter bounds on those still left) and scores every candidate whose bound, less a `margin` for
+    Pass 2 computes, per group, the closed-form bounds of only the widths still in play (the tighter ones
+    on long rows, with the coarse widths still alive) and scores every candidate whose bound, less a `margin` for
     rounding, does not exceed e0. No other candidate can reach e0, so none can win or tie. On the default
     model's weights about 20-30 of the 1,600 (4-bit) candidates per row or group are scored.
     Norms below 2 (no such bound) and non-finite weights use the exhaustive search. `stats`, when given,
@@ -484,9 +486,9 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
     best = torch.empty(N, dtype=torch.long)
     scored = torch.empty(N, dtype=torch.long)
     bounded = torch.full((N,), Gc, dtype=torch.long)
-    # Pass 2: every candidate in play bounded in closed form (power means; then, with `split`, the tighter
-    # bounds for the widths those leave in play), each group its own widths; those whose bound does not
-    # exceed e0 are scored exactly.
+    # Pass 2: every candidate in play bounded in closed form (with `split`, the tighter bounds, also on the
+    # coarse widths still alive), each group its own widths; those whose bound does not exceed e0 are
+    # scored exactly.
     for a in range(0, N, step):
         idx = order[a:a + step]
         dl = delta[idx]
