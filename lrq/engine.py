@@ -46,16 +46,21 @@ def block_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (pred.float() - target.float()).pow(2).sum(dim=1).mean()
 
 
+def _block_batches(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict, batch: int):
+    """The block's outputs on `inputs` in batches, each with its targets, on the block's device."""
+    dev = next(block.parameters()).device
+    for i in range(0, len(inputs), batch):
+        y = block(inputs[i:i + batch].to(dev), **kwargs)
+        yield (y[0] if isinstance(y, tuple) else y), targets[i:i + batch].to(dev)
+
+
 @torch.no_grad()
 def window_errors(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict,
                   batch: int = 8) -> list[float]:
     """`block_loss` of each window alone (its squared error summed over tokens, averaged over hidden)."""
     out: list[float] = []
-    dev = next(block.parameters()).device
-    for i in range(0, len(inputs), batch):
-        y = block(inputs[i:i + batch].to(dev), **kwargs)
-        y = y[0] if isinstance(y, tuple) else y
-        out += (y.float() - targets[i:i + batch].to(dev).float()).pow(2).sum(dim=1).mean(-1).tolist()
+    for y, t in _block_batches(block, inputs, targets, kwargs, batch):
+        out += (y.float() - t.float()).pow(2).sum(dim=1).mean(-1).tolist()
     return out
 
 
@@ -72,11 +77,8 @@ def block_error(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, k
     if len(inputs) == 0:
         return float("nan")
     total = 0.0
-    dev = next(block.parameters()).device
-    for i in range(0, len(inputs), batch):
-        y = block(inputs[i:i + batch].to(dev), **kwargs)
-        y = y[0] if isinstance(y, tuple) else y
-        total += block_loss(y, targets[i:i + batch].to(dev)).item() * len(y)
+    for y, t in _block_batches(block, inputs, targets, kwargs, batch):
+        total += block_loss(y, t).item() * len(y)
     return total / len(inputs)
 
 
