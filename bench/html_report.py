@@ -261,21 +261,18 @@ def _model_section(name: str, rows: list[Row], history_rows: list[Row]) -> dict:
         tables.append({"dataset": ds, "rows": trs, "protocol": protocol, "schemes": schemes, "grid": grid,
                        "verdicts": verdicts,
                        "chart": scatter_svg(pts, "bits per weight", f"{ds} perplexity (95 % interval)")})
-    from bench.report import _fmt_seeds, _seed_mean
-    per_seed = defaultdict(dict)   # (method, scheme, metric) -> {seed: value}: several seeds show mean +- sd
-    for r in rows:
-        if r.dataset == "quant":
-            per_seed[(r.method, r.scheme, r.metric)][r.seed or 0] = r.value
+    from bench.report import _fmt_seeds, _seed_mean, _seed_values
+    per_seed = _seed_values(r for r in rows if r.dataset == "quant")   # several seeds show mean +- sd
     cost = []
     for (method, scheme), v in sorted(by.items()):
         t = v.get(("quant", "quant_time_s"))
         if t is None:
             continue
         nl = v.get(("quant", "n_learnable"))
-        times = per_seed[(method, scheme, "quant_time_s")]
+        times = per_seed[(method, scheme, "quant", "quant_time_s")]
         cost.append({"method": method, "scheme": scheme, "t": _seed_mean(times), "prov": _prov(t),
                      "time": _fmt_seeds("quant_time_s", times),
-                     "mem": _fmt_seeds("quant_peak_rss_bytes", per_seed.get((method, scheme, "quant_peak_rss_bytes"))),
+                     "mem": _fmt_seeds("quant_peak_rss_bytes", per_seed.get((method, scheme, "quant", "quant_peak_rss_bytes"))),
                      "nl": f"{nl.value:,.0f}" if nl else "-"})
     fig2 = []
     for scheme in sorted({k[1] for k in by}):

@@ -32,18 +32,23 @@ def rows_frame(rows: list[Row]) -> pd.DataFrame:
                           "created_at": r.created_at, "config": r.config} for r in rows])
 
 
-def _seed_values(df: pd.DataFrame) -> dict[tuple, dict[int, float]]:
-    """(method, scheme, dataset, metric) -> {seed: value}, the latest row of each seed."""
+def _seed_values(rows) -> dict[tuple, dict[int, float]]:
+    """(method, scheme, dataset, metric) -> {seed: value}, the latest row of each seed, from Rows or a
+    rows_frame's itertuples()."""
     out: dict = defaultdict(dict)
-    for r in df.itertuples():
-        out[(r.method, r.scheme, r.dataset, r.metric)][r.seed] = r.value
+    for r in rows:
+        out[(r.method, r.scheme, r.dataset, r.metric)][r.seed or 0] = r.value
     return out
+
+
+def _known(by_seed: dict[int, float] | None) -> list[float]:
+    return [v for v in (by_seed or {}).values() if v is not None and not pd.isna(v)]
 
 
 def _fmt_seeds(metric: str, by_seed: dict[int, float] | None) -> str:
     """One seed (or the same value on every seed): the value; several: mean +-sd over seeds and how many,
     never one seed's value alone."""
-    vals = [v for v in (by_seed or {}).values() if v is not None and not pd.isna(v)]
+    vals = _known(by_seed)
     if not vals:
         return "-"
     scale = 100 if metric in ("acc", "acc_norm") else 1
@@ -55,7 +60,7 @@ def _fmt_seeds(metric: str, by_seed: dict[int, float] | None) -> str:
 
 
 def _seed_mean(by_seed: dict[int, float] | None) -> float | None:
-    vals = [v for v in (by_seed or {}).values() if v is not None and not pd.isna(v)]
+    vals = _known(by_seed)
     return sum(vals) / len(vals) if vals else None
 
 
@@ -81,7 +86,7 @@ def dataset_table(df: pd.DataFrame, dataset: str, metrics: list[str] | None = No
         sub = sub[sub["metric"].isin(metrics)]
     if sub.empty:
         return ""
-    vals = _seed_values(sub)
+    vals = _seed_values(sub.itertuples())
     wide = _order(sub[["method", "scheme"]].drop_duplicates())
     cols = [c for c in (metrics or sorted(set(sub["metric"]))) if c in set(sub["metric"])]
     fp_ppl = _seed_mean(vals.get((FP, FP, dataset, "ppl")))
@@ -127,7 +132,7 @@ def _task_section(mdf: pd.DataFrame, stats: dict) -> list[str]:
     tasks = [t for t in ALL_TASKS + ("zeroshot_avg",) if t in set(sub["dataset"])]
     cols = [(t, MAIN_METRIC.get(t, "acc") if t != "zeroshot_avg" else "acc",
              f"{t} ({MAIN_METRIC.get(t, 'acc')})" if t != "zeroshot_avg" else "zero-shot avg", "high") for t in tasks]
-    table, verdicts = _leaderboard_table(_seed_values(sub), stats, sub[["method", "scheme"]].drop_duplicates(), cols)
+    table, verdicts = _leaderboard_table(_seed_values(sub.itertuples()), stats, sub[["method", "scheme"]].drop_duplicates(), cols)
     cfg = sub.iloc[-1]["config"].get("tasks", {})
     limit = cfg.get("limit")
     scope = "all examples" if not limit else f"the first {limit} examples per task" + (
@@ -295,7 +300,7 @@ def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
     if cells.empty:
         return []
     fp = cells[cells["method"] == FP]
-    value = _seed_values(mdf)
+    value = _seed_values(mdf.itertuples())
     table, verdicts = _leaderboard_table(value, stats, cells, cols)
     parts = ["### Summary", "", "Every cell. " + S.METHOD_TEXT + " The evaluation settings are under Details.", "",
              table, "", *verdicts, ""]

@@ -193,10 +193,10 @@ def merge(dirs: list[str], out: Path) -> dict:
 
 
 def summary(res: dict) -> list[dict]:
-    from bench import stats as S
     """Per block: each method's final calibration and held-out errors (with 95 % intervals across windows
     where the windows were kept), and LRQ / FlexRound at the end: the ratio of the means, and the geometric
     mean of the per-window ratios on the same windows with its interval."""
+    from bench import stats as S
     rows = []
     by_block: dict = {}
     for r in res["results"].values():

@@ -139,7 +139,7 @@ def markdown(result: dict) -> str:
         f"{c['git']}; load average before / after: {c['load_before']} / {c['load_after']}.",
         "",
     ]
-    names = [k for k in c.get("impls", ["naive", "exhaustive", "fast"])]
+    names = list(c.get("impls", ["naive", "exhaustive", "fast"]))
     others = [k for k in names if k != "fast"]
     lines += ["| bits | groups | candidates per row/group | scored by `fast` (mean, max) | "
               + " | ".join(f"{k} s" for k in names) + " | " + " | ".join(f"{k} / fast" for k in others)
