@@ -11,7 +11,8 @@ and the rows' configurations come from it.
 
 The store keys are unchanged from earlier releases (the identity hashes the *declared* settings: the
 resolved ones are a deterministic function of them, the scheme and the model), so a results store made
-before still resumes.
+before still resumes. A method's execution settings (`Method.execution_settings`, e.g. torch.compile of
+the block step) are recorded in the rows but not hashed: they change how a cell runs, not what it computes.
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     calib = req.calib or resolve_calib(method_name, req.preset, {})
     uses_calibration = not is_fp and probe.needs_calibration(scheme)
     data_dir = D.resolve_data_dir(req.data_dir)
+    # execution settings (torch.compile, ...) change how the cell runs, not what it computes: not in the key
+    keyed = {} if is_fp else {k: v for k, v in config.items() if k not in cls.execution_settings}
     ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
-                             "scheme": scheme_name, "config": config, "seed": req.seed}
+                             "scheme": scheme_name, "config": keyed, "seed": req.seed}
     calib_data = None
     if uses_calibration:
         calib_data = D.data_fingerprint(calib.dataset, data_dir)

@@ -245,12 +245,12 @@ def _model_section(name: str, rows: list[Row], history_rows: list[Row]) -> dict:
             v = _verdict(s_name, rk, False)
             if v:
                 verdicts.append(v)
-        from bench.report import _fmt_stat
+        from bench.report import fmt_stat
         for m in methods:
             cells = []
             for s_name in (["fp"] if m == "fp" else schemes):
                 cs = stats.get((m, s_name), {}).get(col)
-                cells.append({"text": _fmt_stat(cs) if cs else "-", "title": f"{m} {s_name}",
+                cells.append({"text": fmt_stat(cs) if cs else "-", "title": f"{m} {s_name}",
                               "mark": per_scheme.get(s_name).marks.get((m, s_name), "") if s_name in per_scheme else ""})
             if m == "fp":
                 cells += [{"text": "", "title": "", "mark": ""}] * (len(schemes) - 1)

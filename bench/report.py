@@ -227,7 +227,7 @@ def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S
     return out
 
 
-def _fmt_stat(cs: S.CellStat) -> str:
+def fmt_stat(cs: S.CellStat) -> str:
     """`v (lo-hi)` for one seed, `v +-sd (k seeds)` for several; accuracy in %."""
     pct = cs.kind != "ppl"
     f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.2f}")
@@ -283,7 +283,7 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
         line = [k["method"], k["scheme"]]
         for ds, metric, _, _ in cols:
             cs = stats.get(key, {}).get((ds, metric))
-            txt = _fmt_stat(cs) if cs is not None else _fmt_seeds(metric, value.get((*key, ds, metric)))
+            txt = fmt_stat(cs) if cs is not None else _fmt_seeds(metric, value.get((*key, ds, metric)))
             mark = ranked.get((ds, metric), {}).get(key)
             line.append(f"**{txt}**" if mark == "best" else (f"{txt} ~" if mark == "tie" else txt))
         body.append(line)
@@ -346,8 +346,8 @@ def _seeds_section(stats: dict) -> list[str]:
     for key in sorted(stats):
         for (ds, metric), cs in sorted(stats[key].items()):
             if len(cs.seeds) > 1:
-                per = "; ".join(f"seed {sd}: {_fmt_stat(S.CellStat(cs.kind, {sd: e}))}" for sd, e in sorted(cs.seeds.items()))
-                body.append([key[0], key[1], f"{ds} {metric}", _fmt_stat(cs), per])
+                per = "; ".join(f"seed {sd}: {fmt_stat(S.CellStat(cs.kind, {sd: e}))}" for sd, e in sorted(cs.seeds.items()))
+                body.append([key[0], key[1], f"{ds} {metric}", fmt_stat(cs), per])
     if not body:
         return []
     return ["### Seeds", "", "Cells run with several seeds (independent calibration draws and initialisations): the "

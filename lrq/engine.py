@@ -19,7 +19,10 @@ from __future__ import annotations
 import hashlib
 from contextlib import nullcontext
 import json
+import logging
 import math
+import os
+import shutil
 from typing import Any, ClassVar
 
 import torch
@@ -36,9 +39,40 @@ from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
 
+log = logging.getLogger(__name__)
+
+# `compile=auto` compiles the block step from this many steps per block on: compiling costs 10-40 s per
+# process on the CPU (less from torch's on-disk cache), paid back after a few hundred steps of the paper's
+# 5,000 (bench/studies/block_step.py --compile measures both).
+COMPILE_MIN_ITERS = 1000
+
 
 class ReconstructionError(RuntimeError):
     pass
+
+
+def compile_unavailable(device: torch.device | str = "cpu") -> str | None:
+    """Why torch.compile cannot compile a block step for `device` on this machine, or None when it can."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        return None if cxx else "no C++ compiler on PATH (torch.compile's CPU backend needs g++ or clang++)"
+    if kind == "cuda":
+        import importlib.util
+        return None if importlib.util.find_spec("triton") else "Triton is not installed (torch.compile's CUDA backend needs it)"
+    return f"torch.compile is not set up for {kind} devices here"
+
+
+def compiled_step(block: nn.Module, compile_on: bool, device: torch.device) -> nn.Module:
+    """The module the training steps call: `block` itself, or torch.compile of it (same parameters, same
+    math up to floating-point reassociation; the backward graph is compiled too). The error measurements
+    keep calling `block` (eager, no gradient)."""
+    if not compile_on:
+        return block
+    why = compile_unavailable(device)
+    if why:
+        raise UserError(f"compile is on but {why}: install one, or run eagerly with --set compile=off.")
+    return torch.compile(block, dynamic=False)
 
 
 def block_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -97,6 +131,8 @@ class ReconstructionMethod(Method):
     # 16x finer than 4-bit ones, so the same step in log-scale moves 16x more levels).
     quick_lr: ClassVar[dict[str, float]] = {}
     cost_rank: ClassVar[int] = 10
+    # torch.compile of the training step: how the step runs, not what it computes (Method.execution_settings)
+    execution_settings: ClassVar[tuple[str, ...]] = ("compile",)
     # Not a setting: when > 0, every `curve_every` steps the block's output error on the calibration and the
     # held-out error windows is measured (frozen, no gradient, no random numbers: training is unchanged) and
     # kept as the block's "curve" (bench/studies/figure2.py sets it on its method object).
@@ -107,7 +143,7 @@ class ReconstructionMethod(Method):
     @staticmethod
     def preset_defaults(quick_extra: dict | None = None, paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
         common = {"lr": "auto", "s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "recon_act_quant": "auto",
-                  "smooth_alpha": 0.8, "error_samples": 16}
+                  "smooth_alpha": 0.8, "error_samples": 16, "compile": "auto"}
         # quick: sized for one cell of the 135M default model in about 15 minutes on 2 CPU cores
         quick = common | {"preset": "quick", "iters": 100, "batch_size": 1, "heldout_samples": 16,
                           "autocast": True} | (quick_extra or {})
@@ -165,6 +201,14 @@ class ReconstructionMethod(Method):
             cfg[k] = int(cfg[k])
         if cfg["iters"] < 0 or cfg["batch_size"] < 1:
             raise UserError("iters must be >= 0 and batch_size >= 1 (--set iters=..., --set batch_size=...).")
+        # compile: "on", "off" or "auto" (on from COMPILE_MIN_ITERS steps per block where a compiler exists)
+        word = str(cfg.get("compile", "off")).strip().lower()
+        if word == "auto":
+            cfg["compile"] = cfg["iters"] >= COMPILE_MIN_ITERS and compile_unavailable("cpu") is None
+        elif word in ("on", "true", "1", "yes", "off", "false", "0", "no"):
+            cfg["compile"] = word in ("on", "true", "1", "yes")
+        else:
+            raise UserError(f"compile must be on, off or auto, got {cfg['compile']!r} (--set compile=...).")
         cfg.setdefault("lr_schedule", "cosine")
         if cfg["lr_schedule"] not in ("cosine", "constant"):
             raise UserError(f"lr_schedule must be cosine or constant, got {cfg['lr_schedule']!r}.")
@@ -228,7 +272,8 @@ class ReconstructionMethod(Method):
 
         ckpt = None
         if self.checkpoint_dir is not None:
-            ident = hashlib.sha256(json.dumps({"m": self.name, "s": scheme.name, "c": cfg, "calib": calib.description},
+            keyed = {k: v for k, v in cfg.items() if k not in self.execution_settings}
+            ident = hashlib.sha256(json.dumps({"m": self.name, "s": scheme.name, "c": keyed, "calib": calib.description},
                                               sort_keys=True, default=str).encode()).hexdigest()
             ckpt = BlockCheckpoint(self.checkpoint_dir, ident)
         per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
@@ -238,6 +283,8 @@ class ReconstructionMethod(Method):
             # wall time of every block, including blocks finished by an interrupted earlier run
             "blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
             "resumed_blocks": sum(bool(b.get("restored")) for b in per_block),
+            # blocks whose training steps ran under torch.compile (earlier results may lack the field)
+            "compiled_blocks": sum(bool(b.get("compiled")) for b in per_block),
             "resolved_config": cfg, "train_samples": n_train, "heldout_samples": n_held,
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
                              for b in per_block],
@@ -295,6 +342,8 @@ class ReconstructionMethod(Method):
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
             dev = next(block.parameters()).device    # the walk put the block on the compute device
             autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
+            fwd = compiled_step(block, cfg.get("compile") is True, dev)
+            out["compiled"] = fwd is not block
             loss_val = math.nan
             if self.curve_every:
                 with _frozen(block, learn):
@@ -305,7 +354,7 @@ class ReconstructionMethod(Method):
                 idx = order[pos:pos + bs]
                 pos += bs
                 with torch.enable_grad(), autocast:
-                    y = block(xt[idx].to(dev), **kw)
+                    y = fwd(xt[idx].to(dev), **kw)
                     y = y[0] if isinstance(y, tuple) else y
                     loss = block_loss(y, yt[idx].to(dev))
                 loss_val = loss.item()

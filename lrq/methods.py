@@ -45,6 +45,10 @@ class Method:
     summary: ClassVar[str] = ""
     # Settings by preset; every key can be overridden from the CLI (--set key=value) and is recorded.
     defaults: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}, "paper": {}}
+    # Settings that choose how the same computation runs, not what it computes (e.g. torch.compile): recorded
+    # with every row like the others, but left out of the store key and the checkpoint identity, so turning
+    # one on or off reuses and resumes earlier results (as running on another device does).
+    execution_settings: ClassVar[tuple[str, ...]] = ()
     # Calibration settings per preset that differ from the suite's (dataset, n_samples, seq_len, sampling).
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel

@@ -98,3 +98,44 @@ def test_the_figure2_study_joins_the_page(tmp_path, lrq_held, verdict):
     assert "paper's regime: block error during training" in page and page.count("<svg") == 1
     with pytest.raises(UserError, match="no figure2.json"):
         main(["--results", str(tmp_path / "s.sqlite"), "--figure2", str(tmp_path), "--out", str(tmp_path / "o2")])
+
+
+def _rank_store(path, shifts: dict):
+    """LRQ w4a16 cells that differ only in rank ({(rule, value): per-window NLL shift}); one ran compiled."""
+    from bench.store import ResultStore, Row
+    store = ResultStore(path)
+    base = [2.0, 2.2, 2.1, 2.3, 2.05, 2.15]
+    for i, ((rule, v), shift) in enumerate(shifts.items()):
+        m = {"iters": 20, "batch_size": 1, "heldout_samples": 8, "preset": "quick", "rank_rule": rule, "rank": 1024,
+             "rank_fraction": 0.25, "compile": i == 1} | ({"rank": v} if rule == "uniform" else {"rank_fraction": v})
+        cfg = {"method_resolved": m, "calibration": {"n_samples": 32, "seq_len": 512}}
+        rows = [Row("smollm2-135m", "lrq", "w4a16", "quant", "n_learnable", float(1000 * (i + 1)), cfg, seed=0)]
+        for j, ds in enumerate(("wikitext2", "c4")):
+            w = [x + shift + 0.001 * k * j for k, x in enumerate(base)]
+            rows.append(Row("smollm2-135m", "lrq", "w4a16", ds, "ppl", math.exp(sum(w) / len(w)),
+                            cfg | {"eval": {"window_nll": w}}, seed=0))
+        store.write_unit(rows, key=f"r{i}")
+
+
+def test_rank_claim_pairs_each_rank_with_the_highest(tmp_path):
+    from bench.studies.paper_claims import main
+    _claims_store(tmp_path / "main.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    # fewest to most learnables: r = 8 worse than the full rank on every window, fraction 0.25 the same
+    _rank_store(tmp_path / "rank.sqlite", {("uniform", 8): 0.1, ("fraction", 0.25): 0.0, ("uniform", 576): 0.0})
+    assert main(["--results", str(tmp_path / "main.sqlite"), "--rank-results", str(tmp_path / "rank.sqlite"),
+                 "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out" / "claims.json").read_text())
+    rank = {c["claim"]: c for c in res["claims"]}["The rank"]
+    assert rank["verdict"] == "does not hold" and "r = 8 on wikitext2" in rank["why"]
+    lines = rank["measurement"]
+    # ordered by learnables, the reference (most learnables) last, unpaired; the compiled cell joined the others
+    assert [ln.split(" (")[0] for ln in lines] == ["w4a16, r = 8", "w4a16, r = 0.25 min(Cout, Cin)", "w4a16, r = 576"]
+    assert "/ r = 576: 1.105" in lines[0] and "/ r = 576" not in lines[2]
+    assert "20 steps/block" in rank["regime"]
+    assert "rank sweep" in (tmp_path / "out" / "claims.md").read_text()
+
+    from bench.store import ResultStore
+    from bench.studies.paper_claims import claim_rank
+    _rank_store(tmp_path / "tie.sqlite", {("uniform", 8): 0.0, ("uniform", 576): 0.0})
+    rank = claim_rank(ResultStore(tmp_path / "tie.sqlite").rows())
+    assert rank["verdict"] == "not separated" and len(rank["measurement"]) == 2

@@ -3,6 +3,7 @@
     python -m bench.studies.block_step                                  # quick regime: batch 1 x 512, bf16
     python -m bench.studies.block_step --batch 2 --seq 1024 --fp32      # the paper's regime (fp32, batch 2)
     python -m bench.studies.block_step --profile 15                     # plus torch.profiler's top operators
+    python -m bench.studies.block_step --batch 2 --seq 1024 --fp32 --compile   # eager vs torch.compile
 
 The loop body is the engine's (lrq/engine.py, `_reconstruct_block`): the block's forward under the same
 autocast, the authors' loss, backward, Adam. The two methods' steps alternate (FlexRound, LRQ, FlexRound,
@@ -12,6 +13,12 @@ on the values); quantization parameters are min/max at `--scheme`; LRQ's rank fo
 (a quarter of min(Cout, Cin)) unless `--rank`. Writes `--out`/block_step.json and .md with versions,
 hardware, threads, git revision and the load average around the run; the 5,000-step projection is
 5,000 x the median step (training only: the block walk and the error measurements come on top).
+
+`--compile` adds each method's step under torch.compile (`lrq.engine.compiled_step`, what the engine runs
+from `COMPILE_MIN_ITERS` steps per block, `--set compile=...`) to the same alternation: the eager step is
+the engine's step as it was before compilation existed, so "before" and "after" come from one run on one
+machine. The first compiled call (tracing and compiling, or loading torch's on-disk cache) is reported
+apart as `compile_s`, not in the medians.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", type=int, default=0, help="print torch.profiler's top N operators per method")
+    p.add_argument("--compile", action="store_true", help="also time each method's step under torch.compile")
     p.add_argument("--out", default="reports/block-step")
     a = p.parse_args(argv)
     if a.steps < 1 or a.batch < 1 or a.seq < 2:
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
     from bench.provenance import git_revision, hardware, versions
     from lrq.arch import decoder_blocks
     from lrq.blockwise import capture_block_inputs
-    from lrq.engine import block_loss
+    from lrq.engine import block_loss, compiled_step
     from lrq.schemes import get_scheme
 
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -103,14 +111,17 @@ def main(argv=None) -> int:
         o = blocks[args.block](x, **kw)
         y = (o[0] if isinstance(o, tuple) else o).clone()
     scheme = get_scheme(args.scheme)
-    built = {m: build(blocks[args.block], m, scheme, args.rank) for m in METHODS}
+    variants = [*METHODS, *(f"{m}+compile" for m in METHODS if args.compile)]
+    built = {v: build(blocks[args.block], v.split("+")[0], scheme, args.rank) for v in variants}
+    calls = {v: (compiled_step(built[v][0], True, torch.device("cpu")) if v.endswith("+compile") else built[v][0])
+             for v in variants}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32)
 
-    def step(method):
-        block, _, opt = built[method]
+    def step(v):
+        _, _, opt = built[v]
         t0 = time.perf_counter()
         with torch.enable_grad(), autocast:
-            out = block(x, **kw)
+            out = calls[v](x, **kw)
             out = out[0] if isinstance(out, tuple) else out
             loss = block_loss(out, y)
         loss.item()
@@ -122,31 +133,37 @@ def main(argv=None) -> int:
         t3 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0}
 
-    times = {m: {k: [] for k in ("forward", "backward", "optimizer", "step")} for m in METHODS}
+    # the first call of a compiled step traces and compiles it (or loads torch's cache): timed apart
+    compile_s = {v: step(v)["step"] for v in variants if v.endswith("+compile")}
+    times = {v: {k: [] for k in ("forward", "backward", "optimizer", "step")} for v in variants}
     for i in range(args.warmup + args.steps):
-        for m in METHODS:
-            t = step(m)
+        for v in variants:
+            t = step(v)
             if i >= args.warmup:
-                for k, v in t.items():
-                    times[m][k].append(v)
-    med = {m: {k: statistics.median(v) for k, v in times[m].items()} for m in METHODS}
+                for k, val in t.items():
+                    times[v][k].append(val)
+    med = {v: {k: statistics.median(vals) for k, vals in times[v].items()} for v in variants}
     result = {"config": {"model": args.model, "block": args.block, "batch": args.batch, "seq": args.seq,
                          "autocast": "off (fp32)" if args.fp32 else "bf16", "scheme": args.scheme,
                          "lrq_rank": args.rank or "quarter of min(Cout, Cin)", "steps": args.steps,
-                         "warmup": args.warmup, "threads": torch.get_num_threads(),
+                         "warmup": args.warmup, "threads": torch.get_num_threads(), "compile": args.compile,
                          "command": " ".join(["python -m bench.studies.block_step",
                                               *(argv if argv is not None else sys.argv[1:])]),
                          "versions": versions(), "hardware": hardware(), "git": git_revision(),
                          "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]},
-              "learnables": {m: sum(q.numel() for q in built[m][1]) for m in METHODS},
-              "median_s": med, "times_s": {m: {k: [round(v, 5) for v in vs] for k, vs in times[m].items()}
-                                           for m in METHODS},
+              "learnables": {v: sum(q.numel() for q in built[v][1]) for v in variants},
+              "median_s": med, "times_s": {v: {k: [round(t, 5) for t in ts] for k, ts in times[v].items()}
+                                           for v in variants},
               "lrq_over_flexround": med["lrq"]["step"] / med["flexround"]["step"],
-              "projected_5000_steps_min": {m: 5000 * med[m]["step"] / 60 for m in METHODS}}
+              "projected_5000_steps_min": {v: 5000 * med[v]["step"] / 60 for v in variants}}
+    if args.compile:
+        result["compile_s"] = compile_s
+        result["lrq_over_flexround_compiled"] = med["lrq+compile"]["step"] / med["flexround+compile"]["step"]
+        result["eager_over_compiled"] = {m: med[m]["step"] / med[f"{m}+compile"]["step"] for m in METHODS}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         result["profile"] = {}
-        for m in METHODS:
+        for m in variants:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(2):
                     step(m)
@@ -160,16 +177,25 @@ def main(argv=None) -> int:
           f"steps after {c['warmup']} warm-up. Command: `{c['command']}`.",
           f"{c['hardware']['cpu']} x{c['hardware']['cpu_count']}; torch {c['versions'].get('torch')}; git {c['git']}; "
           f"load average before / after: {c['load_before']} / {c['load_after']}.", "",
-          "| method | learnables | forward s | backward s | optimizer s | step s | 5,000 steps (min) |",
-          "|---|---|---|---|---|---|---|"]
-    for m in METHODS:
-        t = med[m]
-        md.append(f"| {m} | {result['learnables'][m]:,} | {t['forward']:.4f} | {t['backward']:.4f} | "
-                  f"{t['optimizer']:.4f} | {t['step']:.4f} | {result['projected_5000_steps_min'][m]:.1f} |")
-    md += ["", f"LRQ / FlexRound step time: {result['lrq_over_flexround']:.2f}.", ""]
+          "| method | step | learnables | forward s | backward s | optimizer s | step s | 5,000 steps (min) |",
+          "|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        t = med[v]
+        m, mode = (v.split("+")[0], "torch.compile") if "+" in v else (v, "eager")
+        md.append(f"| {m} | {mode} | {result['learnables'][v]:,} | {t['forward']:.4f} | {t['backward']:.4f} | "
+                  f"{t['optimizer']:.4f} | {t['step']:.4f} | {result['projected_5000_steps_min'][v]:.1f} |")
+    md += ["", f"LRQ / FlexRound step time: {result['lrq_over_flexround']:.2f} eager"
+               + (f", {result['lrq_over_flexround_compiled']:.2f} compiled" if args.compile else "") + "."]
+    if args.compile:
+        md += ["Eager / compiled step time: " + ", ".join(f"{m} {r:.2f}x" for m, r in
+                                                            result["eager_over_compiled"].items())
+               + "; first compiled call (compiling or loading the cache, not in the medians): "
+               + ", ".join(f"{v.split('+')[0]} {t:.1f} s" for v, t in compile_s.items()) + "."]
+    md.append("")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"b{args.batch}x{args.seq}-{'fp32' if args.fp32 else 'bf16'}-t{torch.get_num_threads()}"
+    tag = (f"b{args.batch}x{args.seq}-{'fp32' if args.fp32 else 'bf16'}-t{torch.get_num_threads()}"
+           + ("-compile" if args.compile else ""))
     atomic_write_text(out / f"block_step-{tag}.json", json.dumps(result, indent=1))
     atomic_write_text(out / f"block_step-{tag}.md", "\n".join(md))
     print("\n".join(md))
