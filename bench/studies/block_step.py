@@ -6,9 +6,9 @@
     python -m bench.studies.block_step --batch 2 --seq 1024 --fp32 --compile   # eager vs torch.compile
 
 The loop body is the engine's (lrq/engine.py, `_reconstruct_block`): the block's forward under the same
-autocast, the authors' loss, backward, Adam. The two methods' steps alternate (FlexRound, LRQ, FlexRound,
-...) so both see the same machine; medians of `--steps` steps after `--warmup`, split into forward,
-backward and optimizer. Inputs are the block's real inputs for random token ids (the cost does not depend
+autocast, the authors' loss, backward, Adam. The steps alternate (plain, FlexRound, LRQ, plain, ...) so
+all see the same machine; "plain" is the floor, the block's own weights trained with no quantizer. Medians
+of `--steps` steps after `--warmup`, split into forward, backward and optimizer. Inputs are the block's real inputs for random token ids (the cost does not depend
 on the values); quantization parameters are min/max at `--scheme`; LRQ's rank follows its quick preset
 (a quarter of min(Cout, Cin)) unless `--rank`. Writes `--out`/block_step.json and .md with versions,
 hardware, threads, git revision and the load average around the run; the 5,000-step projection is
@@ -38,6 +38,7 @@ from lrq.errors import UserError
 from lrq.io import atomic_write_text
 
 METHODS = ("flexround", "lrq")
+PLAIN = "plain"   # the floor: the same block with trainable weights and no quantizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,11 +63,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(block0, method: str, scheme, rank: int):
+    """The block with `method`'s learnable linears (or, for "plain", its own weights made trainable: the
+    block's forward and backward with nothing of a quantizer), its learnables and their Adam."""
     from lrq.arch import block_linears, set_submodule
     from lrq.flexround import FlexRoundLinear
     from lrq.lrq import LRQLinear, choose_rank
     from lrq.quant import minmax_qparams
     block = copy.deepcopy(block0)
+    if method == PLAIN:
+        block.float()
+        for q in block.parameters():
+            q.requires_grad_(False)
+        params = [lin.weight for lin in block_linears(block).values()]
+        for q in params:
+            q.requires_grad_(True)
+        return block, params, torch.optim.Adam([{"params": params, "lr": 1e-3}])
     learn = {}
     for name, lin in block_linears(block).items():
         s, z = minmax_qparams(lin.weight.detach().float(), scheme.w_bits, scheme.group_size)
@@ -111,7 +122,7 @@ def main(argv=None) -> int:
         o = blocks[args.block](x, **kw)
         y = (o[0] if isinstance(o, tuple) else o).clone()
     scheme = get_scheme(args.scheme)
-    variants = [*METHODS, *(f"{m}+compile" for m in METHODS if args.compile)]
+    variants = [PLAIN, *METHODS, *(f"{m}+compile" for m in (PLAIN, *METHODS) if args.compile)]
     built = {v: build(blocks[args.block], v.split("+")[0], scheme, args.rank) for v in variants}
     calls = {v: (compiled_step(built[v][0], True, torch.device("cpu")) if v.endswith("+compile") else built[v][0])
              for v in variants}
@@ -159,7 +170,7 @@ def main(argv=None) -> int:
     if args.compile:
         result["compile_s"] = compile_s
         result["lrq_over_flexround_compiled"] = med["lrq+compile"]["step"] / med["flexround+compile"]["step"]
-        result["eager_over_compiled"] = {m: med[m]["step"] / med[f"{m}+compile"]["step"] for m in METHODS}
+        result["eager_over_compiled"] = {m: med[m]["step"] / med[f"{m}+compile"]["step"] for m in (PLAIN, *METHODS)}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         result["profile"] = {}
@@ -184,7 +195,8 @@ def main(argv=None) -> int:
         m, mode = (v.split("+")[0], "torch.compile") if "+" in v else (v, "eager")
         md.append(f"| {m} | {mode} | {result['learnables'][v]:,} | {t['forward']:.4f} | {t['backward']:.4f} | "
                   f"{t['optimizer']:.4f} | {t['step']:.4f} | {result['projected_5000_steps_min'][v]:.1f} |")
-    md += ["", f"LRQ / FlexRound step time: {result['lrq_over_flexround']:.2f} eager"
+    md += ["", f"plain: the block's own weights trained, no quantizer (the floor for both methods' steps). "
+           f"LRQ / FlexRound step time: {result['lrq_over_flexround']:.2f} eager"
                + (f", {result['lrq_over_flexround_compiled']:.2f} compiled" if args.compile else "") + "."]
     if args.compile:
         md += ["Eager / compiled step time: " + ", ".join(f"{m} {r:.2f}x" for m, r in
