@@ -77,6 +77,15 @@ def test_methods_run_apart_then_merged(tiny_model_dir, data_dir, tmp_path):
     assert main(base + ["--methods", "lrq", "--iters", "4", "--out", str(tmp_path / "c")]) == 0
     with pytest.raises(UserError, match="different configuration"):
         main(["--merge", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "m2")])
+    # a setting of LRQ's alone may differ from the FlexRound run's (which has no rank rule); a shared one not
+    assert main(base + ["--methods", "lrq", "--set", "rank_rule=uniform", "--set", "rank=4",
+                        "--out", str(tmp_path / "r4")]) == 0
+    assert main(["--merge", str(tmp_path / "r4"), str(tmp_path / "b"), "--out", str(tmp_path / "m5")]) == 0
+    res5 = json.loads((tmp_path / "m5" / "figure2.json").read_text())
+    assert res5["config"]["settings"]["rank_rule"] == "uniform" and res5["results"]["0/lrq"]["resolved"]["rank"] == 4
+    assert main(base + ["--methods", "flexround", "--set", "lr=0.02", "--out", str(tmp_path / "lr")]) == 0
+    with pytest.raises(UserError, match="settings lr"):
+        main(["--merge", str(tmp_path / "a"), str(tmp_path / "lr"), "--out", str(tmp_path / "m6")])
     with pytest.raises(UserError, match="more than one run"):
         main(["--merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "m3")])
     with pytest.raises(UserError, match="does not exist"):

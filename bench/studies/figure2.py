@@ -166,24 +166,43 @@ def run(args) -> dict:
 
 
 def merge(dirs: list[str], out: Path) -> dict:
-    """Join figure2.json files whose configurations agree but for the methods (runs made apart)."""
+    """Join figure2.json files whose configurations agree but for the methods (runs made apart) and for settings
+    only one run's methods have (e.g. LRQ's rank_rule beside a FlexRound run); each result keeps its own
+    resolved settings."""
     parts = []
     for d in dirs:
         path = Path(d) / "figure2.json"
         if not path.exists():
             raise UserError(f"--merge: {path} does not exist; give the --out folders of finished runs.")
         parts.append(json.loads(path.read_text()))
-    strip = lambda c: {k: v for k, v in c.items() if k != "methods"}
+    from lrq.methods import get_method
+
+    def keys_of(config) -> set:      # the settings any of a run's methods has
+        return set().union(*(get_method(m).config("paper") for m in config["methods"]))
+
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("methods", "settings")}
     base = strip(parts[0]["config"])
+    settings: dict = {}
     for d, r in zip(dirs, parts):
         if strip(r["config"]) != base:
             diff = sorted(k for k in set(base) | set(strip(r["config"])) if base.get(k) != r["config"].get(k))
             raise UserError(f"--merge: {d} was run with a different configuration ({', '.join(diff)}); only the "
                             f"methods may differ between the runs joined.")
+        # a setting may differ only where it belongs to one run's methods alone (rank_rule is LRQ's)
+        for d0, r0 in zip(dirs, parts):
+            shared = keys_of(r["config"]) & keys_of(r0["config"])
+            a, b = r["config"]["settings"], r0["config"]["settings"]
+            diff = sorted(k for k in shared & (set(a) | set(b)) if a.get(k) != b.get(k))
+            if diff:
+                raise UserError(f"--merge: {d} and {d0} were run with a different configuration (settings "
+                                f"{', '.join(diff)}, which both runs' methods have); only the methods, and settings "
+                                f"that belong to one run's methods alone, may differ between the runs joined.")
+        settings.update(r["config"]["settings"])
     methods = [m for r in parts for m in r["config"]["methods"]]
     if len(set(methods)) != len(methods):
         raise UserError(f"--merge: a method appears in more than one run ({methods}); join runs of distinct methods.")
-    res = {"config": base | {"methods": methods}, "results": {}, "merged_from": [str(d) for d in dirs],
+    res = {"config": base | {"methods": methods, "settings": settings}, "results": {},
+           "merged_from": [str(d) for d in dirs], "provenance_of_parts": [r.get("provenance") for r in parts],
            "provenance": parts[0]["provenance"]}
     for r in parts:
         res["results"].update(r["results"])
@@ -227,13 +246,17 @@ def markdown(res: dict) -> str:
     c = res["config"]
     s = c["settings"]
     rows = summary(res)
+    extra = {k: v for k, v in s.items() if k not in ("iters", "batch_size", "heldout_samples", "error_samples")}
     lines = ["# Figure 2: calibration vs held-out block error during training", "",
              f"{c['model']}, {c['scheme']}, blocks {', '.join(map(str, c['blocks']))} (each on the full-precision "
              f"chain's inputs); {s['iters']} steps at batch {s['batch_size']}; {c['train_windows']} x "
              f"{c['calibration']['seq_len']} C4 training windows in order, {c['heldout_windows']} held-out windows "
              f"never trained on; errors on {s['error_samples']} windows each side every {c['every']} steps. "
-             f"Code {res['provenance']['git'][:12]}, {res['provenance']['hardware'].get('cpu')}, "
+             f"Code {', '.join(dict.fromkeys(p['git'][:12] for p in res.get('provenance_of_parts') or [res['provenance']]))}"
+             f", {res['provenance']['hardware'].get('cpu')}, "
              f"{res['provenance']['threads']} thread(s).", "",
+             *([f"Settings beyond the paper preset: {', '.join(f'{k}={v}' for k, v in sorted(extra.items()))} "
+                "(each applies to the methods that have it).", ""] if extra else []),
              "Errors at the end with their 95 % intervals across windows (t, over the windows measured).", "",
              "| block | method | steps | calibration error (end) | held-out error (end) | held-out (lowest) |",
              "|---|---|---|---|---|---|"]
