@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 from contextlib import nullcontext
 import json
-import logging
 import math
 import os
 import shutil
@@ -38,8 +37,6 @@ from lrq.methods import Calibration, Method, add_work, static_range_work
 from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
-
-log = logging.getLogger(__name__)
 
 # `compile=auto` compiles the block step from this many steps per block on: compiling costs 10-40 s per
 # process on the CPU (less from torch's on-disk cache), paid back after a few hundred steps of the paper's
