@@ -162,9 +162,9 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     uses_calibration = not is_fp and probe.needs_calibration(scheme)
     data_dir = D.resolve_data_dir(req.data_dir)
     # execution settings (torch.compile, ...) change how the cell runs, not what it computes: not in the key
-    keyed = {} if is_fp else {k: v for k, v in config.items() if k not in cls.execution_settings}
     ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
-                             "scheme": scheme_name, "config": keyed, "seed": req.seed}
+                             "scheme": scheme_name, "config": {} if is_fp else cls.keyed_settings(config),
+                             "seed": req.seed}
     calib_data = None
     if uses_calibration:
         calib_data = D.data_fingerprint(calib.dataset, data_dir)

@@ -33,7 +33,7 @@ from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
 from lrq.calibration import observe_input_ranges
 from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import Calibration, Method, add_work, static_range_work
+from lrq.methods import FALSE_WORDS, TRUE_WORDS, Calibration, Method, add_work, static_range_work
 from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
@@ -202,8 +202,8 @@ class ReconstructionMethod(Method):
         word = str(cfg.get("compile", "off")).strip().lower()
         if word == "auto":
             cfg["compile"] = cfg["iters"] >= COMPILE_MIN_ITERS and compile_unavailable("cpu") is None
-        elif word in ("on", "true", "1", "yes", "off", "false", "0", "no"):
-            cfg["compile"] = word in ("on", "true", "1", "yes")
+        elif word in TRUE_WORDS + FALSE_WORDS:
+            cfg["compile"] = word in TRUE_WORDS
         else:
             raise UserError(f"compile must be on, off or auto, got {cfg['compile']!r} (--set compile=...).")
         cfg.setdefault("lr_schedule", "cosine")
@@ -269,8 +269,8 @@ class ReconstructionMethod(Method):
 
         ckpt = None
         if self.checkpoint_dir is not None:
-            keyed = {k: v for k, v in cfg.items() if k not in self.execution_settings}
-            ident = hashlib.sha256(json.dumps({"m": self.name, "s": scheme.name, "c": keyed, "calib": calib.description},
+            ident = hashlib.sha256(json.dumps({"m": self.name, "s": scheme.name, "c": self.keyed_settings(cfg),
+                                               "calib": calib.description},
                                               sort_keys=True, default=str).encode()).hexdigest()
             ckpt = BlockCheckpoint(self.checkpoint_dir, ident)
         per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",

@@ -49,6 +49,11 @@ class Method:
     # with every row like the others, but left out of the store key and the checkpoint identity, so turning
     # one on or off reuses and resumes earlier results (as running on another device does).
     execution_settings: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def keyed_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """`config` without the execution settings: what a result's identity (store key, checkpoint) hashes."""
+        return {k: v for k, v in config.items() if k not in cls.execution_settings}
     # Calibration settings per preset that differ from the suite's (dataset, n_samples, seq_len, sampling).
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel
@@ -129,15 +134,18 @@ def add_work(work: dict[str, tuple[float, float]], kind: str, calls: float, flop
     return work
 
 
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
 def _coerce(method: str, key: str, default: Any, value: Any) -> Any:
     """Convert a --set value to the type of the setting's default (booleans need explicit words)."""
     if default is None or isinstance(value, type(default)):
         return value
     if isinstance(default, bool):
         word = str(value).strip().lower()
-        if word in ("true", "1", "yes", "on"):
+        if word in TRUE_WORDS:
             return True
-        if word in ("false", "0", "no", "off"):
+        if word in FALSE_WORDS:
             return False
         raise UserError(f"{method}: --set {key}={value!r} is not a boolean: use true or false.")
     try:

@@ -8,10 +8,11 @@
 The loop body is the engine's (lrq/engine.py, `_reconstruct_block`): the block's forward under the same
 autocast, the authors' loss, backward, Adam. The steps alternate (plain, FlexRound, LRQ, plain, ...) so
 all see the same machine; "plain" is the floor, the block's own weights trained with no quantizer. Medians
-of `--steps` steps after `--warmup`, split into forward, backward and optimizer. Inputs are the block's real inputs for random token ids (the cost does not depend
-on the values); quantization parameters are min/max at `--scheme`; LRQ's rank follows its quick preset
-(a quarter of min(Cout, Cin)) unless `--rank`. Writes `--out`/block_step.json and .md with versions,
-hardware, threads, git revision and the load average around the run; the 5,000-step projection is
+of `--steps` steps after `--warmup`, split into forward, backward and optimizer. Inputs are the block's
+real inputs for random token ids (the cost does not depend on the values); quantization parameters are
+min/max at `--scheme`; LRQ's rank follows its quick preset (a quarter of min(Cout, Cin)) unless `--rank`.
+Writes `--out`/block_step.json and .md with versions, hardware, threads, git revision and the load average
+around the run; the 5,000-step projection is
 5,000 x the median step (training only: the block walk and the error measurements come on top).
 
 `--compile` adds each method's step under torch.compile (`lrq.engine.compiled_step`, what the engine runs

@@ -85,11 +85,13 @@ def _blocks(spec: str, n: int) -> list[int]:
     return out
 
 
+BASE_SETTINGS = ("iters", "batch_size", "heldout_samples", "error_samples")   # every run sets these
+
+
 def _settings(args, methods: list[str]) -> dict:
     from bench.cli import _checked_overrides  # the CLI's own KEY=VALUE parsing and key check
     extra = _checked_overrides(args.set, methods)
-    return {"iters": args.iters, "batch_size": args.batch_size, "heldout_samples": args.heldout,
-            "error_samples": args.error_samples} | extra
+    return dict(zip(BASE_SETTINGS, (args.iters, args.batch_size, args.heldout, args.error_samples))) | extra
 
 
 def run(args) -> dict:
@@ -246,7 +248,7 @@ def markdown(res: dict) -> str:
     c = res["config"]
     s = c["settings"]
     rows = summary(res)
-    extra = {k: v for k, v in s.items() if k not in ("iters", "batch_size", "heldout_samples", "error_samples")}
+    extra = {k: v for k, v in s.items() if k not in BASE_SETTINGS}
     lines = ["# Figure 2: calibration vs held-out block error during training", "",
              f"{c['model']}, {c['scheme']}, blocks {', '.join(map(str, c['blocks']))} (each on the full-precision "
              f"chain's inputs); {s['iters']} steps at batch {s['batch_size']}; {c['train_windows']} x "

@@ -289,14 +289,14 @@ def claim_rank(all_rows) -> dict:
     paired ratio to the cell with the most learnables (the highest rank)."""
     from bench.report import cell_stats, fmt_stat
     from lrq.methods import method_class
-    unkeyed = method_class("lrq").execution_settings   # how a cell ran (torch.compile), not what it computed
+    keyed = method_class("lrq").keyed_settings        # without how a cell ran (torch.compile)
     groups: dict = defaultdict(lambda: defaultdict(dict))   # (scheme, other settings) -> rank -> rows
     regime = {}
     for r in all_rows:
         m = r.config.get("method_resolved") or {}
         if r.method != "lrq" or r.value is None or not m:
             continue
-        rest = json.dumps({k: v for k, v in m.items() if k not in ("rank_rule", "rank", "rank_fraction", *unkeyed)},
+        rest = json.dumps({k: v for k, v in keyed(m).items() if k not in ("rank_rule", "rank", "rank_fraction")},
                           sort_keys=True, default=str)
         groups[(r.scheme, rest)][_rank_setting(m)][(r.dataset, r.metric, r.seed)] = r   # the newest row wins
         regime.setdefault((r.scheme, rest), _regime(r.config))
