@@ -34,7 +34,8 @@ Choices and deviations, with reasons:
   token-wise objectives (o_proj, mlp, down_proj outputs) on `search_tokens` = 4096 evenly spaced tokens
   (mean|x| still comes from every token; the attention objective needs whole sequences and uses all
   32). The paper preset uses everything.
-- block forwards run under bf16 autocast (`bf16`), as evaluation does; so does the scale search when
+- block forwards run under bf16 autocast (`bf16`) where the run's precision is bf16 (lrq.precision; float32
+  on a CPU without native bf16), as evaluation does; so does the scale search when
   weights have 4 bits or fewer (bf16 rounding is then far below the quantization error it is compared
   against); 8-bit searches, where the two are of the same size, run in fp32.
 - the clipping error is computed with batched matrix products instead of the reference's broadcast
@@ -50,11 +51,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lrq import precision
 from lrq.arch import block_linears, decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
 from lrq.errors import UserError
-from lrq.methods import Calibration, Method, add_work, register
+from lrq.methods import Calibration, Method, Rule, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
 from lrq.quantize_model import quant_linear_for
@@ -124,7 +126,7 @@ def run_module(cap: Captured, module: nn.Module, x: torch.Tensor, batch_size: in
     """`module` on x in batches. Autocast's weight cache is off: the searches change weights between calls
     (a cached bf16 copy would hide the candidate weights until the outermost autocast region ends)."""
     device = next(module.parameters()).device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+    with precision.autocast(device, enabled=bf16, cache_enabled=False):
         return torch.cat([cap.call(module, x[i:i + batch_size].to(device)).float().cpu()
                           for i in range(0, x.shape[0], batch_size)])
 
@@ -266,6 +268,10 @@ class AWQ(Method):
     name = "awq"
     summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
     defaults = {"quick": dict(QUICK), "paper": dict(SETTINGS)}
+    rules = {"n_grid": Rule(int, lo=1), "grid": Rule(choices=CHOICES["grid"]), "scale_vo": Rule(bool),
+             "clip": Rule(bool), "clip_grid": Rule(int, lo=1), "max_shrink": Rule(float, lo=0, hi=1),
+             "clip_tokens": Rule(int, lo=1), "n_samples": Rule(int, lo=1), "search_tokens": Rule(int, lo=0),
+             "bf16": Rule(bool), "batch_size": Rule(int, lo=1), "chain": Rule(choices=CHOICES["chain"])}
     cost_rank = 5
     blockwise = True
 
@@ -312,7 +318,7 @@ class AWQ(Method):
 
         ids = calib.input_ids[:int(config["n_samples"])]
         # The chain advances under the same autocast as the block forwards (and as evaluation).
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(config["bf16"])):
+        with precision.autocast(device_type, enabled=bool(config["bf16"])):
             per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=int(config["batch_size"]),
                                     desc=f"awq {scheme.name}", device=self.device)
         if float_chain:

@@ -29,7 +29,8 @@ Rows sharing one Hessian (q/k/v; gate/up) are processed as one stacked matrix: G
 independently, so this is the same result with fewer, larger operations.
 
 Speed (2 CPU cores): block forwards (Hessian inputs, the quantized chain) run under bf16 autocast
-(`bf16`), as evaluation does and as the reference code runs its fp16 model; X^T X is accumulated and
+(`bf16`) where the run's precision is bf16 (lrq.precision; in float32 on a CPU without native bf16), as
+evaluation does and as the reference code runs its fp16 model; X^T X is accumulated and
 GPTQ's algebra done in fp32. Each Hessian pass stops at the group's first linear, so only the part of
 the block before it is computed.
 
@@ -45,10 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lrq import precision
 from lrq.arch import decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
-from lrq.methods import Calibration, Method, add_work, register
+from lrq.methods import Calibration, Method, Rule, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import fake_quant, minmax_qparams, n_groups, single_cpu_thread
 from lrq.quantize_model import quant_linear_for
@@ -197,6 +199,8 @@ class GPTQ(Method):
     name = "gptq"
     summary = "GPTQ: column-wise rounding with inverse-Hessian error feedback, true-sequential, act-order"
     defaults = {"quick": dict(SETTINGS), "paper": dict(SETTINGS)}
+    rules = {"damp": Rule(float, lo=0, hi=1), "block_size": Rule(int, lo=1), "act_order": Rule(bool),
+             "bf16": Rule(bool), "batch_size": Rule(int, lo=1)}
     cost_rank = 5
     blockwise = True
 
@@ -248,7 +252,7 @@ class GPTQ(Method):
             torch.clear_autocast_cache()  # bf16 copies of the weights just replaced
 
         # The quantized chain advances under the same autocast as the Hessian forwards (and as evaluation).
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        with precision.autocast(device_type, enabled=bf16):
             per_block = walk_blocks(model, calib.input_ids, process, need_targets=False, batch_size=batch_size,
                                     desc=f"gptq {scheme.name}", device=self.device)
         for m in decoder_blocks(model).modules():

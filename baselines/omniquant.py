@@ -40,7 +40,7 @@ from lrq.blockwise import BlockContext
 from lrq.engine import ReconstructionMethod
 from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import register
+from lrq.methods import Rule, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import (expand_groups, group_min_max, per_tensor_fake_quant, per_token_fake_quant,
                        qparams_from_range, round_ste)
@@ -235,6 +235,9 @@ class OmniQuant(ReconstructionMethod):
                      "smooth_alpha": 0.0, "iters": 2560, "batch_size": 1, "autocast": True})
     # (LWC learning rate, s1 search): LWC sets its own range, so there is no s1 initialisation to search.
     paper_table = {"w3": (1e-2, False), "w4": (1e-2, False), "w4a8": (1e-2, False), "w8a8": (1e-2, False)}
+    rules = ReconstructionMethod.rules | {"let": Rule(choices=("on", "off"), auto=True),
+                                          "let_lr": Rule(float, lo=0, lo_open=True), "let_alpha": Rule(float, lo=0, hi=1),
+                                          "lwc_init": Rule(float)}
     # quick: 100 steps instead of 2560; a sweep of held-out block error on the default model's first two
     # blocks (w3a16: lr 1e-2 -> 0.86/0.95 of the initial error, 5e-2 -> 0.43/0.67, 1e-1 -> 0.42/0.66).
     quick_lr = {"w3": 5e-2, "w4": 5e-2, "w4a8": 5e-2, "w8a8": 5e-2}

@@ -20,9 +20,9 @@ from typing import Any
 from torch import nn
 
 from baselines.rtn import RTN
-from lrq.methods import Calibration, Method, register
+from lrq.methods import Calibration, Method, Rule, register
 from lrq.schemes import Scheme
-from lrq.smooth import DEFAULT_PAIRS, smooth_model
+from lrq.smooth import DEFAULT_PAIRS, parse_pairs, smooth_model
 
 SETTINGS = {"alpha": 0.5, "pairs": ",".join(DEFAULT_PAIRS)}
 
@@ -32,6 +32,12 @@ class SmoothQuant(Method):
     name = "smoothquant"
     summary = "SmoothQuant: calibrated per-channel smoothing folded into the norms, then round-to-nearest"
     defaults = {"quick": dict(SETTINGS), "paper": dict(SETTINGS)}
+    rules = {"alpha": Rule(float, lo=0, hi=1), "pairs": Rule(str)}
+
+    def config(self, preset: str, overrides: dict | None = None) -> dict:
+        cfg = super().config(preset, overrides)
+        parse_pairs(cfg["pairs"])    # an unknown pair name is bad input now, not in the worker
+        return cfg
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True

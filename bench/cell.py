@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import lrq
+from lrq import precision, progress
 from bench import data as D
 from bench.measure import measure
 from bench.cache import cache_root
@@ -55,6 +56,9 @@ class CalibSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
+    """How perplexity is measured. `autocast` is the evaluation's compute precision, "bf16" (bf16 autocast
+    over float32 weights) or "fp32" (the name is kept so that the store keys of bf16 results made before the
+    precision became a choice are unchanged); `settle` fills it in from the request's precision."""
     seq_len: int = 2048
     include_partial: bool = False
     max_tokens: int | None = None
@@ -77,6 +81,7 @@ class Request:
     tasks: tuple[str, ...] = ()          # lm-eval tasks (bench/tasks.py), one "tasks" unit
     task_limit: int | None = None        # examples per task (None: all)
     device: str = "auto"                 # where to compute: auto (CUDA when present), cpu, cuda[:i]
+    precision: str = "auto"              # compute precision of every forward: auto, bf16, fp32 (lrq.precision)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class Cell:
     identity: dict[str, Any]             # what the quantization unit's key hashes
     keys: dict[str, str]                 # unit -> store key
     checkpoint_dir: str | None           # where a resumable method keeps its per-block state
+    precision: str = "bf16"              # the precision this cell computes at ("bf16" or "fp32"), decided
+    precision_info: dict = field(default_factory=dict)   # asked, used, why (lrq.precision.describe)
 
     @property
     def is_fp(self) -> bool:
@@ -160,32 +167,94 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     resolved = {} if is_fp else probe.resolve(scheme, config)
     calib = req.calib or resolve_calib(method_name, req.preset, {})
     uses_calibration = not is_fp and probe.needs_calibration(scheme)
+    if uses_calibration:
+        probe.check_calibration(resolved, calib.n_samples, calib.seq_len)
     data_dir = D.resolve_data_dir(req.data_dir)
+    device = str(resolve_device(req.device)) if (bind_device or req.device != "auto") else "auto"
+    # 'auto' is decided for the device the cell computes on (an unbound remote device: as this machine would)
+    prec_device = None if device == "auto" else device
+    prec = precision.resolve(req.precision, prec_device)
+    ev = replace(req.eval, autocast=prec)
     # execution settings (torch.compile, ...) change how the cell runs, not what it computes: not in the key
     ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
                              "scheme": scheme_name, "config": {} if is_fp else cls.keyed_settings(config),
                              "seed": req.seed}
+    if prec != "bf16":   # bf16 was the only precision before it became a choice: those keys stay as they were
+        ident["precision"] = prec
     calib_data = None
     if uses_calibration:
         calib_data = D.data_fingerprint(calib.dataset, data_dir)
         ident["calib"] = asdict(calib) | {"data": calib_data}
     data = {ds: D.data_fingerprint(ds, data_dir) for ds in req.datasets}
     keys = {"quant": unit_key(ident)}
-    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(req.eval)})
+    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev)})
                  for ds in req.datasets})
     if req.tasks:
+        # before the precision became a choice, task accuracy ran in float32 whatever the cell's precision: the
+        # protocol now names it, so those earlier results (a float32 score of a bf16 cell) are not reused
         keys["tasks"] = unit_key(ident | {"tasks": sorted(req.tasks), "limit": req.task_limit,
                                           "data": D.data_fingerprint("wikitext2", data_dir),
-                                          "protocol": _task_protocol(req.tasks)})
+                                          "protocol": _task_protocol(req.tasks) | {"precision": prec}})
     ckpt = None if is_fp or not cls.checkpoints else str(cache_root() / "checkpoints" / keys["quant"][:24])
-    device = str(resolve_device(req.device)) if (bind_device or req.device != "auto") else "auto"
     method = None if is_fp else cls(device=None if device == "auto" else device, checkpoint_dir=ckpt)
     return Cell(model=req.model, model_id=ident["model"], method_name=method_name, method=method,
                 scheme_name=scheme_name, scheme=scheme, preset=req.preset, config=config, resolved=resolved,
-                calib=calib, uses_calibration=uses_calibration, datasets=tuple(req.datasets), eval=req.eval,
+                calib=calib, uses_calibration=uses_calibration, datasets=tuple(req.datasets), eval=ev,
                 tasks=tuple(req.tasks), task_limit=req.task_limit, seed=req.seed,
                 data_dir=None if data_dir is None else str(data_dir), device=device, data=data,
-                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt)
+                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt, precision=prec,
+                precision_info=precision.describe(req.precision, prec_device))
+
+
+def _enough_tokens(tokenizer, text: str, need: int) -> int:
+    """Tokens in `text`, counted only as far as deciding whether it holds `need` of them takes (a prefix of
+    16 characters per token needed; the whole text when the prefix falls short)."""
+    prefix = text[: 16 * (need + 1)]
+    n = len(D.tokenize(tokenizer, prefix))
+    if n < need + 1 and len(prefix) < len(text):
+        n = len(D.tokenize(tokenizer, text))
+    return n
+
+
+def check_sizes(cells: list[Cell], tokenizer) -> None:
+    """Every evaluation text holds at least one window, every calibration pool the windows its cells draw:
+    checked once in the driver before any work, so a text too small is exit 2 naming the minimum, not a
+    failure of every cell after hours of quantization."""
+    texts: dict = {}
+    counted: dict = {}   # (dataset, data folder, tokens needed) -> tokens counted
+    pools: dict = {}     # (calibration dataset, data folder, tokens needed) -> (tokens counted, source)
+    for c in cells:
+        data_dir = None if c.data_dir is None else Path(c.data_dir)
+        for ds in c.datasets:
+            need = 2 if c.eval.include_partial else c.eval.seq_len
+            window = ("at least 2 tokens (--include-partial scores a partial window)" if c.eval.include_partial
+                      else f"one window of --eval-seq-len {c.eval.seq_len} tokens")
+            if c.eval.max_tokens is not None and c.eval.max_tokens < need:
+                raise UserError(f"--max-eval-tokens {c.eval.max_tokens} is less than {window}: give at least "
+                                f"--max-eval-tokens {need} (0: the whole text), or a shorter --eval-seq-len. Nothing "
+                                f"was run.")
+            if (ds, c.data_dir) not in texts:
+                texts[(ds, c.data_dir)] = D.eval_text(ds, data_dir)
+            text = texts[(ds, c.data_dir)]
+            if (ds, c.data_dir, need) not in counted:
+                counted[(ds, c.data_dir, need)] = _enough_tokens(tokenizer, text.text, need)
+            n = counted[(ds, c.data_dir, need)]
+            if n < need:
+                raise UserError(f"the {ds} evaluation text ({text.source}) holds {n} tokens with this model's "
+                                f"tokenizer, fewer than {window}: restore the data file (see the data folder's "
+                                f"SOURCES.md), or evaluate with --eval-seq-len {max(2, n)} at most. Nothing was run.")
+        if c.uses_calibration:
+            key = (c.calib.dataset, c.data_dir, c.calib.n_samples * c.calib.seq_len)
+            if key not in pools:
+                pool = D.calibration_pool(c.calib.dataset, data_dir)
+                pools[key] = (_enough_tokens(tokenizer, pool.text, key[2]), pool.source)
+            n, source = pools[key]
+            if n < key[2]:
+                raise UserError(f"the calibration pool ({source}) holds {n} tokens with this model's tokenizer, "
+                                f"fewer than the {c.calib.n_samples} x {c.calib.seq_len} = {key[2]} that "
+                                f"{c.method_name} {c.scheme_name} draws: use fewer samples (--calib-samples "
+                                f"{max(1, n // c.calib.seq_len)} fits at this length) or shorter windows "
+                                f"(--calib-seq-len). Nothing was run.")
 
 
 def without_units(cell: Cell, keep: set[str]) -> Cell:
@@ -235,6 +304,7 @@ def quantize_cell(cell: Cell):
         "method": cell.method_name, "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
         "method_config": cell.config, "method_resolved": cell.resolved,
         "scheme_def": None if cell.is_fp else cell.scheme.to_dict(),
+        "precision": cell.precision_info | {"used": cell.precision},
     }
     device = cell.compute_device()
     if cell.is_fp:
@@ -251,7 +321,8 @@ def quantize_cell(cell: Cell):
         base_cfg["calibration"] = calib.description
     with measure() as qm:
         settings = {k: v for k, v in cell.config.items() if k != "preset"}   # the preset is its own argument
-        _, stats = lrq.quantize(model, method, cell.scheme, calib, preset=cell.preset, **settings)
+        _, stats = lrq.quantize(model, method, cell.scheme, calib, preset=cell.preset, precision=cell.precision,
+                                **settings)
     base_cfg["method_stats"] = stats
     if not on_device and not place_model(model, device):
         log.warning("evaluating %s on the CPU: the quantized model does not fit %s", cell.label(), device)
@@ -262,9 +333,15 @@ def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] |
     """Quantize and evaluate one cell; return rows per unit for the units named in `todo`.
 
     `emit(unit, rows)` is called as soon as each unit is complete (the sweep stores it right away, so a
-    crash in a later evaluation loses nothing already measured)."""
+    crash in a later evaluation loses nothing already measured). Every forward runs at the cell's precision."""
+    with precision.use(cell.precision):
+        return _execute(cell, todo, emit)
+
+
+def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] | None) -> dict[str, list[Row]]:
     data_dir = None if cell.data_dir is None else Path(cell.data_dir)
-    model, tok, base_cfg, stats, qm = quantize_cell(cell)
+    with progress.stage("quant"):
+        model, tok, base_cfg, stats, qm = quantize_cell(cell)
     out: dict[str, list[Row]] = {}
     if "quant" in todo:
         cfg = dict(base_cfg)
@@ -287,7 +364,7 @@ def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] |
         caps = [c for c in (D.eval_token_cap(ds), cell.eval.max_tokens) if c]
         if caps:
             ids = ids[:min(caps)]
-        with measure() as em:
+        with measure() as em, progress.stage(ds):
             res = perplexity(model, ids, cell.eval.seq_len, cell.eval.include_partial,
                              autocast=cell.eval.autocast == "bf16", desc=f"{cell.method_name} {cell.scheme_name} {ds}")
         check_finite_perplexity(model, ids, res, ds, cell.eval.seq_len, cell.eval.include_partial)
@@ -303,9 +380,10 @@ def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] |
         if data_dir is None:
             raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
         _check_finite_logits(model, tok)
-        with measure() as tm:
-            res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit)
+        with measure() as tm, progress.stage("tasks"):
+            res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit, precision=cell.precision)
         cfg = base_cfg | {"tasks": {"names": list(cell.tasks), "limit": cell.task_limit, "batch_size": T.BATCH_SIZE,
+                                    "precision": cell.precision,
                                     "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS,
                                     "main_metric": T.MAIN_METRIC}
                           | ({"mmlu_protocol": f"{T.MMLU_SHOTS}-shot from the dev split, shots dropped last first "

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lrq.errors import UserError
+from lrq.io import dumps_json
 
 
 
@@ -73,7 +74,7 @@ def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
     return given
 
 
-def _check_writable(folder: str) -> None:
+def _check_writable(folder: str, what: str = "the leaderboard") -> None:
     """--out must be a folder we can write, checked before any cell runs (not after hours of work)."""
     import tempfile
     path = Path(folder).expanduser()
@@ -83,7 +84,12 @@ def _check_writable(folder: str) -> None:
             pass
     except OSError as e:
         raise UserError(f"--out {folder!r} is not a writable folder ({e.strerror or e}): choose another place for "
-                        f"the leaderboard. Nothing was run.") from None
+                        f"{what}. Nothing was run.") from None
+
+
+PRECISION_HELP = ("compute precision of every forward (evaluation, calibration passes, block training where the "
+                  "preset does not fix fp32): auto (bf16 where the CPU computes it natively, AMX or AVX512-BF16, and "
+                  "on a GPU; fp32 elsewhere), bf16 or fp32. A bf16 and an fp32 result are different cells")
 
 
 def _default_results() -> Path:
@@ -123,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "machine, or 'auto' (2 on a CPU machine with >= 2 cores, 1 with a GPU)")
     r.add_argument("--device", default="auto", help="where to compute: auto (CUDA when present), cpu or cuda[:i]; "
                    "a model larger than the device stays on the CPU and block-wise methods move one block at a time")
+    r.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help=PRECISION_HELP)
     r.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="where cells run: this machine (local) or a Ray cluster (ray)")
     r.add_argument("--ray-address", default=None, help="Ray cluster address (default: start a local cluster)")
@@ -153,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tasks", default=None)
     pl.add_argument("--task-limit", type=int, default=None)
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help=PRECISION_HELP)
     pl.add_argument("--gpus", type=int, default=None,
                     help="devices working in parallel (default: the run's --jobs for the profile on this machine)")
     pl.add_argument("--machine-profile", default=None, help="a profile JSON measured on another machine "
@@ -175,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--calib-sampling", default=None, choices=["random", "sequential"])
     ex.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ex.add_argument("--seed", type=int, default=0)
+    ex.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help=PRECISION_HELP)
     ex.add_argument("--allow-ragged", action="store_true",
                     help="write a group size that does not divide every layer (only lrq-bench reads it back)")
 
@@ -240,14 +249,14 @@ def _calib_given(args) -> dict:
 
 
 def cmd_run(args) -> int:
-    from bench.cell import FP, EvalSettings, Request, resolve_calib, resolve_device, settle
+    from bench.cell import FP, EvalSettings, Request, check_sizes, resolve_calib, resolve_device, settle
     from bench.data import check_available, resolve_data_dir
     from bench.executor import LocalExecutor
     from bench.profiles import resolve_jobs
     from bench.html_report import write_report
     from bench.report import markdown_report
     from bench.store import ResultStore
-    from bench.sweep import run_cells
+    from bench.sweep import missing_units, run_cells
     _check_lists(args)
     prof = _apply_profile(args)
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
@@ -281,13 +290,16 @@ def cmd_run(args) -> int:
     store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
 
     from bench.models import load_model
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
 
     overrides = dict(prof.method_settings) | user_overrides   # explicit --set wins over the profile
     seeds = _seeds(args)
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
-                  data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit, device=args.device)
+                  data_dir=args.data_dir, tasks=tuple(tasks), task_limit=args.task_limit, device=args.device,
+                  precision=args.precision)
     given = _calib_given(args)
     pairs = ([] if args.no_fp else [(FP, FP)]) + [(m, s) for m in methods for s in schemes]
     cells = []
@@ -303,6 +315,7 @@ def cmd_run(args) -> int:
     if tasks:
         from bench.tasks import check_task_data
         check_task_data(tasks, resolve_data_dir(args.data_dir))
+    check_sizes(cells, loaded.tokenizer)   # every text big enough for its windows: before any model work
     if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
         from bench import plan as P
         shape = P.shape_from_config(args.model, loaded.model.config)
@@ -319,10 +332,16 @@ def cmd_run(args) -> int:
     where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
              f"{executor.jobs} at a time" + (f" ({executor.threads} thread{'s' if executor.threads > 1 else ''} each)"
                                              if executor.jobs > 1 else ""))
-    print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells, {where}", file=sys.stderr)
-    outcomes = run_cells(cells, store, force=args.force, executor=executor)
+    todo = missing_units(cells, store, args.force)
+    n_todo = sum(bool(t) for t in todo.values())
+    info = cells[0].precision_info
+    print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells ({n_todo} to compute, {len(cells) - n_todo} "
+          f"already stored), {where}; precision {cells[0].precision} ({info.get('why')})", file=sys.stderr, flush=True)
+    estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
+    outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate)
     wall = time.perf_counter() - t0
-    rows = [r for r in store.rows(latest=True) if r.model == args.model]
+    run_precisions = {c.precision for c in cells}
+    rows = [r for r in store.rows(latest=True) if r.model == args.model and r.precision in run_precisions]
     _warn_unreadable(store)
     print(markdown_report(rows))
     if args.out:
@@ -334,9 +353,6 @@ def cmd_run(args) -> int:
         if o.status == "failed":
             print(f"FAILED {o.cell.label()}: {o.error}", file=sys.stderr)
     return 1 if counts["failed"] else 0
-
-
-FULL_EVAL_TOKENS = {"wikitext2": 300_000, "c4": 256 * 2048}   # whole texts, for planning
 
 
 def cmd_plan(args) -> int:
@@ -354,8 +370,7 @@ def cmd_plan(args) -> int:
     user_overrides = _checked_overrides(args.set, methods)
     tasks = _task_names(args.tasks)
     limit = args.task_limit or None
-    eval_tokens = {d: min(args.max_eval_tokens or FULL_EVAL_TOKENS[d], FULL_EVAL_TOKENS[d])
-                   for d in _datasets(args.datasets)}
+    eval_tokens = P.eval_tokens_for(_datasets(args.datasets), args.max_eval_tokens)
     device = "cuda" if torch_cuda() else "cpu"
     workers = args.gpus or (resolve_jobs(prof.jobs) if device == "cpu" else 1)
     if device == "cpu" and not args.machine_profile:
@@ -363,9 +378,9 @@ def cmd_plan(args) -> int:
 
         from bench.executor import LocalExecutor
         torch.set_num_threads(LocalExecutor(workers).threads)   # measure as each worker will run
-    machine = P.load_or_measure_profile(device, args.machine_profile, args.remeasure)
+    machine = P.load_or_measure_profile(device, args.machine_profile, args.remeasure, args.precision, say=_say)
     if args.save_profile:
-        Path(args.save_profile).write_text(json.dumps(machine, indent=1))
+        Path(args.save_profile).write_text(dumps_json(machine, indent=1))
     overrides = dict(prof.method_settings) | user_overrides
     cells = []
     for m in methods:
@@ -379,7 +394,7 @@ def cmd_plan(args) -> int:
     wall = P.schedule([fp_s] + [c.seconds for c in cells], workers)
     unit = "GPU" if machine["device"] == "cuda" else "CPU-process"
     if args.json:
-        print(json.dumps({"shape": P.describe(shape), "machine": {k: machine[k] for k in ("device", "hardware", "threads")},
+        print(dumps_json({"shape": P.describe(shape), "machine": {k: machine[k] for k in ("device", "hardware", "threads")},
                           "cells": P.as_rows(cells), "fp_seconds": fp_s, "total_hours": total / 3600,
                           "workers": workers, "wall_hours": wall / 3600}, indent=1))
         return 0
@@ -387,12 +402,54 @@ def cmd_plan(args) -> int:
              f"{c.device_bytes / 2**30:.1f}" if c.device_bytes else "-"] for c in cells]
     print(f"Plan: {shape.name} ({shape.params() / 1e9:.2f} B parameters, {shape.layers} blocks), profile {prof.name}, "
           f"preset {args.preset}; machine profile: {machine['device']}, {machine['threads']} thread(s), "
-          f"{machine['hardware'].get('gpu') or machine['hardware'].get('cpu')}\n")
+          f"{machine['hardware'].get('gpu') or machine['hardware'].get('cpu')}, precision "
+          f"{machine.get('precision', 'bf16 (measured before the precision was recorded)')}\n")
     print(tabulate(rows, headers=["method", "scheme", "est. time", "host GiB", "device GiB"], tablefmt="github"))
     print(f"\nFP reference evaluation: {P.fmt_hours(fp_s)}. Total: {total / 3600:.2f} {unit}-hours; "
           f"wall time on {workers} {'device' if unit == 'GPU' else 'worker'}{'s' if workers > 1 else ''}: "
           f"{P.fmt_hours(wall)} (longest cells first).")
     return 0
+
+
+def _announce_estimate(args, cells, todo, executor, loaded):
+    """Print the planner's estimate of what the run is about to compute, on this machine at the run's precision
+    (asking nothing: a user who sees '34 h' can stop at once). Returns the estimate (the progress bar weighs
+    stages by it), or None where there is none (a Ray cluster; a planner failure, said in one line)."""
+    from bench import plan as P
+    if args.executor == "ray":
+        _say("no time estimate for a Ray cluster (its nodes' speed is not known here).")
+        return None
+    import torch
+    device = cells[0].compute_device().type
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(executor.threads if device == "cpu" else threads)   # as each worker will run
+        machine = P.load_or_measure_profile(device, precision=cells[0].precision, say=_say)
+        shape = P.shape_from_config(args.model, loaded.model.config)
+        est = P.estimate_run(shape, dict(enumerate(cells)), todo, machine)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an estimate is a courtesy: never the reason a run does not start
+        _say(f"no time estimate ({type(e).__name__}: {e}).")
+        return None
+    finally:
+        torch.set_num_threads(threads)
+    if not est.stages:
+        return est
+    unit = "GPU" if device == "cuda" else "CPU-process"
+    workers = executor.jobs
+    longest = max(est.stages, key=est.seconds)
+    unpriced = f"; {len(est.unpriced)} cell(s) without a cost model not counted" if est.unpriced else ""
+    _say(f"estimate on this machine ({machine['hardware'].get('gpu') or machine['hardware'].get('cpu')}, "
+         f"{cells[0].precision}): {len(est.stages)} cells, {est.total / 3600:.2f} {unit}-hours of work, about "
+         f"{P.fmt_duration(est.wall(workers))} wall on {workers} worker{'s' if workers > 1 else ''} (longest cell: "
+         f"{cells[longest].method_name} {cells[longest].scheme_name}, {P.fmt_duration(est.seconds(longest))}"
+         f"{unpriced}). `lrq-bench plan` itemizes it; Ctrl-C stops at once, and a rerun keeps what was stored.")
+    return est
+
+
+def _say(line: str) -> None:
+    print(f"lrq-bench: {line}", file=sys.stderr, flush=True)
 
 
 def torch_cuda() -> bool:
@@ -411,7 +468,8 @@ def cmd_export(args) -> int:
     overrides = _checked_overrides(args.set, [method])
     cell = settle(Request(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
                           overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
-                          seed=args.seed, data_dir=args.data_dir))
+                          seed=args.seed, data_dir=args.data_dir, precision=args.precision))
+    _check_export_target(args.out, args.model)      # before any quantization: never over the source model
     if cell.uses_calibration:
         check_available([cell.calib.dataset], resolve_data_dir(args.data_dir))
     model, tok, cfg, stats, qm = quantize_cell(cell)
@@ -420,6 +478,19 @@ def cmd_export(args) -> int:
     print(f"{args.method} {scheme} written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB; "
           f"quantization {qm.wall_s:.1f} s)", file=sys.stderr)
     return 0
+
+
+def _check_export_target(out: str, model: str) -> None:
+    """--out must be a writable folder that is not the folder the source model is read from (writing there
+    would overwrite the weights being quantized, and every later run of that model would read the export)."""
+    from bench.models import source_folder
+    src = source_folder(model)
+    target = Path(out).expanduser().resolve()
+    if src is not None and target == src.resolve():
+        raise UserError(f"--out {out!r} is the folder the model {model!r} is read from: the export would overwrite "
+                        f"the source weights. Choose another folder (e.g. --out {target.name}-quantized). Nothing "
+                        f"was quantized.")
+    _check_writable(out, "the export")
 
 
 def cmd_compare(args) -> int:
@@ -434,7 +505,7 @@ def _existing_store(results: str | None):
     path = Path(results or _default_results())
     if not path.exists():
         raise UserError(f"results store {str(path)!r} does not exist: run `lrq-bench run` first or pass --results.")
-    return ResultStore(path, check=True)
+    return ResultStore(path, check=True, readonly=True)   # read-only commands never write the store
 
 
 def _warn_unreadable(store) -> None:
@@ -457,7 +528,7 @@ def cmd_results(args) -> int:
     rows = store.rows()
     _warn_unreadable(store)
     if args.json:
-        json.dump([asdict(r) for r in rows], sys.stdout, indent=1, default=str)
+        sys.stdout.write(dumps_json([asdict(r) for r in rows], indent=1, default=str))
         print()
     else:
         for r in rows:
@@ -465,8 +536,22 @@ def cmd_results(args) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the driver: unwinds like Ctrl-C (workers are terminated on the way out), never taken
+    for a failing cell (it is not an Exception)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
+    import signal
+    import threading
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args = build_parser().parse_args(argv)
         return {"run": cmd_run, "plan": cmd_plan, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
@@ -478,10 +563,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lrq-bench: interrupted; completed cells are stored and will be reused.", file=sys.stderr)
         return 130
+    except Terminated:
+        print("lrq-bench: terminated (SIGTERM): the running cells were stopped with their workers; every unit "
+              "measured so far is stored, and a rerun of the same command resumes (block-wise methods at their "
+              "next block).", file=sys.stderr)
+        return 143
     except BrokenPipeError:   # `lrq-bench results --json | head`: the reader left; nothing to say
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Regression gate: compare current results with a baseline under per-metric tolerances.
 
 Inputs are results stores (.sqlite) or JSON exports (`lrq-bench results --json`, or the committed
-reference files under reports/reference/). Rows are matched on (model, method, scheme, dataset, metric),
-newest row per key. Tolerances come from a TOML file (reports/tolerances.toml by default):
+reference files under reports/reference/). Rows are matched on (model, method, scheme, precision, dataset,
+metric, seed), newest row per key. Tolerances come from a TOML file (reports/tolerances.toml by default):
 
     [metrics.ppl]
     direction = "lower"     # lower is better; "higher" for accuracy; "both" for values that must not move
@@ -17,21 +17,36 @@ Beside each compared value the report shows its 95 % interval where the stored r
 (perplexity) or examples (accuracy), and, for a change, the paired interval of current against baseline
 over the same windows/examples: a regression is named by the tolerance alone, and the report says
 whether the change is also outside the paired interval (i.e. more than noise of that much text).
-Rows are keyed by (model, method, scheme, dataset, metric, seed).
+Rows are keyed by (model, method, scheme, precision, dataset, metric, seed): a bf16 and an fp32 result are
+different cells, never compared with each other.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.store import ResultStore, Row
+from bench.store import ResultStore, Row, row_key
 from lrq.errors import UserError
 
-DEFAULT_TOLERANCES = Path(__file__).resolve().parent.parent / "reports" / "tolerances.toml"
-Key = tuple[str, str, str, str, str, int]
+def _default_tolerances() -> Path:
+    """reports/tolerances.toml, packaged with the project (an installed wheel carries it too)."""
+    from importlib.resources import files
+    return Path(str(files("reports") / "tolerances.toml"))
+
+
+DEFAULT_TOLERANCES = _default_tolerances()
+# Metrics the suite stores (bench/cell.py, the methods' statistics, lm-eval's task metrics, the speed studies):
+# a tolerance may name one of these or any metric present in the compared results; anything else is a typo.
+KNOWN_METRICS = ("ppl", "eval_tokens_per_s", "bits_per_weight", "quant_time_s", "quant_peak_rss_bytes",
+                 "quant_peak_cuda_bytes", "n_learnable", "blocks_time_s", "resumed_blocks", "compiled_blocks",
+                 "mean_block_calib_before", "mean_block_calib_after", "mean_block_heldout_before",
+                 "mean_block_heldout_after", "acc", "acc_norm", "perplexity", "prefill_tok_s", "decode_tok_s",
+                 "model_bytes", "peak_rss_bytes")
+Key = tuple[str, str, str, str, str, str, int]   # model, method, scheme, precision, dataset, metric, seed
 
 
 @dataclass
@@ -79,7 +94,7 @@ def load_rows(path: str | Path) -> list[Row]:
                                 + (f"missing {', '.join(missing)}" if missing else f"value {value!r} is not a number")
                                 + "); a results export has model, method, scheme, dataset, metric and value per row.")
         return [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
-    store = ResultStore(p, check=True)
+    store = ResultStore(p, check=True, readonly=True)
     rows = store.rows(latest=True)
     if store.unreadable:
         raise UserError(f"{p}: {store.unreadable} stored row(s) cannot be decoded; the gate will not compare a "
@@ -92,9 +107,10 @@ def latest(rows: list[Row]) -> dict[Key, float | None]:
 
 
 def latest_rows(rows: list[Row]) -> dict[Key, Row]:
+    """The newest row per key (bench.store.row_key: a bf16 and an fp32 result are different cells)."""
     out: dict[Key, Row] = {}
     for r in rows:   # oldest first: later rows win
-        out[(r.model, r.method, r.scheme, r.dataset, r.metric, r.seed or 0)] = r
+        out[row_key(r)] = r
     return out
 
 
@@ -108,9 +124,9 @@ def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> No
     from bench import stats as S
     for d in diffs:
         b, c = base.get(d.key), cur.get(d.key)
-        if d.key[4] == "ppl":
+        if d.key[5] == "ppl":
             est, cmp, pct = S.ppl_estimate, S.paired_ppl, False
-        elif d.key[4] in ("acc", "acc_norm"):
+        elif d.key[5] in ("acc", "acc_norm"):
             est, cmp, pct = S.acc_estimate, S.paired_acc, True
         else:
             continue
@@ -127,18 +143,61 @@ def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> No
                 d.outside = p.separated
 
 
+_TOL_KEYS = {"direction", "rel", "abs"}
+
+
 def load_tolerances(path: str | Path | None) -> dict[str, dict]:
+    """The [metrics.<name>] tables of a tolerance file, every value checked: bad input is exit 2 naming the
+    offending key (never a traceback that would read as the gate's 'regression' exit 1)."""
     p = Path(path) if path else DEFAULT_TOLERANCES
     try:
-        tol = tomllib.loads(p.read_text()).get("metrics", {})
+        doc = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"tolerance file {p} does not exist.") from None
+    except IsADirectoryError:
+        raise UserError(f"tolerance file {p} is a folder: pass the .toml file (e.g. reports/tolerances.toml).") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"tolerance file {p} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
+    except OSError as e:
+        raise UserError(f"cannot read the tolerance file {p}: {e.strerror or e}.") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"tolerance file {p} is not valid TOML ({e}).") from None
+    tol = doc.get("metrics", {})
+    if not isinstance(tol, dict):
+        raise UserError(f"{p}: `metrics` must be a table of [metrics.<name>] tables, got {type(tol).__name__} "
+                        f"{tol!r}.")
     for name, t in tol.items():
+        where = f"{p}: [metrics.{name}]"
+        if not isinstance(t, dict):
+            raise UserError(f"{where} must be a table (direction, rel, abs), got {type(t).__name__} {t!r}: write "
+                            f"[metrics.{name}] then direction = \"lower\" and rel = ... on their own lines.")
+        unknown = set(t) - _TOL_KEYS
+        if unknown:
+            raise UserError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}: use direction, rel and abs.")
         if t.get("direction", "lower") not in ("lower", "higher", "both"):
-            raise UserError(f"{p}: metric {name!r} has direction {t.get('direction')!r}; use lower, higher or both.")
+            raise UserError(f"{where}.direction = {t.get('direction')!r}: use lower, higher or both.")
+        for key in ("rel", "abs"):
+            v = t.get(key, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise UserError(f"{where}.{key} = {v!r}: a tolerance is a finite number >= 0 (e.g. {key} = 0.01).")
     return tol
+
+
+def check_tolerance_names(tol: dict[str, dict], rows_metrics: set[str], source: str) -> None:
+    """A tolerance for a metric nobody stores is a typo that would switch the gate off for the metric meant;
+    tolerances that cover none of the compared metrics leave the gate checking nothing: both exit 2."""
+    import difflib
+    known = set(KNOWN_METRICS) | rows_metrics
+    for name in tol:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise UserError(f"{source}: [metrics.{name}] names no metric the suite stores"
+                            + (f"; did you mean {close[0]!r}?" if close else ".")
+                            + f" Metrics in these results: {', '.join(sorted(rows_metrics)) or 'none'}.")
+    if rows_metrics and not set(tol) & rows_metrics:
+        raise UserError(f"{source} covers none of the {len(rows_metrics)} metrics in these results "
+                        f"({', '.join(sorted(rows_metrics))}): the gate would check nothing. Add a [metrics.<name>] "
+                        f"table for the metrics to gate.")
 
 
 def compare(base: dict[Key, float | None], cur: dict[Key, float | None], tol: dict[str, dict],
@@ -146,7 +205,7 @@ def compare(base: dict[Key, float | None], cur: dict[Key, float | None], tol: di
     diffs = []
     for key in sorted(set(base) | set(cur)):
         b, c = base.get(key), cur.get(key)
-        t = tol.get(key[4])
+        t = tol.get(key[5])
         if key not in cur:
             diffs.append(Diff(key, b, None, "ok" if allow_missing or t is None else "missing"))
             continue
@@ -156,8 +215,14 @@ def compare(base: dict[Key, float | None], cur: dict[Key, float | None], tol: di
         if t is None:
             diffs.append(Diff(key, b, c, "untracked"))
             continue
+        if b is not None and not math.isfinite(b):
+            raise UserError(f"the baseline value of {' '.join(map(str, key))} is {b}: a baseline must be finite "
+                            f"(regenerate it from a results store, which never holds NaN).")
         if b is None or c is None:
             diffs.append(Diff(key, b, c, "ok" if b is None and c is None else "regressed"))
+            continue
+        if not math.isfinite(c):   # NaN compares false with everything: it must fail, never pass as "ok"
+            diffs.append(Diff(key, b, c, "regressed"))
             continue
         allowed = max(float(t.get("abs", 0.0)), float(t.get("rel", 0.0)) * abs(b))
         direction = t.get("direction", "lower")
@@ -176,9 +241,9 @@ def markdown(diffs: list[Diff], show_all: bool = False) -> str:
         f"{v} {k}" for k, v in counts.items() if v)
     if not shown:
         return head + "\n"
-    lines = [head, "", "| model | method | scheme | dataset | metric | seed | baseline (95 %) | current (95 %) | delta | "
-             "allowed | status | paired change (95 %) | outside the paired interval |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| model | method | scheme | precision | dataset | metric | seed | baseline (95 %) | current (95 %) | "
+             "delta | allowed | status | paired change (95 %) | outside the paired interval |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
     with_ci = lambda v, ci: fmt(v) + (f" ({ci})" if ci else "")  # noqa: E731
     for d in shown:
@@ -192,8 +257,10 @@ def gate(baseline: str | Path, current: str | Path, tolerances: str | Path | Non
          allow_missing: bool = False, show_all: bool = False) -> tuple[int, str]:
     """(exit code, Markdown): 1 when anything regressed or went missing, else 0."""
     base, cur = latest_rows(load_rows(baseline)), latest_rows(load_rows(current))
-    diffs = compare({k: r.value for k, r in base.items()}, {k: r.value for k, r in cur.items()},
-                    load_tolerances(tolerances), allow_missing)
+    tol = load_tolerances(tolerances)
+    check_tolerance_names(tol, {k[5] for k in base} | {k[5] for k in cur},
+                          str(tolerances or "the default tolerances (reports/tolerances.toml)"))
+    diffs = compare({k: r.value for k, r in base.items()}, {k: r.value for k, r in cur.items()}, tol, allow_missing)
     annotate(diffs, base, cur)
     bad = any(d.status in ("regressed", "missing") for d in diffs)
     return (1 if bad else 0), markdown(diffs, show_all)

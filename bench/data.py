@@ -89,8 +89,9 @@ def _read_local(dataset: str, data_dir: Path) -> list[str]:
             f"cannot read data file {path}: {type(e).__name__}: {str(e)[:200] or 'no detail'}. The file is "
             f"damaged or not in the expected format ({'UTF-8 text' if dataset == 'wikitext2' else 'gzip of JSON lines with a text field'}); "
             f"restore it from its source (see {data_dir / 'SOURCES.md'}) or copy the data folder again.") from None
-    if not rows:
-        raise UserError(f"data file {path} holds no text: restore it from its source (see {data_dir / 'SOURCES.md'}).")
+    if not any(r.strip() for r in rows):   # empty, or only blank lines
+        raise UserError(f"data file {path} holds no text: restore it from its source (see {data_dir / 'SOURCES.md'}). "
+                        f"Nothing was run.")
     _ROWS[key] = rows
     return list(rows)
 
@@ -141,13 +142,9 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_samples: int = 128,
-                    seq_len: int = 512, seed: int = 0, sampling: str = "random") -> Calibration:
-    """Calibration windows [n_samples, seq_len] from a held-apart pool of text, drawn reproducibly.
-
-    The pool is joined with blank lines and cut into non-overlapping windows; `random` picks n of them
-    with a seeded permutation, `sequential` takes the first n (the authors' LRQ code takes them in order).
-    """
+def calibration_pool(dataset: str, data_dir: Path | None) -> Text:
+    """The text calibration windows are cut from: C4 documents held apart from the evaluation slice (or, when
+    asked, WikiText-2 itself), joined with blank lines."""
     if dataset == "c4":
         rows, src = load_rows("c4", data_dir, "validation" if data_dir is not None else "train")
         if data_dir is not None:
@@ -157,7 +154,19 @@ def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_sam
         src += " (WARNING: the evaluation text itself)"
     else:
         raise UserError(f"unknown calibration dataset {dataset!r}: choose c4 or wikitext2.")
-    ids = tokenize(tokenizer, "\n\n".join(rows))
+    return Text(dataset, "\n\n".join(rows), src)
+
+
+def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_samples: int = 128,
+                    seq_len: int = 512, seed: int = 0, sampling: str = "random") -> Calibration:
+    """Calibration windows [n_samples, seq_len] from a held-apart pool of text, drawn reproducibly.
+
+    The pool is joined with blank lines and cut into non-overlapping windows; `random` picks n of them
+    with a seeded permutation, `sequential` takes the first n (the authors' LRQ code takes them in order).
+    """
+    pool = calibration_pool(dataset, data_dir)
+    src = pool.source
+    ids = tokenize(tokenizer, pool.text)
     n_windows = len(ids) // seq_len
     if n_samples > n_windows:
         raise UserError(f"the calibration pool ({src}) holds {len(ids)} tokens, only {n_windows} windows of "

@@ -13,6 +13,12 @@ cell code itself.
 
 A failing cell (an exception, or a worker that dies: killed, out of memory) is reported as failed and the
 others go on; bad input (`UserError`) stops the whole run, as it would stop every cell.
+
+The terminal shows one bar (`ProgressBoard`): cells done, what each running cell is doing now (its stage
+and where in it: "lrq w3a16: block 12/30 step 5/20", "rtn w8a8: wikitext2 window 3/8", from lrq.progress
+reports that workers send up their pipes), failures, elapsed time and an ETA. The bar counts the planner's
+estimated seconds of each stage (bench.plan.estimate_run), so the ETA moves with the work inside cells and
+corrects itself by the machine's real pace; without an estimate every stage weighs the same.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -46,13 +53,125 @@ class Job:
 
 
 CellFn = Callable[[object, set, Callable[[str, list], None]], object]
+Weights = dict[int, dict[str, float]]   # job index -> stage -> estimated seconds (bench.plan.RunEstimate.stages)
+
+
+class ProgressBoard:
+    """The one terminal bar of a run: cells done of all, the running cells' current stage and progress,
+    failures, elapsed time and ETA. Its unit is estimated seconds of work (`weights`), so a long LRQ cell
+    moves the bar block by block and a short RTN cell barely; the ETA is tqdm's, elapsed x remaining / done."""
+
+    def __init__(self, jobs: list[Job], weights: Weights | None = None):
+        weights = weights or {}
+        known = [sum(w.values()) for w in weights.values() if w]
+        fallback = (sum(known) / len(known)) if known else 1.0
+        self.weights: dict[int, dict[str, float]] = {}
+        for j in jobs:
+            w = {k: v for k, v in (weights.get(j.index) or {}).items() if v > 0}
+            if not w:   # no estimate (an unpriced method): the mean cell's, split evenly over its units
+                units = ["quant"] + sorted(u for u in j.todo if u != "quant")
+                w = {u: fallback / len(units) for u in units}
+            self.weights[j.index] = w
+        self.labels = {j.index: f"{j.cell.method_name} {j.cell.scheme_name}" for j in jobs}
+        self.state: dict[int, dict[str, float]] = {}     # running job -> stage -> fraction done
+        self.where: dict[int, str] = {}                  # running job -> "stage detail"
+        self.finished: set[int] = set()
+        self.n_jobs, self.failed = len(jobs), 0
+        self.waiting: set[str] = set()                   # cells another run is computing
+        self.bar = tqdm(total=round(sum(sum(w.values()) for w in self.weights.values()), 3), desc=self._desc(),
+                        unit="s", smoothing=0, dynamic_ncols=True,
+                        bar_format="{desc} {percentage:3.0f}%|{bar:16}| [{elapsed}<{remaining}]{postfix}")
+        self._done = 0.0
+
+    def _desc(self) -> str:
+        return f"cells {len(self.finished)}/{self.n_jobs}"
+
+    def start(self, idx: int) -> None:
+        self.state[idx] = {}
+        self.where[idx] = "starting"
+        self.refresh()
+
+    def update(self, idx: int, stage: str, detail: str, fraction: float | None) -> None:
+        if idx in self.finished:
+            return
+        st = self.state.setdefault(idx, {})
+        if fraction is not None:
+            st[stage] = max(st.get(stage, 0.0), fraction)
+        self.where[idx] = f"{stage} {detail}".strip() if detail != "done" else f"{stage} done"
+        self.refresh()
+
+    def finish(self, idx: int, failed: bool = False) -> None:
+        self.finished.add(idx)
+        self.failed += failed
+        self.state.pop(idx, None)
+        self.where.pop(idx, None)
+        self.refresh()
+
+    def done_seconds(self) -> float:
+        total = sum(sum(self.weights[i].values()) for i in self.finished)
+        for i, st in self.state.items():
+            w = self.weights.get(i, {})
+            total += sum(w.get(stage, 0.0) * f for stage, f in st.items())
+        return total
+
+    def postfix(self) -> str:
+        running = " | ".join(f"{self.labels[i]}: {w}" for i, w in self.where.items())
+        waiting = f"waiting for another run: {', '.join(sorted(self.waiting))}" if self.waiting else ""
+        return " | ".join(p for p in (running, waiting, f"failed: {self.failed}" if self.failed else "") if p)
+
+    def refresh(self) -> None:
+        # never backwards: a stage's fraction only grows, and finished cells keep their weight
+        self._done = min(max(self._done, self.done_seconds()), self.bar.total)
+        self.bar.n = round(self._done, 3)
+        self.bar.set_description_str(self._desc(), refresh=False)
+        self.bar.set_postfix_str(self.postfix(), refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class Sink(Protocol):
-    """What an executor reports to the runner (called in the driver process only)."""
+    """What an executor reports to the runner (called in the driver process only). A sink may also have
+    `claim(job) -> "run" | "wait" | "skip"` (bench.sweep.StoreSink: another run computing the same cell)."""
     def unit(self, job: Job, unit: str, rows: list) -> None: ...
     def done(self, job: Job, wall_s: float) -> None: ...
     def failed(self, job: Job, error: str) -> None: ...
+
+
+WAIT_POLL_S = 2.0   # how often a run waiting on another run's cells looks again
+
+
+class JobQueue:
+    """The jobs still to start, in order; `next()` is the first one the sink lets this run start now (jobs
+    another process is computing stay queued and are asked again later; jobs finished meanwhile by another
+    run leave the queue as done)."""
+
+    def __init__(self, jobs: list[Job], sink: Sink, board: "ProgressBoard"):
+        self.pending = deque(jobs)
+        self.sink, self.board = sink, board
+        self.waiting: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def next(self) -> Job | None:
+        claim = getattr(self.sink, "claim", None)
+        for _ in range(len(self.pending)):
+            job = self.pending.popleft()
+            verdict = claim(job) if claim is not None else "run"
+            if verdict == "run":
+                self.waiting.discard(job.index)
+                self.board.waiting = {self.board.labels[i] for i in self.waiting}
+                return job
+            if verdict == "skip":
+                self.waiting.discard(job.index)
+                self.board.finish(job.index)
+                continue
+            self.waiting.add(job.index)
+            self.pending.append(job)
+        self.board.waiting = {self.board.labels[i] for i in self.waiting}
+        return None
 
 
 def available_cpus() -> int:
@@ -85,96 +204,110 @@ class LocalExecutor:
     def describe(self) -> dict:
         return {"executor": "local", "jobs": self.jobs, "threads_per_job": self.threads if self.jobs > 1 else None}
 
-    def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
+    def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
         if self.jobs == 1 or len(jobs) <= 1:
-            self._run_inline(jobs, sink, cell_fn)
+            self._run_inline(jobs, sink, cell_fn, weights)
         else:
-            self._run_processes(jobs, sink, cell_fn)
+            self._run_processes(jobs, sink, cell_fn, weights)
 
     # ---- in this process ---------------------------------------------------------------------------
-    def _run_inline(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
-        bar = tqdm(jobs, desc="cells", unit="cell")
-        for job in bar:
-            bar.set_postfix_str(job.cell.label())
-            try:
-                wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows), cell_fn)
-            except UserError:
-                raise
-            except Exception as e:  # a crash in one cell must not lose the others
-                log.error("cell %s failed:\n%s", job.cell.label(), traceback.format_exc())
-                sink.failed(job, f"{type(e).__name__}: {e}")
-                continue
-            sink.done(job, wall)
+    def _run_inline(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
+        from lrq import progress
+        board = ProgressBoard(jobs, weights)
+        queue = JobQueue(jobs, sink, board)
+        try:
+            while queue:
+                job = queue.next()
+                if job is None:          # every cell left is being computed by another run: wait for it
+                    board.refresh()
+                    time.sleep(WAIT_POLL_S)
+                    continue
+                board.start(job.index)
+                try:
+                    with progress.reporting(lambda st, d, f, i=job.index: board.update(i, st, d, f)):
+                        wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows), cell_fn)
+                except UserError:
+                    raise
+                except Exception as e:  # a crash in one cell must not lose the others
+                    log.error("cell %s failed:\n%s", job.cell.label(), traceback.format_exc())
+                    board.finish(job.index, failed=True)
+                    sink.failed(job, f"{type(e).__name__}: {e}")
+                    continue
+                board.finish(job.index)
+                sink.done(job, wall)
+        finally:
+            board.close()
 
     # ---- worker processes --------------------------------------------------------------------------
     # Each worker gets its own one-way pipe. A shared multiprocessing.Queue would be simpler, but its
     # writers share one lock: a worker killed (OOM, SIGKILL) while its feeder thread held that lock would
     # leave every other worker blocked on it forever, and the run would hang. With one pipe per worker a
     # death breaks only that worker's pipe, which the driver sees as end-of-file.
-    def _run_processes(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
+    def _run_processes(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
-        pending = deque(jobs)
         running: dict[int, tuple] = {}        # job index -> (process, job, reader)
         ended: set[int] = set()               # jobs whose final message arrived
         by_index = {j.index: j for j in jobs}
         log_dir = self._log_dir()
         logs = {j.index: log_dir / _log_name(j) for j in jobs}
         tqdm.write(f"worker output (progress, warnings) of each cell: {log_dir}/", file=sys.stderr)
-        bar = tqdm(total=len(jobs), desc="cells", unit="cell")
-        n_failed = 0
+        board = ProgressBoard(jobs, weights)
+        queue = JobQueue(jobs, sink, board)
 
         def handle(msg) -> None:
-            nonlocal n_failed
             kind, idx, payload = msg
             job = by_index[idx]
             if kind == "unit":
                 sink.unit(job, *payload)
                 return
+            if kind == "progress":
+                board.update(idx, *payload)
+                return
             ended.add(idx)
-            bar.update(1)
             if kind == "done":
+                board.finish(idx)
                 sink.done(job, payload)
             elif kind == "user_error":
                 raise UserError(payload)
             else:
-                n_failed += 1
+                board.finish(idx, failed=True)
                 error, tb = payload
                 log.error("cell %s failed:\n%s", job.cell.label(), tb)
                 sink.failed(job, f"{error} (worker output: {logs[idx]})")
 
         def finish(idx: int) -> None:
             """The worker's pipe is closed: it exited after its final message, or it died."""
-            nonlocal n_failed
             p, job, reader = running.pop(idx)
             reader.close()
             p.join(timeout=30)
             if idx not in ended:
                 ended.add(idx)
-                bar.update(1)
-                n_failed += 1
+                board.finish(idx, failed=True)
                 code = p.exitcode
                 why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
                 sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
                                  f"finished are stored; rerun the same command to finish the cell (worker "
                                  f"output: {logs[idx]})")
-            postfix()
-
-        def postfix() -> None:
-            names = ", ".join(f"{j.cell.method_name} {j.cell.scheme_name}" for _, j, _ in running.values())
-            bar.set_postfix_str(f"running: {names}" + (f" | failed: {n_failed}" if n_failed else ""))
 
         try:
-            while pending or running:
-                while pending and len(running) < self.jobs:
-                    job = pending.popleft()
+            while queue or running:
+                while queue and len(running) < self.jobs:
+                    job = queue.next()
+                    if job is None:      # the cells left are being computed by another run: later
+                        break
                     reader, writer = ctx.Pipe(duplex=False)
-                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index]), cell_fn),
+                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index]), cell_fn,
+                                                          os.getpid()),
                                     daemon=True, name=f"lrq-bench cell {job.cell.label()}")
                     p.start()
                     writer.close()  # the worker holds the only write end: its exit is our end-of-file
                     running[job.index] = (p, job, reader)
-                    postfix()
+                    board.start(job.index)
                 readers = {r: idx for idx, (_, _, r) in running.items()}
+                if not readers:              # nothing of ours running: waiting on another run's cells
+                    board.refresh()
+                    time.sleep(WAIT_POLL_S)
+                    continue
                 for r in mp_connection.wait(list(readers), timeout=1.0):
                     idx = readers[r]
                     try:
@@ -187,16 +320,20 @@ class LocalExecutor:
                 for idx, (p, _, r) in list(running.items()):
                     if not p.is_alive() and not r.poll():
                         finish(idx)
+                board.refresh()   # elapsed time and ETA move even while no message arrives
         except BaseException:
             for p, _, _ in running.values():
                 p.terminate()
             for p, _, _ in running.values():
                 p.join(timeout=10)
+                if p.is_alive():         # a worker that ignores SIGTERM: SIGKILL
+                    p.kill()
+                    p.join(timeout=5)
             raise
         finally:
             for _, _, r in running.values():
                 r.close()
-            bar.close()
+            board.close()
 
 
     def _log_dir(self) -> Path:
@@ -213,8 +350,26 @@ def _log_name(job: Job) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{job.index:02d}-{job.cell.method_name}-{job.cell.scheme_name}") + ".log"
 
 
-def _worker(job: Job, conn, threads: int, log_path: str | None, cell_fn: CellFn) -> None:
+def end_with_parent(parent_pid: int) -> None:
+    """Make this process end when `parent_pid` (the driver) ends, however it ends (SIGKILL included): Linux's
+    parent-death signal, checked once against a driver that ended before it was set. Elsewhere a no-op: the
+    driver still terminates its workers when it is interrupted or terminated (SIGINT, SIGTERM)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM, 0, 0, 0)    # PR_SET_PDEATHSIG = 1
+        except OSError:
+            return
+    if os.getppid() != parent_pid:                   # the driver is already gone
+        os._exit(143)
+
+
+def _worker(job: Job, conn, threads: int, log_path: str | None, cell_fn: CellFn, parent_pid: int | None = None
+            ) -> None:
     """Entry point of a worker process: run one cell, send each unit and the outcome to the driver."""
+    if parent_pid is not None:
+        end_with_parent(parent_pid)
     if log_path:  # this process's stdout and stderr (ours, tqdm's, lm-eval's, C libraries') go to the cell's log
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -224,8 +379,10 @@ def _worker(job: Job, conn, threads: int, log_path: str | None, cell_fn: CellFn)
     import torch
     torch.set_num_threads(threads)
     logging.basicConfig(level=os.environ.get("LRQ_BENCH_LOG", "WARNING"), format="%(levelname)s %(message)s")
+    from lrq import progress
     try:
-        wall = run_job(job, lambda unit, rows: conn.send(("unit", job.index, (unit, rows))), cell_fn)
+        with progress.reporting(lambda st, d, f: conn.send(("progress", job.index, (st, d, f)))):
+            wall = run_job(job, lambda unit, rows: conn.send(("unit", job.index, (unit, rows))), cell_fn)
         conn.send(("done", job.index, wall))
     except UserError as e:
         conn.send(("user_error", job.index, str(e)))
@@ -287,7 +444,7 @@ class RayExecutor:
         iv = self.intervals
         return max((sum(1 for s2, e2 in iv if s2 <= s < e2) for s, _ in iv), default=0)
 
-    def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn) -> None:
+    def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
         if not jobs:
             return
         ray, started = self._init()
@@ -311,25 +468,32 @@ class RayExecutor:
                 todo = frozenset(job.todo - received[job.index])
                 refs[remote.remote(Job(job.index, job.cell, todo), inbox, threads, attempts[job.index], cell_fn)] = job
 
-            for job in jobs:
-                submit(job)
-            bar = tqdm(total=len(jobs), desc="cells", unit="cell")
-            n_failed = 0
+            board = ProgressBoard(jobs, weights)
+            queue = JobQueue(jobs, sink, board)
 
             def drain() -> None:
                 for kind, idx, payload in ray.get(inbox.take.remote()):
-                    if kind == "start":
+                    if kind == "progress":
+                        board.update(idx, *payload)
+                    elif kind == "start":
                         starts[(idx, payload[0])] = payload[1]
+                        board.start(idx)
                     elif kind == "end":
                         finished.add((idx, payload[0]))
                         self.intervals.append((starts.pop((idx, payload[0]), payload[1]), payload[1]))
                     elif kind == "unit" and payload[0] not in received[idx]:
                         received[idx].add(payload[0])
                         sink.unit(by_index[idx], *payload)
-                bar.set_postfix_str(f"running: {len(starts)}" + (f" | failed: {n_failed}" if n_failed else ""))
+                board.refresh()
 
             try:
-                while refs:
+                while refs or queue:
+                    while (job := queue.next()) is not None:
+                        submit(job)
+                    if not refs:         # the cells left are being computed by another run
+                        board.refresh()
+                        time.sleep(WAIT_POLL_S)
+                        continue
                     ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
                     drain()
                     for ref in ready:
@@ -350,7 +514,7 @@ class RayExecutor:
                                 kind, payload = "failed", (f"its last results did not reach the driver within "
                                                            f"{self.LAST_MESSAGE_TIMEOUT_S:.0f} s", "")
                         if kind == "done":
-                            bar.update(1)
+                            board.finish(job.index)
                             sink.done(job, payload)
                         elif kind == "user_error":
                             raise UserError(payload)
@@ -359,15 +523,14 @@ class RayExecutor:
                                         attempts[job.index], self.retries + 1, payload[0])
                             submit(job)
                         else:
-                            n_failed += 1
-                            bar.update(1)
+                            board.finish(job.index, failed=True)
                             log.error("cell %s failed after %d attempts:\n%s", job.cell.label(), attempts[job.index],
                                       payload[1])
                             sink.failed(job, f"{payload[0]} (after {attempts[job.index]} attempts)")
             finally:
                 for ref in refs:
                     ray.cancel(ref, force=True)
-                bar.close()
+                board.close()
         finally:
             if started:
                 ray.shutdown()
@@ -397,9 +560,11 @@ def _ray_cell(job: Job, inbox, threads: int, attempt: int, cell_fn: CellFn):
     """
     import torch
     torch.set_num_threads(threads)
+    from lrq import progress
     inbox.put.remote(("start", job.index, (attempt, time.time())))
     try:
-        wall = run_job(job, lambda unit, rows: inbox.put.remote(("unit", job.index, (unit, rows))), cell_fn)
+        with progress.reporting(lambda st, d, f: inbox.put.remote(("progress", job.index, (st, d, f)))):
+            wall = run_job(job, lambda unit, rows: inbox.put.remote(("unit", job.index, (unit, rows))), cell_fn)
         out = "done", wall
     except UserError as e:
         out = "user_error", str(e)

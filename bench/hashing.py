@@ -1,9 +1,9 @@
 """Content hashes of files, streamed, computed once per file version.
 
-A file's SHA-256 is cached under its path, size, modification time (ns) and inode, in this process and
-in `<lrq-bench cache>/file-hashes.json`, so an unchanged 14 GB model folder is hashed once, not on every
-run, while a file rewritten in place (same name and size, new contents) gets a new mtime and is hashed
-again. Writers of the cache file replace it atomically; two processes racing lose at most an entry.
+A file's SHA-256 is cached under its path, size, modification and status-change times (ns) and inode, in
+this process and in `<lrq-bench cache>/file-hashes.json`, so an unchanged 14 GB model folder is hashed once,
+not on every run, while a file rewritten in place (same name and size, new contents, even with its mtime
+set back) gets a new status-change time and is hashed again. Writers of the cache file replace it atomically; two processes racing lose at most an entry.
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ def _cache_file() -> Path:
 
 
 def _key(path: Path) -> str:
+    """A file version: path, size, modification time, inode and status-change time. The last is set by the
+    kernel on every write and cannot be set back by a user (`touch -d` restores mtime, not ctime), so a file
+    rewritten in place with its size and mtime restored is still hashed again."""
     st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
 
 
 def _load() -> dict[str, str]:

@@ -19,19 +19,20 @@ from pathlib import Path
 from jinja2 import Environment, select_autoescape
 
 from bench.store import Row
+from lrq.io import dumps_json
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
 
 
 def _prov(r: Row) -> str:
     c = r.config or {}
-    keep = {k: c.get(k) for k in ("method_config", "calibration", "scheme_def", "eval", "preset", "seed")
+    keep = {k: c.get(k) for k in ("method_config", "calibration", "scheme_def", "eval", "preset", "seed", "precision")
             if c.get(k) is not None}
     keep.update({"git_rev": r.git_rev, "versions": {k: v for k, v in (r.versions or {}).items()
                                                       if k in ("torch", "transformers", "lrq-bench", "python")},
                  "hardware": {k: (r.hardware or {}).get(k) for k in ("cpu", "cpu_count", "gpu")},
                  "created_at": r.created_at})
-    return json.dumps(keep, indent=1, default=str)
+    return dumps_json(keep, indent=1, default=str)
 
 
 def _fmt(metric: str, v) -> str:
@@ -149,7 +150,8 @@ pre{font-size:11px;background:#fafafa;padding:6px;overflow:auto;max-height:240px
 <p class="note">Generated from {{ n_rows }} stored rows. Hover any number for the configuration that produced it;
 click a column header to sort. Lower perplexity is better. {{ method_text }}</p>
 {% for m in models %}
-<h2>Model: {{ m.name }}</h2>
+<h2>{{ m.title }}</h2>
+<p class="note">{{ m.precision_note }}</p>
 {% for note in m.notes %}<p class="note">{{ note }}</p>{% endfor %}
 {% for t in m.ppl_tables %}
 <h3>{{ t.dataset }} perplexity</h3>
@@ -202,9 +204,9 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 """
 
 
-def _model_section(name: str, rows: list[Row], history_rows: list[Row]) -> dict:
+def _model_section(name: str, precision: str, rows: list[Row], history_rows: list[Row]) -> dict:
     from bench import stats as S
-    from bench.report import _fmt_cmp, _verdict, cell_stats
+    from bench.report import PRECISION_TEXT, _fmt_cmp, _verdict, cell_stats, section_title
     stats = cell_stats(rows)
     by = defaultdict(dict)   # (method, scheme) -> metric/dataset -> row (the lowest seed's)
     for r in sorted(rows, key=lambda r: -(r.seed or 0)):
@@ -296,18 +298,19 @@ def _model_section(name: str, rows: list[Row], history_rows: list[Row]) -> dict:
                       "size": _fmt("model_bytes", s.value if s else None), "prov": _prov(p)})
     history = []
     for r in history_rows:
-        if r.model == name and r.metric == "ppl":
+        if r.model == name and r.precision == precision and r.metric == "ppl":
             history.append({"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": r.git_rev[:12],
                             "when": r.created_at, "ppl": _fmt("ppl", r.value)})
-    return {"name": name, "notes": notes, "ppl_tables": tables, "cost": cost, "fig2": fig2, "speed": speed,
+    return {"name": name, "title": section_title(name, precision),
+            "precision_note": f"Precision of every number in this section: {PRECISION_TEXT.get(precision, precision)}.",
+            "notes": notes, "ppl_tables": tables, "cost": cost, "fig2": fig2, "speed": speed,
             "history": history}
 
 
 def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> str:
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
-    models = []
-    for name in dict.fromkeys(r.model for r in latest_rows):
-        models.append(_model_section(name, [r for r in latest_rows if r.model == name], all_rows or []))
+    from bench.report import sections
+    models = [_model_section(name, prec, srows, all_rows or []) for (name, prec), srows in sections(latest_rows).items()]
     from bench.stats import METHOD_TEXT
     return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=METHOD_TEXT)
 

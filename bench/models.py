@@ -135,6 +135,29 @@ def _strip_gguf_quantization(model: nn.Module) -> None:
                 pass
 
 
+def _load_folder(path: Path):
+    """A model folder as save_pretrained writes it; a missing or broken config.json, missing weights or tokenizer
+    is bad input with what the folder needs, never a traceback."""
+    cfg = path / "config.json"
+    problem = None
+    if not cfg.is_file():
+        problem = "it has no config.json"
+    else:
+        try:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or "model_type" not in data:
+                problem = "its config.json is not a model configuration (a JSON object with model_type)"
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            problem = f"its config.json cannot be read ({type(e).__name__}: {str(e)[:120]})"
+    if problem is None:
+        try:
+            return _from_pretrained(str(path.resolve()))
+        except Exception as e:  # noqa: BLE001 - missing weights or tokenizer, a config transformers refuses
+            problem = f"transformers cannot load it ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    raise UserError(f"cannot load the model folder {str(path)!r}: {problem}. A model folder holds config.json, the "
+                    f"weights (*.safetensors) and the tokenizer files, as save_pretrained writes them.")
+
+
 def _load_gguf(path: Path):
     model, tok = _from_pretrained(str(path.parent), gguf_file=path.name)
     _strip_gguf_quantization(model)
@@ -176,7 +199,7 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
         from bench.hashing import file_sha256
         loaded = LoadedModel(model, tok, name, f"gguf:{path.resolve()}", file_sha256(path)[:16])
     elif path.is_dir():
-        model, tok = _from_pretrained(str(path.resolve()))
+        model, tok = _load_folder(path)
         loaded = LoadedModel(model, tok, name, f"folder:{path.resolve()}", _fingerprint(path))
     else:
         try:
@@ -191,6 +214,20 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
         loaded = LoadedModel(model, tok, name, f"hub:{name}@{rev}", str(rev)[:16])
     decoder_blocks(loaded.model)  # clear error for unsupported architectures
     return loaded
+
+
+def source_folder(name: str) -> Path | None:
+    """The local folder `name`'s weights are read from (a model folder, the built-in's converted copy, the folder
+    of a .gguf file), or None for a hub id."""
+    name = name.strip()
+    path = Path(name).expanduser()
+    if name in BUILTINS:
+        return cache_root() / "models" / name
+    if path.suffix == ".gguf":
+        return path.parent.resolve()
+    if path.is_dir():
+        return path.resolve()
+    return None
 
 
 _HUB_REVS: dict[str, str | None] = {}

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from lrq import progress
+
 
 def windows(ids: torch.Tensor, seq_len: int, include_partial: bool = False) -> list[torch.Tensor]:
     """Non-overlapping windows of `seq_len` tokens; the last partial one only when asked (and >= 2 tokens)."""
@@ -47,7 +49,8 @@ def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 128) -> floa
 
 def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include_partial: bool = False,
                autocast: bool = True, desc: str = "perplexity") -> dict:
-    """exp(mean over windows of each window's mean NLL); bf16 autocast by default (as on CPU here).
+    """exp(mean over windows of each window's mean NLL); under bf16 autocast when `autocast` (the harness
+    passes the cell's precision, lrq.precision), else float32.
 
     `window_nll` holds every window's mean NLL (over `window_tokens` predicted tokens each), for paired
     comparisons of two models on the same windows; the results store keeps both with every perplexity."""
@@ -58,7 +61,8 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     nlls = []
     with ctx:
-        for w in tqdm(wins, desc=desc, leave=False, unit="win"):
+        for k, w in enumerate(tqdm(wins, desc=desc, leave=False, unit="win")):
+            progress.update(f"window {k + 1}/{len(wins)}", k / len(wins))
             nlls.append(window_nll(model, w))
     mean = sum(nlls) / len(nlls)
     return {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),

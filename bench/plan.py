@@ -20,6 +20,7 @@ processes. Expect the order of magnitude and the ranking of cells, not minutes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from lrq.errors import UserError
+from lrq.io import dumps_json
 
 
 @dataclass(frozen=True)
@@ -139,20 +141,43 @@ TASK_SIZE = {"piqa": 1838, "arc_easy": 2376, "arc_challenge": 1172, "hellaswag":
 MMLU_SUBJECTS = 57
 
 
-def cell_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
-              eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, tuple[float, float]]:
-    """(calls, flops) per kind of work for one cell: the method's own (`Method.work`; None for the FP
-    reference) plus the evaluation."""
+def task_requests(task: str, task_limit: int | None) -> tuple[int, int]:
+    """(model forwards, tokens per forward) lm-eval runs for `task` at `task_limit` examples (MMLU: per
+    subject), roughly."""
+    per, toks = TASK_COST[task]
+    cap = None if task_limit is None else task_limit * (MMLU_SUBJECTS if task == "mmlu" else 1)
+    examples = TASK_SIZE[task] if cap is None else min(TASK_SIZE[task], cap)
+    return examples * per, toks
+
+
+def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
+               eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, dict[str, tuple[float, float]]]:
+    """(calls, flops) per kind of work, per stage of one cell as it runs: "quant" (the method's own work,
+    `Method.work`; nothing for the FP reference), one stage per perplexity dataset, and "tasks"."""
     from lrq.methods import add_work
-    w = {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))
+    stages: dict[str, dict[str, tuple[float, float]]] = {
+        "quant": {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))}
     L = shape.layers
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
-        add_work(w, "fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
-    for t in tasks:
-        per, toks = TASK_COST[t]
-        examples = TASK_SIZE[t] if task_limit is None else min(TASK_SIZE[t], task_limit * (MMLU_SUBJECTS if t == "mmlu" else 1))
-        add_work(w, "fwd", examples * per * L, examples * per * shape.model_fwd_flops(toks, toks))
+        stages[ds] = add_work({}, "fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
+    if tasks:
+        w: dict[str, tuple[float, float]] = {}
+        for t in tasks:
+            calls, toks = task_requests(t, task_limit)
+            add_work(w, "fwd", calls * L, calls * shape.model_fwd_flops(toks, toks))
+        stages["tasks"] = w
+    return stages
+
+
+def cell_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
+              eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, tuple[float, float]]:
+    """(calls, flops) per kind of work for one cell: every stage of `stage_work` together."""
+    from lrq.methods import add_work
+    w: dict[str, tuple[float, float]] = {}
+    for stage in stage_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks, task_limit).values():
+        for kind, (calls, flops) in stage.items():
+            add_work(w, kind, calls, flops)
     return w
 
 
@@ -192,13 +217,83 @@ def _random_model(hidden: int, device: str):
 
 
 def measure_profile(device: str = "cpu", widths: tuple[int, int] | None = None, n: int = 8, seq: int = 128,
-                    iters: int = 6) -> dict:
+                    iters: int = 6, precision: str = "auto") -> dict:
     """Time every kind of work on random two-block models of two widths; fit per-call overhead and rate.
+
+    Everything runs at `precision` (lrq.precision: the forwards under bf16 autocast or in float32, as a run at
+    that precision will), with the methods' progress bars off. The profile records how busy the machine was
+    meanwhile (`load`: the share of the CPUs other processes used, and the load average): a profile measured
+    on a busy machine prices every cell too high, and says so wherever it is used.
 
     On a GPU the widths are larger (1024 and 4096, Llama-2-7B's): a 384-wide block leaves a GPU idle
     between kernel launches, and a rate fitted there would make a 7B-shaped block look many times slower
     than it is. On a CPU, 64 and 384 already run at the machine's matmul rate and keep this under a minute.
     """
+    from lrq import precision as P
+    prec = P.resolve(precision, device)
+    with P.use(prec), _quiet(), _load_meter() as load:
+        prof = _measure(device, widths, n, seq, iters)
+    return prof | {"precision": prec, "load": load}
+
+
+class _LoadMeter(dict):
+    """How busy the machine was while the code inside ran, besides this process: filled in on exit."""
+
+
+@contextlib.contextmanager
+def _load_meter():
+    import psutil
+    me = psutil.Process()
+    own0, sys0, t0 = me.cpu_times(), psutil.cpu_times(), time.perf_counter()
+    meter = _LoadMeter(loadavg_before=_loadavg())
+    yield meter
+    own1, sys1, wall = me.cpu_times(), psutil.cpu_times(), time.perf_counter() - t0
+    busy = lambda t: t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)  # noqa: E731
+    own = (own1.user - own0.user) + (own1.system - own0.system)
+    cpus = psutil.cpu_count() or 1
+    others = max(0.0, (busy(sys1) - busy(sys0) - own) / max(wall * cpus, 1e-9))
+    meter.update(others_cpu_share=round(others, 3), loadavg_after=_loadavg(), cpus=cpus, seconds=round(wall, 1),
+                 busy=others > BUSY_SHARE)
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+# other processes using more than this share of the CPUs while the profile is measured: "busy"
+BUSY_SHARE = 0.25
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No progress bars while the profile is measured: the methods' tqdm bars (and anything else they print
+    to stderr) are kept and shown only if the measurement fails."""
+    import io
+    import sys
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    except BaseException:
+        sys.stderr.write(buf.getvalue()[-4000:])
+        raise
+
+
+def busy_note(profile: dict) -> str | None:
+    """A sentence saying the profile was measured on a busy machine, or None."""
+    load = profile.get("load") or {}
+    if not load.get("busy"):
+        return None
+    return (f"the machine profile was measured while other processes used {100 * load['others_cpu_share']:.0f} % of "
+            f"the {load['cpus']} CPUs (load average {load.get('loadavg_before')}): estimates may be too long; "
+            f"`lrq-bench plan --remeasure` on an idle machine measures it again")
+
+
+def _measure(device: str, widths: tuple[int, int] | None, n: int, seq: int, iters: int) -> dict:
+    from lrq import precision as P
     if widths is None:
         widths = (64, 384) if device == "cpu" else (1024, 4096)
     from lrq.methods import Calibration, get_method, load_methods
@@ -218,7 +313,7 @@ def measure_profile(device: str = "cpu", widths: tuple[int, int] | None = None, 
                 torch.cuda.synchronize()
             return time.perf_counter() - t
 
-        with torch.no_grad():
+        with torch.no_grad(), P.autocast(device):     # forwards as evaluation runs them, at the precision
             timed(lambda: model0(ids[:1].to(device)))      # warm-up
             t = timed(lambda: [model0(ids[i:i + 1].to(device)) for i in range(n)])
         points["fwd"].append((n * shape.layers, shape.model_fwd_flops(n * seq, seq), t))
@@ -249,28 +344,75 @@ def measure_profile(device: str = "cpu", widths: tuple[int, int] | None = None, 
             "threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def profile_path(device: str) -> Path:
+def profile_path(device: str, precision: str = "auto") -> Path:
+    """The cached profile of this machine (hardware, torch, threads) at `precision`."""
     import hashlib
 
     from bench.cache import cache_root
     from bench.provenance import hardware
-    key = hashlib.sha256(json.dumps([device, hardware(), torch.__version__, torch.get_num_threads()],
+    from lrq import precision as P
+    key = hashlib.sha256(json.dumps([device, hardware(), torch.__version__, torch.get_num_threads(),
+                                     P.resolve(precision, device)],
                                     sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_root() / f"plan-profile-{key}.json"
 
 
-def load_or_measure_profile(device: str, path: str | None = None, remeasure: bool = False) -> dict:
+def load_or_measure_profile(device: str, path: str | None = None, remeasure: bool = False, precision: str = "auto",
+                            say=None) -> dict:
+    """The machine profile: from `path`, else this machine's cached one at `precision`, else measured now
+    (and cached). `say(line)` is told, in one line each, that the machine is being measured and whether
+    the profile in use was measured on a busy machine."""
+    say = say or (lambda line: None)
     if path:
         try:
-            return json.loads(Path(path).read_text())
+            prof = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read the machine profile {path}: {e}.") from None
-    p = profile_path(device)
+        if not isinstance(prof, dict) or "kinds" not in prof:
+            raise UserError(f"{path} is not a machine profile (`lrq-bench plan --save-profile FILE` writes one).")
+        return prof
+    p = profile_path(device, precision)
+    with _measuring_lock(p):   # two runs starting together: one measures, the other reads what it cached
+        return _load_or_measure(p, device, remeasure, precision, say)
+
+
+@contextlib.contextmanager
+def _measuring_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _load_or_measure(p: Path, device: str, remeasure: bool, precision: str, say) -> dict:
+    from lrq import precision as P
+    prof = None
     if p.is_file() and not remeasure:
-        return json.loads(p.read_text())
-    prof = measure_profile(device)
-    from lrq.io import atomic_write_text
-    atomic_write_text(p, json.dumps(prof, indent=1))
+        try:
+            prof = json.loads(p.read_text())
+        except (OSError, ValueError):
+            prof = None   # a damaged cache entry is measured again
+    if prof is None:
+        prec = P.resolve(precision, device)
+        say(f"measuring this machine for the time estimates ({device}, {prec}, {torch.get_num_threads()} "
+            f"thread(s); about 15 s on 2 CPU cores, once per machine, precision and thread count) ...")
+        prof = measure_profile(device, precision=prec)
+        from lrq.io import atomic_write_text
+        atomic_write_text(p, dumps_json(prof, indent=1))
+        load = prof["load"]
+        say(f"measured in {load['seconds']:.0f} s (other processes used {100 * load['others_cpu_share']:.0f} % of "
+            f"the CPUs meanwhile); cached in {p}")
+    note = busy_note(prof)
+    if note:
+        say(note[0].upper() + note[1:] + ".")
     return prof
 
 
@@ -316,6 +458,55 @@ def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profil
     return out
 
 
+FULL_EVAL_TOKENS = {"wikitext2": 300_000, "c4": 256 * 2048}   # whole texts (C4: GPTQ's 256 x 2048), for planning
+
+
+def eval_tokens_for(datasets, max_tokens: int | None) -> dict[str, int]:
+    """Tokens scored per dataset at `--max-eval-tokens` (None: the whole text)."""
+    return {d: min(max_tokens or FULL_EVAL_TOKENS.get(d, 300_000), FULL_EVAL_TOKENS.get(d, 300_000)) for d in datasets}
+
+
+@dataclass
+class RunEstimate:
+    """Seconds per stage of every cell a run will compute (`stages[i]`: cell index -> stage -> seconds), on
+    the machine `profile` describes; cells with no cost model (external adapters) are in `unpriced`."""
+    stages: dict[int, dict[str, float]]
+    unpriced: list[int]
+    profile: dict
+
+    def seconds(self, i: int) -> float:
+        return sum(self.stages.get(i, {}).values())
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds(i) for i in self.stages)
+
+    def wall(self, workers: int) -> float:
+        return schedule([self.seconds(i) for i in self.stages], workers)
+
+
+def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict) -> RunEstimate:
+    """The planner's estimate of a run about to start: for each settled cell (bench.cell.Cell) the stages its
+    missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
+    "quant" stage always counts; a perplexity or task stage only when that unit is missing."""
+    stages: dict[int, dict[str, float]] = {}
+    unpriced = []
+    for i, cell in cells.items():
+        units = todo.get(i) or set()
+        if not units:
+            continue
+        method = None if cell.is_fp else cell.method
+        if method is not None and method.external:
+            unpriced.append(i)
+            continue
+        datasets = [d for d in cell.datasets if d in units]
+        work = stage_work(shape, method, cell.scheme, cell.config, cell.calib.n_samples, cell.calib.seq_len,
+                          eval_tokens_for(datasets, cell.eval.max_tokens), cell.eval.seq_len,
+                          list(cell.tasks) if "tasks" in units else [], cell.task_limit)
+        stages[i] = {name: seconds(w, profile) for name, w in work.items()}
+    return RunEstimate(stages, unpriced, profile)
+
+
 def check_fits(shape: ModelShape, method, n: int, seq: int, device: str, host_available: int,
                device_available: int | None = None, offload: bool = True) -> None:
     """Refuse, before any work, a cell whose estimated peak memory exceeds what is available."""
@@ -356,6 +547,14 @@ def as_rows(plans: list[CellPlan]) -> list[dict]:
 
 def describe(shape: ModelShape) -> dict:
     return asdict(shape) | {"params": shape.params()}
+
+
+def fmt_duration(s: float) -> str:
+    """'2 h 31 min', '12 min', '45 s'."""
+    if s < 90:
+        return f"{s:.0f} s"
+    m = round(s / 60)
+    return f"{m} min" if m < 60 else f"{m // 60} h {m % 60} min"
 
 
 def fmt_hours(s: float) -> str:

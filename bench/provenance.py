@@ -56,8 +56,14 @@ def hardware() -> dict[str, object]:
                 break
     except OSError:
         pass
+    from lrq.precision import cpu_bf16
+    bf16 = cpu_bf16()
+    # the model name alone does not tell CPUs apart ("AMD EPYC" is Zen 3 without native bf16 and Zen 4 with
+    # it): what decides the numerics of bf16 runs and the speed of both precisions is recorded with it
     hw: dict[str, object] = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                             "platform": platform.platform()}
+                             "platform": platform.platform(), "native_bf16": bf16["native"],
+                             "cpu_bf16_flags": bf16["cpu_bf16_flags"],
+                             "torch_cpu_capability": bf16["torch_cpu_capability"]}
     if torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name(0)
     return hw

@@ -12,7 +12,9 @@ from __future__ import annotations
 import pandas as pd
 from tabulate import tabulate
 
+import html
 from collections import defaultdict
+from dataclasses import replace
 
 from bench import stats as S
 from bench.store import Row
@@ -29,7 +31,23 @@ _METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:
 def rows_frame(rows: list[Row]) -> pd.DataFrame:
     return pd.DataFrame([{"model": r.model, "method": r.method, "scheme": r.scheme, "dataset": r.dataset,
                           "metric": r.metric, "value": r.value, "seed": r.seed or 0, "git_rev": r.git_rev,
-                          "created_at": r.created_at, "config": r.config} for r in rows])
+                          "created_at": r.created_at, "config": r.config, "precision": r.precision} for r in rows])
+
+
+PRECISION_TEXT = {"bf16": "bf16, bf16 autocast over float32 weights", "fp32": "fp32, float32 throughout"}
+
+
+def sections(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
+    """The leaderboard's sections: one per (model, precision), in order of first appearance. A bf16 and an
+    fp32 result of the same cell are different numbers and are never ranked against each other."""
+    out: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        out.setdefault((r.model, r.precision), []).append(r)
+    return out
+
+
+def section_title(model: str, precision: str) -> str:
+    return f"Model: {model}, precision {precision}"
 
 
 def _seed_values(rows) -> dict[tuple, dict[int, float]]:
@@ -166,7 +184,7 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
         body = []
         for _, r in lay.iterrows():
             c = r["config"]
-            body.append([c.get("shape"), c.get("M"), r["scheme"], f"{r['value']:.3f}", f"{c.get('bf16_ms', 0):.3f}",
+            body.append([md_text(c.get("shape")), c.get("M"), r["scheme"], f"{r['value']:.3f}", f"{c.get('bf16_ms', 0):.3f}",
                          f"{c.get('bf16_ms', 0) / r['value']:.2f}x"])
         parts += ["### Per-layer latency", "", "Median forward time of one packed layer vs the bf16 linear it "
                   "replaces (ms); > 1x means faster than bf16.", "",
@@ -431,20 +449,40 @@ def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
     ev = mdf[(mdf["dataset"] == ds) & (mdf["metric"] == "ppl")].iloc[-1]["config"].get("eval", {})
     return (f"- {ds}: {ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
             f"({ev.get('tokens', '?')} tokens, last partial window "
-            f"{'included' if ev.get('include_partial') else 'dropped'}, {ev.get('autocast', '?')} autocast), "
-            f"exp(mean window NLL).")
+            f"{'included' if ev.get('include_partial') else 'dropped'}, "
+            f"{PRECISION_TEXT.get(ev.get('autocast'), ev.get('autocast', '?'))}), exp(mean window NLL).")
+
+
+def md_text(value) -> str:
+    """A stored string as Markdown shows it, never as markup: HTML's special characters escaped (a model path
+    holding `<script>` stays text), table pipes and backticks too."""
+    return html.escape(str(value), quote=False).replace("|", "\\|").replace("`", "\\`")
+
+
+def _escaped(r: Row) -> Row:
+    """The row with every stored string the report prints as Markdown-safe text."""
+    cfg = dict(r.config or {})
+    if cfg.get("model_note"):
+        cfg["model_note"] = md_text(cfg["model_note"])
+    return replace(r, model=md_text(r.model), method=md_text(r.method), scheme=md_text(r.scheme),
+                   dataset=md_text(r.dataset), git_rev=md_text(r.git_rev), config=cfg)
 
 
 def markdown_report(rows: list[Row]) -> str:
     if not rows:
         return "# lrq-bench leaderboard\n\nThe results store is empty: run `lrq-bench run` first.\n"
-    df = rows_frame(rows)
+    rows = [_escaped(r) for r in rows]
     parts = ["# lrq-bench leaderboard", ""]
-    for model, mdf in df.groupby("model", sort=False):
-        parts += [f"## Model: {model}", ""]
+    for (model, prec), srows in sections(rows).items():
+        mdf = rows_frame(srows)
+        parts += [f"## {section_title(model, prec)}", ""]
         notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
         parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
-        stats = cell_stats([r for r in rows if r.model == model])
+        why = {(r.config.get("precision") or {}).get("why") for r in srows if isinstance(r.config.get("precision"), dict)}
+        parts += [f"Precision of every number in this section: {PRECISION_TEXT.get(prec, prec)}"
+                  + (f" ({'; '.join(sorted(md_text(w) for w in why if w))})" if any(why) else
+                     " (stored before the precision was recorded: perplexity under bf16 autocast)") + ".", ""]
+        stats = cell_stats(srows)
         parts += _leaderboard_sections(mdf, stats)
         ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
             d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
@@ -454,7 +492,7 @@ def markdown_report(rows: list[Row]) -> str:
             parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
         parts += _paired_section(stats, ppl_sets)
         parts += _seeds_section(stats)
-        mrows = [r for r in rows if r.model == model]
+        mrows = srows
         calibrated = {(r.method, r.scheme) for r in mrows if (r.config or {}).get("calibration")}
         seedless = {(r.method, r.scheme) for r in mrows} - calibrated
         parts += _seed_rankings_section(stats, seedless)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import sqlite3
 import uuid
@@ -20,6 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from lrq.errors import UserError
+from lrq.io import dumps_json
+
+log = logging.getLogger("lrq_bench")
 
 SCHEMA_VERSION = 1
 
@@ -74,20 +78,101 @@ class Row:
     run_id: str = ""
     created_at: str = ""
 
+    @property
+    def precision(self) -> str:
+        """The compute precision of the cell this row belongs to ("bf16" or "fp32")."""
+        return config_precision(self.config)
+
+
+def config_precision(config) -> str:
+    """The precision a row's configuration records. Rows stored before the precision became a choice name
+    none: those cells were bf16 (their perplexity ran under bf16 autocast)."""
+    c = config if isinstance(config, dict) else {}
+    used = c["precision"].get("used") if isinstance(c.get("precision"), dict) else None
+    ev = c.get("eval") if isinstance(c.get("eval"), dict) else {}
+    return str(used or ev.get("autocast") or "bf16")
+
 
 _JSON_FIELDS = ("config", "versions", "hardware")
 _COLUMNS = [f for f in Row.__dataclass_fields__]
 
 
 def _reraise(path: Path, e: sqlite3.DatabaseError):
-    """A damaged file (sqlite3.DatabaseError itself: malformed image, not a database) or a full disk is the
-    user's to fix: a UserError. Anything else (constraints, programming errors) propagates as it is."""
-    if type(e) is sqlite3.DatabaseError:
-        raise _damaged(path, e) from None
-    if isinstance(e, sqlite3.OperationalError) and "full" in str(e):
-        raise UserError(f"cannot write to the results store {str(path)!r}: {e}. Free some space (or pass --results "
-                        f"on another disk); the units stored so far are intact.") from None
+    """A damaged file (sqlite3.DatabaseError itself: malformed image, not a database), a full disk or a read-only
+    store is the user's to fix: a UserError. Anything else (constraints, programming errors) propagates."""
+    err = _diagnose(path, e)
+    if err is not None:
+        raise err from None
     raise e
+
+
+def _diagnose(path: Path, e: sqlite3.DatabaseError, opening: bool = False) -> UserError | None:
+    """What an SQLite error on the store means for the user: a full disk, a read-only store, a damaged file
+    (only when SQLite's own integrity check, run read-only, fails), or None (not the user's to fix)."""
+    from lrq.io import disk_full
+    msg = str(e).lower()
+    full = None
+    if "full" in msg or "disk i/o" in msg or "ioerr" in msg:
+        # SQLITE_FULL says it outright; an I/O error is a full disk when the disk is (nearly) full
+        full = disk_full(path.parent, e) or (f"SQLite: {e}" if "full" in msg else None)
+    if full:
+        return UserError(f"disk full: cannot write to the results store {str(path)!r} ({full}). Free some space "
+                         f"(or pass --results on another disk); the units stored so far are intact.")
+    if "readonly" in msg or "read-only" in msg or (opening and not _writable(path)):
+        return _read_only(path, e)
+    if type(e) is sqlite3.DatabaseError or (opening and path.is_file() and path.stat().st_size and _fails_check(path)):
+        return _damaged(path, e)
+    if opening:
+        return UserError(f"cannot open the results store {str(path)!r} ({e}): pass --results with a writable file "
+                         f"path.")
+    return None
+
+
+def _writable(path: Path) -> bool:
+    """Whether the store's file and folder can really be written (root ignores permission bits, not a
+    read-only mount or an immutable file)."""
+    import os
+    import tempfile
+    folder = path.parent
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return False
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".lrq-bench-write-check-"):
+            pass
+        if path.exists():
+            with open(path, "r+b"):
+                pass
+    except OSError:
+        return False
+    return True
+
+
+def _read_only(path: Path, e: Exception) -> UserError:
+    return UserError(f"the results store {str(path)!r} is read-only ({e}): `run` stores every result it measures, "
+                     f"so pass --results with a writable file (or copy the store somewhere writable). `results`, "
+                     f"`report` and `compare` read a read-only store as it is.")
+
+
+def _ro_connect(path: Path, immutable: bool = False) -> sqlite3.Connection:
+    from urllib.parse import quote
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
+    return sqlite3.connect(uri, uri=True, timeout=120, isolation_level=None)
+
+
+def _fails_check(path: Path) -> bool:
+    """SQLite's quick_check on a read-only connection: True when the file is really damaged."""
+    for immutable in (False, True):
+        try:
+            conn = _ro_connect(path, immutable)
+            try:
+                return [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()] != ["ok"]
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            if type(e) is sqlite3.DatabaseError:
+                return True
+            continue   # could not open read-only this way (a WAL store in a read-only folder): try immutable
+    return False
 
 
 def _damaged(path: Path, e: Exception) -> UserError:
@@ -97,18 +182,22 @@ def _damaged(path: Path, e: Exception) -> UserError:
 
 
 class ResultStore:
-    def __init__(self, path: str | Path, check: bool = False):
+    """The results store. `readonly=True` (what `results`, `report` and `compare` use) opens the file with
+    SQLite's read-only mode, falling back to its immutable mode where even the WAL index cannot be created
+    (a read-only mount, an immutable file): nothing is written, no journal switch, no schema."""
+
+    def __init__(self, path: str | Path, check: bool = False, readonly: bool = False):
         self.path = Path(path).expanduser()
+        self.readonly = readonly
         self.unreadable = 0   # rows the last rows() call could not decode
+        self._immutable = False
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not readonly:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn().close()
         except sqlite3.DatabaseError as e:
-            if self.path.is_file() and self.path.stat().st_size:
-                raise _damaged(self.path, e) from None
-            raise UserError(f"cannot open the results store {str(self.path)!r} ({e}): pass --results with a "
-                            f"writable file path.") from None
-        except (OSError, sqlite3.Error) as e:
+            raise _diagnose(self.path, e, opening=True) from None
+        except OSError as e:
             raise UserError(f"cannot open the results store {str(self.path)!r} ({e}): pass --results with a "
                             f"writable file path.") from None
         if check:
@@ -123,17 +212,45 @@ class ResultStore:
             finally:
                 conn.close()
         except sqlite3.DatabaseError as e:
-            raise _damaged(self.path, e) from None
+            raise _diagnose(self.path, e, opening=True) from None
         if problems != ["ok"]:
             raise _damaged(self.path, RuntimeError("; ".join(problems[:3])))
 
     def _conn(self) -> sqlite3.Connection:
+        if self.readonly:
+            return self._ro_conn()
         conn = sqlite3.connect(self.path, timeout=120, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA busy_timeout=120000")
-        conn.executescript(_SCHEMA)
-        conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=120000")
+            conn.executescript(_SCHEMA)
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        except BaseException:
+            conn.close()
+            raise
         return conn
+
+    def _ro_conn(self) -> sqlite3.Connection:
+        if not self.path.is_file():
+            raise UserError(f"results store {str(self.path)!r} does not exist: run `lrq-bench run` first or pass "
+                            f"--results.")
+        if not self._immutable:
+            conn = _ro_connect(self.path)
+            try:
+                conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return conn
+            except sqlite3.OperationalError as e:
+                conn.close()
+                if type(e) is not sqlite3.OperationalError or "unable to open" not in str(e) and "readonly" not in str(e):
+                    raise
+                # a WAL store whose index cannot be created here (read-only folder or mount): immutable mode,
+                # which reads the database file alone; a leftover write-ahead log would be invisible to it
+                wal = self.path.with_name(self.path.name + "-wal")
+                if wal.exists() and wal.stat().st_size:
+                    log.warning("the results store %s is on a read-only medium with a non-empty write-ahead log "
+                                "%s: rows only in that log are not shown", self.path, wal)
+                self._immutable = True
+        return _ro_connect(self.path, immutable=True)
 
     def has_unit(self, key: str) -> bool:
         try:
@@ -153,6 +270,8 @@ class ResultStore:
         if bad:
             raise ValueError("refusing to store non-finite values: "
                              + ", ".join(f"{r.method} {r.scheme} {r.dataset} {r.metric} = {r.value}" for r in bad[:5]))
+        if self.readonly:
+            raise _read_only(self.path, RuntimeError("opened for reading"))
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run_id = run_id or uuid.uuid4().hex[:12]
         records = []
@@ -160,7 +279,7 @@ class ResultStore:
             d = asdict(r)
             d.update(unit_key=key, run_id=run_id, created_at=now)
             for f in _JSON_FIELDS:
-                d[f] = json.dumps(d[f], sort_keys=True, default=str)
+                d[f] = dumps_json(d[f], sort_keys=True, default=str)   # NaN stored as null
             records.append(tuple(d[c] for c in _COLUMNS))
         try:
             conn = self._conn()
@@ -171,7 +290,11 @@ class ResultStore:
                                      f"({', '.join('?' * len(_COLUMNS))})", records)
                     conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    if conn.in_transaction:   # SQLite has already rolled back after some errors (a full disk)
+                        try:
+                            conn.execute("ROLLBACK")
+                        except sqlite3.Error:
+                            pass              # the original error is the one to report
                     raise
             finally:
                 conn.close()
@@ -180,16 +303,14 @@ class ResultStore:
         return len(records)
 
     def rows(self, latest: bool = False) -> list[Row]:
-        """Every stored row (oldest first); with latest=True only the newest row per cell, seed and metric. Rows
-        whose stored JSON cannot be decoded are skipped and counted in `self.unreadable`."""
+        """Every stored row (oldest first); with latest=True only the newest row per cell (model, method, scheme,
+        precision), dataset, metric and seed. Rows whose stored JSON cannot be decoded are skipped and counted
+        in `self.unreadable`."""
         try:
             conn = self._conn()
             conn.row_factory = sqlite3.Row
             try:
-                sql = f"SELECT {', '.join(_COLUMNS)} FROM results"
-                if latest:
-                    sql += (" WHERE id IN (SELECT MAX(id) FROM results "
-                            "GROUP BY model, method, scheme, dataset, metric, seed)")
+                sql = f"SELECT id, {', '.join(_COLUMNS)} FROM results"
                 recs = conn.execute(sql + " ORDER BY id").fetchall()
             finally:
                 conn.close()
@@ -199,10 +320,22 @@ class ResultStore:
         self.unreadable = 0
         for rec in recs:
             d = dict(rec)
+            d.pop("id")
             try:
                 for f in _JSON_FIELDS:
                     d[f] = json.loads(d[f])
                 out.append(Row(**d))
             except (TypeError, ValueError):
                 self.unreadable += 1
-        return out
+        return newest(out) if latest else out
+
+
+def row_key(r: Row) -> tuple:
+    """What makes two rows the same measurement: cell (with its precision), dataset, metric and seed."""
+    return (r.model, r.method, r.scheme, r.precision, r.dataset, r.metric, r.seed or 0)
+
+
+def newest(rows: list[Row]) -> list[Row]:
+    """The newest row per `row_key`, in storage order (`rows` oldest first)."""
+    last = {row_key(r): i for i, r in enumerate(rows)}
+    return [rows[i] for i in sorted(last.values())]

@@ -4,13 +4,21 @@
 an executor (bench.executor: in this process, worker processes, or Ray) together with the function that
 runs one cell (`bench.cell.execute`), and writes each unit atomically the moment it arrives: a crash in
 hour three loses nothing already measured, and a rerun computes only what is missing.
+
+Several runs may share one store (two terminals, two users). Before a cell starts, the run claims it with
+an advisory lock beside the store (`<store>.locks/`, one file per cell, held by the driver process until
+the cell ends; the operating system releases it if that process dies): a cell another run is computing is
+not computed twice; this run does its other cells meanwhile, then reuses what the other stored, or
+computes what is still missing.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.cell import Cell, execute
 from bench.executor import Job, LocalExecutor
@@ -25,12 +33,65 @@ class CellOutcome:
     wall_s: float = 0.0
 
 
-class StoreSink:
-    """Writes each unit to the store the moment it arrives, and collects the outcomes."""
+class CellLock:
+    """An advisory lock on one cell of one store (fcntl.flock on `<store>.locks/<cell key>.lock`), taken without
+    waiting. Where flock does not exist, every claim succeeds (no sharing protection, nothing breaks)."""
 
-    def __init__(self, store: ResultStore, run_id: str):
-        self.store, self.run_id = store, run_id
+    def __init__(self, store_path: Path, key: str):
+        self.path = Path(f"{store_path}.locks") / f"{key[:32]}.lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        try:
+            import fcntl
+        except ImportError:
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())   # who holds it, for a curious user
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)   # closing the descriptor releases the lock
+            self.fd = None
+
+
+class StoreSink:
+    """Writes each unit to the store the moment it arrives, collects the outcomes, and claims each cell
+    before it starts (`claim`: "run", "wait" while another run holds it, "skip" when nothing is missing any
+    more)."""
+
+    def __init__(self, store: ResultStore, run_id: str, force: bool = False):
+        self.store, self.run_id, self.force = store, run_id, force
         self.outcomes: dict[int, CellOutcome] = {}
+        self.locks: dict[int, CellLock] = {}
+
+    def claim(self, job: Job) -> str:
+        lock = CellLock(self.store.path, job.cell.keys.get("quant") or next(iter(job.cell.keys.values())))
+        if not lock.acquire():
+            return "wait"
+        if not self.force:   # another run may have stored some units since this run looked
+            todo = frozenset(u for u in job.todo if not self.store.has_unit(job.cell.keys[u]))
+            if not todo:
+                lock.release()
+                self.outcomes[job.index] = CellOutcome(job.cell, "reused")
+                return "skip"
+            job.todo = todo
+        self.locks[job.index] = lock
+        return "run"
+
+    def _release(self, job: Job) -> None:
+        lock = self.locks.pop(job.index, None)
+        if lock is not None:
+            lock.release()
 
     def unit(self, job: Job, unit: str, rows: list[Row]) -> None:
         self.store.write_unit(rows, job.cell.keys[unit], self.run_id)
@@ -39,9 +100,15 @@ class StoreSink:
         if job.cell.checkpoint_dir:
             shutil.rmtree(job.cell.checkpoint_dir, ignore_errors=True)   # results are safe: drop the resume state
         self.outcomes[job.index] = CellOutcome(job.cell, "done", wall_s=wall_s)
+        self._release(job)
 
     def failed(self, job: Job, error: str) -> None:
         self.outcomes[job.index] = CellOutcome(job.cell, "failed", error)
+        self._release(job)
+
+    def release_all(self) -> None:
+        for i in list(self.locks):
+            self.locks.pop(i).release()
 
 
 def cost_rank(cell: Cell) -> int:
@@ -52,17 +119,28 @@ def cost_rank(cell: Cell) -> int:
     return cell.method.cost_rank + (1 if cell.uses_calibration else 0)
 
 
-def run_cells(cells: list[Cell], store: ResultStore, force: bool = False, executor=None) -> list[CellOutcome]:
+def missing_units(cells: list[Cell], store: ResultStore, force: bool = False) -> dict[int, frozenset[str]]:
+    """Per cell index, the units not yet in the store (every unit with `force`)."""
+    return {i: frozenset(u for u, k in cell.keys.items() if force or not store.has_unit(k))
+            for i, cell in enumerate(cells)}
+
+
+def run_cells(cells: list[Cell], store: ResultStore, force: bool = False, executor=None,
+              estimate=None) -> list[CellOutcome]:
     """Run every cell not already in the store (on `executor`, default: in this process, one by one);
-    a failing cell is reported and the others go on. Returns one outcome per cell, in order."""
+    a failing cell is reported and the others go on. Returns one outcome per cell, in order.
+    `estimate` (bench.plan.RunEstimate, by cell index): weighs the progress bar's stages."""
     executor = executor or LocalExecutor(jobs=1)
-    sink = StoreSink(store, uuid.uuid4().hex[:12])
+    sink = StoreSink(store, uuid.uuid4().hex[:12], force)
     jobs = []
-    for i, cell in enumerate(cells):
-        todo = frozenset(u for u, k in cell.keys.items() if force or not store.has_unit(k))
+    for i, todo in missing_units(cells, store, force).items():
         if todo:
-            jobs.append(Job(i, cell, todo))
+            jobs.append(Job(i, cells[i], todo))
         else:
-            sink.outcomes[i] = CellOutcome(cell, "reused")
-    executor.run(sorted(jobs, key=lambda j: -cost_rank(j.cell)), sink, execute)
+            sink.outcomes[i] = CellOutcome(cells[i], "reused")
+    weights = estimate.stages if estimate is not None else None
+    try:
+        executor.run(sorted(jobs, key=lambda j: -cost_rank(j.cell)), sink, execute, weights)
+    finally:
+        sink.release_all()
     return [sink.outcomes[i] for i in range(len(cells))]

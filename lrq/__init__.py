@@ -52,7 +52,7 @@ def _calibration(calibration):
 
 
 def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", device=None,
-             checkpoint_dir: str | os.PathLike | None = None, **settings: Any):
+             checkpoint_dir: str | os.PathLike | None = None, precision: str = "auto", **settings: Any):
     """Quantize `model`'s decoder linears in place with `method` under `scheme`; returns (model, stats).
 
     method: a registered name ("lrq", "gptq", ...) or a configured lrq.methods.Method instance.
@@ -64,8 +64,12 @@ def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", 
     error with the valid names. device: where block-wise methods compute (default: where the model is;
     a CUDA device with the model on the CPU offloads one block at a time). checkpoint_dir: per-block
     checkpoints of the training methods (a rerun with the same arguments resumes at the next block).
+    precision: "auto" (bf16 where the device computes it natively, else fp32), "bf16" or "fp32": the compute
+    precision of the method's forwards (calibration passes, block forwards, training where the preset does
+    not fix fp32); see lrq.precision.
     stats: what the method measured (learnable parameters, block errors, ...).
     """
+    from lrq import precision as P
     from lrq.errors import UserError
     from lrq.methods import Method, check_settings, get_method
     from lrq.schemes import Scheme, get_scheme
@@ -79,7 +83,8 @@ def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", 
     if calib is None and (m.needs_calibration(s) or s.static_activations):
         raise UserError(f"{m.name} under {s.name} needs calibration data: pass calibration=<token ids "
                         f"[n_samples, seq_len]> (e.g. 128 x 512 tokens of C4).")
-    stats = m.quantize(model, s, cfg, calib) or {}
+    with P.use(precision):
+        stats = m.quantize(model, s, cfg, calib) or {}
     return model, stats
 
 

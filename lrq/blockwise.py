@@ -13,11 +13,13 @@ Activations live in RAM when they fit a budget, otherwise in memory-mapped files
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import os
 import time
 import tempfile
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lrq import precision, progress
 from lrq.arch import decoder_blocks
-from lrq.io import atomic_write
+from lrq.io import atomic_write, atomic_write_text
+
+log = logging.getLogger("lrq_bench")
 
 DEFAULT_RAM_BUDGET = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
 
@@ -133,14 +138,14 @@ def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor, ram_budget: 
 def run_block(block: nn.Module, inputs: ActivationBuffer | torch.Tensor, kwargs: dict,
               out: ActivationBuffer | torch.Tensor | None = None, batch_size: int = 8,
               autocast: bool = False) -> ActivationBuffer | torch.Tensor:
-    """block(inputs) in batches; writes into `out` (may be `inputs` itself) and returns it."""
+    """block(inputs) in batches; writes into `out` (may be `inputs` itself) and returns it. `autocast`: under
+    bf16 autocast when the run's precision is bf16 (lrq.precision), else float32."""
     src = inputs.data if isinstance(inputs, ActivationBuffer) else inputs
     dst = out.data if isinstance(out, ActivationBuffer) else out
     if dst is None:
         out = dst = torch.empty_like(src)
     device = next(block.parameters(), next(block.buffers(), torch.empty(0))).device
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    with ctx:
+    with precision.autocast(device, enabled=autocast):
         for i in range(0, src.shape[0], batch_size):
             y = block(src[i:i + batch_size].to(device), **kwargs)
             y = y[0] if isinstance(y, tuple) else y
@@ -159,42 +164,111 @@ class BlockContext:
     stats: dict = field(default_factory=dict)
 
 
+class CheckpointDamaged(Exception):
+    """A checkpoint file that cannot be read back (truncated, empty, garbage): the walk starts afresh."""
+
+
+def _encode_floats(obj):
+    """JSON without NaN: a non-finite float becomes {"float": "nan" | "inf" | "-inf"} (decoded back exactly)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"float": repr(obj)}
+    if isinstance(obj, dict):
+        return {k: _encode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode_floats(v) for v in obj]
+    return obj
+
+
+def _decode_floats(d: dict):
+    return float(d["float"]) if d.keys() == {"float"} else d
+
+
 class BlockCheckpoint:
     """Resumable state of a block walk, saved atomically after every block in `directory`:
-    the finished blocks' state dicts, the two calibration streams entering the next block, and the
-    per-block statistics. A run killed at any point resumes at the next unfinished block and ends with
-    exactly the result of an uninterrupted run (streams are saved bit-exactly; training randomness is
-    seeded per block). `identity` guards against resuming a different configuration."""
+    the finished blocks' state dicts and the two calibration streams entering the next block (safetensors:
+    tensors only, nothing in them is ever executed), and the per-block statistics and progress (JSON). A
+    run killed at any point resumes at the next unfinished block and ends with exactly the result of an
+    uninterrupted run (streams are saved bit-exactly; training randomness is seeded per block). `identity`
+    guards against resuming a different configuration. A file that cannot be read back (truncated by a
+    crash of the machine, emptied, replaced by garbage) is reported once and the walk starts afresh:
+    a damaged checkpoint costs the blocks it held, never a wedged cell."""
+
+    STATE, STREAMS = "state.json", "streams.safetensors"
 
     def __init__(self, directory: str | Path, identity: str):
         self.dir = Path(directory)
         self.identity = identity
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def _save(self, obj, name: str) -> None:
-        atomic_write(self.dir / name, lambda p: torch.save(obj, p))
+    @staticmethod
+    def _block_name(index: int) -> str:
+        return f"block{index:04d}.safetensors"
+
+    def _save_tensors(self, state: dict, name: str) -> None:
+        """Tensors into safetensors; anything else in a state dict (a module's extra state, such as whether
+        its activation range was calibrated) as JSON in the file's metadata."""
+        from safetensors.torch import save_file
+        # safetensors refuses views sharing storage: every tensor is written as its own contiguous copy
+        flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items() if torch.is_tensor(v)}
+        extra = json.dumps(_encode_floats({k: v for k, v in state.items() if not torch.is_tensor(v)}), allow_nan=False)
+        atomic_write(self.dir / name, lambda p: save_file(flat, str(p), metadata={"lrq_extra": extra}))
+
+    def _load_tensors(self, name: str) -> dict:
+        from safetensors import safe_open
+        try:
+            with safe_open(str(self.dir / name), framework="pt") as f:
+                out = {k: f.get_tensor(k) for k in f.keys()}
+                extra = (f.metadata() or {}).get("lrq_extra", "{}")
+            return out | json.loads(extra, object_hook=_decode_floats)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same damage
+            raise CheckpointDamaged(f"{self.dir / name}: {type(e).__name__}: {e}") from None
+
+    def _state(self) -> dict | None:
+        path = self.dir / self.STATE
+        if not path.exists():
+            return None
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"), object_hook=_decode_floats)
+            if not isinstance(state, dict) or not isinstance(state.get("done"), int):
+                raise ValueError("not a checkpoint state")
+            return state
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointDamaged(f"{path}: {type(e).__name__}: {e}") from None
 
     def completed(self) -> int:
-        """Number of finished blocks recorded here for this identity (0 when none or another identity)."""
+        """Number of finished blocks recorded here for this identity (0 when none or another identity). A
+        damaged state file is reported and the folder's files removed: the walk starts afresh."""
         try:
-            state = torch.load(self.dir / "state.pt", weights_only=False)
-        except (FileNotFoundError, EOFError, RuntimeError):
+            state = self._state()
+        except CheckpointDamaged as e:
+            self.discard(str(e))
+            return 0
+        if state is None:
             return 0
         return state["done"] if state.get("identity") == self.identity else 0
 
+    def discard(self, why: str) -> None:
+        """Report a damaged checkpoint once and remove it, so that the next run does not meet it again."""
+        log.warning("checkpoint %s is damaged (%s): it is discarded and the blocks it held are computed again",
+                    self.dir, why)
+        for p in self.dir.iterdir():
+            if p.is_file():
+                p.unlink(missing_ok=True)
+
     def save(self, index: int, block: nn.Module, q_next: torch.Tensor, fp_next: torch.Tensor | None,
              stats: list[dict]) -> None:
-        self._save(block.state_dict(), f"block{index:04d}.pt")
-        self._save({"q": q_next, "fp": fp_next}, "streams.pt")
+        self._save_tensors(block.state_dict(), self._block_name(index))
+        self._save_tensors({"q": q_next} | ({} if fp_next is None else {"fp": fp_next}), self.STREAMS)
         # written last: it is what makes the block count as done
-        self._save({"identity": self.identity, "done": index + 1, "stats": stats}, "state.pt")
+        state = {"identity": self.identity, "done": index + 1, "stats": _encode_floats(stats)}
+        atomic_write_text(self.dir / self.STATE, json.dumps(state, allow_nan=False))
 
     def load(self) -> tuple[dict, list[dict]]:
-        state = torch.load(self.dir / "state.pt", weights_only=False)
-        return torch.load(self.dir / "streams.pt", weights_only=False), state["stats"]
+        state = self._state()
+        return self._load_tensors(self.STREAMS), state["stats"]
 
     def block_state(self, index: int) -> dict:
-        return torch.load(self.dir / f"block{index:04d}.pt", weights_only=False)
+        return self._load_tensors(self._block_name(index))
 
 
 def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[BlockContext], Any], *,
@@ -225,18 +299,27 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
     if start:
         if restore is None:
             raise ValueError("resuming from a checkpoint needs a restore function")
-        streams, all_stats = checkpoint.load()
-        for st in all_stats:
-            st["restored"] = True   # finished by an earlier (interrupted) run
-        for i in range(start):
-            restore(i, layers[i], checkpoint.block_state(i))
-        q_in.data.copy_(streams["q"])
-        if need_targets:
-            fp_in.data.copy_(streams["fp"])
-        del streams
+        try:
+            streams, all_stats = checkpoint.load()
+            states = [checkpoint.block_state(i) for i in range(start)]
+            if need_targets and "fp" not in streams:
+                raise CheckpointDamaged(f"{checkpoint.dir}: the FP stream is missing")
+        except CheckpointDamaged as e:
+            checkpoint.discard(str(e))
+            start, all_stats = 0, []
+        else:
+            for st in all_stats:
+                st["restored"] = True   # finished by an earlier (interrupted) run
+            for i, state in enumerate(states):
+                restore(i, layers[i], state)
+            q_in.data.copy_(streams["q"])
+            if need_targets:
+                fp_in.data.copy_(streams["fp"])
+            del streams, states
     try:
         for i in tqdm(range(start, len(layers)), desc=desc, leave=False, initial=start, total=len(layers)):
             block = layers[i]
+            progress.update(f"block {i + 1}/{len(layers)}", i / len(layers), force=True)
             t0 = time.perf_counter()
             home = next(block.parameters()).device
             if device is not None and home != device:

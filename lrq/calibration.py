@@ -6,15 +6,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lrq import precision, progress
 from lrq.qlinear import QuantLinear
 
 
 @torch.no_grad()
 def run_calibration(model: nn.Module, input_ids: torch.Tensor, desc: str = "calibration", batch_size: int = 1) -> None:
-    """Forward every calibration window through the model (bf16 autocast on CPU as in evaluation)."""
+    """Forward every calibration window through the model, at the run's precision (lrq.precision), as
+    evaluation runs."""
     device = next(model.parameters()).device
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    with precision.autocast(device):
         for i in tqdm(range(0, len(input_ids), batch_size), desc=desc, leave=False):
+            progress.update(f"{desc} {i + 1}/{len(input_ids)}")
             model(input_ids[i:i + batch_size].to(device), use_cache=False)
 
 

@@ -17,7 +17,6 @@ given per-group learning rates and a constant schedule (`lr_schedule`).
 from __future__ import annotations
 
 import hashlib
-from contextlib import nullcontext
 import json
 import math
 import os
@@ -28,12 +27,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lrq import precision, progress
 from lrq.arch import KV_LINEARS, block_linears, set_submodule
 from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
 from lrq.calibration import observe_input_ranges
 from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import FALSE_WORDS, TRUE_WORDS, Calibration, Method, add_work, static_range_work
+from lrq.methods import FALSE_WORDS, TRUE_WORDS, Calibration, Method, Rule, add_work, static_range_work
 from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
@@ -130,6 +130,13 @@ class ReconstructionMethod(Method):
     cost_rank: ClassVar[int] = 10
     # torch.compile of the training step: how the step runs, not what it computes (Method.execution_settings)
     execution_settings: ClassVar[tuple[str, ...]] = ("compile",)
+    rules: ClassVar[dict[str, Rule]] = {
+        "lr": Rule(float, lo=0, lo_open=True, auto=True), "s1_init": Rule(choices=("minmax", "search"), auto=True),
+        "search_grid": Rule(int, lo=1), "search_norm": Rule(float, lo=0, lo_open=True),
+        "recon_act_quant": Rule(choices=("on", "off"), auto=True), "smooth_alpha": Rule(float, lo=0, hi=1),
+        "error_samples": Rule(int, lo=1), "compile": Rule(choices=TRUE_WORDS + FALSE_WORDS, auto=True, label="on, off or auto"),
+        "iters": Rule(int, lo=0), "batch_size": Rule(int, lo=1), "heldout_samples": Rule(int, lo=0),
+        "autocast": Rule(bool), "lr_schedule": Rule(choices=("cosine", "constant"))}
     # Not a setting: when > 0, every `curve_every` steps the block's output error on the calibration and the
     # held-out error windows is measured (frozen, no gradient, no random numbers: training is unchanged) and
     # kept as the block's "curve" (bench/studies/figure2.py sets it on its method object).
@@ -153,6 +160,12 @@ class ReconstructionMethod(Method):
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
+
+    def check_calibration(self, config: dict, n_samples: int, seq_len: int) -> None:
+        n_held = int(config["heldout_samples"])
+        if n_held >= n_samples:
+            raise UserError(f"{self.name}: heldout_samples ({n_held}) must be smaller than the calibration set "
+                            f"({n_samples} windows): lower --set heldout_samples or raise --calib-samples.")
 
     # ---- cost (bench.plan) ------------------------------------------------------------------------
     def work(self, shape, scheme: Scheme | None, cfg: dict, n: int, seq: int) -> dict[str, tuple[float, float]]:
@@ -283,6 +296,8 @@ class ReconstructionMethod(Method):
             # blocks whose training steps ran under torch.compile (earlier results may lack the field)
             "compiled_blocks": sum(bool(b.get("compiled")) for b in per_block),
             "resolved_config": cfg, "train_samples": n_train, "heldout_samples": n_held,
+            # what the training steps really ran at: bf16 autocast only where the preset and the run allow it
+            "train_precision": "bf16" if cfg["autocast"] and precision.current(self.device) == "bf16" else "fp32",
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
                              for b in per_block],
         }
@@ -338,7 +353,8 @@ class ReconstructionMethod(Method):
             pos = 0
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
             dev = next(block.parameters()).device    # the walk put the block on the compute device
-            autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cfg["autocast"] else nullcontext()
+            # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16
+            autocast = precision.autocast(dev, enabled=bool(cfg["autocast"]))
             fwd = compiled_step(block, cfg.get("compile") is True, dev)
             out["compiled"] = fwd is not block
             loss_val = math.nan
@@ -366,6 +382,8 @@ class ReconstructionMethod(Method):
                     sched.step()
                 if step % 10 == 0 or step == iters - 1:
                     bar.set_postfix(loss=f"{loss_val:.4g}")
+                progress.update(f"block {i + 1}/{ctx.n_blocks} step {step + 1}/{iters}",
+                                (i + (step + 1) / iters) / ctx.n_blocks)
                 if self.curve_every and ((step + 1) % self.curve_every == 0 or step == iters - 1):
                     with _frozen(block, learn):
                         curve.append(_curve_point(step + 1, loss_val, block, (xe, ye), (xh, yh), kw))

@@ -34,6 +34,7 @@ from lrq.packed import PackedLinear, pack_model
 from lrq.packing import pack_bits, planar_to_stream, stream_to_planar, unpack_bits
 from lrq.qlinear import QuantLinear
 from lrq.schemes import SCHEMES, Scheme
+from lrq.io import dumps_json
 
 FORMAT = "pack-quantized"
 
@@ -113,11 +114,11 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
         if any(key.startswith(p + ".") for p in quantized_prefixes) or (tied and key == "lm_head.weight"):
             continue
         tensors[key] = t.detach().contiguous().clone()
-    meta = {"format": "pt", "lrq_bench": json.dumps(metadata or {}, default=str)}
+    meta = {"format": "pt", "lrq_bench": dumps_json(metadata or {}, default=str)}
     atomic_write(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata=meta))
     cfg = model.config.to_dict()
     cfg["quantization_config"] = quantization_config(scheme, ragged)
-    atomic_write_text(out / "config.json", json.dumps(cfg, indent=2, default=str))
+    atomic_write_text(out / "config.json", dumps_json(cfg, indent=2, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

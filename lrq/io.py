@@ -45,16 +45,71 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:
+        full = disk_full(path.parent, e)   # judged before the partial file is removed (it holds the space)
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror or e} (is the disk full or the folder read-only?); "
-                        f"the previous version, if any, is intact.") from e
+        if full:
+            raise UserError(f"disk full: cannot write {path} ({full}). Free some space there (or point the "
+                            f"cache, checkpoints or --out elsewhere) and rerun; the previous version, if any, is "
+                            f"intact and finished results are kept.") from e
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {path}: {e.strerror or e} (is the folder read-only?); the previous "
+                            f"version, if any, is intact.") from e
+        raise
     except BaseException:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def disk_full(folder: str | os.PathLike, error: BaseException | None = None, margin: int = 1 << 20) -> str | None:
+    """Why a failed write was a full disk ("N bytes free on <folder>"), or None. Writers of other libraries
+    say it in their own words (torch: 'enforce fail ... unexpected pos', safetensors: an I/O error), so
+    besides ENOSPC in the error the free space itself is asked."""
+    import errno
+    import shutil
+    chain, e = [], error
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(x) for x in chain):
+        why = "no space left on the device"
+    else:
+        why = None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return why
+    if why is None and free >= margin:
+        return None
+    return f"{why or 'almost no space left'}: {free:,} bytes free in {folder}"
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float (NaN, inf) as None, tuples as lists, numpy/torch scalars as Python
+    numbers: what standard JSON can say. A NaN in a file the suite writes would be invalid JSON to every
+    other parser (and SQLite's json functions call it malformed)."""
+    import math
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k if isinstance(k, str) else str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if obj is None or isinstance(obj, (str, bool, int)):
+        return obj
+    item = getattr(obj, "item", None)          # numpy / torch scalars
+    if callable(item) and getattr(obj, "ndim", 0) == 0:
+        return json_safe(item())
+    return obj
+
+
+def dumps_json(obj, **kw) -> str:
+    """json.dumps of `json_safe(obj)` that refuses NaN: never a bare NaN in the suite's JSON (null instead)."""
+    import json
+    return json.dumps(json_safe(obj), allow_nan=False, **kw)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True) -> Path:

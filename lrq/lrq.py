@@ -21,7 +21,7 @@ from lrq.engine import ReconstructionMethod
 from lrq.errors import UserError
 from lrq.flexround import FlexRoundLinear
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import register
+from lrq.methods import Rule, register
 
 
 def official_rank(cout: int, cin: int) -> int | None:
@@ -71,6 +71,8 @@ class LRQ(ReconstructionMethod):
         paper_extra={"rank_rule": "official", "rank": 1024, "rank_fraction": 0.25})
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (6e-4, True), "w4": (9e-4, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
+    rules = ReconstructionMethod.rules | {"rank_rule": Rule(choices=("official", "uniform", "fraction")),
+                                          "rank": Rule(int, lo=1), "rank_fraction": Rule(float, lo=0, hi=1, lo_open=True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
     learnable_fraction = 0.6
     compare_learnables_with = "flexround"   # the paper's point: far fewer learnable scales than FlexRound

@@ -11,6 +11,7 @@ package and the LRQ/FlexRound modules, so a new method is a new file, not a chan
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -31,6 +32,75 @@ class Calibration:
     tokenizer: Any = None
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What values a setting takes: a type (int, float, bool or str), a range, a set of words, and whether
+    'auto' (decided per scheme by `resolve`) is allowed. `Method.config` checks every setting against its
+    rule, so a bad --set value is exit 2 naming the setting and what it takes, before any work."""
+    kind: type = str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False          # lo itself excluded
+    choices: tuple[str, ...] | None = None
+    auto: bool = False
+    label: str | None = None       # how to say what it takes, where the choices are many spellings of few values
+
+    def describe(self) -> str:
+        if self.label:
+            return self.label
+        if self.choices:
+            return "one of " + ", ".join(self.choices + (("auto",) if self.auto else ()))
+        what = {int: "an integer", float: "a number", bool: "true or false", str: "a word"}[self.kind]
+        if self.lo is not None and self.hi is not None:
+            what += f" in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+        elif self.lo is not None:
+            what += f" {'>' if self.lo_open else '>='} {self.lo:g}"
+        return what + (" or auto" if self.auto else "")
+
+    def check(self, method: str, key: str, value: Any) -> Any:
+        """`value` (as given on the command line or in Python) converted to the setting's type, or UserError."""
+        if self.auto and isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        bad = UserError(f"{method}: --set {key}={value!r} is not valid: {key} takes {self.describe()}.")
+        if self.kind is bool:
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            if word in TRUE_WORDS + FALSE_WORDS:
+                return word in TRUE_WORDS
+            raise bad
+        if self.choices:
+            word = str(value).strip().lower()
+            if word not in self.choices:
+                raise bad
+            return word
+        if self.kind in (int, float):
+            if isinstance(value, bool):
+                raise bad
+            try:
+                num = float(value)
+            except (TypeError, ValueError):
+                raise bad from None
+            if not math.isfinite(num) or (self.kind is int and num != int(num)):
+                raise bad
+            if self.lo is not None and (num < self.lo or (self.lo_open and num == self.lo)):
+                raise bad
+            if self.hi is not None and num > self.hi:
+                raise bad
+            return int(num) if self.kind is int else num
+        return str(value)
+
+
+def rules_for(defaults: dict[str, dict[str, Any]]) -> dict[str, Rule]:
+    """A rule from each setting's default value where a method declares none: its type, nothing more."""
+    out = {}
+    for preset in defaults.values():
+        for k, v in preset.items():
+            if v is not None and k not in out:
+                out[k] = Rule(type(v) if type(v) in (int, float, bool) else str)
+    return out
+
+
 class Method:
     """Base class. Subclasses set `name`, `defaults` (per preset) and implement `quantize`; what the harness
     needs to know about a method (calibration defaults, whether it checkpoints, its cost and memory for the
@@ -45,6 +115,10 @@ class Method:
     summary: ClassVar[str] = ""
     # Settings by preset; every key can be overridden from the CLI (--set key=value) and is recorded.
     defaults: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}, "paper": {}}
+    # What each setting takes (type, range, words); settings without a rule are checked by their default's type.
+    rules: ClassVar[dict[str, Rule]] = {}
+    # Settings that are not --set values (the preset is its own option, --preset).
+    fixed_settings: ClassVar[tuple[str, ...]] = ("preset",)
     # Settings that choose how the same computation runs, not what it computes (e.g. torch.compile): recorded
     # with every row like the others, but left out of the store key and the checkpoint identity, so turning
     # one on or off reuses and resumes earlier results (as running on another device does).
@@ -102,14 +176,27 @@ class Method:
         return dict(config)
 
     def config(self, preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The preset's settings with `overrides` applied, every value checked against its rule (exit 2 on a
+        bad one, before any work)."""
         if preset not in self.defaults:
             raise UserError(f"unknown preset {preset!r} for method {self.name}: choose from {', '.join(self.defaults)}.")
         cfg = dict(self.defaults[preset])
+        rules = rules_for(self.defaults) | self.rules
         for k, v in (overrides or {}).items():
             if k not in cfg:
                 continue  # an override meant for another method
+            if k in self.fixed_settings:
+                raise UserError(f"{self.name}: {k} is not a --set value: choose it with --{k} "
+                                f"({', '.join(self.defaults)}).")
+            # the value is kept as the default's type makes it (what earlier releases stored and hashed, so their
+            # results are still found); the rule only refuses what cannot work
             cfg[k] = _coerce(self.name, k, cfg[k], v)
+            if k in rules:
+                rules[k].check(self.name, k, cfg[k])
         return cfg
+
+    def check_calibration(self, config: dict[str, Any], n_samples: int, seq_len: int) -> None:
+        """Refuse (UserError) settings that cannot work with n_samples x seq_len calibration windows."""
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         """Whether the result depends on calibration data (it then becomes part of the cell's identity)."""

@@ -117,7 +117,7 @@ def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alph
 def activation_absmax(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
     """Per block, per linear: max |x_j| over every calibration token of the linear's input channel j.
 
-    One forward pass of the whole model with hooks on the block linears (bf16 autocast, as calibration
+    One forward pass of the whole model with hooks on the block linears (at the run's precision, as calibration
     and evaluation run), in the model's current state.
     """
     stats: list[dict[str, torch.Tensor]] = [{} for _ in decoder_blocks(model)]

@@ -338,7 +338,7 @@ def test_bare_pytest_collects_the_suite():
 def test_a_full_disk_is_said_as_such(tmp_path):
     from bench.store import _reraise
     from lrq.errors import UserError
-    with pytest.raises(UserError, match="database or disk is full. Free some space"):
+    with pytest.raises(UserError, match="disk full: cannot write to the results store .* Free some space"):
         _reraise(tmp_path / "r.sqlite", sqlite3.OperationalError("database or disk is full"))
     with pytest.raises(sqlite3.IntegrityError):   # a constraint is a bug, not the user's disk
         _reraise(tmp_path / "r.sqlite", sqlite3.IntegrityError("NOT NULL constraint failed"))

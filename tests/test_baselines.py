@@ -165,7 +165,7 @@ def test_awq_float_chain_feeds_the_floating_point_blocks(monkeypatch):
 
 
 def test_awq_bad_choice_is_a_clear_error():
-    with pytest.raises(UserError, match="chain='fast' is not one of quantized, float"):
+    with pytest.raises(UserError, match="chain='fast' is not valid: chain takes one of quantized, float"):
         get_method("awq").quantize(tiny_model("llama"), get_scheme("w3a16"),
                                    get_method("awq").config("quick", {"chain": "fast"}), Calibration(_ids()))
 

@@ -12,8 +12,8 @@ TOL = {"ppl": {"direction": "lower", "rel": 0.01}, "acc": {"direction": "higher"
        "bits_per_weight": {"direction": "both", "abs": 1e-9}}
 
 
-def _k(metric, method="rtn", scheme="w4a16", dataset="wikitext2"):
-    return ("m", method, scheme, dataset, metric)
+def _k(metric, method="rtn", scheme="w4a16", dataset="wikitext2", precision="bf16"):
+    return ("m", method, scheme, precision, dataset, metric, 0)
 
 
 @pytest.mark.parametrize("base,cur,metric,status", [
@@ -35,7 +35,8 @@ def test_missing_and_new_cells():
 
 
 def _write(path, values):
-    rows = [Row(model="m", method=k[1], scheme=k[2], dataset=k[3], metric=k[4], value=v) for k, v in values.items()]
+    rows = [Row(model="m", method=k[1], scheme=k[2], dataset=k[4], metric=k[5], value=v,
+                config={"precision": {"used": k[3]}}) for k, v in values.items()]
     path.write_text(json.dumps([r.__dict__ for r in rows]))
     return path
 
@@ -48,7 +49,7 @@ def test_cli_compare_exit_codes(tmp_path, capsys):
     assert "no regression" in capsys.readouterr().out
     assert main(["compare", str(base), str(worse)]) == 1
     out = capsys.readouterr().out
-    assert "**REGRESSION**" in out and "| rtn | w4a16 | wikitext2 | ppl | 0 | 20 (?) | 21 (?) |" in out
+    assert "**REGRESSION**" in out and "| rtn | w4a16 | bf16 | wikitext2 | ppl | 0 | 20 (?) | 21 (?) |" in out
     assert main(["compare", str(base), str(tmp_path / "nope.json")]) == 2
     bad = tmp_path / "t.toml"
     bad.write_text("[metrics.ppl]\ndirection = 'sideways'\n")

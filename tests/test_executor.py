@@ -99,8 +99,12 @@ def test_a_worker_that_dies_is_reported_and_the_other_cell_completes(tiny_model_
 
 
 def test_bad_input_inside_a_worker_stops_the_run_with_its_message(tiny_model_dir, data_dir, tmp_path):
-    cells = _cells(tiny_model_dir, data_dir, [("lrq", "w4a16"), ("lrq", "w3a16")], overrides={"heldout_samples": 50})
-    with pytest.raises(UserError, match=r"heldout_samples \(50\) must be smaller"):
+    # run_cells directly, without the CLI's checks before any work: the calibration pool is too small for
+    # 100,000 windows, which only the worker finds out
+    common = dict(model=str(tiny_model_dir), datasets=("wikitext2",), eval=EvalSettings(256, False, 1024),
+                  calib=CalibSettings(n_samples=100_000, seq_len=32), data_dir=str(data_dir))
+    cells = [settle(Request(method=m, scheme="w8a8", **common)) for m in ("rtn", "smoothquant")]
+    with pytest.raises(UserError, match=r"asked for 100000"):
         run_cells(cells, ResultStore(tmp_path / "r.sqlite"), executor=LocalExecutor(2, threads=1))
     assert not mp.active_children()
 
@@ -120,7 +124,10 @@ def test_first_look_profile_runs_every_scheme_with_tasks_in_workers(tiny_model_d
                  "--schemes", "w8a8,w4a8,w4a16", "--out", str(tmp_path / "rep")])  # g128 does not fit 64 columns
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "profile first-look, 4 cells, 2 at a time" in err
+    assert "profile first-look, 4 cells (4 to compute, 0 already stored), 2 at a time" in err
+    # the planner's estimate is printed before any cell runs, and the bar shows stages inside cells
+    assert err.index("lrq-bench: estimate on this machine") < err.index("cells 1/4")
+    assert "CPU-process-hours of work, about" in err and "rtn w4a8: wikitext2 window" in err
     rows = ResultStore(results).rows()
     cells = {(r.method, r.scheme) for r in rows}
     assert cells == {(FP, FP)} | {("rtn", s) for s in ("w8a8", "w4a8", "w4a16")}

@@ -133,7 +133,7 @@ def test_weight_only_uses_lwc_alone():
     assert cfg["let"] == "off" and cfg["recon_act_quant"] == "off" and cfg["lr_schedule"] == "constant"
     with pytest.raises(UserError, match="smooth_alpha"):
         M.resolve(get_scheme("w8a8"), M.config("quick", {"smooth_alpha": 0.8}))
-    with pytest.raises(UserError, match="let must be"):
+    with pytest.raises(UserError, match="let takes one of on, off, auto"):
         M.resolve(get_scheme("w8a8"), M.config("quick", {"let": "maybe"}))
     assert M.config("paper")["iters"] == 2560 and M.calib_defaults["paper"]["n_samples"] == 128
 

@@ -90,7 +90,8 @@ def test_run_refuses_a_cell_that_cannot_fit_before_any_work(tiny_model_dir, data
     monkeypatch.setenv("LRQ_BENCH_HOST_MEMORY_GB", "0.001")
     code = main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "lrq",
                  "--schemes", "w4a16", "--datasets", "wikitext2", "--data-dir", str(data_dir),
-                 "--results", str(tmp_path / "r.sqlite"), "--calib-samples", "6", "--calib-seq-len", "32"])
+                 "--results", str(tmp_path / "r.sqlite"), "--calib-samples", "6", "--calib-seq-len", "32",
+                 "--set", "heldout_samples=2"])
     err = capsys.readouterr().err.replace("\n", " ")
     assert code == 2 and "needs about" in err and "host memory" in err
     assert not ResultStore(tmp_path / "r.sqlite").rows()

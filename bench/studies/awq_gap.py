@@ -31,6 +31,7 @@ from typing import Any
 
 from bench.studies.crosscheck_llmcompressor import paired_ratio, variants as crosscheck_variants
 from lrq.errors import UserError
+from lrq.io import dumps_json
 
 # Our overrides on top of the cross-check's AWQ row: each switches one difference to llm-compressor's.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "rows": report_rows(store.rows(latest=True), sides, args.eval_seq_len), "results": str(store.path),
               "git_revision": git_revision(), "versions": versions(), "hardware": hardware()}
     out = args.out or store.path.parent / "crosscheck-llmcompressor"
-    atomic_write_text(out / "awq_gap.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(out / "awq_gap.json", dumps_json(report, indent=2, default=str))
     atomic_write_text(out / "awq_gap.md", markdown(report))
     print(markdown(report))
     return report

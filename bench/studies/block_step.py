@@ -37,6 +37,7 @@ import torch
 
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
+from lrq.io import dumps_json
 
 METHODS = ("flexround", "lrq")
 PLAIN = "plain"   # the floor: the same block with trainable weights and no quantizer
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = (f"b{args.batch}x{args.seq}-{'fp32' if args.fp32 else 'bf16'}-t{torch.get_num_threads()}"
            + ("-compile" if args.compile else ""))
-    atomic_write_text(out / f"block_step-{tag}.json", json.dumps(result, indent=1))
+    atomic_write_text(out / f"block_step-{tag}.json", dumps_json(result, indent=1))
     atomic_write_text(out / f"block_step-{tag}.md", "\n".join(md))
     print("\n".join(md))
     return 0

@@ -28,6 +28,7 @@ from typing import Any
 
 from baselines.llmc import setup_venv
 from lrq.errors import UserError
+from lrq.io import dumps_json
 
 Z95 = 1.959963984540054
 
@@ -290,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            if n in args.variant_list},
               "rows": collect(store.rows(latest=True), pairs), "failed": failed}
     out = args.out or store.path.parent / "crosscheck-llmcompressor"
-    atomic_write_text(out / "crosscheck_llmcompressor.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(out / "crosscheck_llmcompressor.json", dumps_json(report, indent=2, default=str))
     atomic_write_text(out / "crosscheck_llmcompressor.md", markdown(report))
     print(markdown(report))
     for f in failed:

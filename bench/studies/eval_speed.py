@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from lrq.errors import UserError
+from lrq.io import dumps_json
 
 DOCS_FILE = "wikitext2/wikitext_document_level.test.jsonl"
 TASK_NAME = "wikitext_local_speed"
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python -m bench.studies.eval_speed"] + (argv if argv is not None else sys.argv[1:])),
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.out).write_text(dumps_json(report, indent=2) + "\n")
         print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 

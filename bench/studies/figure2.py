@@ -36,6 +36,7 @@ import torch
 
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
+from lrq.io import dumps_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -161,7 +162,7 @@ def run(args) -> dict:
                     res["results"][f"{b}/{m}"] = {"block": b, "method": m, "resolved": cfg,
                                                   "n_learnable": out["n_learnable"], "curve": out["curve"],
                                                   "wall_s": time.perf_counter() - t0}
-                    atomic_write_text(path, json.dumps(res, indent=1, default=str))
+                    atomic_write_text(path, dumps_json(res, indent=1, default=str))
                     print(f"block {b} {m}: {len(out['curve'])} points, {time.perf_counter() - t0:.0f} s", flush=True)
             x = y
     return res
@@ -209,7 +210,7 @@ def merge(dirs: list[str], out: Path) -> dict:
     for r in parts:
         res["results"].update(r["results"])
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "figure2.json", json.dumps(res, indent=1, default=str))
+    atomic_write_text(out / "figure2.json", dumps_json(res, indent=1, default=str))
     return res
 
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from lrq.io import dumps_json
 
 SHAPES_7B = {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)}
 MS = (1, 4, 16, 64, 256, 1024, 2048, 4096)
@@ -51,7 +52,7 @@ TARGET_MS = sorted({1, 4, 16, 1024, 2048, 4096})
 
 def _save(doc: dict, out: Path) -> None:
     from lrq.io import atomic_write_text
-    atomic_write_text(out, json.dumps(doc, indent=1, default=str))
+    atomic_write_text(out, dumps_json(doc, indent=1, default=str))
 
 
 def _layer(n: int, k: int, bits: int, group: int | None, seed: int):
@@ -283,7 +284,7 @@ def estimate(json_out: str | None) -> int:
            "failed": [aot.violations(r) for r in rows if aot.violations(r)]}
     print(json.dumps(doc, indent=1))
     if json_out:
-        Path(json_out).write_text(json.dumps(doc, indent=1))
+        Path(json_out).write_text(dumps_json(doc, indent=1))
     return 1 if doc["failed"] else 0
 
 
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench.plan import measure_profile
         prof = measure_profile(device)
-        out.with_name("plan-profile-gpu.json").write_text(json.dumps(prof, indent=1, default=str))
+        out.with_name("plan-profile-gpu.json").write_text(dumps_json(prof, indent=1, default=str))
         stage("plan_profile", t, file=str(out.with_name("plan-profile-gpu.json")))
 
     # 5. the offloaded block walk

@@ -39,6 +39,7 @@ from pathlib import Path
 from bench import stats as S
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
+from lrq.io import dumps_json
 
 BASELINES = ("flexround", "omniquant", "gptq", "awq", "smoothquant")
 SCHEME_FAMILIES = {"w8a8": "W8A8 (per-tensor static activations)", "w4a8": "W4A8 (per-token activations)",
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
     res = build(args.results, args.model, args.figure2, args.rank_results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "claims.json", json.dumps({k: v for k, v in res.items() if k != "curves"}, indent=1))
+    atomic_write_text(out / "claims.json", dumps_json({k: v for k, v in res.items() if k != "curves"}, indent=1))
     atomic_write_text(out / "claims.md", markdown(res))
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
     atomic_write_text(out / "claims.html", env.from_string(_HTML).render(r=res))

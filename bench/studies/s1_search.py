@@ -36,6 +36,7 @@ import torch
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.quant import SCALE_EPS, _search_groups, check_bits, search_qparams, search_qparams_exhaustive
+from lrq.io import dumps_json
 
 
 def naive_search(w: torch.Tensor, bits: int, group_size: int | None = None, grid: int = 100,
@@ -207,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                    else None}
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in ("bits", "groups", "median_s", "scored_mean", "identical")}), flush=True)
-            atomic_write_text(out / "s1_search.json", json.dumps(result, indent=1))
+            atomic_write_text(out / "s1_search.json", dumps_json(result, indent=1))
     result["config"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    atomic_write_text(out / "s1_search.json", json.dumps(result, indent=1))
+    atomic_write_text(out / "s1_search.json", dumps_json(result, indent=1))
     atomic_write_text(out / "s1_search.md", markdown(result))
     print(markdown(result))
     if failed:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from lrq.io import dumps_json
 
 SHAPES = {  # (out_features, in_features) per linear kind
     "smollm2": {"qkv/o 576x576": (576, 576), "gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)},
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"what": args.what, "device": args.device, "model": args.model, **_provenance(), "rows": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
+        Path(args.out).write_text(dumps_json(doc, indent=2, default=str))
     if args.results and not any("error" in r for r in rows):
         _store(rows, args.what, args.results, args.model)
     return 1 if any("error" in r for r in rows) else 0

@@ -1,0 +1,128 @@
+"""The compute precision of every forward the suite runs: bf16 (autocast) or fp32, chosen for the machine.
+
+Weights stay float32; what changes is whether the matmuls of evaluation, calibration passes and the
+block training that allows it run under bf16 autocast. bf16 is fast only where the CPU computes it
+natively: on an Intel Xeon with AMX or an AMD Zen 4 (AVX512-BF16) a bf16 matmul is several times faster
+than fp32; on a CPU without it (AMD Zen 3, AVX2 only) torch emulates bf16 and the same matmul is 5-10x
+*slower* than fp32. So `auto` asks the machine:
+
+- CUDA device: bf16;
+- x86 CPU: bf16 when /proc/cpuinfo lists `avx512_bf16` or `amx_bf16` AND torch's ATen kernels run at
+  AVX-512 (`torch.backends.cpu.get_cpu_capability()`; `ATEN_CPU_CAPABILITY=avx2` lowers it) AND oneDNN
+  is not capped below a bf16 ISA (`ONEDNN_MAX_CPU_ISA`); else fp32;
+- Arm CPU: bf16 when the `Features` line lists `bf16`; else fp32.
+
+`use(precision)` sets the precision for the code inside it (a context variable: per thread and task);
+`autocast(device, enabled)` is the one place that opens a bf16 autocast region, and opens none when the
+current precision is fp32 or the caller's own setting says fp32 (`enabled=False`: a preset that fixes
+fp32, such as the paper preset's block training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+from contextvars import ContextVar
+from pathlib import Path
+
+import torch
+
+from lrq.errors import UserError
+
+PRECISIONS = ("auto", "bf16", "fp32")
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) under which bf16 is still computed natively
+_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512",
+              "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT")
+
+_current: ContextVar[str | None] = ContextVar("lrq_precision", default=None)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip().lower()
+        if key in ("flags", "features"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16() -> dict:
+    """What this CPU and this torch say about bf16: {"native": bool, "why": str, ...the evidence}."""
+    flags = _cpu_flags()
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    machine = platform.machine().lower()
+    bf16_flags = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "bf16"))
+    info = {"cpu_bf16_flags": bf16_flags, "torch_cpu_capability": capability, "onednn_max_cpu_isa": isa_cap}
+    if machine in ("aarch64", "arm64"):
+        native = "bf16" in flags
+        why = "the CPU lists bf16" if native else "the CPU does not list bf16 (Arm)"
+    elif not ({"avx512_bf16", "amx_bf16"} & flags):
+        native, why = False, "the CPU has neither AVX512-BF16 nor AMX-BF16"
+    elif not capability.upper().startswith("AVX512"):
+        native, why = False, f"torch's CPU kernels run at {capability} (ATEN_CPU_CAPABILITY), below AVX-512"
+    elif isa_cap and isa_cap.upper() not in _BF16_ISAS:
+        native, why = False, f"oneDNN is capped at {isa_cap} (ONEDNN_MAX_CPU_ISA), below its bf16 ISAs"
+    else:
+        native = True
+        why = "the CPU has " + " and ".join(f.upper().replace("_", "-") for f in bf16_flags
+                                            if f in ("avx512_bf16", "amx_bf16"))
+    return info | {"native": native, "why": why}
+
+
+def resolve(precision: str | None = "auto", device: torch.device | str | None = None) -> str:
+    """'bf16' or 'fp32': `precision` as asked, 'auto' (or None) decided for `device` (default: the CPU)."""
+    p = (precision or "auto").strip().lower()
+    if p not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}: choose auto, bf16 or fp32 (--precision).")
+    if p != "auto":
+        return p
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind == "cuda":
+        return "bf16"
+    return "bf16" if cpu_bf16()["native"] else "fp32"
+
+
+def describe(precision: str | None = "auto", device: torch.device | str | None = None) -> dict:
+    """What a result records about its precision: asked, used, and why `auto` chose it."""
+    used = resolve(precision, device)
+    asked = (precision or "auto").strip().lower()
+    kind = torch.device(device).type if device is not None else "cpu"
+    why = ("asked for explicitly" if asked != "auto" else
+           "bf16 on a CUDA device" if kind == "cuda" else cpu_bf16()["why"])
+    return {"asked": asked, "used": used, "why": why} | ({} if kind == "cuda" else
+                                                        {"native_bf16": cpu_bf16()["native"]})
+
+
+def current(device: torch.device | str | None = None) -> str:
+    """The precision in force here: the innermost `use(...)`, else 'auto' decided for `device`."""
+    return resolve(_current.get(), device)
+
+
+@contextlib.contextmanager
+def use(precision: str | None):
+    """Run the code inside at `precision` ('auto', 'bf16', 'fp32'; None leaves the enclosing one)."""
+    if precision is None:
+        yield
+        return
+    resolve(precision)   # an unknown name fails here, not deep inside a run
+    token = _current.set(precision)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bool | None = None):
+    """A bf16 autocast region on `device` when `enabled` and the current precision is bf16; else nothing."""
+    kind = torch.device(device).type
+    if not enabled or current(kind) != "bf16":
+        return contextlib.nullcontext()
+    kw = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
+    return torch.autocast(kind, dtype=torch.bfloat16, **kw)

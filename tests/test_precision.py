@@ -1,0 +1,213 @@
+"""The compute precision (lrq.precision): `auto` decided from the CPU's flags and torch's capability, every
+forward of a run at the cell's precision, the precision in every stored row and store key (bf16 keys as
+before), the leaderboard saying which precision each number has, the planner's estimate and the terminal
+bar's progress inside cells."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import plan as P
+from bench.cell import EvalSettings, Request, settle
+from bench.cli import main
+from bench.store import ResultStore
+from lrq import precision, progress
+from lrq.errors import UserError
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to be another CPU: flags, torch's capability, oneDNN's ISA cap."""
+    def make(flags=(), capability="AVX512", isa=None, machine="x86_64"):
+        precision.cpu_bf16.cache_clear()
+        monkeypatch.setattr(precision, "_cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        monkeypatch.setattr(precision.platform, "machine", lambda: machine)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        if isa:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        else:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    yield make
+    precision.cpu_bf16.cache_clear()
+
+
+def test_auto_asks_the_cpu(cpu):
+    cpu({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})        # Intel Xeon with AMX
+    assert precision.resolve("auto") == "bf16" and "AMX-BF16" in precision.describe()["why"]
+    cpu({"avx2", "avx512f", "avx512_bf16"})                    # AMD Zen 4
+    assert precision.resolve("auto") == "bf16"
+    cpu({"avx2", "fma", "f16c"}, capability="AVX2")            # AMD Zen 3
+    assert precision.resolve("auto") == "fp32"
+    assert "neither AVX512-BF16 nor AMX-BF16" in precision.describe()["why"]
+    # the emulation of a CPU without native bf16 on an AMX machine is seen through
+    cpu({"avx512_bf16", "amx_bf16"}, capability="AVX2")
+    assert precision.resolve("auto") == "fp32" and "ATEN_CPU_CAPABILITY" in precision.describe()["why"]
+    cpu({"avx512_bf16", "amx_bf16"}, isa="AVX2")
+    assert precision.resolve("auto") == "fp32" and "ONEDNN_MAX_CPU_ISA" in precision.describe()["why"]
+    cpu({"avx512_bf16", "amx_bf16"}, isa="AVX512_CORE_AMX")
+    assert precision.resolve("auto") == "bf16"
+    cpu({"fp", "asimd", "bf16"}, capability="DEFAULT", machine="aarch64")   # Arm with BF16
+    assert precision.resolve("auto") == "bf16"
+    cpu({"fp", "asimd"}, capability="DEFAULT", machine="aarch64")
+    assert precision.resolve("auto") == "fp32"
+    assert precision.resolve("auto", "cuda") == "bf16"
+    # an explicit choice is taken as given, an unknown one is bad input
+    assert precision.resolve("BF16") == "bf16" and precision.resolve("fp32") == "fp32"
+    with pytest.raises(UserError, match="choose auto, bf16 or fp32"):
+        precision.resolve("fp16")
+
+
+def test_autocast_only_where_the_precision_and_the_caller_allow():
+    def dtype_of_a_matmul():
+        return (torch.randn(4, 8) @ torch.randn(8, 4)).dtype
+    with precision.use("bf16"):
+        with precision.autocast("cpu"):
+            assert dtype_of_a_matmul() == torch.bfloat16
+        with precision.autocast("cpu", enabled=False):   # e.g. the paper preset's fp32 training
+            assert dtype_of_a_matmul() == torch.float32
+        with precision.use("fp32"), precision.autocast("cpu"):
+            assert dtype_of_a_matmul() == torch.float32
+    with pytest.raises(UserError):
+        with precision.use("half"):
+            pass
+
+
+def _cell(prec, tmp_data=None, **kw):
+    return settle(Request(model="smollm2-135m", method=kw.pop("method", "rtn"), scheme=kw.pop("scheme", "w3a16"),
+                          datasets=("wikitext2",), eval=EvalSettings(2048, False, 8192), precision=prec, **kw))
+
+
+def test_bf16_store_keys_are_those_of_earlier_releases_and_fp32_are_new(data_dir):
+    """A bf16 cell is keyed as before the precision became a choice: the committed CI reference (stored by
+    an earlier release) is found under the keys settled today; an fp32 cell is a different cell."""
+    ref = json.loads((P.Path(__file__).resolve().parents[1] / "reports/reference/ci_sweep.json").read_text())
+    key = {(r["method"], r["scheme"], r["dataset"]): r["unit_key"] for r in ref}
+    for method, scheme in (("fp", "fp"), ("rtn", "w3a16")):
+        bf16, fp32 = _cell("bf16", method=method, scheme=scheme, data_dir=str(data_dir)), \
+            _cell("fp32", method=method, scheme=scheme, data_dir=str(data_dir))
+        assert bf16.keys["quant"] == key[(method, scheme, "quant")]
+        assert bf16.keys["wikitext2"] == key[(method, scheme, "wikitext2")]
+        assert bf16.precision == "bf16" and fp32.precision == "fp32" and fp32.eval.autocast == "fp32"
+        assert not set(bf16.keys.values()) & set(fp32.keys.values())
+
+
+def test_a_run_records_its_precision_and_the_leaderboard_says_it(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    base = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn",
+            "--schemes", "w8a8", "--datasets", "wikitext2", "--data-dir", str(data_dir), "--results", str(results),
+            "--max-eval-tokens", "512", "--eval-seq-len", "256", "--calib-samples", "4", "--calib-seq-len", "64",
+            "--jobs", "1"]
+    assert main(base + ["--precision", "fp32"]) == 0
+    err = capsys.readouterr().err
+    assert "precision fp32 (asked for explicitly)" in err and "lrq-bench: estimate on this machine" in err
+    assert main(base + ["--precision", "bf16", "--out", str(tmp_path / "rep")]) == 0
+    capsys.readouterr()
+    rows = ResultStore(results).rows(latest=True)
+    by = {(r.method, r.dataset, r.metric, r.precision): r for r in rows}
+    # both precisions are kept side by side (neither replaces the other), each row saying which it is
+    for prec in ("fp32", "bf16"):
+        ppl = by[("rtn", "wikitext2", "ppl", prec)]
+        assert ppl.config["precision"]["used"] == prec and ppl.config["eval"]["autocast"] == prec
+        assert "native_bf16" in ppl.hardware
+    assert by[("rtn", "wikitext2", "ppl", "fp32")].value != by[("rtn", "wikitext2", "ppl", "bf16")].value
+    md = (tmp_path / "rep" / "leaderboard.md").read_text()
+    assert f"## Model: {tiny_model_dir}, precision fp32" in md and f"## Model: {tiny_model_dir}, precision bf16" in md
+    assert "Precision of every number in this section: fp32, float32 throughout (asked for explicitly)" in md
+    html = (tmp_path / "rep" / "leaderboard.html").read_text()
+    assert "precision fp32</h2>" in html and "precision bf16</h2>" in html
+
+
+@pytest.mark.parametrize("prec, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_every_forward_of_a_quantization_runs_at_the_precision(prec, expected):
+    """Calibration passes (W8A8 static ranges), the block walk and LRQ's training steps all see the dtype of
+    the precision; the paper preset's fp32 training stays fp32 under bf16."""
+    import lrq
+    from conftest import tiny_model
+    seen: dict[str, set] = {"train": set(), "calib": set()}
+    model = tiny_model("llama", layers=1)
+    # the MLP module stays in place while its linears are swapped for quantizers: its output shows the dtype
+    # of every forward; training steps are the ones run with gradients
+    model.model.layers[0].mlp.register_forward_hook(
+        lambda m, a, out: seen["train" if torch.is_grad_enabled() else "calib"].add(out.dtype))
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    lrq.quantize(model, "lrq", "w8a8", calibration=ids, iters=2, heldout_samples=1, error_samples=1, precision=prec)
+    assert expected in seen["calib"] and seen["train"] == {expected}, seen
+
+
+def test_stages_and_steps_are_reported_inside_a_cell(tiny_model_dir, data_dir):
+    from bench.cell import execute
+    events = []
+    cell = settle(Request(model=str(tiny_model_dir), method="lrq", scheme="w4a16", datasets=("wikitext2",),
+                          overrides={"iters": 3, "heldout_samples": 1, "error_samples": 1},
+                          calib=__import__("bench.cell", fromlist=["CalibSettings"]).CalibSettings("c4", 4, 64),
+                          eval=EvalSettings(256, False, 1024), data_dir=str(data_dir)))
+    old = progress.INTERVAL
+    progress.INTERVAL = 0.0      # every report, for the test
+    try:
+        with progress.reporting(lambda st, d, f: events.append((st, d, f))):
+            execute(cell, set(cell.keys))
+    finally:
+        progress.INTERVAL = old
+    stages = [e[0] for e in events if e[2] == 0.0 and e[1] == ""]
+    assert stages == ["quant", "wikitext2"]
+    assert ("quant", "block 2/2 step 3/3", 1.0) in events
+    assert any(st == "wikitext2" and d == "window 4/4" for st, d, _ in events)
+    fractions = [f for st, _, f in events if st == "quant" and f is not None]
+    assert fractions == sorted(fractions)         # never backwards within a stage
+
+
+def test_the_board_moves_with_stages_weighted_by_the_estimate():
+    from types import SimpleNamespace
+
+    from bench.executor import Job, ProgressBoard
+    cell = lambda m: SimpleNamespace(method_name=m, scheme_name="w4a16")  # noqa: E731
+    jobs = [Job(0, cell("lrq"), frozenset({"quant", "wikitext2"})), Job(1, cell("rtn"), frozenset({"quant"}))]
+    board = ProgressBoard(jobs, {0: {"quant": 90.0, "wikitext2": 10.0}, 1: {"quant": 100.0}})
+    try:
+        board.start(0)
+        board.update(0, "quant", "block 15/30", 0.5)
+        assert board.bar.n == pytest.approx(45.0) and "lrq w4a16: quant block 15/30" in board.postfix()
+        board.update(0, "quant", "block 14/30", 0.4)       # a late or smaller report never moves it back
+        assert board.bar.n == pytest.approx(45.0)
+        board.update(0, "quant", "done", 1.0)
+        board.update(0, "wikitext2", "window 1/2", 0.5)
+        assert board.bar.n == pytest.approx(95.0)
+        board.finish(0)
+        board.finish(1, failed=True)
+        assert board.bar.n == pytest.approx(200.0) and "failed: 1" in board.postfix()
+        assert board._desc() == "cells 2/2"
+    finally:
+        board.close()
+
+
+def test_profiles_are_per_precision_and_say_when_the_machine_was_busy(monkeypatch, tmp_path):
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))
+    assert P.profile_path("cpu", "fp32") != P.profile_path("cpu", "bf16")
+    said = []
+    fake = {"kinds": {}, "device": "cpu", "precision": "fp32",
+            "load": {"busy": True, "others_cpu_share": 0.6, "cpus": 2, "loadavg_before": 2.5, "seconds": 12.0}}
+    monkeypatch.setattr(P, "measure_profile", lambda device, precision: fake)
+    P.load_or_measure_profile("cpu", precision="fp32", say=said.append)
+    assert said[0].startswith("measuring this machine") and "fp32" in said[0]
+    assert any("other processes used 60 % of the 2 CPUs" in s and "--remeasure" in s for s in said)
+    said.clear()
+    P.load_or_measure_profile("cpu", precision="fp32", say=said.append)   # cached: no measuring, the note again
+    assert not any(s.startswith("measuring") for s in said) and any("60 %" in s for s in said)
+
+
+def test_estimate_counts_only_what_is_missing(tiny_model_dir, data_dir):
+    shape = P.shape_from_config("tiny", json.loads((tiny_model_dir / "config.json").read_text()))
+    prof = {"kinds": {k: {"per_call_s": 0.0, "flops_per_s": 1e9} for k in
+                      ("fwd", "walk", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq")}}
+    cell = settle(Request(model=str(tiny_model_dir), method="lrq", scheme="w4a16", datasets=("wikitext2", "c4"),
+                          overrides={"iters": 10}, eval=EvalSettings(256, False, 1024), data_dir=str(data_dir)))
+    full = P.estimate_run(shape, {0: cell}, {0: set(cell.keys)}, prof)
+    part = P.estimate_run(shape, {0: cell}, {0: {"c4"}}, prof)
+    none = P.estimate_run(shape, {0: cell}, {0: set()}, prof)
+    assert set(full.stages[0]) == {"quant", "wikitext2", "c4"} and set(part.stages[0]) == {"quant", "c4"}
+    assert part.stages[0]["quant"] == full.stages[0]["quant"] > 0      # quantized again for any missing unit
+    assert none.stages == {} and full.wall(2) == full.total
