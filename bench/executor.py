@@ -61,7 +61,7 @@ class ProgressBoard:
     failures, elapsed time and ETA. Its unit is estimated seconds of work (`weights`), so a long LRQ cell
     moves the bar block by block and a short RTN cell barely; the ETA is tqdm's, elapsed x remaining / done."""
 
-    def __init__(self, jobs: list[Job], weights: Weights | None = None):
+    def __init__(self, jobs: list[Job], weights: Weights | None = None, file=None):
         weights = weights or {}
         known = [sum(w.values()) for w in weights.values() if w]
         fallback = (sum(known) / len(known)) if known else 1.0
@@ -79,7 +79,7 @@ class ProgressBoard:
         self.n_jobs, self.failed = len(jobs), 0
         self.waiting: set[str] = set()                   # cells another run is computing
         self.bar = tqdm(total=round(sum(sum(w.values()) for w in self.weights.values()), 3), desc=self._desc(),
-                        unit="s", smoothing=0, dynamic_ncols=True,
+                        unit="s", smoothing=0, dynamic_ncols=True, file=file or sys.stderr,
                         bar_format="{desc} {percentage:3.0f}%|{bar:16}| [{elapsed}<{remaining}]{postfix}")
         self._done = 0.0
 
@@ -212,8 +212,14 @@ class LocalExecutor:
 
     # ---- in this process ---------------------------------------------------------------------------
     def _run_inline(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
+        import contextlib
+
         from lrq import progress
-        board = ProgressBoard(jobs, weights)
+        log_dir = self._log_dir()
+        # the cells' own output (the methods' progress bars, lm-eval's, warnings) goes to one file per cell, as a
+        # worker's does; the terminal keeps the one bar
+        tqdm.write(f"output (progress, warnings) of each cell: {log_dir}/", file=sys.stderr)
+        board = ProgressBoard(jobs, weights, file=sys.stderr)
         queue = JobQueue(jobs, sink, board)
         try:
             while queue:
@@ -224,14 +230,16 @@ class LocalExecutor:
                     continue
                 board.start(job.index)
                 try:
-                    with progress.reporting(lambda st, d, f, i=job.index: board.update(i, st, d, f)):
+                    with open(log_dir / _log_name(job), "a", encoding="utf-8") as out, \
+                            contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
+                            progress.reporting(lambda st, d, f, i=job.index: board.update(i, st, d, f)):
                         wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows), cell_fn)
                 except UserError:
                     raise
                 except Exception as e:  # a crash in one cell must not lose the others
                     log.error("cell %s failed:\n%s", job.cell.label(), traceback.format_exc())
                     board.finish(job.index, failed=True)
-                    sink.failed(job, f"{type(e).__name__}: {e}")
+                    sink.failed(job, f"{type(e).__name__}: {e} (cell output: {log_dir / _log_name(job)})")
                     continue
                 board.finish(job.index)
                 sink.done(job, wall)

@@ -19,36 +19,53 @@ def test_sweep_matches_the_committed_reference(tmp_path, data_dir, capsys):
     assert code == 0 and "no regression" in out, out   # main ran the gate against the reference
 
 
-def test_each_cpu_and_precision_has_its_own_reference(tmp_path, monkeypatch):
-    def write(name, cpu, native, precision):
-        (tmp_path / name).write_text(json.dumps([{"method": "fp", "hardware": {"cpu": cpu, "native_bf16": native},
-                                                  "config": {"precision": {"used": precision}}}]))
-    write("ci_sweep.json", "AMD EPYC", True, "bf16")                 # Zen 4
-    write("ci_sweep-intel-xeon.json", "Intel Xeon", True, "bf16")
-    write("ci_sweep-fp32.json", "AMD EPYC", False, "fp32")           # measured on a CPU without native bf16
+def test_each_cpu_capability_and_precision_has_its_own_reference(tmp_path, monkeypatch):
+    def write(name, cpu, native, cap, precision):
+        (tmp_path / name).write_text(json.dumps([{"method": "fp", "config": {"precision": {"used": precision}},
+                                                  "hardware": {"cpu": cpu, "native_bf16": native,
+                                                               "torch_cpu_capability": cap}}]))
+    write("ci_sweep.json", "AMD EPYC", True, "AVX512", "bf16")                 # Zen 4
+    write("ci_sweep-intel-xeon.json", "Intel Xeon", True, "AVX512", "bf16")
+    write("ci_sweep-fp32-avx2.json", "Intel Xeon", False, "AVX2", "fp32")      # the no-bf16 emulation
     monkeypatch.setattr(ci_sweep, "REFERENCE", tmp_path / "ci_sweep.json")
-    zen4 = {"cpu": "AMD EPYC", "native_bf16": True, "precision": "bf16"}
-    zen3 = {"cpu": "AMD EPYC", "native_bf16": False, "precision": "fp32"}
-    assert ci_sweep.reference_for({"cpu": "Intel Xeon", "native_bf16": True, "precision": "bf16"}) == \
-        (tmp_path / "ci_sweep-intel-xeon.json", True)
-    assert ci_sweep.reference_for(zen4) == (tmp_path / "ci_sweep.json", True)
-    # "AMD EPYC" names Zen 3 too: there the sweep runs in fp32 and meets the fp32 reference, whatever the CPU
-    assert ci_sweep.reference_for(zen3) == (tmp_path / "ci_sweep-fp32.json", True)
-    assert ci_sweep.reference_for({"cpu": "Intel Xeon", "native_bf16": True, "precision": "fp32"}) == \
-        (tmp_path / "ci_sweep-fp32.json", True)
-    # a Zen 3 forced to bf16 has no reference of its own: one of the same precision, said to be another CPU's
-    assert ci_sweep.reference_for(zen3 | {"precision": "bf16"}) == (tmp_path / "ci_sweep.json", False)
-    assert ci_sweep.reference_for({"cpu": "Some ARM", "native_bf16": True, "precision": "bf16"})[1] is False
-    assert ci_sweep.reference_path_for_writing({"cpu": "Some ARM (R) v9", "native_bf16": True, "precision": "bf16"}) \
-        == tmp_path / "ci_sweep-some-arm-r-v9-bf16.json"
-    assert ci_sweep.reference_path_for_writing(zen4) == tmp_path / "ci_sweep.json"
+    me = lambda cpu, native, cap, prec: dict(cpu=cpu, native_bf16=native, torch_cpu_capability=cap, precision=prec)  # noqa: E731
+    assert ci_sweep.reference_for(me("Intel Xeon", True, "AVX512", "bf16")) == (tmp_path / "ci_sweep-intel-xeon.json", True)
+    assert ci_sweep.reference_for(me("AMD EPYC", True, "AVX512", "bf16")) == (tmp_path / "ci_sweep.json", True)
+    assert ci_sweep.reference_for(me("Intel Xeon", False, "AVX2", "fp32")) == (tmp_path / "ci_sweep-fp32-avx2.json", True)
+    # "AMD EPYC" names Zen 3 too: it runs fp32 at AVX2 and gets the fp32 AVX2 reference, said to be another CPU's
+    assert ci_sweep.reference_for(me("AMD EPYC", False, "AVX2", "fp32")) == (tmp_path / "ci_sweep-fp32-avx2.json", False)
+    # a Zen 3 forced to bf16 has no reference of its own: the same CPU name's bf16 one, not a match
+    assert ci_sweep.reference_for(me("AMD EPYC", False, "AVX2", "bf16")) == (tmp_path / "ci_sweep.json", False)
+    assert ci_sweep.reference_path_for_writing(me("Some ARM (R) v9", True, "SVE256", "bf16")) \
+        == tmp_path / "ci_sweep-some-arm-r-v9-sve256-bf16.json"
+    assert ci_sweep.reference_path_for_writing(me("AMD EPYC", True, "AVX512", "bf16")) == tmp_path / "ci_sweep.json"
 
 
-def test_the_committed_references_name_their_cpu_and_precision():
+def test_another_cpus_reference_gates_calibration_dependent_cells_loosely(tmp_path, capsys):
+    from bench.store import ResultStore, Row
+
+    def rows(fp, w8a8):
+        cal = {"calibration": {"n_samples": 16}}
+        return [Row("smollm2-135m", "fp", "fp", "wikitext2", "ppl", fp, config={}),
+                Row("smollm2-135m", "rtn", "w8a8", "wikitext2", "ppl", w8a8, config=cal)]
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps([r.__dict__ for r in rows(24.0, 40.0)]))
+
+    def gate(fp, w8a8):
+        store = ResultStore(tmp_path / f"{fp}-{w8a8}.sqlite")
+        store.write_unit(rows(fp, w8a8), "k")
+        return ci_sweep.cross_cpu_gate(ref, str(store.path))
+    assert gate(24.0, 44.0) == 0          # another CPU's rounding: 10 % on a calibration-dependent cell passes
+    assert gate(24.0, 60.0) == 1          # 50 %: a broken method still fails
+    assert gate(24.5, 40.0) == 1          # calibration-free cells stay strict (2 % > 0.5 %)
+    assert "calibration-dependent cells, perplexity within 25%" in capsys.readouterr().out
+
+
+def test_the_committed_references_name_their_machine():
     seen = set()
     for path in sorted(ci_sweep.REFERENCE.parent.glob("ci_sweep*.json")):
         ident = ci_sweep.identity_of(path)
-        assert ident and ident["native_bf16"] is not None, f"{path.name} mixes machines or names none"
-        seen.add(ident["precision"])
-    assert seen == {"bf16", "fp32"}   # an fp32 reference serves every CPU without native bf16
+        assert ident and None not in ident.values(), f"{path.name} mixes machines or names none"
+        seen.add((ident["precision"], ident["torch_cpu_capability"]))
+    assert {("bf16", "AVX512"), ("fp32", "AVX2")} <= seen   # bf16 CPUs, and the CPUs without native bf16
     assert ci_sweep.reference_for()[0].is_file()

@@ -60,18 +60,18 @@ def time_matmul(reps: int = 7) -> dict:
             "bf16_over_fp32": med["bf16_ms"] / med["fp32_ms"], "samples": out}
 
 
-def time_eval(model, ids: torch.Tensor, windows: int, reps: int) -> dict:
+def time_eval(model, ids: torch.Tensor, windows: int, reps: int, seq_len: int = 2048) -> dict:
     from bench.perplexity import perplexity
-    ids = ids[: windows * 2048]
+    ids = ids[: windows * seq_len]
     tokens = {}
     secs = {"fp32": [], "bf16": []}
     with torch.no_grad():
-        perplexity(model, ids[:2048], 2048, autocast=False, desc="warm-up")
-        perplexity(model, ids[:2048], 2048, autocast=True, desc="warm-up")
+        perplexity(model, ids[:seq_len], seq_len, autocast=False, desc="warm-up")
+        perplexity(model, ids[:seq_len], seq_len, autocast=True, desc="warm-up")
         for _ in range(reps):
             for prec in ("fp32", "bf16"):
                 t = time.perf_counter()
-                res = perplexity(model, ids, 2048, autocast=prec == "bf16", desc=prec)
+                res = perplexity(model, ids, seq_len, autocast=prec == "bf16", desc=prec)
                 secs[prec].append(time.perf_counter() - t)
                 tokens[prec] = res["tokens"]
     out = {}
@@ -82,7 +82,7 @@ def time_eval(model, ids: torch.Tensor, windows: int, reps: int) -> dict:
     return out
 
 
-def measure(windows: int, reps: int, threads: int, data_dir: str | None) -> dict:
+def measure(windows: int, reps: int, threads: int, data_dir: str | None, seq_len: int = 2048) -> dict:
     from bench import data as D
     from bench.models import load_model
     from bench.provenance import git_revision, hardware, versions
@@ -92,13 +92,13 @@ def measure(windows: int, reps: int, threads: int, data_dir: str | None) -> dict
     text = D.eval_text("wikitext2", D.resolve_data_dir(data_dir))
     ids = D.tokenize(loaded.tokenizer, text.text)
     mm = time_matmul()
-    ev = time_eval(loaded.model, ids, windows, reps)
+    ev = time_eval(loaded.model, ids, windows, reps, seq_len)
     auto = P.resolve("auto")
     fastest = min(("fp32", "bf16"), key=lambda p: ev[p]["seconds"])
     ratio = ev[auto]["seconds"] / ev[fastest]["seconds"]
     return {"cpu_bf16": P.cpu_bf16(), "auto": auto, "auto_why": P.describe("auto")["why"], "fastest": fastest,
             "auto_over_fastest": ratio, "within_target": ratio <= TARGET, "target": TARGET, "matmul": mm,
-            "eval": ev, "windows": windows, "reps": reps, "threads": threads,
+            "eval": ev, "windows": windows, "seq_len": seq_len, "reps": reps, "threads": threads,
             "emulation": {k: os.environ.get(k) for k in EMULATION if os.environ.get(k)},
             "hardware": hardware(), "versions": versions(), "git": git_revision(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -118,7 +118,7 @@ def markdown(results: list[dict]) -> str:
                      f"{ev['bf16_over_fp32_time']:.2f}x | {r['auto_over_fastest']:.2f}x "
                      f"({'within' if r['within_target'] else 'NOT within'} {r['target']}x) |")
     r0 = results[0]
-    lines += ["", f"One thread per process, {r0['windows']} WikiText-2 windows of 2048 tokens per timed evaluation, "
+    lines += ["", f"{r0['threads']} thread(s), {r0['windows']} WikiText-2 windows of {r0['seq_len']} tokens per timed evaluation, "
               f"medians of {r0['reps']} alternating repetitions (matmul: of 7); git {r0['git'][:12]}, torch "
               f"{r0['versions'].get('torch')}."]
     return "\n".join(lines) + "\n"
@@ -130,16 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048, help="evaluation window (the harness's default 2048)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--emulate-no-bf16", action="store_true", help="also measure as a CPU without native bf16")
     ap.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)   # the emulated child's mode
     args = ap.parse_args(argv)
-    common = ["--windows", str(args.windows), "--reps", str(args.reps), "--threads", str(args.threads)] + (
+    common = ["--windows", str(args.windows), "--reps", str(args.reps), "--threads", str(args.threads),
+              "--seq-len", str(args.seq_len)] + (
         ["--data-dir", args.data_dir] if args.data_dir else [])
     if args.json_only:
-        print(json.dumps(measure(args.windows, args.reps, args.threads, args.data_dir)))
+        print(json.dumps(measure(args.windows, args.reps, args.threads, args.data_dir, args.seq_len)))
         return 0
-    results = [measure(args.windows, args.reps, args.threads, args.data_dir)]
+    results = [measure(args.windows, args.reps, args.threads, args.data_dir, args.seq_len)]
     print(markdown(results), flush=True)
     if args.emulate_no_bf16:
         child = subprocess.run([sys.executable, "-m", "bench.studies.precision", "--json-only", *common],
