@@ -64,6 +64,9 @@ def hardware() -> dict[str, object]:
                              "platform": platform.platform(), "native_bf16": bf16["native"],
                              "cpu_bf16_flags": bf16["cpu_bf16_flags"],
                              "torch_cpu_capability": bf16["torch_cpu_capability"]}
+    from lrq.packed import int_mm_ok
+    # how packed w8a8 layers multiply here: torch._int_mm only where it is exact (lrq.packed)
+    hw["cpu_int8_gemm"] = "torch._int_mm" if int_mm_ok() else "dequantize (torch._int_mm missing or inexact)"
     if torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name(0)
     return hw

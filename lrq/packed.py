@@ -34,9 +34,17 @@ from lrq.schemes import Scheme
 
 
 def _int_mm_available() -> bool:
+    """Whether torch._int_mm exists here and is exact over the full int8 range. Without AVX-512 VNNI/AMX
+    (an AMD Zen 3, or any CPU at AVX2) oneDNN multiplies u8 x s8 pairs with vpmaddubsw, whose int16 sums
+    saturate: products of large activations and weights come out wrong with no error. So the probe uses
+    extreme values and a depth like a real layer's, and compares with an exact int64 product."""
     try:
-        a = torch.ones(17, 32, dtype=torch.int8)
-        return bool(torch._int_mm(a, a.t().contiguous()).eq(32).all())
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(-128, 128, (33, 576), dtype=torch.int8, generator=g)
+        b = torch.randint(-128, 128, (576, 40), dtype=torch.int8, generator=g)
+        a[:, :64], b[:64, :] = 127, 127            # the worst case on AVX2: (127 + 128) * 127 * 2 > 32767
+        a[0, 64:], b[64:, 0] = -128, -128
+        return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
     except Exception:  # noqa: BLE001 - any failure means: use the float path
         return False
 

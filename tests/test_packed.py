@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_model
 from lrq.arch import block_linears, decoder_blocks
 from lrq.errors import UserError
-from lrq.methods import Calibration, get_method
+from lrq.methods import get_method
 from lrq.packed import PackedLinear, int_mm_ok, pack_model
 from lrq.packing import pack_bits, packed_words, unpack_bits
 from lrq.qlinear import QuantLinear
@@ -67,17 +67,44 @@ def test_packed_linear_matches_fake_quant(scheme_name):
 
 
 def test_w8a8_integer_path_is_exact():
-    """int8 x int8 -> int32 with the zero-point corrections equals the dequantized float product."""
-    if not int_mm_ok():
-        pytest.fail("torch._int_mm is not available on this CPU build")
-    q = _quant_linear("w8a8", cin=64, cout=40)
+    """int8 x int8 -> int32 with the zero-point corrections equals the dequantized float product, on a CPU
+    whose torch._int_mm is exact; where it is not (no VNNI: AVX2, Zen 3), the layer must not use it."""
+    q = _quant_linear("w8a8", cin=576, cout=40)
     p = PackedLinear.from_quant_linear(q)
-    x = torch.randn(33, 64) * 0.5
-    p.use_int_mm = True
-    y_int = p(x)
+    x = torch.randn(33, 576) * 3      # large activations: the saturating case on AVX2
+    y = p(x)                          # whichever path this CPU takes
     p.use_int_mm = False
     y_ref = p(x.double()).float()
-    torch.testing.assert_close(y_int, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    if int_mm_ok():
+        p.use_int_mm = True
+        torch.testing.assert_close(p._w8a8_int(x), y_ref, rtol=1e-5, atol=1e-5)
+    else:   # the probe refused it: either no _int_mm at all, or one that is wrong on full-range int8
+        a = torch.full((17, 576), 127, dtype=torch.int8)   # AVX2: (127 + 128) * 127 * 2 > int16's 32767
+        try:
+            got = torch._int_mm(a, a.t().contiguous())
+        except Exception:  # noqa: BLE001 - not available on this build: nothing more to check
+            return
+        assert not torch.equal(got.long(), a.long() @ a.long().t()), "probe refused an exact torch._int_mm"
+
+
+def test_the_int_mm_probe_refuses_a_saturating_gemm(monkeypatch):
+    """vpmaddubsw (AVX2) adds pairs of u8 x s8 products in int16 with saturation: the probe must see it."""
+    import lrq.packed as P
+
+    def saturating(a, b):   # oneDNN's AVX2 scheme: a + 128 as u8, pairs summed in int16, then int32
+        u = (a.long() + 128)
+        prod = u.unsqueeze(2) * b.long().unsqueeze(0)                     # [M, K, N]
+        k = prod.shape[1] // 2 * 2
+        pairs = (prod[:, 0:k:2] + prod[:, 1:k:2]).clamp(-32768, 32767).sum(1)
+        comp = 128 * b.long().sum(0, keepdim=True)
+        return (pairs - comp).int()
+
+    assert P._int_mm_available() == P.int_mm_ok()
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert P._int_mm_available() is False
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: (a.long() @ b.long()).int())   # an exact one passes
+    assert P._int_mm_available() is True
 
 
 def test_pack_model_keeps_logits_and_shrinks_weights(arch):
