@@ -30,6 +30,7 @@ import torch
 import lrq
 from lrq import precision, progress
 from bench import data as D
+from bench.evals import PERPLEXITY
 from bench.measure import measure
 from bench.cache import cache_root
 from bench.models import load_model, model_fingerprint
@@ -71,7 +72,7 @@ class Request:
     model: str
     method: str
     scheme: str
-    datasets: tuple[str, ...] = D.DATASETS
+    datasets: tuple[str, ...] = tuple(PERPLEXITY)
     preset: str = "quick"
     overrides: dict[str, Any] = field(default_factory=dict)
     calib: CalibSettings | None = None
@@ -143,7 +144,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_calib(method: str, preset: str, given: dict[str, Any]) -> CalibSettings:
     """Calibration settings: what the user gave, else the method's preset defaults, else the suite's."""
-    base = {} if method == FP else dict(method_class(method).calib_defaults.get(preset, {}))
+    from lrq.methods import PRESET_CALIB
+    base = {} if method == FP else dict(method_class(method).calib_defaults.get(preset, PRESET_CALIB.get(preset, {})))
     base.update({k: v for k, v in given.items() if v is not None})
     return CalibSettings(**base)
 
@@ -164,6 +166,8 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     scheme_name = FP if is_fp else scheme.name
     probe = None if is_fp else cls()
     config = {} if is_fp else probe.config(req.preset, req.overrides)
+    if not is_fp:
+        method_name = probe.display_name(config)   # a checkpoint read as it is: named after the checkpoint
     resolved = {} if is_fp else probe.resolve(scheme, config)
     calib = req.calib or resolve_calib(method_name, req.preset, {})
     uses_calibration = not is_fp and probe.needs_calibration(scheme)
@@ -189,6 +193,11 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     keys = {"quant": unit_key(ident)}
     keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev)})
                  for ds in req.datasets})
+    if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
+        from bench.kl import APPROXIMATION, TOP_K
+        keys.update({kl_unit(ds): unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev),
+                                                     "kl": {"top_k": TOP_K, "approximation": APPROXIMATION}})
+                     for ds in req.datasets})
     if req.tasks:
         # before the precision became a choice, task accuracy ran in float32 whatever the cell's precision: the
         # protocol now names it, so those earlier results (a float32 score of a bf16 cell) are not reused
@@ -292,8 +301,9 @@ def place_model(model: torch.nn.Module, device: torch.device, headroom: float = 
     return True
 
 
-def quantize_cell(cell: Cell):
-    """Load the cell's model and quantize it with the cell's method (resumable for block-wise methods).
+def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
+    """Load the cell's model and quantize it with the cell's method (resumable for block-wise methods);
+    `before_quantize(model, tokenizer)` sees the unquantized model on its device first (the KL reference).
 
     Returns (model, tokenizer, base_config, method_stats, measurement or None for FP)."""
     seed_everything(cell.seed)
@@ -313,6 +323,8 @@ def quantize_cell(cell: Cell):
     method = cell.bound_method()
     on_device = place_model(model, device)
     base_cfg["device"] = {"compute": str(device), "whole_model_on_device": on_device}
+    if before_quantize is not None:
+        before_quantize(model, tok)
     calib = None
     if cell.uses_calibration:
         data_dir = None if cell.data_dir is None else Path(cell.data_dir)
@@ -338,43 +350,84 @@ def execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] |
         return _execute(cell, todo, emit)
 
 
+def kl_unit(dataset: str) -> str:
+    """The unit of a text's KL comparison with the FP model (its own unit: perplexities stored before it
+    existed stay valid)."""
+    return f"{dataset}:kl"
+
+
+def _eval_ids(cell: Cell, ds: str, tok, cache: dict) -> tuple[torch.Tensor, D.Text]:
+    """The token ids a cell scores on `ds` (the dataset's protocol cap and --max-eval-tokens applied)."""
+    if ds not in cache:
+        text = D.eval_text(ds, None if cell.data_dir is None else Path(cell.data_dir))
+        ids = D.tokenize(tok, text.text)
+        caps = [c for c in (D.eval_token_cap(ds), cell.eval.max_tokens) if c]
+        cache[ds] = (ids[:min(caps)] if caps else ids), text
+    return cache[ds]
+
+
+def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> dict:
+    """The FP model's top-k reference of every text in `datasets`, loaded or computed now from the
+    unquantized `model` (bench.kl)."""
+    from bench import kl
+    from bench.perplexity import windows
+    refs = {}
+    for ds in datasets:
+        ids, _ = _eval_ids(cell, ds, tok, texts)
+        key = kl.reference_key(cell.model_id, ds, cell.data[ds], asdict(cell.eval), cell.precision)
+        refs[ds] = kl.ensure_reference(model, windows(ids, cell.eval.seq_len, cell.eval.include_partial), key,
+                                       autocast=cell.eval.autocast == "bf16")
+    return refs
+
+
 def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] | None) -> dict[str, list[Row]]:
     data_dir = None if cell.data_dir is None else Path(cell.data_dir)
+    texts: dict = {}
+    refs: dict = {}
+    kl_todo = [ds for ds in cell.datasets if kl_unit(ds) in todo]
+
+    def references(model, tok):
+        refs.update(_kl_references(cell, kl_todo, model, tok, texts))
     with progress.stage("quant"):
-        model, tok, base_cfg, stats, qm = quantize_cell(cell)
+        model, tok, base_cfg, stats, qm = quantize_cell(cell, references if kl_todo else None)
     out: dict[str, list[Row]] = {}
     if "quant" in todo:
         cfg = dict(base_cfg)
-        rows = [_row(cell, "quant", "bits_per_weight", 16.0 if cell.is_fp else model_bits_per_weight(model), cfg)]
+        # bits per weight: what the stats say the method stores (a checkpoint read as it is), else the modules'
+        bpw = 16.0 if cell.is_fp else stats.get("bits_per_weight", model_bits_per_weight(model))
+        rows = [_row(cell, "quant", "bits_per_weight", bpw, cfg)]
         if qm is not None:
             rows += [_row(cell, "quant", "quant_time_s", qm.wall_s, cfg, qm.wall_s, qm.peak_rss_bytes),
                      _row(cell, "quant", "quant_peak_rss_bytes", qm.peak_rss_bytes, cfg, qm.wall_s, qm.peak_rss_bytes)]
             if qm.peak_cuda_bytes is not None:
                 rows.append(_row(cell, "quant", "quant_peak_cuda_bytes", qm.peak_cuda_bytes, cfg, qm.wall_s))
-            rows += [_row(cell, "quant", k, v, cfg) for k, v in stats.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+            rows += [_row(cell, "quant", k, v, cfg) for k, v in stats.items() if k != "bits_per_weight"
+                     and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
         out["quant"] = rows
         if emit is not None:
             emit("quant", rows)
     for ds in cell.datasets:
-        if ds not in todo:
+        if ds not in todo and kl_unit(ds) not in todo:
             continue
-        text = D.eval_text(ds, data_dir)
-        ids = D.tokenize(tok, text.text)
-        caps = [c for c in (D.eval_token_cap(ds), cell.eval.max_tokens) if c]
-        if caps:
-            ids = ids[:min(caps)]
-        with measure() as em, progress.stage(ds):
+        ids, text = _eval_ids(cell, ds, tok, texts)
+        with measure() as em, progress.stage(ds):   # one pass: perplexity, and the KL divergence from FP
             res = perplexity(model, ids, cell.eval.seq_len, cell.eval.include_partial,
-                             autocast=cell.eval.autocast == "bf16", desc=f"{cell.method_name} {cell.scheme_name} {ds}")
+                             autocast=cell.eval.autocast == "bf16", desc=f"{cell.method_name} {cell.scheme_name} {ds}",
+                             reference=refs.get(ds))
         check_finite_perplexity(model, ids, res, ds, cell.eval.seq_len, cell.eval.include_partial)
-        cfg = base_cfg | {"eval": asdict(cell.eval) | {"source": text.source, "windows": res["windows"],
-                                                       "tokens": res["tokens"], "window_nll": res["window_nll"],
-                                                       "window_tokens": res["window_tokens"]}}
-        out[ds] = [_row(cell, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
-                   _row(cell, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s, em.peak_rss_bytes)]
-        if emit is not None:
-            emit(ds, out[ds])
+        ev = asdict(cell.eval) | {"source": text.source, "windows": res["windows"], "tokens": res["tokens"],
+                                  "window_tokens": res["window_tokens"]}
+        if ds in todo:
+            cfg = base_cfg | {"eval": ev | {"window_nll": res["window_nll"]}}
+            out[ds] = [_row(cell, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
+                       _row(cell, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s,
+                            em.peak_rss_bytes)]
+            if emit is not None:
+                emit(ds, out[ds])
+        if ds in refs:
+            out[kl_unit(ds)] = _kl_rows(cell, ds, res, refs[ds], base_cfg | {"eval": ev}, em)
+            if emit is not None:
+                emit(kl_unit(ds), out[kl_unit(ds)])
     if "tasks" in todo and cell.tasks:
         from bench import tasks as T
         if data_dir is None:
@@ -402,6 +455,21 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
         if emit is not None:
             emit("tasks", rows)
     return out
+
+
+def _kl_rows(cell: Cell, ds: str, res: dict, ref, cfg: dict, em) -> list[Row]:
+    """The KL unit of a text: mean, median and 99th-percentile KL and top-1 agreement, each window's mean
+    KL and agreement kept for intervals and paired comparisons."""
+    from bench import kl
+    values = kl.summary(res["token_kl"], res["token_top1"])
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if bad:
+        raise NonFiniteResult(f"{ds} KL divergence from the FP model is not finite ({', '.join(bad)}). Nothing was "
+                              f"stored for this unit; a rerun recomputes it.")
+    cfg = cfg | {"kl": {"top_k": kl.TOP_K, "approximation": kl.APPROXIMATION, "reference": ref.key[:16],
+                        "window_kld": res["window_kld"], "window_top1": res["window_top1"],
+                        "positions": int(res["token_kl"].numel())}}
+    return [_row(cell, ds, k, v, cfg, em.wall_s, em.peak_rss_bytes) for k, v in values.items()]
 
 
 @torch.no_grad()

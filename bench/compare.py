@@ -5,9 +5,12 @@ reference files under reports/reference/). Rows are matched on (model, method, s
 metric, seed), newest row per key. Tolerances come from a TOML file (reports/tolerances.toml by default):
 
     [metrics.ppl]
-    direction = "lower"     # lower is better; "higher" for accuracy; "both" for values that must not move
     rel = 0.01              # allowed worsening, relative to the baseline value ...
     abs = 0.0               # ... or absolute, whichever is larger
+
+Which way is worse comes from the catalogue (bench.evals: lower for perplexity and KLD, higher for accuracy
+and top-1 agreement, "both" for what must not move, such as bits per weight); a `direction` key is needed only
+for a metric the catalogue does not know (a method's own statistic), and must agree with it otherwise.
 
 A metric missing from the tolerances is reported but never fails the gate (timings, throughput).
 A key present in the baseline but absent now is a regression (a cell silently disappeared), unless
@@ -39,13 +42,12 @@ def _default_tolerances() -> Path:
 
 
 DEFAULT_TOLERANCES = _default_tolerances()
-# Metrics the suite stores (bench/cell.py, the methods' statistics, lm-eval's task metrics, the speed studies):
-# a tolerance may name one of these or any metric present in the compared results; anything else is a typo.
-KNOWN_METRICS = ("ppl", "eval_tokens_per_s", "bits_per_weight", "quant_time_s", "quant_peak_rss_bytes",
-                 "quant_peak_cuda_bytes", "n_learnable", "blocks_time_s", "resumed_blocks", "compiled_blocks",
-                 "mean_block_calib_before", "mean_block_calib_after", "mean_block_heldout_before",
-                 "mean_block_heldout_after", "acc", "acc_norm", "perplexity", "prefill_tok_s", "decode_tok_s",
-                 "model_bytes", "peak_rss_bytes")
+
+def known_metrics() -> set[str]:
+    """Metrics the suite stores (bench.evals): a tolerance may name one of these or any metric present in the
+    compared results (a method's own statistics); anything else is a typo."""
+    from bench.evals import METRICS
+    return set(METRICS)
 Key = tuple[str, str, str, str, str, str, int]   # model, method, scheme, precision, dataset, metric, seed
 
 
@@ -116,6 +118,8 @@ def latest_rows(rows: list[Row]) -> dict[Key, Row]:
 
 def _samples(r: Row):
     c = r.config or {}
+    if r.metric in ("kld", "top1_agree"):
+        return (c.get("kl") or {}).get("window_kld" if r.metric == "kld" else "window_top1")
     return (c.get("eval") or {}).get("window_nll") if r.metric == "ppl" else c.get("per_example")
 
 
@@ -128,6 +132,8 @@ def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> No
             est, cmp, pct = S.ppl_estimate, S.paired_ppl, False
         elif d.key[5] in ("acc", "acc_norm"):
             est, cmp, pct = S.acc_estimate, S.paired_acc, True
+        elif d.key[5] in ("kld", "top1_agree"):
+            est, cmp, pct = S.mean_estimate, S.paired_mean, d.key[5] == "top1_agree"
         else:
             continue
         f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.4g}")
@@ -138,8 +144,9 @@ def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> No
         if b is not None and c is not None:
             p = cmp(_samples(c), _samples(b))
             if p is not None and p.lo is not None:
-                d.paired = (f"{p.effect:.4f}x [{p.lo:.4f}, {p.hi:.4f}]" if not pct else
-                            f"{100 * p.effect:+.1f} pt [{100 * p.lo:+.1f}, {100 * p.hi:+.1f}]")
+                d.paired = (f"{100 * p.effect:+.1f} pt [{100 * p.lo:+.1f}, {100 * p.hi:+.1f}]" if pct else
+                            f"{p.effect:.4f}x [{p.lo:.4f}, {p.hi:.4f}]" if d.key[5] == "ppl" else
+                            f"{p.effect:+.5f} [{p.lo:+.5f}, {p.hi:+.5f}]")
                 d.outside = p.separated
 
 
@@ -173,8 +180,16 @@ def load_tolerances(path: str | Path | None) -> dict[str, dict]:
                             f"[metrics.{name}] then direction = \"lower\" and rel = ... on their own lines.")
         unknown = set(t) - _TOL_KEYS
         if unknown:
-            raise UserError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}: use direction, rel and abs.")
-        if t.get("direction", "lower") not in ("lower", "higher", "both"):
+            raise UserError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}: use rel and abs (and direction "
+                            f"for a metric the catalogue does not know).")
+        from bench.evals import METRICS
+        if name in METRICS:
+            catalogue = METRICS[name].gate_direction
+            if t.get("direction", catalogue) != catalogue:
+                raise UserError(f"{where}.direction = {t.get('direction')!r}, but {name} is {catalogue} is better "
+                                f"(bench.evals): leave direction out.")
+            t = tol[name] = dict(t, direction=catalogue)
+        elif t.get("direction", "lower") not in ("lower", "higher", "both"):
             raise UserError(f"{where}.direction = {t.get('direction')!r}: use lower, higher or both.")
         for key in ("rel", "abs"):
             v = t.get(key, 0.0)
@@ -187,7 +202,7 @@ def check_tolerance_names(tol: dict[str, dict], rows_metrics: set[str], source: 
     """A tolerance for a metric nobody stores is a typo that would switch the gate off for the metric meant;
     tolerances that cover none of the compared metrics leave the gate checking nothing: both exit 2."""
     import difflib
-    known = set(KNOWN_METRICS) | rows_metrics
+    known = known_metrics() | rows_metrics
     for name in tol:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)

@@ -25,14 +25,72 @@ from lrq.errors import UserError
 from lrq.methods import Calibration
 
 DATA_ENV = "LRQ_BENCH_DATA"
-DATASETS = ("wikitext2", "c4")
 C4_EVAL_DOCS = 1100
-C4_EVAL_TOKENS = 256 * 2048
 
-_FILES = {
-    "wikitext2": "wikitext2/wiki.test.raw",
-    "c4": "c4/c4_en_validation_sample2000.jsonl.gz",
-}
+
+class TextReader:
+    """How one text is read: rows from its file in the data folder (`local`) or from the hub (`hub`), the
+    evaluation text made of them (`eval_text`), and the calibration pool (`calibration`)."""
+    fmt = "UTF-8 text"
+
+    def local(self, path: Path) -> list[str]:
+        raise NotImplementedError
+
+    def hub(self, part: str) -> list[str]:
+        raise NotImplementedError
+
+    def eval_text(self, name: str, rows: list[str], src: str) -> Text:
+        raise NotImplementedError
+
+    def calibration(self, rows: list[str], src: str, offline: bool) -> tuple[list[str], str]:
+        return rows, src + " (WARNING: the evaluation text itself)"
+
+
+class WikiText2Reader(TextReader):
+    def local(self, path: Path) -> list[str]:
+        # Rows as the hub's wikitext-2-raw-v1 test split has them: one per line with its newline kept,
+        # blank lines (" \n" in the raw file) as empty rows.
+        lines = path.read_text(encoding="utf-8").split("\n")[:-1]
+        return ["" if line.strip() == "" else line + "\n" for line in lines]
+
+    def hub(self, part: str) -> list[str]:
+        from datasets import load_dataset
+        return load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+
+    def eval_text(self, name: str, rows: list[str], src: str) -> Text:
+        return Text(name, "\n\n".join(rows), src)
+
+
+class C4Reader(TextReader):
+    """Offline the data folder's 2000-document validation sample: the first 1100 documents are the perplexity
+    text (GPTQ's), the rest the calibration pool; online the validation and train shards 0."""
+    fmt = "gzip of JSON lines with a text field"
+
+    def local(self, path: Path) -> list[str]:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f]
+
+    def hub(self, part: str) -> list[str]:
+        from datasets import load_dataset
+        shard = {"validation": "en/c4-validation.00000-of-00008.json.gz",
+                 "train": "en/c4-train.00000-of-01024.json.gz"}[part]
+        return load_dataset("allenai/c4", data_files={part: shard}, split=part)["text"]
+
+    def eval_text(self, name: str, rows: list[str], src: str) -> Text:
+        return Text(name, " ".join(rows[:C4_EVAL_DOCS]), f"{src}[:{C4_EVAL_DOCS}]")
+
+    def calibration(self, rows: list[str], src: str, offline: bool) -> tuple[list[str], str]:
+        return (rows[C4_EVAL_DOCS:], f"{src}[{C4_EVAL_DOCS}:]") if offline else (rows, src)
+
+
+READERS: dict[str, TextReader] = {"wikitext2": WikiText2Reader(), "c4": C4Reader()}
+
+
+def _entry(dataset: str):
+    from bench.evals import PERPLEXITY
+    if dataset not in PERPLEXITY:
+        raise UserError(f"unknown dataset {dataset!r}: choose from {', '.join(PERPLEXITY)}.")
+    return PERPLEXITY[dataset]
 
 
 @dataclass
@@ -57,37 +115,28 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
 
 def _hub(dataset: str, part: str):
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    from datasets import load_dataset
-    if dataset == "wikitext2":
-        return load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
-    shard = {"validation": "en/c4-validation.00000-of-00008.json.gz", "train": "en/c4-train.00000-of-01024.json.gz"}[part]
-    return load_dataset("allenai/c4", data_files={part: shard}, split=part)["text"]
+    return READERS[_entry(dataset).reader].hub(part)
 
 
 _ROWS: dict[tuple[str, str], list[str]] = {}
 
 
 def _read_local(dataset: str, data_dir: Path) -> list[str]:
-    path = data_dir / _FILES[dataset]
+    entry = _entry(dataset)
+    reader = READERS[entry.reader]
+    path = data_dir / entry.file
     if not path.is_file():
         raise FileNotFoundError(path)
-    verify_file(data_dir, _FILES[dataset])
+    verify_file(data_dir, entry.file)
     key = (str(path), file_sha256(path))
     if key in _ROWS:
         return list(_ROWS[key])
     try:
-        if dataset == "wikitext2":
-            # Rows as the hub's wikitext-2-raw-v1 test split has them: one per line with its newline kept,
-            # blank lines (" \n" in the raw file) as empty rows.
-            lines = path.read_text(encoding="utf-8").split("\n")[:-1]
-            rows = ["" if line.strip() == "" else line + "\n" for line in lines]
-        else:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                rows = [json.loads(line)["text"] for line in f]
+        rows = reader.local(path)
     except (OSError, EOFError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise UserError(
             f"cannot read data file {path}: {type(e).__name__}: {str(e)[:200] or 'no detail'}. The file is "
-            f"damaged or not in the expected format ({'UTF-8 text' if dataset == 'wikitext2' else 'gzip of JSON lines with a text field'}); "
+            f"damaged or not in the expected format ({reader.fmt}); "
             f"restore it from its source (see {data_dir / 'SOURCES.md'}) or copy the data folder again.") from None
     if not any(r.strip() for r in rows):   # empty, or only blank lines
         raise UserError(f"data file {path} holds no text: restore it from its source (see {data_dir / 'SOURCES.md'}). "
@@ -98,12 +147,11 @@ def _read_local(dataset: str, data_dir: Path) -> list[str]:
 
 def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> tuple[list[str], str]:
     """Rows of `dataset` and a description of where they came from."""
-    if dataset not in DATASETS:
-        raise UserError(f"unknown dataset {dataset!r}: choose from {', '.join(DATASETS)}.")
+    entry = _entry(dataset)
     errors = []
     if data_dir is not None:
         try:
-            return _read_local(dataset, data_dir), f"{data_dir / _FILES[dataset]}"
+            return _read_local(dataset, data_dir), f"{data_dir / entry.file}"
         except FileNotFoundError as e:
             errors.append(f"file {e.args[0]} not found")
     else:
@@ -113,7 +161,7 @@ def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> 
     except Exception as e:
         errors.append(f"datasets.load_dataset failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
     raise UserError(f"{dataset} data is not available: {'; '.join(errors)}. Either pass --data-dir (or set "
-                    f"${DATA_ENV}) to a folder holding {_FILES[dataset]}, or connect to the Hugging Face hub "
+                    f"${DATA_ENV}) to a folder holding {entry.file}, or connect to the Hugging Face hub "
                     f"so datasets.load_dataset can fetch it.")
 
 
@@ -127,14 +175,12 @@ def check_available(datasets: list[str], data_dir: Path | None) -> None:
 def eval_text(dataset: str, data_dir: Path | None) -> Text:
     """The text perplexity is measured on, joined as GPTQ does."""
     rows, src = load_rows(dataset, data_dir, "validation")
-    if dataset == "wikitext2":
-        return Text(dataset, "\n\n".join(rows), src)
-    return Text(dataset, " ".join(rows[:C4_EVAL_DOCS]), f"{src}[:{C4_EVAL_DOCS}]")
+    return READERS[_entry(dataset).reader].eval_text(dataset, rows, src)
 
 
 def eval_token_cap(dataset: str) -> int | None:
-    """GPTQ's C4 protocol keeps 256 x 2048 tokens; WikiText-2 uses the whole test set."""
-    return C4_EVAL_TOKENS if dataset == "c4" else None
+    """The tokens the dataset's protocol keeps (GPTQ's C4: 256 x 2048); None: the whole text."""
+    return _entry(dataset).token_cap
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
@@ -145,15 +191,11 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 def calibration_pool(dataset: str, data_dir: Path | None) -> Text:
     """The text calibration windows are cut from: C4 documents held apart from the evaluation slice (or, when
     asked, WikiText-2 itself), joined with blank lines."""
-    if dataset == "c4":
-        rows, src = load_rows("c4", data_dir, "validation" if data_dir is not None else "train")
-        if data_dir is not None:
-            rows, src = rows[C4_EVAL_DOCS:], f"{src}[{C4_EVAL_DOCS}:]"
-    elif dataset == "wikitext2":
-        rows, src = load_rows("wikitext2", data_dir)
-        src += " (WARNING: the evaluation text itself)"
-    else:
-        raise UserError(f"unknown calibration dataset {dataset!r}: choose c4 or wikitext2.")
+    from bench.evals import PERPLEXITY
+    if dataset not in PERPLEXITY:
+        raise UserError(f"unknown calibration dataset {dataset!r}: choose from {', '.join(PERPLEXITY)}.")
+    rows, src = load_rows(dataset, data_dir, "validation" if data_dir is not None else "train")
+    rows, src = READERS[PERPLEXITY[dataset].reader].calibration(rows, src, data_dir is not None)
     return Text(dataset, "\n\n".join(rows), src)
 
 
@@ -188,8 +230,8 @@ def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_sam
 
 def data_fingerprint(dataset: str, data_dir: Path | None) -> str:
     """Identifies the text a number was computed on (sha256 of the local file, or the hub route)."""
-    if data_dir is not None and (data_dir / _FILES[dataset]).is_file():
-        return "sha256:" + file_sha256(data_dir / _FILES[dataset])
+    if data_dir is not None and (data_dir / _entry(dataset).file).is_file():
+        return "sha256:" + file_sha256(data_dir / _entry(dataset).file)
     return f"hub:{dataset}"
 
 

@@ -69,7 +69,7 @@ class ProgressBoard:
         for j in jobs:
             w = {k: v for k, v in (weights.get(j.index) or {}).items() if v > 0}
             if not w:   # no estimate (an unpriced method): the mean cell's, split evenly over its units
-                units = ["quant"] + sorted(u for u in j.todo if u != "quant")
+                units = ["quant"] + sorted({u.split(":")[0] for u in j.todo} - {"quant"})   # ppl + KL: one stage
                 w = {u: fallback / len(units) for u in units}
             self.weights[j.index] = w
         self.labels = {j.index: f"{j.cell.method_name} {j.cell.scheme_name}" for j in jobs}

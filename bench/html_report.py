@@ -11,7 +11,6 @@ A history table shows every stored value of each perplexity across git revisions
 from __future__ import annotations
 
 import html
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -48,57 +47,95 @@ def _fmt(metric: str, v) -> str:
 
 
 def scatter_svg(points: list[tuple], xlabel: str, ylabel: str, logy: bool = True,
-                width: int = 560, height: int = 320) -> str:
+                width: int = 600, height: int = 340, zero_line: str | None = None) -> str:
     """points: (series, x, y) or (series, x, y, lo, hi) with a 95 % interval drawn as an error bar. A small
-    inline SVG scatter with axes, ticks (x labels that would overlap are left out) and a legend."""
+    inline SVG scatter with axes, ticks and a legend. Points of different series at the same x are dodged
+    sideways so that none hides another; x labels that would overprint their neighbour go on a second row
+    (3.028 beside 3.161), and the axis title sits below both rows. `zero_line` (linear y only): a dashed
+    reference line at y = 0 with that label (the FP model for a divergence from it)."""
     pts = [(p[0], p[1], p[2], *(p[3:5] if len(p) >= 5 else (None, None))) for p in points]
-    pts = [p for p in pts if p[1] is not None and p[2] is not None and p[2] > 0]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None and (p[2] > 0 or not logy)]
     if not pts:
         return ""
     series = sorted({p[0] for p in pts})
     color = {s: PALETTE[i % len(PALETTE)] for i, s in enumerate(series)}
     tx = lambda v: math.log10(v) if logy else v  # noqa: E731
     xs = [p[1] for p in pts]
-    ys = [tx(v) for p in pts for v in (p[2], p[3], p[4]) if v is not None and v > 0]
+    ys = [tx(v) for p in pts for v in (p[2], p[3], p[4]) if v is not None and (v > 0 or not logy)]
+    if zero_line is not None and not logy:
+        ys.append(0.0)
     x0, x1 = min(xs) - 0.5, max(xs) + 0.5
     y0, y1 = min(ys), max(ys)
     if y1 - y0 < 1e-9:
         y0, y1 = y0 - 0.5, y1 + 0.5
     pad = (y1 - y0) * 0.08
     y0, y1 = y0 - pad, y1 + pad
-    L, R, T, B = 60, 150, 15, 45
+    L, R, T, B = 64, 150, 15, 58
     sx = lambda v: L + (v - x0) / (x1 - x0) * (width - L - R)  # noqa: E731
     sy = lambda v: height - B - (v - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
            f'aria-label="{html.escape(ylabel)} vs {html.escape(xlabel)}">',
            f'<rect x="{L}" y="{T}" width="{width - L - R}" height="{height - T - B}" fill="none" stroke="#999"/>']
-    for i in range(5):
-        v = y0 + (y1 - y0) * i / 4
-        lab = f"{10 ** v:.3g}" if logy else f"{v:.3g}"
-        out.append(f'<text x="{L - 5}" y="{sy(v) + 4:.1f}" font-size="10" text-anchor="end">{lab}</text>')
-    last = -1e9
-    for v in sorted({round(x, 3) for x in xs}):   # a label only where it does not run into the previous one
-        if sx(v) - last >= 34:
-            out.append(f'<text x="{sx(v):.1f}" y="{height - B + 14}" font-size="10" text-anchor="middle">{v:g}</text>')
-            last = sx(v)
+    ticks = [y0 + (y1 - y0) * i / 4 for i in range(5)] if logy else nice_ticks(y0, y1)
+    for v in ticks:
+        lab = f"{10 ** v:.3g}" if logy else f"{v:g}"
+        out.append(f'<text x="{L - 6}" y="{sy(v) + 4:.1f}" font-size="10" text-anchor="end">{lab}</text>')
+        out.append(f'<line x1="{L - 3}" x2="{L}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" stroke="#999"/>')
+    last = [-1e9, -1e9]             # the right end of the last label on each of two rows
+    for v in sorted({round(x, 3) for x in xs}):
         out.append(f'<line x1="{sx(v):.1f}" x2="{sx(v):.1f}" y1="{height - B}" y2="{height - B + 4}" stroke="#999"/>')
+        w = 6.2 * len(f"{v:g}")
+        row = next((r for r in (0, 1) if sx(v) - w / 2 >= last[r] + 4), None)
+        if row is None:            # both rows taken here: the tooltip of each point still says its x
+            continue
+        out.append(f'<text class="xtick" x="{sx(v):.1f}" y="{height - B + 15 + 12 * row}" font-size="10" '
+                   f'text-anchor="middle">{v:g}</text>')
+        last[row] = sx(v) + w / 2
     out.append(f'<text x="{(L + width - R) / 2}" y="{height - 8}" font-size="11" text-anchor="middle">'
                f'{html.escape(xlabel)}</text>')
-    out.append(f'<text x="12" y="{(T + height - B) / 2}" font-size="11" text-anchor="middle" '
-               f'transform="rotate(-90 12 {(T + height - B) / 2})">{html.escape(ylabel)}{" (log)" if logy else ""}'
+    out.append(f'<text x="13" y="{(T + height - B) / 2}" font-size="11" text-anchor="middle" '
+               f'transform="rotate(-90 13 {(T + height - B) / 2})">{html.escape(ylabel)}{" (log)" if logy else ""}'
                f'</text>')
+    if zero_line is not None and not logy:
+        out.append(f'<line class="zero" x1="{L}" x2="{width - R}" y1="{sy(0):.1f}" y2="{sy(0):.1f}" stroke="#555" '
+                   f'stroke-dasharray="5 4"/><text x="{width - R - 4}" y="{sy(0) - 4:.1f}" font-size="10" '
+                   f'text-anchor="end">{html.escape(zero_line)}</text>')
     for s, x, y, lo, hi in pts:
-        if lo is not None and hi is not None and lo > 0:
-            out.append(f'<line class="errorbar" x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{sy(tx(lo)):.1f}" '
+        dx = (series.index(s) - (len(series) - 1) / 2) * 7     # dodge: each series its own lane around x
+        cx = sx(x) + dx
+        if lo is not None and hi is not None and (lo > 0 or not logy):
+            out.append(f'<line class="errorbar" x1="{cx:.1f}" x2="{cx:.1f}" y1="{sy(tx(lo)):.1f}" '
                        f'y2="{sy(tx(hi)):.1f}" stroke="{color[s]}" stroke-width="1.2"/>')
         ci = f" (95 %: {lo:.4g}-{hi:.4g})" if lo is not None and hi is not None else ""
-        out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(tx(y)):.1f}" r="4" fill="{color[s]}">'
+        out.append(f'<circle cx="{cx:.1f}" cy="{sy(tx(y)):.1f}" r="4" fill="{color[s]}">'
                    f'<title>{html.escape(s)}: {y:.4g}{ci} at {x:g}</title></circle>')
     for i, s in enumerate(series):
         out.append(f'<circle cx="{width - R + 12}" cy="{T + 10 + 16 * i}" r="4" fill="{color[s]}"/>'
                    f'<text x="{width - R + 20}" y="{T + 14 + 16 * i}" font-size="11">{html.escape(s)}</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values (steps of 1, 2 or 5 x 10^k) inside [lo, hi], about n of them."""
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / max(n - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [round(first + i * step, 12) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def scheme_order(names) -> list[str]:
+    """Schemes by weight bits, then group size (per channel first), then activation bits (not alphabetically)."""
+    from lrq.schemes import SCHEMES
+
+    def key(name):
+        sc = SCHEMES.get(name)
+        return (sc.w_bits, sc.group_size or 0, sc.a_bits or 16, name) if sc else (99, 0, 99, name)
+    return sorted(names, key=key)
 
 
 def lines_svg(series: dict[str, list[float]], xlabel: str, ylabel: str, width: int = 560, height: int = 300) -> str:
@@ -153,6 +190,12 @@ click a column header to sort. Lower perplexity is better. {{ method_text }}</p>
 <h2>{{ m.title }}</h2>
 <p class="note">{{ m.precision_note }}</p>
 {% for note in m.notes %}<p class="note">{{ note }}</p>{% endfor %}
+{% for k in m.kl_charts %}
+<h3>{{ k.dataset }}: KL divergence from the FP model</h3>
+<p class="note">Mean KL(P_FP || P_quantized) per predicted position on the perplexity windows, with its 95 % interval over
+windows, against bits per weight; the FP model is the dashed line at 0. Points of one bit width are set side by side.</p>
+<div>{{ k.chart|safe }}</div>
+{% endfor %}
 {% for t in m.ppl_tables %}
 <h3>{{ t.dataset }} perplexity</h3>
 <p class="note">{{ t.protocol }}</p>
@@ -237,7 +280,7 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
             if b is not None and method != "fp":
                 pts.append((method, b.value, cs.value, e.lo if e and len(cs.seeds) == 1 else None,
                             e.hi if e and len(cs.seeds) == 1 else None))
-        schemes = sorted({k[1] for k, _, _ in entries if k[0] != "fp"})
+        schemes = scheme_order({k[1] for k, _, _ in entries if k[0] != "fp"})
         methods = sorted({k[0] for k, _, _ in entries})
         grid, verdicts = [], [v for v in [_verdict("all schemes", overall, False)] if v]
         per_scheme = {}
@@ -258,7 +301,8 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
                 cells += [{"text": "", "title": "", "mark": ""}] * (len(schemes) - 1)
             grid.append({"method": m, "cells": cells})
         ev = entries[-1][1].config.get("eval", {}) if entries else {}
-        protocol = (f"{ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens ({ev.get('tokens', '?')} "
+        n = ev.get('windows', '?')
+        protocol = (f"{n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens ({ev.get('tokens', '?')} "
                     f"tokens), exp(mean window NLL); FP = {_fmt('ppl', fp)}.")
         tables.append({"dataset": ds, "rows": trs, "protocol": protocol, "schemes": schemes, "grid": grid,
                        "verdicts": verdicts,
@@ -276,6 +320,21 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
                      "time": _fmt_seeds("quant_time_s", times),
                      "mem": _fmt_seeds("quant_peak_rss_bytes", per_seed.get((method, scheme, "quant", "quant_peak_rss_bytes"))),
                      "nl": f"{nl.value:,.0f}" if nl else "-"})
+    kl_charts = []
+    for ds in datasets:
+        pts = []
+        for (method, scheme), v in by.items():
+            cs = stats.get((method, scheme), {}).get((ds, "kld"))
+            b = v.get(("quant", "bits_per_weight"))
+            if cs is None or b is None or method == "fp":
+                continue
+            e = cs.first()
+            one = len(cs.seeds) == 1 and e.known
+            pts.append((method, b.value, cs.value, e.lo if one else None, e.hi if one else None))
+        if pts:
+            kl_charts.append({"dataset": ds, "chart": scatter_svg(pts, "bits per weight (with scales and zero points)",
+                                                                   f"{ds} KL divergence from FP (nats/token)",
+                                                                   logy=False, zero_line="FP (KLD = 0)")})
     fig2 = []
     for scheme in sorted({k[1] for k in by}):
         series = {}
@@ -301,7 +360,7 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
         if r.model == name and r.precision == precision and r.metric == "ppl":
             history.append({"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": r.git_rev[:12],
                             "when": r.created_at, "ppl": _fmt("ppl", r.value)})
-    return {"name": name, "title": section_title(name, precision),
+    return {"name": name, "title": section_title(name, precision), "kl_charts": kl_charts,
             "precision_note": f"Precision of every number in this section: {PRECISION_TEXT.get(precision, precision)}.",
             "notes": notes, "ppl_tables": tables, "cost": cost, "fig2": fig2, "speed": speed,
             "history": history}

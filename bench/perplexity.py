@@ -25,49 +25,86 @@ def windows(ids: torch.Tensor, seq_len: int, include_partial: bool = False) -> l
     return out
 
 
-@torch.no_grad()
-def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 128) -> float:
-    """Mean negative log-likelihood of tokens 2..L of a window given their prefixes.
+def _logit_chunks(model: nn.Module, window: torch.Tensor, chunk: int = 128):
+    """(float32 logits [c, vocab], targets [c]) of a window's positions 1..L-1, `chunk` positions at a time.
 
-    The hidden states come from one forward pass; the vocabulary projection and log-softmax run in
-    chunks of positions, in float32, so a 2048 x 49152 logit matrix is never held at once.
-    128 positions (25 MB of float32 logits at a 49k vocabulary) keep the logits in the CPU's L3 cache
-    across the cast and the log-softmax: 0.5 s per 2048-token window instead of 0.75-0.9 s at 512 on
-    the 2-core test machine (bench/studies/eval_speed.py); the sums differ by < 1e-7 relative.
-    """
+    The hidden states come from one forward pass; the vocabulary projection runs in chunks of positions,
+    in float32, so a 2048 x 49152 logit matrix is never held at once. 128 positions (25 MB of float32
+    logits at a 49k vocabulary) keep the logits in the CPU's L3 cache across the cast and the log-softmax:
+    0.5 s per 2048-token window instead of 0.75-0.9 s at 512 on the 2-core test machine
+    (bench/studies/eval_speed.py); the sums differ by < 1e-7 relative."""
     device = next(model.parameters()).device
     x = window.to(device).unsqueeze(0)
     hidden = model.model(input_ids=x, use_cache=False).last_hidden_state[0, :-1]
     head = model.get_output_embeddings()
     targets = x[0, 1:]
-    total = 0.0
     for i in range(0, hidden.shape[0], chunk):
-        logits = head(hidden[i:i + chunk]).float()
-        total += F.cross_entropy(logits, targets[i:i + chunk], reduction="sum").item()
-    return total / targets.numel()
+        yield head(hidden[i:i + chunk]).float(), targets[i:i + chunk]
+
+
+@torch.no_grad()
+def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 128) -> float:
+    """Mean negative log-likelihood of tokens 2..L of a window given their prefixes."""
+    total, n = 0.0, 0
+    for logits, targets in _logit_chunks(model, window, chunk):
+        total += F.cross_entropy(logits, targets, reduction="sum").item()
+        n += targets.numel()
+    return total / n
+
+
+@torch.no_grad()
+def window_scores(model: nn.Module, window: torch.Tensor, score, chunk: int = 128
+                  ) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The window's mean NLL and, from `score(lq, start)` (bench.kl.Reference.scorer: the KL(P_fp || P_q) and
+    top-1 agreement of the positions start.. given the quantized model's log-probabilities `lq` [c, vocab]),
+    every position's KL and whether the top-1 tokens agree: one pass, one log-softmax per chunk."""
+    total, n, kls, top1 = 0.0, 0, [], []
+    for logits, targets in _logit_chunks(model, window, chunk):
+        lq = torch.log_softmax(logits, dim=-1)
+        total -= lq.gather(1, targets.unsqueeze(1)).sum().item()
+        kl, agree = score(lq, n)
+        kls.append(kl.cpu())
+        top1.append(agree.cpu())
+        n += targets.numel()
+    return total / n, torch.cat(kls), torch.cat(top1)
 
 
 def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include_partial: bool = False,
-               autocast: bool = True, desc: str = "perplexity") -> dict:
+               autocast: bool = True, desc: str = "perplexity", reference=None) -> dict:
     """exp(mean over windows of each window's mean NLL); under bf16 autocast when `autocast` (the harness
     passes the cell's precision, lrq.precision), else float32.
 
     `window_nll` holds every window's mean NLL (over `window_tokens` predicted tokens each), for paired
-    comparisons of two models on the same windows; the results store keeps both with every perplexity."""
+    comparisons of two models on the same windows; the results store keeps both with every perplexity.
+    With `reference` (bench.kl.Reference: the FP model's top-k log-probabilities on these windows) the same
+    pass also measures the KL divergence from the FP model: `token_kl` and `token_top1` for every position,
+    `window_kld` and `window_top1` per window."""
     wins = windows(ids, seq_len, include_partial)
     if not wins:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one {seq_len}-token window")
+    if reference is not None and reference.n_windows != len(wins):
+        raise ValueError(f"the KL reference holds {reference.n_windows} windows, the text {len(wins)}")
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    nlls = []
+    nlls, kls, top1 = [], [], []
     with ctx:
         for k, w in enumerate(tqdm(wins, desc=desc, leave=False, unit="win")):
             progress.update(f"window {k + 1}/{len(wins)}", k / len(wins))
-            nlls.append(window_nll(model, w))
+            if reference is None:
+                nlls.append(window_nll(model, w))
+                continue
+            nll, kl, agree = window_scores(model, w, reference.scorer(k))
+            nlls.append(nll)
+            kls.append(kl)
+            top1.append(agree)
     mean = sum(nlls) / len(nlls)
-    return {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),
-            "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls,
-            "window_tokens": [len(w) - 1 for w in wins]}   # the tokens each window's mean NLL is over
+    out = {"ppl": math.exp(mean), "nll": mean, "windows": len(wins),
+           "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls,
+           "window_tokens": [len(w) - 1 for w in wins]}   # the tokens each window's mean NLL is over
+    if reference is not None:
+        out |= {"token_kl": torch.cat(kls), "token_top1": torch.cat(top1),
+                "window_kld": [float(v.mean()) for v in kls], "window_top1": [float(v.float().mean()) for v in top1]}
+    return out
 
 
 class NonFiniteResult(RuntimeError):

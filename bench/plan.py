@@ -132,22 +132,10 @@ class CellPlan:
     device_bytes: int = 0
 
 
-# lm-eval requests per example and tokens per request, roughly, per task (for the task-accuracy unit)
-TASK_COST = {"piqa": (2, 60), "arc_easy": (4, 50), "arc_challenge": (4, 55), "hellaswag": (4, 120),
-             "winogrande": (2, 30), "boolq": (2, 150), "openbookqa": (4, 30), "lambada_openai": (1, 90),
-             "mmlu": (4, 700)}
-TASK_SIZE = {"piqa": 1838, "arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "winogrande": 1267,
-             "boolq": 3270, "openbookqa": 500, "lambada_openai": 5153, "mmlu": 14042}
-MMLU_SUBJECTS = 57
-
-
 def task_requests(task: str, task_limit: int | None) -> tuple[int, int]:
-    """(model forwards, tokens per forward) lm-eval runs for `task` at `task_limit` examples (MMLU: per
-    subject), roughly."""
-    per, toks = TASK_COST[task]
-    cap = None if task_limit is None else task_limit * (MMLU_SUBJECTS if task == "mmlu" else 1)
-    examples = TASK_SIZE[task] if cap is None else min(TASK_SIZE[task], cap)
-    return examples * per, toks
+    """(model forwards, tokens per forward) of a task: the catalogue's (bench.evals)."""
+    from bench.evals import task_requests as requests
+    return requests(task, task_limit)
 
 
 def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
@@ -372,24 +360,9 @@ def load_or_measure_profile(device: str, path: str | None = None, remeasure: boo
             raise UserError(f"{path} is not a machine profile (`lrq-bench plan --save-profile FILE` writes one).")
         return prof
     p = profile_path(device, precision)
-    with _measuring_lock(p):   # two runs starting together: one measures, the other reads what it cached
+    from lrq.io import file_lock
+    with file_lock(p):   # two runs starting together: one measures, the other reads what it cached
         return _load_or_measure(p, device, remeasure, precision, say)
-
-
-@contextlib.contextmanager
-def _measuring_lock(path: Path):
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _load_or_measure(p: Path, device: str, remeasure: bool, precision: str, say) -> dict:
@@ -458,12 +431,11 @@ def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profil
     return out
 
 
-FULL_EVAL_TOKENS = {"wikitext2": 300_000, "c4": 256 * 2048}   # whole texts (C4: GPTQ's 256 x 2048), for planning
-
-
 def eval_tokens_for(datasets, max_tokens: int | None) -> dict[str, int]:
-    """Tokens scored per dataset at `--max-eval-tokens` (None: the whole text)."""
-    return {d: min(max_tokens or FULL_EVAL_TOKENS.get(d, 300_000), FULL_EVAL_TOKENS.get(d, 300_000)) for d in datasets}
+    """Tokens scored per dataset at `--max-eval-tokens` (None: the whole text, as the catalogue sizes it)."""
+    from bench.evals import PERPLEXITY
+    full = {d: PERPLEXITY[d].full_tokens if d in PERPLEXITY else 300_000 for d in datasets}
+    return {d: min(max_tokens or full[d], full[d]) for d in datasets}
 
 
 @dataclass
@@ -489,8 +461,10 @@ def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[s
     """The planner's estimate of a run about to start: for each settled cell (bench.cell.Cell) the stages its
     missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
     "quant" stage always counts; a perplexity or task stage only when that unit is missing."""
+    from lrq.methods import add_work
     stages: dict[int, dict[str, float]] = {}
     unpriced = []
+    references = set()   # texts whose FP KL reference the first cell needing it computes (bench.kl)
     for i, cell in cells.items():
         units = todo.get(i) or set()
         if not units:
@@ -499,10 +473,18 @@ def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[s
         if method is not None and method.external:
             unpriced.append(i)
             continue
-        datasets = [d for d in cell.datasets if d in units]
+        datasets = [d for d in cell.datasets if d in units or f"{d}:kl" in units]   # one pass computes both
         work = stage_work(shape, method, cell.scheme, cell.config, cell.calib.n_samples, cell.calib.seq_len,
                           eval_tokens_for(datasets, cell.eval.max_tokens), cell.eval.seq_len,
                           list(cell.tasks) if "tasks" in units else [], cell.task_limit)
+        new_refs = {d for d in cell.datasets if f"{d}:kl" in units} - references
+        if new_refs:   # one FP pass over these texts, before the cell quantizes (perhaps cached already)
+            references |= new_refs
+            ref_work = stage_work(shape, None, None, {}, 1, 1, eval_tokens_for(sorted(new_refs), cell.eval.max_tokens),
+                                  cell.eval.seq_len, [], None)
+            for d in new_refs:
+                for kind, (calls, flops) in ref_work[d].items():
+                    add_work(work["quant"], kind, calls, flops)
         stages[i] = {name: seconds(w, profile) for name, w in work.items()}
     return RunEstimate(stages, unpriced, profile)
 

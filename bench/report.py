@@ -16,16 +16,13 @@ import html
 from collections import defaultdict
 from dataclasses import replace
 
+from bench import evals as E
 from bench import stats as S
 from bench.store import Row
 from lrq.schemes import SCHEMES
 
 FP = "fp"
-TASK_DATASETS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa",
-                 "lambada_openai", "mmlu", "zeroshot_avg")
-_METRIC_FMT = {"ppl": "{:.2f}", "quant_time_s": "{:.1f}", "bits_per_weight": "{:.3f}",
-               "eval_tokens_per_s": "{:.0f}", "n_learnable": "{:,.0f}",
-               "blocks_time_s": "{:.1f}", "resumed_blocks": "{:.0f}"}
+TASK_DATASETS = E.TASK_ROWS      # the task rows the store can hold (the catalogue's tasks and their average)
 
 
 def rows_frame(rows: list[Row]) -> pd.DataFrame:
@@ -69,12 +66,11 @@ def _fmt_seeds(metric: str, by_seed: dict[int, float] | None) -> str:
     vals = _known(by_seed)
     if not vals:
         return "-"
-    scale = 100 if metric in ("acc", "acc_norm") else 1
+    m_ = E.metric(metric)
     if len(set(vals)) == 1:       # one seed, or the same on every seed (bits per weight)
-        return f"{scale * vals[0]:.1f}" if scale != 1 else _fmt(metric, vals[0])
-    m, sd = S._mean_sd([scale * v for v in vals])
-    sd_txt = f"{sd / 2**20:.0f} MiB" if metric.endswith("_bytes") else _METRIC_FMT.get(metric, "{:.4g}").format(sd)
-    return f"{_fmt(metric, m) if scale == 1 else f'{m:.1f}'} +-{sd_txt} ({len(vals)} seeds)"
+        return m_.format(vals[0])
+    m, sd = S._mean_sd(vals)
+    return f"{m_.format(m)} +-{m_.format(sd)} ({len(vals)} seeds)"
 
 
 def _seed_mean(by_seed: dict[int, float] | None) -> float | None:
@@ -93,9 +89,7 @@ def _order(df: pd.DataFrame) -> pd.DataFrame:
 def _fmt(metric: str, v) -> str:
     if v is None or pd.isna(v):
         return "-"
-    if metric.endswith("_bytes"):
-        return f"{v / 2**20:.0f} MiB"
-    return _METRIC_FMT.get(metric, "{:.4g}").format(v)
+    return E.metric(metric).format(v)
 
 
 def dataset_table(df: pd.DataFrame, dataset: str, metrics: list[str] | None = None) -> str:
@@ -193,24 +187,19 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
     return parts
 
 
-# the leaderboard's columns: (dataset, metric, header, which way is better: "low", "high" or None)
-_SUMMARY_COLS = [("quant", "bits_per_weight", "bits/weight", None),
-                 ("wikitext2", "ppl", "WikiText-2 ppl", "low"), ("c4", "ppl", "C4 ppl", "low"),
-                 ("zeroshot_avg", "acc", "zero-shot avg %", "high"), ("mmlu", "acc", "MMLU %", "high"),
-                 ("lambada_openai", "acc", "LAMBADA %", "high"),
-                 ("quant", "quant_time_s", "quant time (s)", "low"), ("quant", "quant_peak_rss_bytes", "quant peak RSS", None)]
-
-
-def _leaderboard_cols(mdf: pd.DataFrame) -> list[tuple[str, str, str, str | None]]:
+def _leaderboard_cols(mdf: pd.DataFrame, stats: dict | None = None) -> list[tuple[str, str, str, str | None]]:
+    """The summary's columns (bench.evals.summary_columns) as (dataset, metric, header, "low"/"high"/None)."""
     present = set(zip(mdf["dataset"], mdf["metric"]))
-    extra_ppl = sorted(d for d, m in present if m == "ppl" and d not in ("wikitext2", "c4") and not d.startswith("speed_"))
-    cols = _SUMMARY_COLS[:3] + [(d, "ppl", f"{d} ppl", "low") for d in extra_ppl] + _SUMMARY_COLS[3:]
-    return [c for c in cols if (c[0], c[1]) in present]
+    present |= {col for cols in (stats or {}).values() for col in cols}      # derived columns: flips
+    better = {"lower": "low", "higher": "high", None: None}
+    return [(c.dataset, c.metric, c.header, better[c.better]) for c in E.summary_columns(present)]
 
 
 def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S.CellStat]]:
     """Per (method, scheme) and column (dataset, metric): the value per seed with its interval and the
-    per-window NLLs / per-example scores it came from (none for rows stored before they were kept)."""
+    per-window NLLs / KL means / per-example scores it came from (none for rows stored before they were
+    kept); and, where the FP cell has per-example scores on the same examples, the flips against it
+    (column ("flips", "flips"), and per task (task, "flips"))."""
     from bench.tasks import MAIN_METRIC, ZERO_SHOT
     out: dict = defaultdict(dict)
     task_scores: dict = defaultdict(dict)
@@ -219,13 +208,19 @@ def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S
         if r.value is None:
             continue
         key, seed, cfg = (r.method, r.scheme), r.seed or 0, r.config or {}
-        if r.metric == "ppl":
+        if r.metric == "ppl" and r.dataset not in TASK_DATASETS:
             w = (cfg.get("eval") or {}).get("window_nll")
             cs = out[key].setdefault((r.dataset, "ppl"), S.CellStat("ppl"))
             cs.seeds[seed] = S.ppl_estimate(w, r.value)
             if w:
                 cs.samples[seed] = w
-        elif r.dataset == "zeroshot_avg" and r.metric == "acc":
+        elif r.metric in ("kld", "top1_agree"):
+            w = (cfg.get("kl") or {}).get("window_kld" if r.metric == "kld" else "window_top1")
+            cs = out[key].setdefault((r.dataset, r.metric), S.CellStat("mean", metric=r.metric))
+            cs.seeds[seed] = S.mean_estimate(w, r.value)
+            if w:
+                cs.samples[seed] = w
+        elif r.dataset == E.ZEROSHOT_AVG and r.metric == "acc":
             averages[(key, seed)] = r.value
         elif r.dataset in TASK_DATASETS and r.metric in ("acc", "acc_norm"):
             per = cfg.get("per_example")
@@ -237,62 +232,115 @@ def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S
                     task_scores[(key, seed)][r.dataset] = per
     for (key, seed), value in averages.items():
         lists = [task_scores[(key, seed)].get(t) for t in ZERO_SHOT]
-        cs = out[key].setdefault(("zeroshot_avg", "acc"), S.CellStat("avg"))
+        cs = out[key].setdefault((E.ZEROSHOT_AVG, "acc"), S.CellStat("avg"))
         if all(lists):
             cs.seeds[seed], cs.samples[seed] = S.avg_estimate(lists, value), lists
         else:
             cs.seeds[seed] = S.Estimate(value)
+    _flip_stats(out, task_scores)
     return out
 
 
+def _flip_stats(out: dict, task_scores: dict) -> None:
+    """Flips of every quantized cell against the FP cell, per task and over the zero-shot tasks (the share of
+    examples whose answer changed, right to wrong plus wrong to right; the two apart under (task, kind))."""
+    fp = {seed: scores for (key, seed), scores in task_scores.items() if key == (FP, FP)}
+    if not fp:
+        return
+    fp_scores = fp[min(fp)]          # FP is calibration-free: one seed says it all
+    for (key, seed), scores in task_scores.items():
+        if key == (FP, FP):
+            continue
+        per_task = {}
+        for task, q in scores.items():
+            ref = fp_scores.get(task)
+            if ref is None or len(ref) != len(q):
+                continue
+            r2w, w2r = S.flips(ref, q)
+            per_task[task] = [a + b for a, b in zip(r2w, w2r)]
+            for kind, v in (("flips", per_task[task]), ("right_to_wrong", r2w), ("wrong_to_right", w2r)):
+                cs = out[key].setdefault((task, kind), S.CellStat("acc", metric="flips"))
+                cs.seeds[seed], cs.samples[seed] = S.acc_estimate(v), v
+        zs = [per_task[t] for t in E.ZERO_SHOT if t in per_task]
+        if zs and len(zs) == len([t for t in E.ZERO_SHOT if t in scores]):
+            cs = out[key].setdefault(("flips", "flips"), S.CellStat("flip", metric="flips"))
+            cs.seeds[seed], cs.samples[seed] = S.avg_estimate(zs), zs
+
+
+def _style(metric: str) -> str:
+    """How a comparison of two cells on `metric` reads: a ratio (perplexity), points (a share), a difference."""
+    if metric == "ppl":
+        return "ratio"
+    return "pt" if metric in ("acc", "acc_norm", "flips", "right_to_wrong", "wrong_to_right") or \
+        E.metric(metric).percent else "diff"
+
+
 def fmt_stat(cs: S.CellStat) -> str:
-    """`v (lo-hi)` for one seed, `v +-sd (k seeds)` for several; accuracy in %."""
-    pct = cs.kind != "ppl"
-    f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.2f}")
+    """`v (lo-hi)` for one seed, `v +-sd (k seeds)` for several; shares in %."""
+    if cs.kind == "ppl":
+        f = lambda v: f"{v:.2f}"  # noqa: E731
+    elif cs.kind == "mean" and not E.metric(cs.metric).percent:
+        f = lambda v: E.metric(cs.metric).format(v)  # noqa: E731
+    else:
+        f = lambda v: f"{100 * v:.1f}" if cs.metric != "top1_agree" else f"{100 * v:.2f}"  # noqa: E731
     if len(cs.seeds) > 1:
         return f"{f(cs.value)} +-{f(cs.seed_sd)} ({len(cs.seeds)} seeds)"
     e = cs.first()
     return f"{f(e.value)} ({f(e.lo)}-{f(e.hi)})" if e.known else f"{f(e.value)} (?)"
 
 
-def _fmt_cmp(c: S.Comparison | None, pct: bool) -> str:
+def _fmt_cmp(c: S.Comparison | None, style: str | bool) -> str:
+    """A comparison with its interval; `style` "ratio", "pt" (a share, in points) or "diff" (True: "pt")."""
     if c is None:
         return "-"
-    if pct:
+    style = {True: "pt", False: "ratio"}.get(style, style) if isinstance(style, bool) else style
+    if style == "pt":
         body = f"{100 * c.effect:+.1f} pt" + (f" [{100 * c.lo:+.1f}, {100 * c.hi:+.1f}]" if c.lo is not None else "")
+    elif style == "diff":
+        body = f"{c.effect:+.4f}" + (f" [{c.lo:+.4f}, {c.hi:+.4f}]" if c.lo is not None else "")
     else:
         body = f"{c.effect:.3f}x" + (f" [{c.lo:.3f}, {c.hi:.3f}]" if c.lo is not None else "")
     return body + (" *" if c.separated else "")
 
 
-def _verdict(header: str, r: S.Ranking, pct: bool) -> str | None:
+def _verdict(header: str, r: S.Ranking, style: str | bool) -> str | None:
     name = lambda k: f"{k[0]} {k[1]}"  # noqa: E731
     if r.status == "separated":
         return (f"- {header}: best {name(r.best)}, separated from the runner-up {name(r.runner_up)} "
-                f"({_fmt_cmp(r.comparison, pct).rstrip(' *')}).")
+                f"({_fmt_cmp(r.comparison, style).rstrip(' *')}).")
     if r.status == "tied":
         tied = [name(k) for k in r.marks if k != r.best]
         return (f"- {header}: no separated best: {name(r.best)} leads, tied with {', '.join(tied)} "
-                f"(runner-up {_fmt_cmp(r.comparison, pct)}; marked ~).")
+                f"(runner-up {_fmt_cmp(r.comparison, style)}; marked ~).")
     if r.best is not None:
-        return f"- {header}: interval unknown (stored before per-window/per-example data were kept): nothing bold."
+        return (f"- {header}: interval unknown ({_why_unknown(r)}): nothing bold.")
     return None
 
 
+def _why_unknown(r: S.Ranking) -> str:
+    c = r.comparison
+    if c is not None and c.n is not None and c.n < 2:
+        return f"measured on {c.n} window or example only: an interval needs at least 2"
+    return "stored before per-window/per-example data were kept"
+
+
+RANKED = ("ppl", "acc", "acc_norm", "kld", "top1_agree", "flips")   # columns with intervals, ranked
+
+
 def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tuple[str, list[str]]:
-    """One row per (method, scheme) of `keys`, FP first; perplexities and accuracies with their intervals,
+    """One row per (method, scheme) of `keys`, FP first; every value with its interval where it has one,
     the best quantized value of a column bold only when separated from the runner-up, tied leaders ~.
     Returns the table and one verdict line per ranked column."""
     keys = _order(keys)
     ranked, verdicts = {}, []
     for ds, metric, header, better in cols:
-        if better is None or metric not in ("ppl", "acc", "acc_norm"):
+        if better is None or metric not in RANKED:
             continue
         column = {(k["method"], k["scheme"]): stats.get((k["method"], k["scheme"]), {}).get((ds, metric))
                   for _, k in keys.iterrows() if k["method"] != FP}
         r = S.rank(column, better == "low")
         ranked[(ds, metric)] = r.marks
-        line = _verdict(header, r, metric != "ppl")
+        line = _verdict(header, r, _style(metric))
         if line:
             verdicts.append(line)
     body = []
@@ -311,10 +359,13 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
 
 
 def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
-    cols = _leaderboard_cols(mdf)
+    cols = _leaderboard_cols(mdf, stats)
     if not cols:
         return []
     cells = mdf[~mdf["dataset"].str.startswith("speed_")][["method", "scheme"]].drop_duplicates()
+    evaluated = set(zip(*[mdf.loc[mdf["dataset"] != "quant", c] for c in ("method", "scheme")]))
+    leftover = [f"{m} {s}" for m, s in cells.itertuples(index=False) if (m, s) not in evaluated]
+    cells = cells[[(m, s) in evaluated for m, s in cells.itertuples(index=False)]]
     if cells.empty:
         return []
     fp = cells[cells["method"] == FP]
@@ -322,6 +373,9 @@ def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
     table, verdicts = _leaderboard_table(value, stats, cells, cols)
     parts = ["### Summary", "", "Every cell. " + S.METHOD_TEXT + " The evaluation settings are under Details.", "",
              table, "", *verdicts, ""]
+    if leftover:
+        parts += [f"Not shown: {', '.join(leftover)}: quantized, but no evaluation of theirs is stored (an "
+                  f"interrupted run; rerunning the same command completes them).", ""]
     schemes = sorted({s for s in cells["scheme"] if s != FP}, key=lambda s: (_SCHEME_RANK.get(s, 99), s))
     for scheme in schemes:
         keys = pd.concat([fp, cells[cells["scheme"] == scheme]])
@@ -359,6 +413,67 @@ def _paired_section(stats: dict, datasets: list[str]) -> list[str]:
             tabulate(body, headers=heads, tablefmt="github", disable_numparse=True), ""]
 
 
+def _kl_section(mdf: pd.DataFrame, stats: dict, datasets: list[str]) -> list[str]:
+    """Every quantized cell's KL divergence from the FP model on each text: mean (with its interval over
+    windows), median and 99th percentile over positions, top-1 agreement; and the paired KLD difference to RTN
+    at the same scheme."""
+    kl = mdf[mdf["metric"].isin(E.KL_METRICS)]
+    if kl.empty:
+        return []
+    vals = _seed_values(kl.itertuples())
+    body = []
+    for key in sorted(k for k in stats if k[0] != FP):
+        line = [key[0], key[1]]
+        for d in datasets:
+            cs, t1 = stats[key].get((d, "kld")), stats[key].get((d, "top1_agree"))
+            rtn = stats.get(("rtn", key[1]), {}).get((d, "kld"))
+            line += [fmt_stat(cs) if cs else "-",
+                     _fmt_seeds("kld_median", vals.get((*key, d, "kld_median"))),
+                     _fmt_seeds("kld_p99", vals.get((*key, d, "kld_p99"))), fmt_stat(t1) if t1 else "-",
+                     "-" if key[0] == "rtn" or not (cs and rtn) else _fmt_cmp(S.compare(cs, rtn), "diff")]
+        body.append(line)
+    heads = ["method", "scheme"]
+    for d in datasets:
+        heads += [f"{d} KLD", f"{d} median", f"{d} p99", f"{d} top-1 %", f"{d} KLD - RTN's"]
+    cfg = kl.iloc[-1]["config"].get("kl", {})
+    return ["### KL divergence from the FP model", "",
+            f"Per predicted position, KL(P_FP || P_quantized) over the whole vocabulary in nats, on the perplexity "
+            f"windows; the FP distribution is stored as its top-{cfg.get('top_k', '?')} tokens' log-probabilities "
+            f"plus the tail's mass ({cfg.get('approximation', '?')}): a lower bound of the exact KL, within 1 % "
+            f"of it on real cells of the default model (reports/kl/kl_approx.md). Mean with its 95 % interval over "
+            f"windows (positions inside a window are correlated: each window's mean is one observation), median and "
+            f"99th percentile over positions, top-1 agreement = the share of positions where both models' most "
+            f"likely next token is the same. The last column: the paired difference to RTN at the same scheme over "
+            f"the same windows; * marks an interval that excludes no difference.", "",
+            tabulate(body, headers=heads, tablefmt="github", disable_numparse=True), ""]
+
+
+def _flips_section(stats: dict) -> list[str]:
+    """Flips against the FP model per task: the share of examples whose answer changed, right to wrong and
+    wrong to right apart, with Wilson intervals."""
+    tasks = [t for t in E.ALL_TASKS if any((t, "flips") in v for v in stats.values())]
+    if not tasks:
+        return []
+    body = []
+    for key in sorted(k for k in stats if k[0] != FP):
+        if not any((t, "flips") in stats[key] for t in tasks):
+            continue
+        line = [key[0], key[1]]
+        for t in tasks:
+            a, b = stats[key].get((t, "right_to_wrong")), stats[key].get((t, "wrong_to_right"))
+            line.append(f"{100 * a.value:.1f} / {100 * b.value:.1f} (n={a.first().n})" if a and b else "-")
+        zs = stats[key].get(("flips", "flips"))
+        line.append(fmt_stat(zs) if zs else "-")
+        body.append(line)
+    return ["### Flips against the FP model", "",
+            "Per task, the share of examples (%) whose answer went from right to wrong / from wrong to right against "
+            "the FP model on the same examples (Dutta et al., \"Accuracy is Not All You Need\", 2024): flips move "
+            "even where accuracy does not. Last column: all flips averaged over the zero-shot tasks, with its 95 % "
+            "interval (normal, from the tasks' binomial variances).", "",
+            tabulate(body, headers=["method", "scheme"] + tasks + ["zero-shot flips %"], tablefmt="github",
+                     disable_numparse=True), ""]
+
+
 def _seeds_section(stats: dict) -> list[str]:
     body = []
     for key in sorted(stats):
@@ -391,7 +506,7 @@ def seed_rankings(stats: dict, seedless: set | None = None) -> list[dict]:
         single = sorted(set(all_cells) - set(cells))
         if not seeds or len(cells) < 2:
             continue
-        lower = col[1] == "ppl"
+        lower = E.metric(col[1]).better == "lower" or col[1] in ("flips", "right_to_wrong", "wrong_to_right")
 
         def per_seed(cs):
             if len(cs.seeds) == 1:
@@ -418,8 +533,9 @@ def _seed_rankings_section(stats: dict, seedless: set) -> list[str]:
         return []
     body = []
     for r in ranks:
-        pct = r["column"][1] != "ppl"
-        f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.2f}")
+        metric = r["column"][1]
+        f = ((lambda v: f"{v:.2f}") if metric == "ppl" else (lambda v: E.metric(metric).format(v))
+             if metric == "kld" else (lambda v: f"{100 * v:.1f}"))
         cells = []
         for m in r["order"]:
             v, sd, k = r["cells"][m]
@@ -447,7 +563,8 @@ def _seed_rankings_section(stats: dict, seedless: set) -> list[str]:
 
 def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
     ev = mdf[(mdf["dataset"] == ds) & (mdf["metric"] == "ppl")].iloc[-1]["config"].get("eval", {})
-    return (f"- {ds}: {ev.get('windows', '?')} windows of {ev.get('seq_len', '?')} tokens "
+    n = ev.get('windows', '?')
+    return (f"- {ds}: {n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens "
             f"({ev.get('tokens', '?')} tokens, last partial window "
             f"{'included' if ev.get('include_partial') else 'dropped'}, "
             f"{PRECISION_TEXT.get(ev.get('autocast'), ev.get('autocast', '?'))}), exp(mean window NLL).")
@@ -490,6 +607,7 @@ def markdown_report(rows: list[Row]) -> str:
         parts += ["## Details", ""]
         if ppl_sets:
             parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
+        parts += _kl_section(mdf, stats, [d for d in ppl_sets if (d, "kld") in set(zip(mdf["dataset"], mdf["metric"]))])
         parts += _paired_section(stats, ppl_sets)
         parts += _seeds_section(stats)
         mrows = srows
@@ -512,6 +630,7 @@ def markdown_report(rows: list[Row]) -> str:
                       dataset_table(mdf, "quant", RECON_METRICS), ""]
             parts += _param_ratio(recon)
         parts += _task_section(mdf, stats)
+        parts += _flips_section(stats)
         parts += _speed_sections(mdf)
         revs = sorted(set(mdf["git_rev"]))
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "

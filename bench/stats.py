@@ -25,7 +25,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-METHOD_TEXT = ("95 % intervals: perplexity exp(mean +- t s / sqrt(n)) over its windows' mean NLLs (Student t); "
+METHOD_TEXT = ("95 % intervals: KL divergence from FP and top-1 agreement mean +- t s / sqrt(n) over the windows' "
+               "means (tokens inside a window are correlated, windows are the independent units); flips against FP "
+               "Wilson over the examples (averaged over tasks: normal, from their binomial variances); "
+               "perplexity exp(mean +- t s / sqrt(n)) over its windows' mean NLLs (Student t); "
                "accuracy Wilson over its examples (the zero-shot average: normal, from the tasks' binomial "
                "variances); paired comparisons over the same windows (ratio of perplexities) or examples "
                "(difference of accuracies), mean difference +- t s / sqrt(n); with several seeds, mean +- standard "
@@ -83,6 +86,24 @@ def ppl_estimate(window_nll: list[float] | None, value: float | None = None) -> 
         return Estimate(math.exp(m), n=n)
     h = t95(n) * sd / math.sqrt(n)
     return Estimate(math.exp(m), math.exp(m - h), math.exp(m + h), n)
+
+
+def mean_estimate(per_window: list[float] | None, value: float | None = None) -> Estimate:
+    """A mean over windows (KL divergence, top-1 agreement) with its t interval over the windows' means."""
+    if not per_window:
+        return Estimate(value)
+    ci = mean_interval(per_window)
+    if ci is None:
+        return Estimate(value if value is not None else per_window[0], n=len(per_window))
+    m, lo, hi = ci
+    return Estimate(value if value is not None else m, lo, hi, len(per_window))
+
+
+def flips(fp: list[float], q: list[float]) -> tuple[list[float], list[float]]:
+    """Per example (the same examples, in order): 1 where the answer went from right to wrong against the FP
+    model, and 1 where it went from wrong to right (Dutta et al., "Accuracy is Not All You Need", 2024)."""
+    return ([1.0 if a >= 0.5 > b else 0.0 for a, b in zip(fp, q)],
+            [1.0 if b >= 0.5 > a else 0.0 for a, b in zip(fp, q)])
 
 
 def wilson(k: float, n: int) -> tuple[float, float]:
@@ -157,6 +178,11 @@ def paired_acc(a: list[float] | None, b: list[float] | None) -> Comparison | Non
     return _paired(a, b, False, "paired examples")
 
 
+def paired_mean(a: list[float] | None, b: list[float] | None) -> Comparison | None:
+    """mean(a) - mean(b) over the same windows (KL divergence, top-1 agreement)."""
+    return _paired(a, b, False, "paired windows")
+
+
 def paired_avg(a: list[list[float]] | None, b: list[list[float]] | None) -> Comparison | None:
     """The difference of two task averages, each task's examples paired (normal, tasks independent)."""
     if not a or not b or len(a) != len(b) or any(len(x) != len(y) or len(x) < 2 for x, y in zip(a, b)):
@@ -199,9 +225,10 @@ def welch(a: list[float], b: list[float], ratio: bool) -> Comparison | None:
 @dataclass
 class CellStat:
     """A (method, scheme) cell's value in one column: per seed the number and what it was measured on."""
-    kind: str                                                 # "ppl", "acc" or "avg"
+    kind: str                                                 # "ppl", "acc", "avg", "mean" or "flip"
     seeds: dict[int, Estimate] = field(default_factory=dict)
     samples: dict[int, object] = field(default_factory=dict)  # per seed: window NLLs / example scores / task lists
+    metric: str = ""                                          # what it measures (bench.evals), for formatting
 
     @property
     def value(self) -> float:
@@ -226,7 +253,7 @@ def compare(a: CellStat, b: CellStat) -> Comparison | None:
     if not common:
         return None
     s = common[0]
-    fn = {"ppl": paired_ppl, "acc": paired_acc, "avg": paired_avg}[a.kind]
+    fn = {"ppl": paired_ppl, "acc": paired_acc, "avg": paired_avg, "flip": paired_avg, "mean": paired_mean}[a.kind]
     return fn(a.samples[s], b.samples[s])
 
 

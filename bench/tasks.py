@@ -29,25 +29,17 @@ import yaml
 from lrq import progress
 from lrq.errors import UserError
 
-ZERO_SHOT = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "openbookqa")
-ALL_TASKS = ZERO_SHOT + ("lambada_openai", "mmlu")
+from bench.evals import ALL_TASKS, TASKS, ZERO_SHOT, ZEROSHOT_AVG  # noqa: F401 (the catalogue's task names)
+
 # the metric the LRQ paper reports per task (acc_norm where lm-eval has it, as its tables do)
-MAIN_METRIC = {"piqa": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
-               "winogrande": "acc", "boolq": "acc", "openbookqa": "acc_norm", "lambada_openai": "acc", "mmlu": "acc"}
+MAIN_METRIC = {name: t.main_metric for name, t in TASKS.items()}
 PREFIX = "lrqb_"
 MAX_LENGTH = 2048
 BATCH_SIZE = 1
 ADD_BOS = False
 
 _ACC = [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
-_ACC_NORM = _ACC + [{"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]
-
-FILES = {
-    "piqa": "piqa/valid.jsonl", "arc_easy": "arc_easy/ARC-Easy-Test.jsonl",
-    "arc_challenge": "arc_challenge/ARC-Challenge-Test.jsonl", "hellaswag": "hellaswag/hellaswag_validation.jsonl.gz",
-    "winogrande": "winogrande/winogrande_xl_validation.jsonl", "boolq": "boolq/val.jsonl",
-    "openbookqa": "openbookqa/test.jsonl", "lambada_openai": "lambada_openai/lambada_test.jsonl",
-}
+FILES = {name: t.file for name, t in TASKS.items() if t.file}
 
 
 def _json_task(name: str, path: Path, **spec) -> dict:
@@ -56,36 +48,12 @@ def _json_task(name: str, path: Path, **spec) -> dict:
 
 
 def task_specs(data_dir: Path) -> dict[str, dict]:
-    f = {k: data_dir / v for k, v in FILES.items()}
-    specs = {
-        "piqa": _json_task("piqa", f["piqa"], output_type="multiple_choice", process_docs="!function utils.piqa",
-                           doc_to_text="Question: {{goal}}\nAnswer:", doc_to_target="label",
-                           doc_to_choice="{{[sol1, sol2]}}", metric_list=_ACC_NORM),
-        "arc_easy": _json_task("arc_easy", f["arc_easy"], output_type="multiple_choice",
-                               process_docs="!function utils.arc", doc_to_text="Question: {{question}}\nAnswer:",
-                               doc_to_target="{{choices.label.index(answerKey)}}", doc_to_choice="{{choices.text}}",
-                               metric_list=_ACC_NORM),
-        "hellaswag": _json_task("hellaswag", f["hellaswag"], output_type="multiple_choice",
-                                process_docs="!function utils.hellaswag", doc_to_text="{{query}}",
-                                doc_to_target="{{label}}", doc_to_choice="choices", metric_list=_ACC_NORM),
-        "winogrande": _json_task("winogrande", f["winogrande"], output_type="multiple_choice",
-                                 doc_to_text="!function utils.wino_text", doc_to_target="!function utils.wino_target",
-                                 doc_to_choice="!function utils.wino_choice", metric_list=_ACC),
-        "boolq": _json_task("boolq", f["boolq"], output_type="multiple_choice", process_docs="!function utils.boolq",
-                            doc_to_text="{{passage}}\nQuestion: {{question}}?\nAnswer:", doc_to_target="label",
-                            doc_to_choice=["no", "yes"], metric_list=_ACC),
-        "openbookqa": _json_task("openbookqa", f["openbookqa"], output_type="multiple_choice",
-                                 doc_to_text="question_stem", doc_to_target="{{choices.label.index(answerKey.lstrip())}}",
-                                 doc_to_choice="{{choices.text}}", metric_list=_ACC_NORM),
-        "lambada_openai": _json_task("lambada_openai", f["lambada_openai"], output_type="loglikelihood",
-                                     doc_to_text="{{text.split(' ')[:-1]|join(' ')}}",
-                                     doc_to_target="{{' '+text.split(' ')[-1]}}",
-                                     metric_list=[{"metric": "perplexity", "aggregation": "perplexity",
-                                                   "higher_is_better": False}] + _ACC),
-    }
-    specs["arc_challenge"] = dict(specs["arc_easy"], task=PREFIX + "arc_challenge",
-                                  dataset_kwargs={"data_files": {"test": str(f["arc_challenge"])}})
-    return specs
+    """lm-eval task definitions of the catalogue's tasks (bench.evals.TASKS) reading the data folder in place."""
+    import copy
+
+    from bench import evals
+    return {name: _json_task(name, data_dir / t.file, **copy.deepcopy(t.lm_eval)) for name, t in evals.TASKS.items()
+            if t.file}
 
 
 def write_mmlu(folder: Path, data_dir: Path, tokenizer, limit: int | None) -> tuple[dict, dict]:
@@ -198,8 +166,8 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     # too, and choices a few hundredths of a nat apart would round to ties. Scored in float32, as perplexity.
     head = model.get_output_embeddings()
     upcast = head.register_forward_hook(lambda _m, _a, out: out.float()) if precision == "bf16" else None
-    # progress: lm-eval scores one request per forward at batch size 1; the planner knows about how many
-    from bench.plan import task_requests
+    # progress: lm-eval scores one request per forward at batch size 1; the catalogue knows about how many
+    from bench.evals import task_requests
     expected = sum(task_requests(t, limit)[0] for t in names)
     calls = [0]
 
@@ -243,6 +211,6 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     if "mmlu" in out:
         out["mmlu"].update(mmlu_stats)
     if all(t in out for t in ZERO_SHOT):
-        out["zeroshot_avg"] = {"acc": sum(out[t].get(MAIN_METRIC[t], out[t].get("acc")) for t in ZERO_SHOT)
+        out[ZEROSHOT_AVG] = {"acc": sum(out[t].get(MAIN_METRIC[t], out[t].get("acc")) for t in ZERO_SHOT)
                                / len(ZERO_SHOT), "n": None, "per_example": {}, "doc_ids": []}
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -85,6 +86,25 @@ def disk_full(folder: str | os.PathLike, error: BaseException | None = None, mar
     if why is None and free >= margin:
         return None
     return f"{why or 'almost no space left'}: {free:,} bytes free in {folder}"
+
+
+@contextmanager
+def file_lock(path: str | os.PathLike):
+    """An exclusive advisory lock on `<path>.lock` for the code inside (fcntl.flock; where flock does not
+    exist, no lock): so that two processes about to compute the same cached file compute it once."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def json_safe(obj):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.html_report import html_report, scatter_svg
+from bench.html_report import scatter_svg
 from bench.store import ResultStore
 
 

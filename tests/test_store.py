@@ -1,7 +1,6 @@
 """Results store: reuse, atomic units, concurrent writers, a writer killed mid-transaction."""
 
 import multiprocessing as mp
-import os
 import signal
 import sqlite3
 import subprocess

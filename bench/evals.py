@@ -1,0 +1,198 @@
+"""The catalogue of evaluations: every text, comparison and task the suite measures, and every metric it stores,
+declared once.
+
+Everything that needs to know what an evaluation is reads it here: the command line's choices and help, the
+planner's costs, the cell's units and store keys, the Markdown and HTML reports (labels, formats, which way is
+better, the summary's columns), the intervals (bench.stats), the regression gate's directions and the CI
+sweep. A new lm-eval task is one `Task` below; a new metric is one `Metric` plus the code that computes it.
+
+Three kinds of evaluation:
+- `Perplexity`: a text cut into windows, perplexity = exp(mean window NLL) (bench.perplexity), read by its
+  `TextReader` (bench.data) from the data folder or the hub;
+- KL divergence from the FP model on the same windows (bench.kl): every perplexity text carries it
+  (`KL_METRICS`, stored as their own unit so earlier perplexities stay valid);
+- `Task`: an lm-eval task scored per example (bench.tasks), with its planner cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A stored metric: its name, how a report labels and formats it, and which way is better ("lower",
+    "higher"; None: shown, never ranked, and the gate holds it where it was)."""
+    name: str
+    label: str
+    better: str | None = None
+    fmt: str = "{:.4g}"
+    unit: str = ""
+    percent: bool = False       # a fraction shown in %
+    interval: str | None = None  # how its 95 % interval is formed (bench.stats): ppl, acc, mean
+
+    @property
+    def gate_direction(self) -> str:
+        return self.better or "both"
+
+    def format(self, v) -> str:
+        if v is None or v != v:
+            return "-"
+        if self.fmt == "bytes":
+            return f"{v / 2**20:.0f} MiB"
+        return self.fmt.format(100 * v if self.percent else v)
+
+
+_METRICS = (
+    Metric("ppl", "perplexity", "lower", "{:.2f}", interval="ppl"),
+    Metric("eval_tokens_per_s", "eval tokens/s", None, "{:.0f}", "tokens/s"),
+    Metric("kld", "KLD", "lower", "{:.4f}", "nats/token", interval="mean"),
+    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token"),
+    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token"),
+    Metric("top1_agree", "top-1 agreement", "higher", "{:.2f}", "%", percent=True, interval="mean"),
+    Metric("acc", "accuracy", "higher", "{:.1f}", "%", percent=True, interval="acc"),
+    Metric("acc_norm", "accuracy (length-normalized)", "higher", "{:.1f}", "%", percent=True, interval="acc"),
+    Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}"),
+    Metric("bits_per_weight", "bits/weight", None, "{:.3f}"),
+    Metric("n_learnable", "learnable parameters", None, "{:,.0f}"),
+    Metric("quant_time_s", "quant time (s)", "lower", "{:.1f}", "s"),
+    Metric("quant_peak_rss_bytes", "quant peak RSS", None, "bytes"),
+    Metric("quant_peak_cuda_bytes", "quant peak CUDA memory", None, "bytes"),
+    Metric("blocks_time_s", "blocks time (s)", None, "{:.1f}", "s"),
+    Metric("resumed_blocks", "resumed blocks", None, "{:.0f}"),
+    Metric("compiled_blocks", "compiled blocks", None, "{:.0f}"),
+    Metric("mean_block_calib_before", "block error, calibration, before", "lower"),
+    Metric("mean_block_calib_after", "block error, calibration, after", "lower"),
+    Metric("mean_block_heldout_before", "block error, held-out, before", "lower"),
+    Metric("mean_block_heldout_after", "block error, held-out, after", "lower"),
+    Metric("prefill_tok_s", "prefill tokens/s", "higher", "{:.1f}"),
+    Metric("decode_tok_s", "decode tokens/s", "higher", "{:.2f}"),
+    Metric("model_bytes", "model size", None, "bytes"),
+    Metric("peak_rss_bytes", "peak RSS", None, "bytes"),
+)
+METRICS: dict[str, Metric] = {m.name: m for m in _METRICS}
+
+# What the KL comparison with the FP model stores per perplexity text (bench.kl)
+KL_METRICS = ("kld", "kld_median", "kld_p99", "top1_agree")
+# Flips against the FP model per task (Dutta et al. 2024), derived in the reports from per-example scores
+FLIP_KINDS = ("right_to_wrong", "wrong_to_right")
+
+
+def metric(name: str) -> Metric:
+    """The catalogue's metric, or a plain one for a metric only some method reports (its statistics)."""
+    return METRICS.get(name) or Metric(name, name)
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """A perplexity text: `file` in the data folder (bench.data reads it with its reader), the tokens its
+    protocol keeps (`token_cap`, None: all), and about how many tokens the whole text has (the planner)."""
+    name: str
+    label: str
+    file: str
+    reader: str                 # bench.data.READERS key
+    token_cap: int | None = None
+    full_tokens: int = 300_000
+    metrics: tuple[str, ...] = ("ppl", "eval_tokens_per_s")
+
+
+@dataclass(frozen=True)
+class Task:
+    """An lm-eval task reading the data folder in place: its file and the lm-eval task fields (prompt, choices,
+    metrics) besides the dataset path; the metric the LRQ paper reports for it; for the planner, lm-eval's
+    requests per example and tokens per request, and the number of examples."""
+    name: str
+    label: str
+    file: str | None
+    lm_eval: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    main_metric: str = "acc"
+    requests: int = 2
+    tokens: int = 60
+    size: int = 1000
+    zero_shot: bool = True
+
+
+_ACC = ({"metric": "acc", "aggregation": "mean", "higher_is_better": True},)
+_ACC_NORM = _ACC + ({"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},)
+_ARC = {"output_type": "multiple_choice", "process_docs": "!function utils.arc",
+        "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_target": "{{choices.label.index(answerKey)}}",
+        "doc_to_choice": "{{choices.text}}", "metric_list": list(_ACC_NORM)}
+
+PERPLEXITY: dict[str, Perplexity] = {p.name: p for p in (
+    Perplexity("wikitext2", "WikiText-2", "wikitext2/wiki.test.raw", "wikitext2", None, 300_000),
+    Perplexity("c4", "C4", "c4/c4_en_validation_sample2000.jsonl.gz", "c4", 256 * 2048, 256 * 2048),
+)}
+
+TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("piqa", "PIQA", "piqa/valid.jsonl", {
+        "output_type": "multiple_choice", "process_docs": "!function utils.piqa",
+        "doc_to_text": "Question: {{goal}}\nAnswer:", "doc_to_target": "label", "doc_to_choice": "{{[sol1, sol2]}}",
+        "metric_list": list(_ACC_NORM)}, "acc_norm", 2, 60, 1838),
+    Task("arc_easy", "ARC-e", "arc_easy/ARC-Easy-Test.jsonl", _ARC, "acc_norm", 4, 50, 2376),
+    Task("arc_challenge", "ARC-c", "arc_challenge/ARC-Challenge-Test.jsonl", _ARC, "acc_norm", 4, 55, 1172),
+    Task("hellaswag", "HellaSwag", "hellaswag/hellaswag_validation.jsonl.gz", {
+        "output_type": "multiple_choice", "process_docs": "!function utils.hellaswag", "doc_to_text": "{{query}}",
+        "doc_to_target": "{{label}}", "doc_to_choice": "choices", "metric_list": list(_ACC_NORM)},
+        "acc_norm", 4, 120, 10042),
+    Task("winogrande", "WinoGrande", "winogrande/winogrande_xl_validation.jsonl", {
+        "output_type": "multiple_choice", "doc_to_text": "!function utils.wino_text",
+        "doc_to_target": "!function utils.wino_target", "doc_to_choice": "!function utils.wino_choice",
+        "metric_list": list(_ACC)}, "acc", 2, 30, 1267),
+    Task("boolq", "BoolQ", "boolq/val.jsonl", {
+        "output_type": "multiple_choice", "process_docs": "!function utils.boolq",
+        "doc_to_text": "{{passage}}\nQuestion: {{question}}?\nAnswer:", "doc_to_target": "label",
+        "doc_to_choice": ["no", "yes"], "metric_list": list(_ACC)}, "acc", 2, 150, 3270),
+    Task("openbookqa", "OpenBookQA", "openbookqa/test.jsonl", {
+        "output_type": "multiple_choice", "doc_to_text": "question_stem",
+        "doc_to_target": "{{choices.label.index(answerKey.lstrip())}}", "doc_to_choice": "{{choices.text}}",
+        "metric_list": list(_ACC_NORM)}, "acc_norm", 4, 30, 500),
+    Task("lambada_openai", "LAMBADA", "lambada_openai/lambada_test.jsonl", {
+        "output_type": "loglikelihood", "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
+        "doc_to_target": "{{' '+text.split(' ')[-1]}}",
+        "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+                        *_ACC]}, "acc", 1, 90, 5153, zero_shot=False),
+    # MMLU's prompts are built here (bench.tasks.write_mmlu, 5 shots from the dev split): no file of its own
+    Task("mmlu", "MMLU", None, {}, "acc", 4, 700, 14042, zero_shot=False),
+)}
+MMLU_SUBJECTS = 57
+
+ZERO_SHOT = tuple(t for t, spec in TASKS.items() if spec.zero_shot)
+ALL_TASKS = tuple(TASKS)
+ZEROSHOT_AVG = "zeroshot_avg"       # the stored row of the seven zero-shot tasks' average
+TASK_ROWS = ALL_TASKS + (ZEROSHOT_AVG,)
+
+
+def task_requests(task: str, task_limit: int | None) -> tuple[int, int]:
+    """(model forwards, tokens per forward) lm-eval runs for `task` at `task_limit` examples (MMLU: per
+    subject), roughly: the planner's cost and the progress bar's denominator."""
+    t = TASKS[task]
+    cap = None if task_limit is None else task_limit * (MMLU_SUBJECTS if task == "mmlu" else 1)
+    examples = t.size if cap is None else min(t.size, cap)
+    return examples * t.requests, t.tokens
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the leaderboard's summary: (dataset, metric), its header, which way is better."""
+    dataset: str
+    metric: str
+    header: str
+    better: str | None
+
+
+def summary_columns(present: set[tuple[str, str]]) -> list[Column]:
+    """The summary's columns, led by what separates cells best (KLD and top-1 agreement with FP on every
+    perplexity text), then perplexities, flips and accuracies, then the cost; only those with values."""
+    texts = list(PERPLEXITY) + sorted({d for d, m in present if m == "ppl"} - set(PERPLEXITY))
+    label = lambda d: PERPLEXITY[d].label if d in PERPLEXITY else d  # noqa: E731
+    cols = [Column("quant", "bits_per_weight", "bits/weight", None)]
+    cols += [Column(d, m, f"{label(d)} {METRICS[m].label}" + (" %" if METRICS[m].percent else ""),
+                    METRICS[m].better) for d in texts for m in ("kld", "top1_agree")]
+    cols += [Column(d, "ppl", f"{label(d)} ppl", "lower") for d in texts]
+    cols += [Column("flips", "flips", "flips vs FP %", "lower"),
+             Column(ZEROSHOT_AVG, "acc", "zero-shot avg %", "higher"), Column("mmlu", "acc", "MMLU %", "higher"),
+             Column("lambada_openai", "acc", "LAMBADA %", "higher"),
+             Column("quant", "quant_time_s", "quant time (s)", "lower"),
+             Column("quant", "quant_peak_rss_bytes", "quant peak RSS", None)]
+    return [c for c in cols if (c.dataset, c.metric) in present]

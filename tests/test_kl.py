@@ -1,0 +1,161 @@
+"""KL divergence from the FP model and flips (issue L): the top-k + tail approximation against the exact KL,
+the reference computed once and reused, KL as its own unit beside perplexities stored before it, the
+leaderboard led by KLD and top-1 agreement, flips per task, the gate on KLD, and the catalogue every consumer
+reads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from bench import evals as E
+from bench import kl
+from bench.cli import main
+from bench.store import ResultStore
+
+QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "1024",
+         "--eval-seq-len", "256", "--jobs", "1"]
+
+
+def _dists(n=64, vocab=300, seed=0, spread=0.3):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 3
+    lp = torch.log_softmax(logits, -1)
+    lq = torch.log_softmax(logits + spread * torch.randn(n, vocab, generator=g), -1)
+    return lp, lq
+
+
+def test_top_k_kl_is_exact_at_full_k_and_a_close_lower_bound_below():
+    lp, lq = _dists()
+    exact = (lp.exp() * (lp - lq)).sum(1)
+    for k, tol in ((300, 1e-4), (64, 0.05), (16, 0.3)):   # a flat random distribution: the worst case
+        top = lp.topk(k, dim=-1)
+        approx, agree = kl.kl_top_k(lq, top.indices, top.values)
+        assert (approx <= exact + 1e-5).all()                          # the log-sum inequality
+        assert abs(float(approx.mean() / exact.mean()) - 1) <= tol, (k, float(approx.mean()), float(exact.mean()))
+        assert torch.equal(agree, lq.argmax(1) == lp.argmax(1))
+    top = lp.topk(8, dim=-1)
+    zero, agree = kl.kl_top_k(lp, top.indices, top.values)
+    assert float(zero.abs().max()) < 1e-5 and bool(agree.all())       # a model against itself
+
+
+def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, data_dir, tmp_path, capsys,
+                                                              monkeypatch):
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = kl.compute_reference
+    monkeypatch.setattr(kl, "compute_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = tmp_path / "r.sqlite"
+    base = ["run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn", "--data-dir", str(data_dir),
+            "--results", str(results)]
+    assert main(base + ["--schemes", "w4a16,w3a16"]) == 0
+    assert len(calls) == 1            # one FP reference for both cells (the FP cell needs none)
+    rows = ResultStore(results).rows()
+    kld = {r.scheme: r for r in rows if r.metric == "kld"}
+    assert set(kld) == {"w4a16", "w3a16"} and kld["w3a16"].value > kld["w4a16"].value > 0
+    c = kld["w4a16"].config["kl"]
+    assert c["top_k"] == kl.TOP_K and len(c["window_kld"]) == 4 and c["positions"] == 4 * 255
+    assert math.isclose(sum(c["window_kld"]) / 4, kld["w4a16"].value, rel_tol=1e-6)
+    top1 = next(r for r in rows if r.metric == "top1_agree" and r.scheme == "w4a16")
+    assert 0 < top1.value <= 1
+    # a store of perplexities made before KL existed: only the KL units are computed, the rest reused
+    conn = __import__("sqlite3").connect(results)
+    conn.execute("DELETE FROM results WHERE metric IN ('kld', 'kld_median', 'kld_p99', 'top1_agree')")
+    conn.commit()
+    conn.close()
+    ppl_before = {(r.scheme, r.unit_key) for r in ResultStore(results).rows() if r.metric == "ppl"}
+    assert main(base + ["--schemes", "w4a16,w3a16"]) == 0
+    capsys.readouterr()
+    after = ResultStore(results).rows()
+    assert {(r.scheme, r.unit_key) for r in after if r.metric == "ppl"} == ppl_before   # not recomputed
+    assert {r.scheme for r in after if r.metric == "kld"} == {"w4a16", "w3a16"}
+    assert len(calls) == 1            # the cached reference was reused
+
+
+def test_the_leaderboard_is_led_by_kld_and_shows_flips(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    results = tmp_path / "r.sqlite"
+    assert main(["run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w3a16,w4a16",
+                 "--data-dir", str(data_dir), "--results", str(results), "--tasks", "zeroshot", "--task-limit", "6",
+                 "--out", str(tmp_path / "rep")]) == 0
+    capsys.readouterr()
+    md = (tmp_path / "rep" / "leaderboard.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| method") and "bits/weight" in line)
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert cols[2:5] == ["bits/weight", "WikiText-2 KLD", "WikiText-2 top-1 agreement %"]
+    assert cols.index("WikiText-2 ppl") < cols.index("flips vs FP %") < cols.index("zero-shot avg %")
+    assert "### KL divergence from the FP model" in md and "### Flips against the FP model" in md
+    flips = md.split("### Flips against the FP model")[1].split("###")[0]
+    assert flips.count("| rtn ") == 2 and "zero-shot flips %" in flips
+    html = (tmp_path / "rep" / "leaderboard.html").read_text()
+    assert "KL divergence from the FP model" in html and 'class="zero"' in html
+
+
+def test_flips_count_answers_that_changed():
+    from bench import stats as S
+    fp = [1, 1, 0, 0, 1]
+    q = [1, 0, 1, 0, 0]
+    r2w, w2r = S.flips(fp, q)
+    assert r2w == [0, 1, 0, 0, 1] and w2r == [0, 0, 1, 0, 0]
+
+
+def test_the_gate_tracks_kld_in_its_direction(tmp_path, capsys):
+    from bench.store import Row
+
+    def export(path, kld):
+        path.write_text(json.dumps([Row("m", "rtn", "w4a16", "wikitext2", "kld", kld,
+                                        config={"kl": {"window_kld": [kld * f for f in (0.9, 1.0, 1.1, 1.0)]}}).__dict__]))
+        return path
+    base = export(tmp_path / "b.json", 0.1000)
+    assert main(["compare", str(base), str(export(tmp_path / "ok.json", 0.1005))]) == 0
+    assert main(["compare", str(base), str(export(tmp_path / "w.json", 0.1030))]) == 1   # 3 % worse: flagged
+    out = capsys.readouterr().out
+    assert "kld" in out and "regressed" in out
+    assert main(["compare", str(base), str(export(tmp_path / "better.json", 0.09))]) == 0
+    bad = tmp_path / "t.toml"
+    bad.write_text('[metrics.kld]\ndirection = "higher"\nrel = 0.01\n')
+    assert main(["compare", str(base), str(base), "--tolerances", str(bad)]) == 2
+    assert "kld is lower is better" in " ".join(capsys.readouterr().err.split())
+
+
+def test_one_declaration_makes_a_task(monkeypatch):
+    """A new lm-eval task is one Task in the catalogue: the command line, the planner and the report know it."""
+    from bench import plan as P
+    from bench.cli import _task_names
+    new = E.Task("sciq", "SciQ", "sciq/test.jsonl", {"output_type": "multiple_choice"}, "acc", 4, 80, 1000)
+    monkeypatch.setattr(E, "TASKS", dict(E.TASKS, sciq=new))
+    monkeypatch.setattr(E, "ALL_TASKS", tuple(E.TASKS))
+    assert "sciq" in _task_names("all")
+    assert P.task_requests("sciq", 10) == (40, 80)
+    from bench.tasks import task_specs
+    assert task_specs(__import__("pathlib").Path("/d"))["sciq"]["dataset_kwargs"]["data_files"]["test"] == "/d/sciq/test.jsonl"
+
+
+def test_every_catalogue_metric_formats_and_has_a_direction():
+    for m in E.METRICS.values():
+        assert m.gate_direction in ("lower", "higher", "both")
+        assert m.format(0.5) and m.format(None) == "-"
+    cols = E.summary_columns({("quant", "bits_per_weight"), ("wikitext2", "kld"), ("wikitext2", "top1_agree"),
+                              ("wikitext2", "ppl"), ("c4", "ppl"), ("c4", "kld")})
+    assert [c.metric for c in cols][:5] == ["bits_per_weight", "kld", "top1_agree", "kld", "ppl"]
+
+
+def test_kld_chart_ticks_never_overprint_and_schemes_order_by_bits():
+    import re
+
+    from bench.html_report import scatter_svg, scheme_order
+    pts = [("rtn", 3.028, 0.5, 0.4, 0.6), ("gptq", 3.028, 0.3, 0.25, 0.35), ("rtn", 3.161, 0.2, 0.15, 0.25),
+           ("rtn", 4.029, 0.1, 0.08, 0.12), ("awq", 4.029, 0.09, 0.07, 0.11), ("rtn", 4.169, 0.05, 0.04, 0.06),
+           ("rtn", 8.035, 0.01, 0.005, 0.015)]
+    svg = scatter_svg(pts, "bits", "KLD", logy=False, zero_line="FP")
+    labels = [(float(x), float(y), t) for x, y, t in re.findall(r'<text class="xtick" x="([\d.]+)" y="([\d.]+)"[^>]*>([^<]+)<', svg)]
+    assert {t for *_, t in labels} == {"3.028", "3.161", "4.029", "4.169", "8.035"}   # every bit width labelled
+    for (x1, y1, t1), (x2, y2, t2) in zip(labels, labels[1:]):
+        assert y1 != y2 or x2 - x1 >= 6.2 * (len(t1) + len(t2)) / 2                # same row: no overlap
+    cx = [float(x) for x in re.findall(r'<circle cx="([\d.]+)" cy="[\d.]+" r="4" fill="[^"]+"><title>', svg)]
+    assert len(set(cx)) == len(cx)                                                   # points at one x dodged
+    assert 'class="zero"' in svg
+    assert scheme_order(["w8a8", "w4a16", "w3a16-g128", "w4a8", "w3a16", "w4a16-g128"]) == \
+        ["w3a16", "w3a16-g128", "w4a8", "w4a16", "w4a16-g128", "w8a8"]
