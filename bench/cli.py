@@ -6,7 +6,6 @@ Exit codes: 0 success, 2 bad input (one paragraph on stderr, no traceback), 1 fa
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -34,7 +33,13 @@ def _unique(items) -> list:
     return list(dict.fromkeys(items))
 
 
-_LISTS = {"methods": "method", "schemes": "scheme", "datasets": "perplexity dataset (wikitext2, c4; or 'none')"}
+def _catalogue():
+    from bench import evals
+    return evals
+
+
+_LISTS = {"methods": "method", "schemes": "scheme",
+          "datasets": f"perplexity dataset ({', '.join(_catalogue().PERPLEXITY)}; or 'none')"}
 
 
 def _check_lists(args) -> None:
@@ -58,11 +63,11 @@ def _schemes(spec: str | None) -> list[str]:
 
 
 def _datasets(spec: str) -> list[str]:
-    from bench.data import DATASETS
+    from bench.evals import PERPLEXITY
     names = [] if spec.strip().lower() == "none" else _unique(d.lower() for d in _csv(spec))
     for d in names:
-        if d not in DATASETS:
-            raise UserError(f"unknown dataset {d!r}: choose from {', '.join(DATASETS)} (or 'none').")
+        if d not in PERPLEXITY:
+            raise UserError(f"unknown dataset {d!r}: choose from {', '.join(PERPLEXITY)} (or 'none').")
     return names
 
 
@@ -97,33 +102,63 @@ def _default_results() -> Path:
     return cache_root() / "results.sqlite"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _run_epilog() -> str:
+    """What `run --help` lists: the registered methods, schemes, profiles and built-in models (read from their
+    registries, so the help never goes stale)."""
+    from bench.models import BUILTINS
+    from bench.profiles import PROFILES
+    from lrq.methods import load_methods
+    from lrq.schemes import DEFAULT_SCHEMES, SCHEMES
+    methods = load_methods()
+    lines = ["methods: " + ", ".join(sorted(n for n, c in methods.items() if not c.external))
+             + " (adapters run in their own environment, named explicitly: "
+             + ", ".join(sorted(n for n, c in methods.items() if c.external)) + ")",
+             "schemes: " + ", ".join(SCHEMES) + f" (default: {', '.join(DEFAULT_SCHEMES)})",
+             "profiles: " + "; ".join(f"{p.name}: {p.methods or 'every method'}, calibration "
+                                      f"{p.calib_samples or 'the preset default'} windows, tasks "
+                                      f"{p.tasks or 'none'}" for p in PROFILES.values()),
+             "built-in models: " + ", ".join(f"{n} ({b.note})" for n, b in BUILTINS.items())]
+    return "\n".join(textwrap.fill(line, width=100, subsequent_indent="  ") for line in lines)
+
+
+def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
+    """The command line; `with_lists`: the help lists registered methods, schemes, profiles and models (it
+    imports the methods, so only when help is asked for)."""
     p = _Parser(prog="lrq-bench", description="Post-training quantization benchmark: LRQ, FlexRound and baselines.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    r = sub.add_parser("run", help="quantize and evaluate every (method, scheme) cell")
+    r = sub.add_parser("run", help="quantize and evaluate every (method, scheme) cell",
+                       epilog=_run_epilog() if with_lists else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--profile", default=None, help="bundle of defaults below: sweep (the default: every method x "
                    "scheme, evaluation slices, tasks on 10 examples; within 2 hours on 2 CPU cores), first-look "
                    "(RTN only, within 10 minutes) or full (whole texts, all tasks); see bench/profiles.py")
-    r.add_argument("--model", default="smollm2-135m", help="built-in name, hub id, local folder or .gguf file")
+    r.add_argument("--model", default="smollm2-135m", help="built-in name, hub id, local folder or .gguf file; a "
+                   "folder holding a checkpoint quantized elsewhere (compressed-tensors or GPTQ format) is scored as "
+                   "one cell beside its reference model")
+    r.add_argument("--reference-model", default=None, help="the FP model a quantized --model checkpoint was made "
+                   "from (default: the one its own metadata names)")
     r.add_argument("--methods", default=None, help="comma-separated methods (default: every registered method)")
     r.add_argument("--schemes", default=None, help="comma-separated schemes (default: the six standard schemes)")
-    r.add_argument("--datasets", default=None, help="perplexity datasets (wikitext2,c4)")
+    r.add_argument("--datasets", default=None, help=f"perplexity texts, each also compared with the FP model "
+                   f"(KL divergence, top-1 agreement): {','.join(_catalogue().PERPLEXITY)} or 'none'")
     r.add_argument("--data-dir", default=None, help="data folder (default: $LRQ_BENCH_DATA, else the hub)")
     r.add_argument("--results", default=None, help="SQLite results store (default: ~/.cache/lrq-bench/results.sqlite)")
-    r.add_argument("--preset", default="quick", choices=["quick", "paper"], help="method settings preset")
+    r.add_argument("--preset", default="quick", choices=["quick", "long", "paper"],
+                   help="method settings preset: quick (CPU-sized, the default), long (1,000 steps per block at "
+                        "batch 2 x 1,024 on 128 calibration windows: about 2 hours per LRQ/FlexRound cell on 2 CPU "
+                        "cores), paper (the authors' settings)")
     r.add_argument("--max-eval-tokens", type=int, default=None,
                    help="evaluate only the first N tokens of each text (0: the whole text)")
     r.add_argument("--eval-seq-len", type=int, default=2048, help="perplexity window length")
     r.add_argument("--include-partial", action="store_true", help="also score the last partial window")
     r.add_argument("--calib-dataset", default=None, choices=["c4", "wikitext2"], help="default c4")
     r.add_argument("--calib-samples", type=int, default=None,
-                   help="calibration windows (default 128; the paper preset of lrq/flexround: 512)")
+                   help="calibration windows (default: the profile's, 32 for sweep and first-look; with --profile "
+                        "full the method's preset: 128, the paper preset of lrq/flexround 512)")
     r.add_argument("--calib-seq-len", type=int, default=None, help="default 512 (paper preset: 1024)")
     r.add_argument("--calib-sampling", default=None, choices=["random", "sequential"], help="default random")
-    r.add_argument("--tasks", default=None, help="lm-eval accuracy tasks: comma-separated names from "
-                   "piqa,arc_easy,arc_challenge,hellaswag,winogrande,boolq,openbookqa,lambada_openai,mmlu, or "
-                   "'zeroshot' (the paper's seven), 'all' or 'none'")
+    r.add_argument("--tasks", default=None, help=f"lm-eval accuracy tasks: comma-separated names from "
+                   f"{','.join(_catalogue().ALL_TASKS)}, or 'zeroshot' (the paper's seven), 'all' or 'none'")
     r.add_argument("--task-limit", type=int, default=None, help="examples per task (0: all)")
     r.add_argument("--jobs", default=None, help="local executor: cells run at once in worker processes on this "
                    "machine, or 'auto' (2 on a CPU machine with >= 2 cores, 1 with a GPU)")
@@ -151,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", default=None, help="run profile whose defaults to plan (as for `run`)")
     pl.add_argument("--methods", default=None)
     pl.add_argument("--schemes", default=None)
-    pl.add_argument("--preset", default="quick", choices=["quick", "paper"])
+    pl.add_argument("--preset", default="quick", choices=["quick", "long", "paper"])
     pl.add_argument("--datasets", default=None)
     pl.add_argument("--max-eval-tokens", type=int, default=None, help="0: the whole text")
     pl.add_argument("--eval-seq-len", type=int, default=2048)
@@ -176,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--scheme", required=True)
     ex.add_argument("--out", required=True, help="folder to write (model.safetensors, config.json, tokenizer)")
     ex.add_argument("--data-dir", default=None)
-    ex.add_argument("--preset", default="quick", choices=["quick", "paper"])
+    ex.add_argument("--preset", default="quick", choices=["quick", "long", "paper"])
     ex.add_argument("--calib-dataset", default=None, choices=["c4", "wikitext2"])
     ex.add_argument("--calib-samples", type=int, default=None)
     ex.add_argument("--calib-seq-len", type=int, default=None)
@@ -196,11 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="write the Markdown leaderboard from the results store")
     rep.add_argument("--results", default=None)
-    rep.add_argument("--out", default="lrq-bench-report")
+    rep.add_argument("--out", default="lrq-bench-report", help="folder for leaderboard.md and leaderboard.html "
+                     "(default: ./lrq-bench-report)")
 
     res = sub.add_parser("results", help="print stored results")
     res.add_argument("--results", default=None)
-    res.add_argument("--json", action="store_true", help="a JSON list of every stored row")
+    res.add_argument("--format", default="table", choices=["table", "csv", "json"],
+                     help="table (default, with a header), csv, or json (every row with its full configuration)")
+    res.add_argument("--json", action="store_true", help="the same as --format json")
     return p
 
 
@@ -215,7 +253,7 @@ def _apply_profile(args):
 
 
 def _task_names(spec: str) -> list[str]:
-    from bench.tasks import ALL_TASKS, ZERO_SHOT
+    from bench.evals import ALL_TASKS, ZERO_SHOT
     return {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(spec, _csv(spec))
 
 
@@ -258,6 +296,7 @@ def cmd_run(args) -> int:
     from bench.store import ResultStore
     from bench.sweep import missing_units, run_cells
     _check_lists(args)
+    external = _external_checkpoint(args)   # --model a checkpoint quantized elsewhere: it is the one cell
     prof = _apply_profile(args)
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
     args.task_limit = args.task_limit if args.task_limit != 0 else None
@@ -266,10 +305,12 @@ def cmd_run(args) -> int:
         executor = RayExecutor(args.ray_address, retries=args.retries, cpus_per_cell=args.cpus_per_cell)
     else:
         executor = LocalExecutor(resolve_jobs(args.jobs))
-    methods = _methods(args.methods)
-    schemes = _schemes(args.schemes)
+    if external:
+        methods, schemes, user_overrides = ["external"], [external["scheme"]], external["overrides"]
+    else:
+        methods, schemes = _methods(args.methods), _schemes(args.schemes)
+        user_overrides = _checked_overrides(args.set, methods)
     datasets = _datasets(args.datasets)
-    user_overrides = _checked_overrides(args.set, methods)
     if args.out:
         _check_writable(args.out)
     for name, v in (("--max-eval-tokens", args.max_eval_tokens), ("--eval-seq-len", args.eval_seq_len),
@@ -278,7 +319,7 @@ def cmd_run(args) -> int:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
     compute = resolve_device(args.device)
-    from bench.tasks import ALL_TASKS
+    from bench.evals import ALL_TASKS
     tasks = _task_names(args.tasks)
     bad = [t for t in tasks if t not in ALL_TASKS]
     if bad:
@@ -294,7 +335,8 @@ def cmd_run(args) -> int:
     hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
 
-    overrides = dict(prof.method_settings) | user_overrides   # explicit --set wins over the profile
+    # explicit --set wins over the profile; a checkpoint read as it is takes none of the methods' settings
+    overrides = user_overrides if external else dict(prof.method_settings) | user_overrides
     seeds = _seeds(args)
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
@@ -340,8 +382,9 @@ def cmd_run(args) -> int:
     estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
     outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate)
     wall = time.perf_counter() - t0
-    run_precisions = {c.precision for c in cells}
-    rows = [r for r in store.rows(latest=True) if r.model == args.model and r.precision in run_precisions]
+    from bench.store import newest
+    run_keys = {k for c in cells for k in c.keys.values()}   # the leaderboard of this run's own settings only
+    rows = newest([r for r in store.rows() if r.unit_key in run_keys])
     _warn_unreadable(store)
     print(markdown_report(rows))
     if args.out:
@@ -411,6 +454,36 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _external_checkpoint(args) -> dict | None:
+    """`--model` names a checkpoint quantized elsewhere (baselines.external): the run scores it as one cell
+    beside its reference FP model, which becomes the run's model. None for an ordinary model."""
+    from baselines.external import describe, quantization_config
+    if not quantization_config(args.model):
+        if args.reference_model:
+            raise UserError(f"--reference-model applies to a quantized checkpoint, and {args.model!r} is not one.")
+        return None
+    for opt, v in (("--methods", args.methods), ("--schemes", args.schemes), ("--set", args.set)):
+        if v:
+            raise UserError(f"{opt} does not apply to {args.model!r}: it is a checkpoint quantized elsewhere, scored "
+                            f"as it is (one cell). Leave {opt} out.")
+    info = describe(args.model)
+    reference = args.reference_model or info["reference"]
+    if not reference:
+        raise UserError(f"{args.model!r} is a {info['format']} checkpoint ({info['method']}) that does not name the "
+                        f"floating-point model it was quantized from: pass it with --reference-model (a built-in "
+                        f"name, folder or hub id), so the checkpoint is scored on that model's windows and compared "
+                        f"with its cells.")
+    from bench.models import model_fingerprint
+    folder = str(Path(args.model).expanduser().resolve())
+    info["overrides"] = {"checkpoint": folder, "fingerprint": model_fingerprint(folder)}
+    _say(f"{args.model}: a {info['format']} checkpoint ({info['bits']}-bit, "
+         f"{'group ' + str(info['group_size']) if info['group_size'] else 'per channel'}, "
+         f"{'symmetric' if info['symmetric'] else 'asymmetric'}) scored as {info['method']} ({info['scheme']}) "
+         f"against {reference}")
+    args.model = reference
+    return info
+
+
 def _announce_estimate(args, cells, todo, executor, loaded):
     """Print the planner's estimate of what the run is about to compute, on this machine at the run's precision
     (asking nothing: a user who sees '34 h' can stop at once). Returns the estimate (the progress bar weighs
@@ -470,6 +543,16 @@ def cmd_export(args) -> int:
                           overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
                           seed=args.seed, data_dir=args.data_dir, precision=args.precision))
     _check_export_target(args.out, args.model)      # before any quantization: never over the source model
+    if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
+        from bench.plan import load_shape
+        from lrq.export import group_fit_problem
+        try:
+            shape = load_shape(args.model)
+        except UserError:
+            shape = None                               # a .gguf file: lrq.save checks after quantizing
+        problem = shape and group_fit_problem(cell.scheme, sorted({i for i, _ in shape.linears()}))
+        if problem:
+            raise UserError(f"--scheme {cell.scheme.name}: {problem} Nothing was quantized.")
     if cell.uses_calibration:
         check_available([cell.calib.dataset], resolve_data_dir(args.data_dir))
     model, tok, cfg, stats, qm = quantize_cell(cell)
@@ -520,19 +603,31 @@ def cmd_report(args) -> int:
     out = write_report(store, Path(args.out))
     _warn_unreadable(store)
     print(out)
+    print(out.with_name("leaderboard.html"))
     return 0
+
+
+RESULT_COLUMNS = ("model", "method", "scheme", "precision", "dataset", "metric", "value", "seed", "git_rev", "created_at")
 
 
 def cmd_results(args) -> int:
     store = _existing_store(args.results)
     rows = store.rows()
     _warn_unreadable(store)
-    if args.json:
-        sys.stdout.write(dumps_json([asdict(r) for r in rows], indent=1, default=str))
+    fmt = "json" if args.json else args.format
+    if fmt == "json":
+        sys.stdout.write(dumps_json([asdict(r) | {"precision": r.precision} for r in rows], indent=1, default=str))
         print()
+        return 0
+    table = [[getattr(r, c) if c != "git_rev" else r.git_rev[:12] for c in RESULT_COLUMNS] for r in rows]
+    if fmt == "csv":
+        import csv
+        w = csv.writer(sys.stdout)
+        w.writerow(RESULT_COLUMNS)
+        w.writerows(table)
     else:
-        for r in rows:
-            print(f"{r.model}\t{r.method}\t{r.scheme}\t{r.dataset}\t{r.metric}\t{r.value}\t{r.git_rev[:12]}")
+        from tabulate import tabulate
+        print(tabulate(table, headers=RESULT_COLUMNS, tablefmt="simple", disable_numparse=True))
     return 0
 
 
@@ -553,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else argv
+        args = build_parser(with_lists=any(a in ("-h", "--help") for a in argv)).parse_args(argv)
         return {"run": cmd_run, "plan": cmd_plan, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
                 "results": cmd_results}[args.command](args)
     except UserError as e:

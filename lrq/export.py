@@ -7,7 +7,7 @@ Per quantized linear `<prefix>` (compressed-tensors names and conventions):
   <prefix>.weight_packed      int32 [out, ceil(in * b / 32)]  dense LSB-first bit stream of q (lrq.packing;
                               a PackedLinear's in-memory planar layout is converted on the way out and in);
                               compressed-tensors' signed value q - 2^(b-1) plus its 2^(b-1) offset is q
-  <prefix>.weight_scale       fp16 [out, n_groups]
+  <prefix>.weight_scale       float32 [out, n_groups] (fp16 when exported from an already packed model)
   <prefix>.weight_zero_point  int32 [ceil(out * b / 32), n_groups]  signed zero point z - 2^(b-1), packed along dim 0
   <prefix>.weight_shape       int64 [2]
   <prefix>.input_scale / .input_zero_point   the static per-tensor activation range (w8a8)
@@ -54,9 +54,30 @@ def _quant_args(scheme: Scheme) -> dict:
 
 
 def quantization_config(scheme: Scheme, ragged: bool) -> dict:
+    """compressed-tensors' config. `dequantize: true` asks transformers to expand the packed integers into dense
+    weights as it loads: compressed-tensors 0.18-0.20 build the model on the meta device with an unpacked zero
+    point and then refuse the packed one this format (and compressed-tensors' own writer) stores, so without it
+    `AutoModelForCausalLM.from_pretrained` fails on every asymmetric pack-quantized checkpoint; with it the
+    logits equal ours exactly (tests/test_export.py). The file itself stays the standard packed layout."""
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
-            "config_groups": {"group_0": _quant_args(scheme)}, "ignore": ["lm_head"],
+            "config_groups": {"group_0": _quant_args(scheme)}, "ignore": ["lm_head"], "dequantize": True,
             "lrq_bench": {"scheme": scheme.to_dict(), "ragged_groups": ragged}}
+
+
+def group_fit_problem(scheme: Scheme, in_widths) -> str | None:
+    """Why compressed-tensors loaders would refuse `scheme` on layers of these input widths (a group size that
+    does not divide one of them), with the schemes that would fit, or None."""
+    if scheme.group_size is None:
+        return None
+    bad = sorted({w for w in in_widths if w % scheme.group_size})
+    if not bad:
+        return None
+    fits = [s.name for s in SCHEMES.values() if s.w_bits == scheme.w_bits and s.a_bits == scheme.a_bits
+            and s.group_size and all(w % s.group_size == 0 for w in in_widths) and s.kv_bits is None]
+    return (f"group size {scheme.group_size} does not divide the input width of every layer ({', '.join(map(str, bad))}): "
+            f"compressed-tensors loaders (transformers, vLLM) reject such a checkpoint. Use "
+            + (f"--scheme {fits[0]} ({fits[0].split('-g')[1]} divides every width)" if fits else "a per-channel scheme")
+            + ", or --allow-ragged for a folder only lrq-bench's own loader (lrq.load) reads.")
 
 
 def _scheme_of(model: nn.Module) -> Scheme:
@@ -80,18 +101,18 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
     compressed-tensors (and so vLLM and transformers) refuse a group size that does not divide every
     layer's input width; such a model is written only with allow_ragged=True (lrq-bench reads it back)."""
     scheme = _scheme_of(model)
-    if scheme.group_size is not None and not allow_ragged:
-        bad = sorted({m.in_features for _, _, m in iter_linears(model) if m.in_features % scheme.group_size})
-        if bad:
-            raise UserError(f"group size {scheme.group_size} does not divide the input width of every layer "
-                            f"({', '.join(map(str, bad))}): compressed-tensors loaders (vLLM, transformers) reject "
-                            f"such a checkpoint. Quantize with a group size that divides them (e.g. 64 for 576) "
-                            f"or export with allow_ragged=True for lrq-bench's own loader.")
+    problem = None if allow_ragged else group_fit_problem(scheme, [m.in_features for _, _, m in iter_linears(model)])
+    if problem:
+        raise UserError(problem.replace("--allow-ragged", "allow_ragged=True"))
+    # the scales as the quantized model holds them (float32 from every method): a checkpoint read back, by
+    # transformers or as a cell of its own, then computes exactly what the model in memory computed; the packed
+    # model keeps its fp16 copy (lrq.packed), which is what it had already
+    scales = {f"model.layers.{i}.{name}": m.scale.detach().float().clone()
+              for i, name, m in iter_linears(model) if isinstance(m, QuantLinear)}
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         pack_model(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    offset = 1 << (scheme.w_bits - 1)
     tensors: dict[str, torch.Tensor] = {}
     quantized_prefixes = set()
     ragged = False
@@ -100,7 +121,7 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
         quantized_prefixes.add(prefix)
         ragged |= scheme.group_size is not None and m.in_features % scheme.group_size != 0
         tensors[f"{prefix}.weight_packed"] = planar_to_stream(m.weight_packed, scheme.w_bits, m.in_features).contiguous()
-        tensors[f"{prefix}.weight_scale"] = m.scale.contiguous()
+        tensors[f"{prefix}.weight_scale"] = scales.get(prefix, m.scale).contiguous()
         zp = m.zero.to(torch.int64)   # = (z - offset) + offset: pack the signed zero point with its offset
         tensors[f"{prefix}.weight_zero_point"] = pack_bits(zp.t().contiguous(), scheme.w_bits).t().contiguous()
         tensors[f"{prefix}.weight_shape"] = torch.tensor([m.out_features, m.in_features], dtype=torch.int64)

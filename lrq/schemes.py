@@ -41,6 +41,13 @@ _ALL = [
     Scheme("w3a16", 3, None, description="3-bit per-channel weights, fp activations"),
     Scheme("w4a16-g128", 4, 128, description="4-bit weights in groups of 128 columns, fp activations"),
     Scheme("w3a16-g128", 3, 128, description="3-bit weights in groups of 128 columns, fp activations"),
+    # groups that divide the default model's widths (576, 1536): exports compressed-tensors loaders accept
+    Scheme("w4a16-g64", 4, 64, description="4-bit weights in groups of 64 columns, fp activations"),
+    Scheme("w3a16-g64", 3, 64, description="3-bit weights in groups of 64 columns, fp activations"),
+    Scheme("w8a16", 8, None, description="8-bit per-channel weights, fp activations"),
+    # llm-compressor's W8A8 preset: per-token dynamic activations (ours, w8a8, is per-tensor static)
+    Scheme("w8a8-dyn", 8, None, 8, "per_token", description="8-bit per-channel weights, 8-bit per-token dynamic "
+           "activations"),
     Scheme("w4a8-kv8", 4, None, 8, "per_token", kv_bits=8,
            description="w4a8 plus 8-bit per-token K/V (k_proj, v_proj outputs)"),
 ]
@@ -48,6 +55,15 @@ _ALL = [
 SCHEMES: dict[str, Scheme] = {s.name: s for s in _ALL}
 # The schemes a plain `lrq-bench run` sweeps; w4a8-kv8 is opt-in.
 DEFAULT_SCHEMES: tuple[str, ...] = ("w8a8", "w4a8", "w4a16", "w3a16", "w4a16-g128", "w3a16-g128")
+
+
+def register_scheme(scheme: Scheme) -> Scheme:
+    """Add a scheme to the registry (a checkpoint quantized elsewhere may use one the suite does not list)."""
+    known = SCHEMES.get(scheme.name)
+    if known is not None and known != scheme:
+        raise UserError(f"scheme name {scheme.name!r} is taken by another scheme.")
+    SCHEMES[scheme.name] = scheme
+    return scheme
 
 
 def get_scheme(name: str) -> Scheme:

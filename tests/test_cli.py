@@ -110,10 +110,17 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     from bench.report import cell_stats
     ranked = S.rank({k: v[("wikitext2", "ppl")] for k, v in cell_stats(ResultStore(results).rows(latest=True)).items()
                      if k[0] != "fp"}, True)
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in summary.splitlines()
+            if ln.startswith("| ") and "---" not in ln]
+    col = rows[0].index("WikiText-2 ppl")
+    ppl_cells = [r[col] for r in rows[1:] if r[0] == "rtn"]
+    assert len(ppl_cells) == 2
     if ranked.status == "separated":
-        assert f"**{best:.2f} (" in summary and f"**{worse:.2f}" not in summary
+        assert any(c.startswith(f"**{best:.2f} (") for c in ppl_cells) and not any(c.startswith(f"**{worse:.2f}") for c in ppl_cells)
     else:
-        assert ranked.status == "tied" and "**" not in summary.split("- WikiText-2")[0] and "no separated best" in summary
+        assert ranked.status == "tied" and not any("**" in c for c in ppl_cells)
+        assert all(c.endswith("~") for c in ppl_cells), ppl_cells
+        assert "- WikiText-2 ppl: no separated best" in summary
 
 
 def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, data_dir, tmp_path, capsys,
@@ -184,3 +191,37 @@ def test_task_accuracy_through_lm_eval(tiny_model_dir, data_dir, tmp_path, capsy
     assert ("fp", "zeroshot_avg", "acc") in acc
     code, _, err = _run(args[:-4] + ["--tasks", "nope"], capsys)
     assert code == 2 and "unknown task" in err
+
+
+def test_the_rough_edges_a_new_user_met(tiny_model_dir, data_dir, tmp_path, capsys):
+    """results has a header and formats; report prints both paths; run --help lists what can be chosen;
+    a cell left without evaluation by an interrupted run is not a row of dashes; one window is not 'stored
+    before per-window data were kept'."""
+    import csv
+    import io
+    results = tmp_path / "r.sqlite"
+    assert main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn",
+                 "--schemes", "w4a16,w3a16", "--datasets", "wikitext2", "--data-dir", str(data_dir), "--results",
+                 str(results), "--max-eval-tokens", "256", "--eval-seq-len", "256", "--jobs", "1"]) == 0
+    capsys.readouterr()
+    code, out, _ = _run(["results", "--results", str(results)], capsys)
+    assert code == 0 and out.splitlines()[0].split()[:6] == ["model", "method", "scheme", "precision", "dataset", "metric"]
+    code, out, _ = _run(["results", "--results", str(results), "--format", "csv"], capsys)
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and {r["metric"] for r in rows} >= {"ppl", "kld", "bits_per_weight"}
+    # an interrupted run: the quant unit of a cell stored, none of its evaluation
+    from bench.store import ResultStore, Row
+    ResultStore(results).write_unit([Row(str(tiny_model_dir), "gptq", "w4a16", "quant", "bits_per_weight", 4.2)], "x")
+    code, out, _ = _run(["report", "--results", str(results), "--out", str(tmp_path / "rep")], capsys)
+    assert code == 0 and out.split() == [str(tmp_path / "rep" / "leaderboard.md"), str(tmp_path / "rep" / "leaderboard.html")]
+    md = (tmp_path / "rep" / "leaderboard.md").read_text()
+    summary = md.split("### Summary")[1].split("###")[0]
+    assert "| gptq " not in summary and "Not shown: gptq w4a16" in summary
+    assert "- wikitext2: 1 window of 256 tokens" in md
+    assert "measured on 1 window or example only" in md and "stored before per-window" not in md
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for word in ("methods: awq, flexround, gptq, lrq", "w4a16-g64", "profiles: sweep", "first-look",
+                 "built-in models: smollm2-135m", "32 for sweep and first-look", "--precision"):
+        assert word in text, word

@@ -70,3 +70,33 @@ def test_export_errors_are_clear(tmp_path):
         load_compressed(tmp_path / "nothing")
     with pytest.raises(UserError, match="not a compressed-tensors"):
         scheme_from_config({"quant_method": "gptq"})
+
+
+@pytest.mark.parametrize("scheme_name", ["w4a16", "w3a16", "w8a16", "w4a16-g128", "w3a16-g64"])
+def test_transformers_loads_the_export_with_our_logits(scheme_name, tmp_path):
+    """`AutoModelForCausalLM.from_pretrained(folder)` (transformers' compressed-tensors integration, the
+    `export` extra) loads every weight-only export and gives the logits of the in-memory quantized model:
+    to float32 rounding (both compute (q - z) * s, then the same matmuls)."""
+    pytest.importorskip("compressed_tensors", reason="the export extra (compressed-tensors) is not installed")
+    import lrq
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)   # every width a multiple of 128: groups of 128 and 64 fit
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    lrq.quantize(model, "rtn", scheme_name)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    save_compressed(model, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = loaded(ids).logits
+    diff = (got - ref).abs().max().item()
+    print(f"{scheme_name}: max |logit difference| {diff:.3g}")
+    assert diff <= 1e-4, diff

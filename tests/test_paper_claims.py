@@ -46,7 +46,17 @@ def test_paper_claims_verdicts_follow_the_intervals(tmp_path):
     # lower perplexity than FlexRound and GPTQ on every window: separated; the rest are not in the store
     assert w4["verdict"] == "holds" and "vs omniquant: not in the store" in w4["measurement"]
     assert by["The rank"]["verdict"] == "not measurable here"
-    assert (tmp_path / "good" / "claims.html").read_text().count("<tr>") == len(res["claims"]) + 1
+    page = (tmp_path / "good" / "claims.html").read_text()
+    assert page.count("<tr>") == len(res["claims"]) + 1
+    # readable at a glance: one number per row, a coloured short verdict, the measurements folded under it,
+    # no path of the machine that made it
+    assert [c["id"] for c in res["claims"]] == list(range(1, len(res["claims"]) + 1))
+    assert {c["verdict_class"] for c in res["claims"]} <= {"holds", "holds in part", "not separated",
+                                                            "does not hold", "not measurable here"}
+    assert page.count("<details>") == len(res["claims"]) and 'style="background:#d7f0d2"' in page
+    assert res["store"] == "good.sqlite" and str(tmp_path) not in page
+    md = (tmp_path / "good" / "claims.md").read_text()
+    assert md.count("\n## ") == len(res["claims"]) and str(tmp_path) not in md
 
     _claims_store(tmp_path / "bad.sqlite", lrq_held=6.6, fr_held=6.0, lrq_ppl_shift=0.02)
     assert main(["--results", str(tmp_path / "bad.sqlite"), "--out", str(tmp_path / "bad")]) == 0
@@ -91,11 +101,12 @@ def test_the_figure2_study_joins_the_page(tmp_path, lrq_held, verdict):
     f2 = _figure2_dir(tmp_path / "f2", lrq_held, [6.5, 6.6, 6.4, 6.7])
     assert main(["--results", str(tmp_path / "s.sqlite"), "--figure2", str(f2), "--out", str(tmp_path / "o")]) == 0
     by = {c["claim"]: c for c in json.loads((tmp_path / "o" / "claims.json").read_text())["claims"]}
-    row = by["Figure 2 in the paper's regime"]
+    row = next(c for name, c in by.items() if name.startswith("Figure 2 in the paper's regime (LRQ rank rule"))
     assert row["verdict"] == verdict and "10 steps/block, batch 2, calibration 8 x 1024 (4 held out)" in row["regime"]
     assert "block 0 after 10 steps" in row["measurement"][0] and "4 windows each" in row["measurement"][0]
     page = (tmp_path / "o" / "claims.html").read_text()
     assert "paper's regime: block error during training" in page and page.count("<svg") == 1
+    assert "<h3>Block 0, LRQ rank rule" in page and "(f2)</h3>" in page      # each figure titled apart
     with pytest.raises(UserError, match="no figure2.json"):
         main(["--results", str(tmp_path / "s.sqlite"), "--figure2", str(tmp_path), "--out", str(tmp_path / "o2")])
 

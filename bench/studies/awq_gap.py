@@ -23,7 +23,6 @@ those differences, on the full texts and on the first 20 windows (the cross-chec
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path

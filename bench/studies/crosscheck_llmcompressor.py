@@ -18,7 +18,6 @@ interval from the per-window NLL differences.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

@@ -67,10 +67,11 @@ def param_counts(shape, rule: str, rank: int = 1024, fraction: float = 0.25, gro
     from lrq.flexround import flexround_param_count
     from lrq.lrq import choose_rank, lrq_param_count
     from lrq.quant import n_groups
+    from lrq.lrq import ATTENTION
     lrq = fr = 0
-    for cin, cout in shape.linears():
+    for name, (cin, cout) in zip(ATTENTION + ("gate_proj", "up_proj", "down_proj"), shape.linears()):
         ng = n_groups(cin, group_size)
-        r = choose_rank(cout, cin, rule, rank, fraction)
+        r = choose_rank(cout, cin, rule, rank, fraction, name)
         lrq += flexround_param_count(cout, cin, ng) if r is None else lrq_param_count(cout, cin, r, ng)
         fr += flexround_param_count(cout, cin, ng)
     return {"lrq": lrq * shape.layers, "flexround": fr * shape.layers}
@@ -81,7 +82,7 @@ def claim_params(shape, rows) -> dict:
     from lrq.schemes import get_scheme
     lines, verdicts = [], []
     for sh in (shape, SHAPES["llama-2-7b"]):
-        for preset, rule in (("quick", "fraction"), ("paper", "official")):
+        for preset, rule in (("quick", "fraction"), ("paper", "official"), ("paper", "llama2-7b-like")):
             c = param_counts(sh, rule)
             ratio = c["lrq"] / c["flexround"]
             verdicts.append(ratio < 1)
@@ -121,7 +122,12 @@ def _regime(cfg: dict) -> str:
     c = cfg.get("calibration") or {}
     return (f"{m.get('iters', '?')} steps/block, batch {m.get('batch_size', '?')}, calibration "
             f"{c.get('n_samples', '?')} x {c.get('seq_len', '?')} ({m.get('heldout_samples', '?')} held out), "
-            f"{m.get('preset', '?')} preset")
+            f"{m.get('preset', '?')} preset" + _precision_text(m.get("train_precision")))
+
+
+def _precision_text(train_precision) -> str:
+    return ", the authors' fp16 pipeline (fp16 model and freeze, fp16 autocast + GradScaler where their script "\
+           "uses it)" if train_precision == "authors" else ""
 
 
 def _log_ratio_ci(a: list[float], b: list[float]) -> tuple[float, float, float, int] | None:
@@ -187,7 +193,8 @@ def claim_figure2_study(path: str) -> tuple[dict, list[dict]]:
     c, s = res["config"], res["config"]["settings"]
     regime = (f"{s['iters']} steps/block, batch {s['batch_size']}, calibration {c['train_windows']} x "
               f"{c['calibration']['seq_len']} ({c['heldout_windows']} held out), paper preset; blocks "
-              f"{', '.join(map(str, c['blocks']))}; Figure-2 study ({path})")
+              f"{', '.join(map(str, c['blocks']))}; Figure-2 study ({Path(path).name})"
+              + _precision_text(s.get("train_precision")))
     lines, outcomes = [], []
     for row in F.summary(res):
         q = row.get("lrq_over_flexround")
@@ -215,8 +222,10 @@ def claim_figure2_study(path: str) -> tuple[dict, list[dict]]:
                "not separated" if counts["not separated"] == len(outcomes) else "mixed")
     why = (f"held-out error lower with LRQ (separated) in {counts['holds']} of {len(outcomes)} blocks, higher in "
            f"{counts['does not hold']}, not separated in {counts['not separated']}; the curves are on the HTML page")
-    return ({"id": "2b", "claim": "Figure 2 in the paper's regime", "statement": statement, "measurement": lines,
-             "verdict": verdict, "why": why, "regime": regime}, F.charts(res))
+    rank = next((r.get("resolved", {}).get("rank_rule") for k, r in res["results"].items() if k.endswith("/lrq")), "?")
+    charts = [dict(ch, title=f"Block {ch['block']}, LRQ rank rule {rank} ({Path(path).name})") for ch in F.charts(res)]
+    return ({"id": "2b", "claim": f"Figure 2 in the paper's regime (LRQ rank rule {rank})", "statement": statement,
+             "measurement": lines, "verdict": verdict, "why": why, "regime": regime}, charts)
 
 
 # ---- claim 3: results per scheme ---------------------------------------------------------------------------
@@ -364,9 +373,24 @@ def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: lis
     claims = [claim_params(load_shape(model), rows), claim_figure2(rows), *(c for c, _ in studies),
               *claim_schemes(rows), claim_rank(all_rows)]
     revs = sorted({r.git_rev for r in rows})
-    return {"model": model, "store": str(store_path), "rank_stores": [str(p) for p in rank_stores],
+    for n, c in enumerate(claims, 1):   # one number per row, in page order; the kind of claim stays in its name
+        c["id"] = n
+        c["verdict_class"] = verdict_class(c["verdict"])
+    # the stores by name only: a page committed to the repository names no path of the machine it was made on
+    return {"model": model, "store": Path(store_path).name, "rank_stores": [Path(p).name for p in rank_stores],
             "rows": len(rows), "row_revisions": revs,
             "written_by": git_revision(), "claims": claims, "curves": [ch for _, cs in studies for ch in cs]}
+
+
+VERDICTS = {"holds": "holds", "holds in part": "holds in part", "mixed": "holds in part",
+            "not separated": "not separated", "does not hold": "does not hold"}
+COLOURS = {"holds": "#d7f0d2", "holds in part": "#fff1c2", "not separated": "#e8e8e8", "does not hold": "#f8d4d0",
+           "not measurable here": "#ffffff"}
+
+
+def verdict_class(verdict: str) -> str:
+    """One of the page's four verdicts (holds, holds in part, not separated, does not hold), or not measurable."""
+    return VERDICTS.get(verdict, "not measurable here")
 
 
 def _rev(r: str) -> str:
@@ -374,32 +398,41 @@ def _rev(r: str) -> str:
 
 
 def markdown(res: dict) -> str:
+    """A short table (number, claim, verdict, regime), then each row's statement, measurements and reasons."""
     out = ["# The LRQ paper's claims, re-measured", "",
            f"Model {res['model']}; results store `{res['store']}` ({res['rows']} rows, code revisions "
            f"{', '.join(_rev(r) for r in res['row_revisions'])})"
            + "".join(f"; rank sweep `{p}`" for p in res.get("rank_stores", []))
            + f"; written by {_rev(res['written_by'])}. "
            "Each verdict holds for the regime stated in its row, not beyond it.", "",
-           "| # | claim | the paper's statement | our measurement | verdict | regime |", "|---|---|---|---|---|---|"]
+           "| # | claim | verdict | regime |", "|---|---|---|---|"]
     for c in res["claims"]:
-        meas = "<br>".join(c["measurement"]) or "-"
-        out.append(f"| {c['id']} | {c['claim']} | {c['statement']} | {meas} | **{c['verdict']}**: {c['why']} "
-                   f"| {c['regime']} |")
+        out.append(f"| {c['id']} | {c['claim']} | **{c['verdict_class']}** | {c['regime']} |")
+    for c in res["claims"]:
+        out += ["", f"## {c['id']}. {c['claim']}: {c['verdict_class']}", "", f"*The paper:* {c['statement']}", "",
+                f"*Verdict:* {c['verdict']}: {c['why']}", ""]
+        out += [f"- {line}" for line in c["measurement"]] or ["- no measurement"]
     return "\n".join(out) + "\n"
 
 
 _HTML = """<!doctype html><html><head><meta charset="utf-8"><title>LRQ paper claims</title>
 <style>body{font-family:sans-serif;max-width:1200px;margin:2em auto}td,th{border:1px solid #ccc;padding:.4em;
-vertical-align:top}table{border-collapse:collapse}.v{font-weight:bold}</style></head><body>
+vertical-align:top;text-align:left}table{border-collapse:collapse}.v{font-weight:bold;white-space:nowrap}
+details{margin:.2em 0}summary{cursor:pointer;color:#333}.legend span{padding:.1em .5em;margin-right:.5em}</style>
+</head><body>
 <h1>The LRQ paper's claims, re-measured</h1>
 <p>Model {{ r.model }}; results store <code>{{ r.store }}</code> ({{ r.rows }} rows). Each verdict holds for the
-regime stated in its row, not beyond it.</p>
-<table><tr><th>#</th><th>claim</th><th>the paper's statement</th><th>our measurement</th><th>verdict</th><th>regime</th></tr>
-{% for c in r.claims %}<tr><td>{{ c.id }}</td><td>{{ c.claim }}</td><td>{{ c.statement }}</td>
-<td>{% for l in c.measurement %}{{ l }}<br>{% endfor %}</td><td><span class="v">{{ c.verdict }}</span>: {{ c.why }}</td>
+regime stated in its row, not beyond it. Open a row for the paper's statement and every measurement behind it.</p>
+<p class="legend">{% for k, col in colours.items() %}<span style="background:{{ col }}">{{ k }}</span>{% endfor %}</p>
+<table><tr><th>#</th><th>claim</th><th>verdict</th><th>regime</th></tr>
+{% for c in r.claims %}<tr><td>{{ c.id }}</td>
+<td>{{ c.claim }}<details><summary>the paper, and {{ c.measurement|length }} measurement{{ '' if c.measurement|length == 1 else 's' }}</summary>
+<p><i>The paper:</i> {{ c.statement }}</p><p><i>Why this verdict:</i> {{ c.verdict }}: {{ c.why }}</p>
+<ul>{% for l in c.measurement %}<li>{{ l }}</li>{% endfor %}</ul></details></td>
+<td class="v" style="background:{{ colours[c.verdict_class] }}">{{ c.verdict_class }}</td>
 <td>{{ c.regime }}</td></tr>{% endfor %}</table>
 {% if r.curves %}<h2>Figure 2 in the paper's regime: block error during training</h2>
-{% for ch in r.curves %}<h3>Block {{ ch.block }}</h3>{{ ch.svg | safe }}{% endfor %}{% endif %}</body></html>
+{% for ch in r.curves %}<h3>{{ ch.title or ("Block " ~ ch.block) }}</h3>{{ ch.svg | safe }}{% endfor %}{% endif %}</body></html>
 """
 
 
@@ -412,7 +445,7 @@ def main(argv=None) -> int:
     atomic_write_text(out / "claims.json", dumps_json({k: v for k, v in res.items() if k != "curves"}, indent=1))
     atomic_write_text(out / "claims.md", markdown(res))
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
-    atomic_write_text(out / "claims.html", env.from_string(_HTML).render(r=res))
+    atomic_write_text(out / "claims.html", env.from_string(_HTML).render(r=res, colours=COLOURS))
     print(markdown(res))
     return 0
 
