@@ -42,7 +42,7 @@ from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
 from lrq.methods import Rule, register
 from lrq.qlinear import QuantLinear
-from lrq.quant import (expand_groups, group_min_max, per_tensor_fake_quant, per_token_fake_quant,
+from lrq.quant import (group_min_max, per_tensor_fake_quant, per_token_fake_quant,
                        qparams_from_range, round_ste)
 from lrq.schemes import Scheme
 from lrq.smooth import PAIRS, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
@@ -108,9 +108,15 @@ class OmniQuantLinear(LearnableQuantLinear):
         return y
 
     @torch.no_grad()
-    def freeze(self) -> QuantLinear:
+    def freeze(self, half: bool = False) -> QuantLinear:
+        """The frozen layer; `half` (train_precision=authors): the transformed weight, its range and scale on the
+        fp16 grid first, as after `.half()` of the authors' model."""
         w, b = self.effective()
+        if half:
+            w = w.half().float()
         scale, zero = self.qparams(w)
+        if half:
+            scale = scale.half().float()
         q = QuantLinear(self.in_features, self.out_features, b is not None, self.scheme, self.quantize_output)
         q.set_weight(self._levels(w, scale, zero).round().to(torch.uint8), scale, zero)
         if b is not None:

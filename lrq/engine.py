@@ -16,8 +16,10 @@ given per-group learning rates and a constant schedule (`lr_schedule`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -37,6 +39,8 @@ from lrq.methods import FALSE_WORDS, TRUE_WORDS, Calibration, Method, Rule, add_
 from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
+
+log = logging.getLogger(__name__)
 
 # `compile=auto` compiles the block step from this many steps per block on: compiling costs 10-40 s per
 # process on the CPU (less from torch's on-disk cache), paid back after a few hundred steps of the paper's
@@ -70,6 +74,41 @@ def compiled_step(block: nn.Module, compile_on: bool, device: torch.device) -> n
     if why:
         raise UserError(f"compile is on but {why}: install one, or run eagerly with --set compile=off.")
     return torch.compile(block, dynamic=False)
+
+
+def check_compiled_step(fwd: nn.Module, block: nn.Module, params: list[nn.Parameter], x: torch.Tensor,
+                        target: torch.Tensor, kwargs: dict, autocast) -> str | None:
+    """One training step's loss and gradients through the compiled `fwd` and through the eager `block`, on
+    the same batch; the reason to distrust the compiled one, or None. torch.compile's CPU code is generated
+    per vector ISA, and its AVX2 code (an AMD Zen 3; any CPU below AVX-512) returned NaN for a block whose
+    eager and AVX-512 compiled steps are fine (torch 2.13, seen under the AVX2 emulation): a wrong compiled
+    step must never train a model. Costs one eager step per block; leaves no gradient behind."""
+    def step(f) -> tuple[float, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        with torch.enable_grad(), autocast:
+            y = f(x, **kwargs)
+            loss = block_loss(y[0] if isinstance(y, tuple) else y, target)
+        loss.backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().float().clone() for p in params]
+        return loss.item(), grads
+
+    try:
+        (lc, gc), (le, ge) = step(fwd), step(block)
+    finally:
+        for p in params:
+            p.grad = None
+    if not math.isfinite(le):
+        return None                 # the eager step itself diverges: the training loop reports that
+    if not math.isfinite(lc):
+        return f"its loss is {lc} where the eager step's is {le:.6g}"
+    if abs(lc - le) > 0.02 * abs(le) + 1e-6:
+        return f"its loss {lc:.6g} differs from the eager step's {le:.6g} by more than 2 %"
+    num = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(gc, ge)))
+    den = math.sqrt(sum(float(b.pow(2).sum()) for b in ge))
+    if not math.isfinite(num) or num > 0.1 * den + 1e-12:
+        return f"its gradients differ from the eager step's by {num / max(den, 1e-30):.3g} (relative norm)"
+    return None
 
 
 def block_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -113,6 +152,9 @@ def block_error(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, k
     return total / len(inputs)
 
 
+FAMILY_FALLBACK = {"w8": "w8a8"}
+
+
 def _scheme_key(scheme: Scheme) -> str:
     if scheme.a_bits is not None:
         return "w4a8" if scheme.w_bits <= 4 else "w8a8"
@@ -122,6 +164,8 @@ def _scheme_key(scheme: Scheme) -> str:
 class ReconstructionMethod(Method):
     """A method whose learnables are trained block by block; subclasses supply `make_learnable`."""
 
+    _compile_refused: str | None = None   # set by a compiled step that failed its check (this quantize call)
+
     # The authors' Llama-2-7B settings per scheme family (METHOD.md): (lr, s1 search); subclasses override.
     paper_table: ClassVar[dict[str, tuple[float, bool]]] = {}
     # CPU quick preset learning rates per scheme family (few steps need a larger rate; 8-bit grids are
@@ -130,13 +174,18 @@ class ReconstructionMethod(Method):
     cost_rank: ClassVar[int] = 10
     # torch.compile of the training step: how the step runs, not what it computes (Method.execution_settings)
     execution_settings: ClassVar[tuple[str, ...]] = ("compile",)
+    neutral_settings: ClassVar[dict[str, Any]] = {"train_precision": "default"}
     rules: ClassVar[dict[str, Rule]] = {
         "lr": Rule(float, lo=0, lo_open=True, auto=True), "s1_init": Rule(choices=("minmax", "search"), auto=True),
         "search_grid": Rule(int, lo=1), "search_norm": Rule(float, lo=0, lo_open=True),
         "recon_act_quant": Rule(choices=("on", "off"), auto=True), "smooth_alpha": Rule(float, lo=0, hi=1),
         "error_samples": Rule(int, lo=1), "compile": Rule(choices=TRUE_WORDS + FALSE_WORDS, auto=True, label="on, off or auto"),
         "iters": Rule(int, lo=0), "batch_size": Rule(int, lo=1), "heldout_samples": Rule(int, lo=0),
-        "autocast": Rule(bool), "lr_schedule": Rule(choices=("cosine", "constant"))}
+        "autocast": Rule(bool), "lr_schedule": Rule(choices=("cosine", "constant")),
+        "train_precision": Rule(choices=("default", "authors"))}
+    # train_precision=authors: the scheme families whose Llama-2-7B script trains under fp16 autocast with a
+    # GradScaler (FlexRound: all of them; LRQ: W4A16 and W4A8); subclasses override
+    authors_amp: ClassVar[tuple[str, ...]] = ()
     # Not a setting: when > 0, every `curve_every` steps the block's output error on the calibration and the
     # held-out error windows is measured (frozen, no gradient, no random numbers: training is unchanged) and
     # kept as the block's "curve" (bench/studies/figure2.py sets it on its method object).
@@ -147,16 +196,22 @@ class ReconstructionMethod(Method):
     @staticmethod
     def preset_defaults(quick_extra: dict | None = None, paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
         common = {"lr": "auto", "s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "recon_act_quant": "auto",
-                  "smooth_alpha": 0.8, "error_samples": 16, "compile": "auto"}
+                  "smooth_alpha": 0.8, "error_samples": 16, "compile": "auto", "train_precision": "default"}
         # quick: sized for one cell of the 135M default model in about 15 minutes on 2 CPU cores
         quick = common | {"preset": "quick", "iters": 100, "batch_size": 1, "heldout_samples": 16,
                           "autocast": True} | (quick_extra or {})
         paper = common | {"preset": "paper", "iters": 5000, "batch_size": 2, "heldout_samples": 0,
                           "autocast": False} | (paper_extra or {})
-        return {"quick": quick, "paper": paper}
+        # long: the closest to the paper a CPU affords end to end. A step at batch 2 x 1,024 takes about 0.2 s
+        # compiled in bf16 on one AMX core (reports/block-step/), so 1,000 steps x 30 blocks of the default model
+        # are about 1 h 45 min per cell; bf16 where the CPU has it (`autocast`, lrq.precision), compiled (auto
+        # compiles from 1,000 steps); the authors' learning rates and s1 search; 16 held-out windows for Figure 2
+        long = paper | {"preset": "long", "iters": 1000, "batch_size": 2, "heldout_samples": 16, "autocast": True}
+        return {"quick": quick, "long": long, "paper": paper}
 
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {
-        "paper": {"dataset": "c4", "n_samples": 512, "seq_len": 1024, "sampling": "sequential"}}
+        "paper": {"dataset": "c4", "n_samples": 512, "seq_len": 1024, "sampling": "sequential"},
+        "long": {"dataset": "c4", "n_samples": 128, "seq_len": 1024, "sampling": "sequential"}}
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
@@ -193,9 +248,16 @@ class ReconstructionMethod(Method):
     def resolve(self, scheme: Scheme, config: dict) -> dict:
         cfg = dict(config)
         family = _scheme_key(scheme)
+        # 8-bit weight-only (w8a16) has no row of the authors' own: it takes the W8A8 row, whose 8-bit weight
+        # grid it shares (the learning rate scales with the grid's step, not with the activations)
+        family = family if family in self.paper_table or family not in FAMILY_FALLBACK else FAMILY_FALLBACK[family]
         lr, search = self.paper_table.get(family, (None, False))
         if cfg["lr"] == "auto":
-            cfg["lr"] = self.quick_lr[family] if cfg.get("preset") == "quick" else lr
+            lr = self.quick_lr.get(family) if cfg.get("preset") == "quick" else lr
+            if lr is None:
+                raise UserError(f"{self.name} has no learning rate for {scheme.name} (weights at {scheme.w_bits} "
+                                f"bits): give one with --set lr=...")
+            cfg["lr"] = lr
         cfg["lr"] = float(cfg["lr"])
         if cfg["s1_init"] == "auto":
             # On the CPU quick preset the exhaustive L2.4 search (100 widths x 2^b zero points) costs more
@@ -255,6 +317,7 @@ class ReconstructionMethod(Method):
         if calib is None:
             raise UserError(f"{self.name} needs calibration data.")
         cfg = self.resolve(scheme, config)
+        self._compile_refused = None
         ids = calib.input_ids
         n_held = cfg["heldout_samples"]
         if n_held >= len(ids):
@@ -263,6 +326,12 @@ class ReconstructionMethod(Method):
         seed = int(calib.description.get("seed", 0))
 
         act_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        authors = cfg["train_precision"] == "authors"
+        if authors:
+            # the authors load the model in fp16: every weight on the fp16 grid from the start
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.half().to(p.dtype))
         if scheme.static_activations and self.upfront_static_ranges:
             if cfg["smooth_alpha"] and float(cfg["smooth_alpha"]) > 0:
                 from lrq.smooth import smooth_model
@@ -286,8 +355,13 @@ class ReconstructionMethod(Method):
                                                "calib": calib.description},
                                               sort_keys=True, default=str).encode()).hexdigest()
             ckpt = BlockCheckpoint(self.checkpoint_dir, ident)
-        per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
-                                checkpoint=ckpt, restore=restore, device=self.device)
+        # train_precision=authors: the block forwards (FP targets, the quantized chain) in fp16 as in the authors'
+        # fp16 model; the training steps decide their own autocast (_reconstruct_block)
+        fp16 = (torch.autocast(self.compute_device(model).type, dtype=torch.float16) if authors
+                else contextlib.nullcontext())
+        with fp16:
+            per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
+                                    checkpoint=ckpt, restore=restore, device=self.device)
         stats: dict[str, Any] = {
             "n_learnable": sum(b["n_learnable"] for b in per_block),
             # wall time of every block, including blocks finished by an interrupted earlier run
@@ -295,9 +369,14 @@ class ReconstructionMethod(Method):
             "resumed_blocks": sum(bool(b.get("restored")) for b in per_block),
             # blocks whose training steps ran under torch.compile (earlier results may lack the field)
             "compiled_blocks": sum(bool(b.get("compiled")) for b in per_block),
+            # why compile=on ran eagerly from some block on (check_compiled_step), or None
+            "compile_refused": next((b["compile_refused"] for b in per_block if b.get("compile_refused")), None),
             "resolved_config": cfg, "train_samples": n_train, "heldout_samples": n_held,
             # what the training steps really ran at: bf16 autocast only where the preset and the run allow it
-            "train_precision": "bf16" if cfg["autocast"] and precision.current(self.device) == "bf16" else "fp32",
+            "train_precision": (("authors: fp16 model and freeze, steps under fp16 autocast with a GradScaler"
+                                 if _scheme_key(scheme) in self.authors_amp else
+                                 "authors: fp16 model and freeze, fp32 steps") if authors else
+                                "bf16" if cfg["autocast"] and precision.current(self.device) == "bf16" else "fp32"),
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
                              for b in per_block],
         }
@@ -353,10 +432,26 @@ class ReconstructionMethod(Method):
             pos = 0
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
             dev = next(block.parameters()).device    # the walk put the block on the compute device
-            # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16
-            autocast = precision.autocast(dev, enabled=bool(cfg["autocast"]))
-            fwd = compiled_step(block, cfg.get("compile") is True, dev)
+            # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16; with
+            # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
+            amp = cfg["train_precision"] == "authors" and _scheme_key(scheme) in self.authors_amp
+            if cfg["train_precision"] == "authors":
+                autocast = torch.autocast(dev.type, dtype=torch.float16, enabled=amp)
+            else:
+                autocast = precision.autocast(dev, enabled=bool(cfg["autocast"]))
+            scaler = torch.amp.GradScaler(dev.type) if amp else None
+            skipped = 0
+            fwd = compiled_step(block, cfg.get("compile") is True and not self._compile_refused, dev)
+            if fwd is not block:
+                why = check_compiled_step(fwd, block, params, xt[:bs].to(dev), yt[:bs].to(dev), kw, autocast)
+                if why:   # every later block runs eagerly too: the same code generator would build its step
+                    self._compile_refused = f"block {i}: the compiled training step is wrong here: {why}"
+                    log.warning("%s; training eagerly from this block on (--set compile=off skips the "
+                                "compilation).", self._compile_refused)
+                    fwd = block
             out["compiled"] = fwd is not block
+            if self._compile_refused:
+                out["compile_refused"] = self._compile_refused
             loss_val = math.nan
             if self.curve_every:
                 with _frozen(block, learn):
@@ -371,13 +466,22 @@ class ReconstructionMethod(Method):
                     y = y[0] if isinstance(y, tuple) else y
                     loss = block_loss(y, yt[idx].to(dev))
                 loss_val = loss.item()
-                if not math.isfinite(loss_val):
-                    raise ReconstructionError(
-                        f"block {i}: the reconstruction loss became {loss_val} at step {step} (lr {cfg['lr']}). "
-                        f"Lower the learning rate (--set lr=...) or turn on fp32 (--set autocast=False).")
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                if scaler is not None:   # a step whose fp16 forward overflowed is skipped, as the GradScaler does
+                    skipped += not math.isfinite(loss_val)
+                    if skipped > max(100, iters // 10):
+                        raise ReconstructionError(f"block {i}: {skipped} of {step + 1} fp16 steps overflowed "
+                                                  f"(lr {cfg['lr']}): train_precision=authors diverges here.")
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    if not math.isfinite(loss_val):
+                        raise ReconstructionError(
+                            f"block {i}: the reconstruction loss became {loss_val} at step {step} (lr {cfg['lr']}). "
+                            f"Lower the learning rate (--set lr=...) or turn on fp32 (--set autocast=False).")
+                    loss.backward()
+                    opt.step()
                 if sched is not None:
                     sched.step()
                 if step % 10 == 0 or step == iters - 1:
@@ -388,10 +492,12 @@ class ReconstructionMethod(Method):
                     with _frozen(block, learn):
                         curve.append(_curve_point(step + 1, loss_val, block, (xe, ye), (xh, yh), kw))
             out["final_loss"] = loss_val
+            if scaler is not None:
+                out["amp_skipped_steps"] = skipped
             if self.curve_every:
                 out["curve"] = curve
-        for name, m in learn.items():
-            set_submodule(block, name, m.freeze())
+        for name, m in learn.items():   # the authors freeze in fp16, after .half() of the whole model
+            set_submodule(block, name, m.freeze(half=cfg["train_precision"] == "authors"))
         for p in params:
             p.requires_grad_(False)
         self.finish_block(ctx, state, cfg, n_train)

@@ -38,6 +38,7 @@ class FlexRound(ReconstructionMethod):
     paper_table = {"w3": (2.5e-3, False), "w4": (3e-3, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
     learnable_fraction = 1.0   # a full scaling matrix per weight
+    authors_amp = ("w3", "w4", "w4a8", "w8a8")   # every 7B FlexRound script: fp16 autocast + GradScaler
 
     def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw):
         return FlexRoundLinear(linear, scheme, scale, zero, **kw)

@@ -103,12 +103,19 @@ class LearnableQuantLinear(nn.Module):
         return sum(p.numel() for p in self.learnables())
 
     @torch.no_grad()
-    def freeze(self) -> QuantLinear:
-        """Integers + per-channel (or per-group) scale and zero point; the learnables are dropped."""
+    def freeze(self, half: bool = False) -> QuantLinear:
+        """Integers + per-channel (or per-group) scale and zero point; the learnables are dropped. `half`: the
+        integers and scales computed in fp16, as the authors' code does after `.half()` of the model."""
         q = QuantLinear(self.in_features, self.out_features, self.bias is not None, self.scheme,
                         self.quantize_output)
-        scale = torch.exp(self.theta1)
-        w_int = self.w_int()
+        if half:
+            z = self._expand(self.zero).half()
+            d = (self._expand(self.theta1) + self.extra_log_divisor()).half()
+            w_int = torch.clamp(torch.round(self.weight.half() / torch.exp(d)), -z, 2**self.bits - 1 - z).float()
+            scale = torch.exp(self.theta1.half()).float()
+        else:
+            scale = torch.exp(self.theta1)
+            w_int = self.w_int()
         q.set_weight((w_int + self._expand(self.zero)).round().to(torch.uint8), scale, self.zero)
         if self.bias is not None:
             q.bias.copy_(self.bias)

@@ -5,7 +5,8 @@
 Learnable scale parameters per matrix: r * (Cout + Cin) + 2 * Cout + Cin (per-channel).
 
 Rank rules: "official" reproduces the authors' shape rule (full FlexRound-style scaling for some
-shapes, r = 2048 or 1024 otherwise, capped at min(Cout, Cin)); "uniform" uses `rank` everywhere;
+shapes, r = 2048 or 1024 otherwise, capped at min(Cout, Cin)); "llama2-7b-like" transfers the structure
+that rule gives Llama-2-7B by ratio (attention low rank at r = Cin / 4, MLP full); "uniform" uses `rank` everywhere;
 "fraction" uses round(rank_fraction * min(Cout, Cin)) (the default for small models: r = 1024 exceeds
 a 576-wide model, and 1024 / 4096 = 0.25 is the ratio the authors use on Llama-2-7B attention).
 """
@@ -33,14 +34,25 @@ def official_rank(cout: int, cin: int) -> int | None:
     return min(1024, cout, cin)
 
 
-def choose_rank(cout: int, cin: int, rule: str, rank: int, fraction: float) -> int | None:
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+RANK_RULES = ("official", "llama2-7b-like", "uniform", "fraction")
+
+
+def choose_rank(cout: int, cin: int, rule: str, rank: int, fraction: float, name: str | None = None) -> int | None:
+    """The rank of linear `name` ([cout, cin]) under `rule`; None: a full FlexRound-style scaling matrix."""
     if rule == "official":
         return official_rank(cout, cin)
+    if rule == "llama2-7b-like":
+        # the structure the authors' rule gives Llama-2-7B, transferred by ratio: attention low rank at
+        # r = Cin / 4 (1,024 of 4,096 there), MLP matrices (4096 x 11008) full FlexRound-style scaling
+        if name is None:
+            raise ValueError("the llama2-7b-like rank rule needs the linear's name")
+        return max(1, min(cin // 4, cout)) if name.split(".")[-1] in ATTENTION else None
     if rule == "uniform":
         return max(1, min(rank, cout, cin))
     if rule == "fraction":
         return max(1, round(fraction * min(cout, cin)))
-    raise UserError(f"unknown LRQ rank rule {rule!r}: choose official, uniform or fraction (--set rank_rule=...).")
+    raise UserError(f"unknown LRQ rank rule {rule!r}: choose {', '.join(RANK_RULES)} (--set rank_rule=...).")
 
 
 class LRQLinear(LearnableQuantLinear):
@@ -69,17 +81,20 @@ class LRQ(ReconstructionMethod):
     defaults = ReconstructionMethod.preset_defaults(
         quick_extra={"rank_rule": "fraction", "rank": 1024, "rank_fraction": 0.25},
         paper_extra={"rank_rule": "official", "rank": 1024, "rank_fraction": 0.25})
+    # the long preset: the structure the paper measured on Llama-2-7B (attention low rank, MLP full)
+    defaults["long"] = dict(defaults["long"], rank_rule="llama2-7b-like")
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (6e-4, True), "w4": (9e-4, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
-    rules = ReconstructionMethod.rules | {"rank_rule": Rule(choices=("official", "uniform", "fraction")),
+    rules = ReconstructionMethod.rules | {"rank_rule": Rule(choices=RANK_RULES),
                                           "rank": Rule(int, lo=1), "rank_fraction": Rule(float, lo=0, hi=1, lo_open=True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
     learnable_fraction = 0.6
+    authors_amp = ("w4", "w4a8")   # the 7B W4A16 and W4A8 scripts: fp16 autocast + GradScaler
     compare_learnables_with = "flexround"   # the paper's point: far fewer learnable scales than FlexRound
 
     def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw) -> LearnableQuantLinear:
         r = choose_rank(linear.out_features, linear.in_features, config["rank_rule"], int(config["rank"]),
-                        float(config["rank_fraction"]))
+                        float(config["rank_fraction"]), name)
         if r is None:
             return FlexRoundLinear(linear, scheme, scale, zero, **kw)
         return LRQLinear(linear, scheme, scale, zero, rank=r, generator=generator, **kw)

@@ -124,10 +124,16 @@ class Method:
     # one on or off reuses and resumes earlier results (as running on another device does).
     execution_settings: ClassVar[tuple[str, ...]] = ()
 
+    # Settings added after results were stored, at the value that computes what those results computed: a
+    # setting at that value is left out of the identity, so the earlier results keep their keys.
+    neutral_settings: ClassVar[dict[str, Any]] = {}
+
     @classmethod
     def keyed_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
-        """`config` without the execution settings: what a result's identity (store key, checkpoint) hashes."""
-        return {k: v for k, v in config.items() if k not in cls.execution_settings}
+        """`config` without the execution settings (and the later settings at their neutral value): what a
+        result's identity (store key, checkpoint) hashes."""
+        return {k: v for k, v in config.items() if k not in cls.execution_settings
+                and not (k in cls.neutral_settings and v == cls.neutral_settings[k])}
     # Calibration settings per preset that differ from the suite's (dataset, n_samples, seq_len, sampling).
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel
@@ -148,6 +154,10 @@ class Method:
     def __init__(self, device: torch.device | str | None = None, checkpoint_dir: str | None = None):
         self.device = torch.device(device) if isinstance(device, str) else device
         self.checkpoint_dir = checkpoint_dir if self.checkpoints else None
+
+    def display_name(self, config: dict[str, Any]) -> str:
+        """The method's name in results (a method reading a checkpoint names it after the checkpoint)."""
+        return self.name
 
     def compute_device(self, model: nn.Module) -> torch.device:
         return self.device if self.device is not None else next(model.parameters()).device
@@ -177,10 +187,12 @@ class Method:
 
     def config(self, preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The preset's settings with `overrides` applied, every value checked against its rule (exit 2 on a
-        bad one, before any work)."""
-        if preset not in self.defaults:
+        bad one, before any work). A method without settings of its own for a preset takes its fallback's
+        (PRESET_FALLBACK: the long preset is the paper settings for methods that do not train)."""
+        preset_of = preset if preset in self.defaults else PRESET_FALLBACK.get(preset)
+        if preset_of not in self.defaults:
             raise UserError(f"unknown preset {preset!r} for method {self.name}: choose from {', '.join(self.defaults)}.")
-        cfg = dict(self.defaults[preset])
+        cfg = dict(self.defaults[preset_of])
         rules = rules_for(self.defaults) | self.rules
         for k, v in (overrides or {}).items():
             if k not in cfg:
@@ -222,6 +234,11 @@ def add_work(work: dict[str, tuple[float, float]], kind: str, calls: float, flop
 
 
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+PRESET_FALLBACK = {"long": "paper"}
+# calibration of a preset for every method that has none of its own for it (the long preset: the same windows
+# for LRQ, FlexRound, GPTQ and AWQ, so their cells compare on one calibration)
+PRESET_CALIB: dict[str, dict[str, Any]] = {"long": {"dataset": "c4", "n_samples": 128, "seq_len": 1024,
+                                                    "sampling": "sequential"}}
 
 
 def _coerce(method: str, key: str, default: Any, value: Any) -> Any:

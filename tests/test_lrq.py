@@ -7,7 +7,6 @@ from torch import nn
 from conftest import tiny_model
 from lrq.arch import block_linears, decoder_blocks
 from lrq.blockwise import BlockCheckpoint
-from lrq.engine import block_loss
 from lrq.errors import UserError
 from lrq.flexround import FlexRoundLinear, flexround_param_count
 from lrq.lrq import LRQLinear, choose_rank, lrq_param_count, official_rank
@@ -263,3 +262,27 @@ def test_lrq_and_flexround_through_the_cli(tiny_model_dir, data_dir, tmp_path, c
     # the checkpoint of a finished cell is removed once its results are stored
     ckpts = tmp_path / "cache" / "checkpoints"
     assert ckpts.is_dir() and not any(ckpts.iterdir())
+
+
+@pytest.mark.parametrize("method,scheme_name,amp", [("lrq", "w4a16", True), ("lrq", "w3a16", False),
+                                                    ("flexround", "w3a16", True), ("omniquant", "w4a16", False)])
+def test_train_precision_authors_runs_the_authors_fp16_pipeline(method, scheme_name, amp):
+    """train_precision=authors: the model on the fp16 grid first, fp16 autocast + GradScaler exactly where
+    the authors' Llama-2-7B script uses them, and integers and scales frozen on the fp16 grid."""
+    model = tiny_model("llama", hidden=64)
+    M = get_method(method)
+    stats = M.quantize(model, get_scheme(scheme_name),
+                       M.config("quick", {"iters": 3, "heldout_samples": 2, "train_precision": "authors"}), _calib(6))
+    want = "steps under fp16 autocast with a GradScaler" if amp else "fp32 steps"
+    assert stats["train_precision"].startswith("authors: fp16 model and freeze") and want in stats["train_precision"]
+    qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(qs) == 14
+    for q in qs:   # scales exactly representable in fp16
+        assert torch.equal(q.scale, q.scale.half().float())
+    norm = model.model.norm.weight
+    assert torch.equal(norm, norm.half().float())   # the unquantized weights were put on the fp16 grid
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 128, (2, 16))).logits).all()
+    default = M.config("quick", {"iters": 3, "heldout_samples": 2})
+    assert M.keyed_settings(M.resolve(get_scheme(scheme_name), default)) != \
+        M.keyed_settings(M.resolve(get_scheme(scheme_name), dict(default, train_precision="authors")))

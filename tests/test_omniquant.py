@@ -3,16 +3,14 @@
 import pytest
 import torch
 
-from baselines.omniquant import LET, LET_PAIRS, OmniQuantLinear, observe_inputs
+from baselines.omniquant import LET, LET_PAIRS, OmniQuantLinear
 from conftest import tiny_model
-from lrq.arch import block_linears, decoder_blocks, set_submodule
-from lrq.blockwise import capture_block_inputs
+from lrq.arch import block_linears, decoder_blocks
 from lrq.errors import UserError
 from lrq.methods import Calibration, get_method
 from lrq.qlinear import QuantLinear
 from lrq.quant import fake_quant, minmax_qparams
 from lrq.schemes import SCHEMES, get_scheme
-from lrq.smooth import PAIRS
 
 
 def _calib(n=10, seq=24, vocab=128, seed=5):

@@ -138,8 +138,9 @@ def test_every_forward_of_a_quantization_runs_at_the_precision(prec, expected):
     assert expected in seen["calib"] and seen["train"] == {expected}, seen
 
 
-def test_stages_and_steps_are_reported_inside_a_cell(tiny_model_dir, data_dir):
+def test_stages_and_steps_are_reported_inside_a_cell(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     from bench.cell import execute
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))   # no checkpoint of an earlier run to resume
     events = []
     cell = settle(Request(model=str(tiny_model_dir), method="lrq", scheme="w4a16", datasets=("wikitext2",),
                           overrides={"iters": 3, "heldout_samples": 1, "error_samples": 1},
@@ -205,9 +206,12 @@ def test_estimate_counts_only_what_is_missing(tiny_model_dir, data_dir):
                       ("fwd", "walk", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq")}}
     cell = settle(Request(model=str(tiny_model_dir), method="lrq", scheme="w4a16", datasets=("wikitext2", "c4"),
                           overrides={"iters": 10}, eval=EvalSettings(256, False, 1024), data_dir=str(data_dir)))
+    no_kl = {u for u in cell.keys if not u.endswith(":kl")}
     full = P.estimate_run(shape, {0: cell}, {0: set(cell.keys)}, prof)
+    full_no_kl = P.estimate_run(shape, {0: cell}, {0: no_kl}, prof)
     part = P.estimate_run(shape, {0: cell}, {0: {"c4"}}, prof)
     none = P.estimate_run(shape, {0: cell}, {0: set()}, prof)
     assert set(full.stages[0]) == {"quant", "wikitext2", "c4"} and set(part.stages[0]) == {"quant", "c4"}
-    assert part.stages[0]["quant"] == full.stages[0]["quant"] > 0      # quantized again for any missing unit
+    assert part.stages[0]["quant"] == full_no_kl.stages[0]["quant"] > 0   # quantized again for any missing unit
+    assert full.stages[0]["quant"] > full_no_kl.stages[0]["quant"]        # + the FP pass of the KL reference
     assert none.stages == {} and full.wall(2) == full.total

@@ -57,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more method settings")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--calib-file", default=None, help="calibration windows already tokenized (a safetensors file "
+                   "with input_ids [n, seq]; bench/studies/gpu_stage.py pack writes one) instead of the data folder")
+    p.add_argument("--budget-s", type=float, default=0, help="start no (block, method) that would end after this "
+                   "many seconds (judged by the last one's time); 0: no limit")
     p.add_argument("--out", default="reports/figure2")
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="join the results of runs made apart (e.g. one per method) into --out, and render")
@@ -95,6 +99,19 @@ def _settings(args, methods: list[str]) -> dict:
     return dict(zip(BASE_SETTINGS, (args.iters, args.batch_size, args.heldout, args.error_samples))) | extra
 
 
+def _calibration_file(path: str, n: int, seq: int):
+    """Calibration windows tokenized elsewhere: the first n rows of input_ids [rows, seq] in `path`."""
+    from safetensors import safe_open
+
+    from lrq.methods import Calibration
+    with safe_open(path, framework="pt") as f:
+        ids = f.get_tensor("input_ids").long()
+        desc = json.loads((f.metadata() or {}).get("description", "{}"))
+    if ids.shape[0] < n or ids.shape[1] != seq:
+        raise UserError(f"--calib-file {path}: {tuple(ids.shape)} windows, {n} x {seq} needed.")
+    return Calibration(ids[:n], desc | {"file": Path(path).name, "n_samples": n, "seq_len": seq})
+
+
 def run(args) -> dict:
     from bench.data import calibration_set, resolve_data_dir
     from bench.models import load_model
@@ -123,8 +140,11 @@ def run(args) -> dict:
     blocks = decoder_blocks(model)
     chosen = _blocks(args.blocks, len(blocks))
     n_total = args.calib_samples + args.heldout
-    calib = calibration_set(loaded.tokenizer, resolve_data_dir(args.data_dir), "c4", n_total, args.seq_len,
-                            seed=args.seed, sampling="sequential")
+    if args.calib_file:
+        calib = _calibration_file(args.calib_file, n_total, args.seq_len)
+    else:
+        calib = calibration_set(loaded.tokenizer, resolve_data_dir(args.data_dir), "c4", n_total, args.seq_len,
+                                seed=args.seed, sampling="sequential")
     config = {"model": args.model, "scheme": args.scheme, "methods": methods, "blocks": chosen,
               "settings": settings, "calibration": calib.description, "train_windows": args.calib_samples,
               "heldout_windows": args.heldout, "every": args.every, "seed": args.seed, "device": str(dev)}
@@ -132,13 +152,21 @@ def run(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "figure2.json"
     res = json.loads(path.read_text()) if path.exists() else {}
-    if res.get("config") != config:
+    # results are kept per (block, method): a run over other blocks of the same configuration adds to them
+    strip = lambda c: {k: v for k, v in (c or {}).items() if k != "blocks"}  # noqa: E731
+    if strip(res.get("config")) != strip(config):
         res = {"config": config, "results": {}}
+    res["config"]["blocks"] = sorted(set(res["config"].get("blocks", [])) | set(chosen))
     res["provenance"] = {"versions": versions(), "hardware": hardware(), "git": git_revision(),
                          "threads": torch.get_num_threads()}
     todo = [(b, m) for b in chosen for m in methods if f"{b}/{m}" not in res["results"]]
     if not todo:
         return res
+    started, last = time.monotonic(), 0.0
+
+    def out_of_time() -> bool:
+        return bool(args.budget_s) and time.monotonic() - started + last > args.budget_s
+
     # the full-precision chain's inputs to every chosen block, and that block's full-precision outputs
     buf, kw = capture_block_inputs(model, calib.input_ids.to(dev))
     x = buf.data[:].clone()
@@ -150,6 +178,10 @@ def run(args) -> dict:
                 y[a:a + 8] = o[0] if isinstance(o, tuple) else o
             if i in chosen and any(b == i for b, _ in todo):
                 for b, m in [t for t in todo if t[0] == i]:
+                    if out_of_time():
+                        print(f"budget of {args.budget_s:.0f} s reached before block {b} {m}: stopping; a rerun "
+                              f"continues here", flush=True)
+                        return res
                     method = objs[m]
                     method.curve_every = args.every
                     cfg = method.resolve(scheme, method.config("paper", settings))
@@ -163,7 +195,8 @@ def run(args) -> dict:
                                                   "n_learnable": out["n_learnable"], "curve": out["curve"],
                                                   "wall_s": time.perf_counter() - t0}
                     atomic_write_text(path, dumps_json(res, indent=1, default=str))
-                    print(f"block {b} {m}: {len(out['curve'])} points, {time.perf_counter() - t0:.0f} s", flush=True)
+                    last = time.perf_counter() - t0
+                    print(f"block {b} {m}: {len(out['curve'])} points, {last:.0f} s", flush=True)
             x = y
     return res
 

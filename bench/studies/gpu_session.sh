@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# The one prepared script for a lent GPU machine (<= 8 minutes): the GPU check (<= 5 min from a cold
-# Triton cache), then the end-to-end benchmark on a Llama-2-7B-shaped random model (8 blocks, static KV
-# cache, CUDA graphs). Results go to $OUT (the device tool brings it back) and reports/gpu/, with the
-# machine's versions; each step writes its JSON as it goes, so a cut run still leaves numbers.
+# The one prepared script for a lent GPU machine (<= 8 minutes + the paper-regime stage): the GPU check (<= 5 min
+# from a cold Triton cache), then the end-to-end benchmark on a Llama-2-7B-shaped random model (8 blocks, static
+# KV cache, CUDA graphs), then LRQ and FlexRound in the paper's regime on the default model's blocks for
+# STAGE_BUDGET seconds (bench/studies/gpu_stage.py: first, middle and last blocks first, then every block;
+# results after every (block, method), continued by the next session from reports/figure2-gpu/). Results go
+# to $OUT (the device tool brings it back) and reports/gpu/, with the machine's versions; each step writes
+# its JSON as it goes, so a cut run still leaves numbers.
 #
-#   run(command="bash bench/studies/gpu_session.sh", carry=["wheels"], timeout_s=540)
+# Here, first: python -m bench.studies.gpu_stage pack   (the default model and calibration windows in two
+# parcels under gpu_carry/, each below the 64 MiB a call carries), then, while the machine stays warm:
+#   run(command="true", carry=["gpu_carry/part-a"])
+#   run(command="STAGE_BUDGET=240 bash bench/studies/gpu_session.sh", carry=["gpu_carry/part-b", "wheels"],
+#       timeout_s=540 + 240)
+# Without the parcels the stage is skipped (the first two steps need nothing carried).
 #
 # The machine has its own torch/Triton and no registry: the project runs from the source tree
 # (PYTHONPATH=.), and pure-Python extras come as wheels under wheels/ (e.g. gemlite:
@@ -14,9 +22,9 @@ cd "$(dirname "$0")/../.."
 DEST=${OUT:-reports/gpu}
 mkdir -p "$DEST"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-if compgen -G "wheels/*.whl" >/dev/null; then
-  python -m pip install -q --no-index --no-deps wheels/*.whl 2>&1 | tail -2 || true
-fi
+for w in wheels/*.whl gpu_carry/part-b/wheels/*.whl; do
+  [ -e "$w" ] && python -m pip install -q --no-index --no-deps "$w" 2>&1 | tail -2
+done
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python -c \
   "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; \
   } > "$DEST/machine.txt" 2>&1
@@ -27,4 +35,18 @@ start=$(date +%s)
 timeout 170 python -m bench.studies.speed e2e --device cuda --shape llama-2-7b --layers 8 --prefill 512 --decode 64 \
   --out "$DEST/e2e.json" 2>&1 | tee "$DEST/e2e.log"
 echo "e2e: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$DEST/machine.txt"
-if [ "$DEST" != reports/gpu ]; then mkdir -p reports/gpu && cp "$DEST"/* reports/gpu/ 2>/dev/null || true; fi
+if [ -f gpu_carry/part-b/manifest.json ]; then
+  start=$(date +%s)
+  budget=${STAGE_BUDGET:-240}
+  timeout $(( budget + 60 )) python -m bench.studies.gpu_stage run --budget-s "$budget" --out "$DEST/figure2-gpu" 2>&1 \
+    | tee "$DEST/gpu_stage.log"
+  echo "gpu_stage: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$DEST/machine.txt"
+else
+  echo "gpu_stage: skipped (no gpu_carry/part-b: run python -m bench.studies.gpu_stage pack and carry it)" \
+    | tee -a "$DEST/machine.txt"
+fi
+if [ "$DEST" != reports/gpu ]; then
+  mkdir -p reports/gpu reports/figure2-gpu
+  cp "$DEST"/*.* reports/gpu/ 2>/dev/null || true
+  cp -r "$DEST"/figure2-gpu/. reports/figure2-gpu/ 2>/dev/null || true
+fi

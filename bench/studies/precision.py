@@ -26,10 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-from lrq.io import dumps_json
 
 EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TARGET = 1.15   # auto's evaluation throughput within this factor of the faster precision
@@ -150,12 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(child.stderr[-3000:])
             return child.returncode
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from lrq.io import atomic_write_text
-    atomic_write_text(out / "precision.json", dumps_json(results, indent=1, default=str) + "\n")
-    atomic_write_text(out / "precision.md", markdown(results))
-    print(markdown(results))
+    from bench.studies import write_study
+    write_study(args.out, "precision", results, markdown(results))
     return 0 if all(r["within_target"] for r in results) else 1
 
 
