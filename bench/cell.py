@@ -194,9 +194,9 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev)})
                  for ds in req.datasets})
     if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
-        from bench.kl import APPROXIMATION, TOP_K
+        from bench.kl import APPROXIMATION, SCHEMA
         keys.update({kl_unit(ds): unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev),
-                                                     "kl": {"top_k": TOP_K, "approximation": APPROXIMATION}})
+                                                     "kl": {"schema": SCHEMA, "approximation": APPROXIMATION}})
                      for ds in req.datasets})
     if req.tasks:
         # before the precision became a choice, task accuracy ran in float32 whatever the cell's precision: the
@@ -367,8 +367,8 @@ def _eval_ids(cell: Cell, ds: str, tok, cache: dict) -> tuple[torch.Tensor, D.Te
 
 
 def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> dict:
-    """The FP model's top-k reference of every text in `datasets`, loaded or computed now from the
-    unquantized `model` (bench.kl)."""
+    """The FP model's KL reference of every text in `datasets` (its final hidden states and output head),
+    loaded or computed now from the unquantized `model` (bench.kl)."""
     from bench import kl
     from bench.perplexity import windows
     refs = {}
@@ -466,7 +466,7 @@ def _kl_rows(cell: Cell, ds: str, res: dict, ref, cfg: dict, em) -> list[Row]:
     if bad:
         raise NonFiniteResult(f"{ds} KL divergence from the FP model is not finite ({', '.join(bad)}). Nothing was "
                               f"stored for this unit; a rerun recomputes it.")
-    cfg = cfg | {"kl": {"top_k": kl.TOP_K, "approximation": kl.APPROXIMATION, "reference": ref.key[:16],
+    cfg = cfg | {"kl": {"schema": kl.SCHEMA, "approximation": kl.APPROXIMATION, "reference": ref.key[:16],
                         "window_kld": res["window_kld"], "window_top1": res["window_top1"],
                         "positions": int(res["token_kl"].numel())}}
     return [_row(cell, ds, k, v, cfg, em.wall_s, em.peak_rss_bytes) for k, v in values.items()]

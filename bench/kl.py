@@ -1,23 +1,24 @@
 """KL divergence of a quantized model's next-token distribution from the FP model's, on the perplexity windows.
 
 For every predicted position t of the perplexity windows, KL(P_fp,t || P_q,t) over the whole vocabulary is
-what llama.cpp's `perplexity --kl-divergence` reports. Storing the FP model's full log-probabilities is 1.6 GB
-per 16,384 tokens of a 49,152-token vocabulary in fp16, so the reference keeps, per position, the FP model's
-top-k tokens and their log-probabilities (float32), and the rest of the vocabulary as one tail of mass
-p_tail = 1 - sum(top-k p). The quantized model's log-probabilities are computed in full in the same pass as its
-perplexity (bench.perplexity.window_scores), so
+what llama.cpp's `perplexity --kl-divergence` reports. Storing the FP model's log-probabilities is 1.6 GB per
+16,384 tokens of a 49,152-token vocabulary in fp16, and a top-k summary (the k most likely tokens' log-probs
+plus the tail's mass) is not good enough on a small model: measured against the exact KL on real cells of the
+default model it is 14-19 % low at k = 64 and still 7-10 % low at k = 256 (its flat tails carry the
+divergence; bench/studies/kl_approx.py, reports/kl/). So the reference keeps what the FP logits are computed
+from: the FP model's final hidden state at every position (after the last norm: hidden size H values per
+position, in the dtype the output head consumes them: bf16 under bf16 autocast, else float32) and, once per
+model, its output head (the vocabulary projection, float32). At scoring time the FP logits are recomputed
+chunk by chunk with the same operation, the same inputs and the same precision as the FP pass that stored
+them, so the FP log-probabilities, hence the KL, are exact (bench/studies/kl_approx.py measures it), at one
+head projection and one log-softmax per chunk beside the quantized model's own: 19 MB per 16,384 tokens in
+bf16 (38 MB in float32) and 113 MB per model for the head, instead of 1.6 GB per text.
 
-    KL ~= sum_{v in top-k} p_v (log p_v - log q_v) + p_tail (log p_tail - log q_tail),   q_tail = 1 - sum(top-k q)
+Top-1 agreement: the quantized model's most likely token is the FP model's.
 
-which is KL between the two distributions with the tail merged into one outcome: never above the exact value
-(the log-sum inequality), and below it only by the divergence inside the tail, which the FP model gives at most
-p_tail of its mass. With k = TOP_K the error measured against the exact KL on real cells is below 1 % of the
-KL (bench/studies/kl_approx.py, reports/kl/). Top-1 agreement: the quantized model's most likely token is the
-FP model's (the reference's first entry).
-
-The reference is computed once per (model, text, evaluation settings, precision, k) from the unquantized
-model, by the first cell that needs it (before it quantizes: the model is loaded anyway), under a file lock so
-parallel workers compute it once, and kept in the lrq-bench cache (about 9 MB per 16,384 tokens at k = 64).
+The reference is computed once per (model, text, evaluation settings, precision) from the unquantized model,
+by the first cell that needs it (before it quantizes: the model is loaded anyway), under a file lock so
+parallel workers compute it once, and kept in the lrq-bench cache.
 """
 
 from __future__ import annotations
@@ -28,31 +29,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-TOP_K = 64
-APPROXIMATION = "top-k FP log-probabilities + tail mass"
+APPROXIMATION = "none: FP logits recomputed from the FP final hidden states and output head (exact)"
+SCHEMA = 2
 
 
-def kl_top_k(lq: torch.Tensor, ref_idx: torch.Tensor, ref_lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position: KL(P_fp || P_q) from the FP model's top-k (`ref_idx`, `ref_lp` [n, k], sorted, log-probs)
-    and the quantized model's full log-probabilities `lq` [n, vocab]; and whether the top-1 tokens agree."""
-    lq_top = lq.gather(1, ref_idx.long())
-    p = ref_lp.exp()
-    kl = (p * (ref_lp - lq_top)).sum(1)
-    p_tail = (1.0 - p.sum(1)).clamp(min=0.0)
-    q_tail = (1.0 - lq_top.exp().sum(1)).clamp(min=1e-30)
-    tail = torch.where(p_tail > 0, p_tail * (torch.log(p_tail.clamp(min=1e-30)) - torch.log(q_tail)),
-                       torch.zeros_like(p_tail))
-    return (kl + tail).clamp(min=0.0), lq.argmax(1) == ref_idx[:, 0].long()
+def kl_exact(lp: torch.Tensor, lq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: KL(P_fp || P_q) over the whole vocabulary from both models' log-probabilities [n, vocab]
+    (float32), and whether their most likely tokens agree."""
+    kl = (lp.exp() * (lp - lq)).sum(1).clamp(min=0.0)
+    return kl, lp.argmax(1) == lq.argmax(1)
 
 
 @dataclass
 class Reference:
-    """The FP model's top-k log-probabilities on a text's windows: `idx`, `lp` [positions, k] in window order,
-    window w's positions at offsets[w]:offsets[w + 1]."""
-    idx: torch.Tensor
-    lp: torch.Tensor
+    """What the FP model's logits on a text's windows are computed from: `hidden` [positions, H] (window w's
+    positions at offsets[w]:offsets[w + 1]) and the output head `weight` [vocab, H] (+ `bias`)."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
     offsets: list[int]
     key: str
 
@@ -60,25 +57,25 @@ class Reference:
     def n_windows(self) -> int:
         return len(self.offsets) - 1
 
-    def window(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = self.offsets[w], self.offsets[w + 1]
-        return self.idx[a:b], self.lp[a:b]
-
     def scorer(self, w: int):
         """score(lq, start): KL and top-1 agreement of window w's positions start.. (bench.perplexity calls it
-        chunk by chunk with the quantized model's log-probabilities `lq` [c, vocab])."""
-        idx, lp = self.window(w)
+        chunk by chunk, under the evaluation's autocast, with the quantized model's log-probabilities `lq`
+        [c, vocab]): the FP logits recomputed from the stored hidden states, as the FP pass computed them."""
+        a = self.offsets[w]
 
         def score(lq: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
             c = lq.shape[0]
-            return kl_top_k(lq, idx[start:start + c].to(lq.device), lp[start:start + c].to(lq.device))
+            h = self.hidden[a + start:a + start + c].to(lq.device)
+            weight = self.weight.to(lq.device)
+            logits = F.linear(h, weight, None if self.bias is None else self.bias.to(lq.device)).float()
+            return kl_exact(torch.log_softmax(logits, dim=-1), lq)
         return score
 
 
-def reference_key(model_id: str, dataset: str, data: str, eval_settings: dict, precision: str, k: int = TOP_K) -> str:
-    """What a reference depends on: the model's weights, the text, the windows, the precision, k."""
+def reference_key(model_id: str, dataset: str, data: str, eval_settings: dict, precision: str) -> str:
+    """What a reference depends on: the model's weights, the text, the windows, the precision."""
     blob = json.dumps({"model": model_id, "dataset": dataset, "data": data, "eval": eval_settings,
-                       "precision": precision, "k": k, "schema": 1}, sort_keys=True, default=str)
+                       "precision": precision, "schema": SCHEMA}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -87,34 +84,69 @@ def reference_path(key: str) -> Path:
     return cache_root() / "kl-reference" / f"{key[:32]}.safetensors"
 
 
+def head_path(head_key: str) -> Path:
+    from bench.cache import cache_root
+    return cache_root() / "kl-reference" / f"head-{head_key[:32]}.safetensors"
+
+
+def _head_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    h = hashlib.sha256(weight.detach().float().contiguous().cpu().numpy().tobytes())
+    if bias is not None:
+        h.update(bias.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 @torch.no_grad()
-def compute_reference(model: nn.Module, wins: list[torch.Tensor], k: int, autocast: bool, key: str = "") -> Reference:
-    """The FP model's top-k log-probabilities (float32) at every predicted position of `wins`."""
+def compute_reference(model: nn.Module, wins: list[torch.Tensor], autocast: bool, key: str = "") -> Reference:
+    """The FP model's final hidden states at every predicted position of `wins` (what its output head reads,
+    computed exactly as bench.perplexity computes them) and its output head."""
     from contextlib import nullcontext
 
-    from bench.perplexity import _logit_chunks
+    from bench.perplexity import final_hidden
     from lrq import progress
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    idx, lp, offsets = [], [], [0]
+    store_dtype = torch.bfloat16 if autocast else torch.float32
+    hidden, offsets = [], [0]
     with ctx:
         for n, w in enumerate(wins):
             progress.update(f"FP reference window {n + 1}/{len(wins)}")
-            for logits, _ in _logit_chunks(model, w):
-                top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-                idx.append(top.indices.to(torch.int32).cpu())
-                lp.append(top.values.cpu())
+            h, _ = final_hidden(model, w)
+            if autocast and h.dtype == torch.float32:
+                h = h.to(torch.bfloat16)   # what autocast feeds the head anyway: exact
+            hidden.append(h.to(store_dtype).cpu())
             offsets.append(offsets[-1] + len(w) - 1)
-    return Reference(torch.cat(idx), torch.cat(lp), offsets, key)
+    head = model.get_output_embeddings()
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach().float().cpu().clone()
+    return Reference(torch.cat(hidden), head.weight.detach().float().cpu().clone(), bias, offsets, key)
 
 
 def save_reference(ref: Reference, path: Path) -> None:
     from safetensors.torch import save_file
 
     from lrq.io import atomic_write
-    meta = {"offsets": json.dumps(ref.offsets), "key": ref.key, "approximation": APPROXIMATION}
-    atomic_write(path, lambda p: save_file({"idx": ref.idx.contiguous(), "lp": ref.lp.contiguous()}, str(p),
-                                           metadata=meta))
+    hkey = _head_key(ref.weight, ref.bias)
+    hpath = head_path(hkey)
+    if _load_head(hpath, hkey) is None:
+        tensors = {"weight": ref.weight.contiguous()} | ({} if ref.bias is None else {"bias": ref.bias.contiguous()})
+        atomic_write(hpath, lambda p: save_file(tensors, str(p), metadata={"key": hkey}))
+    meta = {"offsets": json.dumps(ref.offsets), "key": ref.key, "head": hkey, "schema": str(SCHEMA)}
+    atomic_write(path, lambda p: save_file({"hidden": ref.hidden.contiguous()}, str(p), metadata=meta))
+
+
+def _load_head(path: Path, hkey: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    from safetensors import safe_open
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("key") != hkey:
+                return None
+            weight = f.get_tensor("weight")
+            bias = f.get_tensor("bias") if "bias" in f.keys() else None
+    except Exception:  # noqa: BLE001 - a damaged cache file is recomputed
+        return None
+    return (weight, bias) if _head_key(weight, bias) == hkey else None
 
 
 def load_reference(path: Path, key: str) -> Reference | None:
@@ -125,14 +157,18 @@ def load_reference(path: Path, key: str) -> Reference | None:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("key") != key:
+            if meta.get("key") != key or meta.get("schema") != str(SCHEMA):
                 return None
-            return Reference(f.get_tensor("idx"), f.get_tensor("lp"), json.loads(meta["offsets"]), key)
+            hidden, offsets, hkey = f.get_tensor("hidden"), json.loads(meta["offsets"]), meta["head"]
     except Exception:  # noqa: BLE001 - a damaged cache file is recomputed
         return None
+    head = _load_head(head_path(hkey), hkey)
+    if head is None or len(offsets) < 2 or offsets[-1] != hidden.shape[0]:
+        return None
+    return Reference(hidden, head[0], head[1], offsets, key)
 
 
-def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autocast: bool, k: int = TOP_K) -> Reference:
+def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autocast: bool) -> Reference:
     """The reference for `key`: loaded from the cache, else computed from `model` (the unquantized model) and
     stored. A file lock makes parallel workers compute it once."""
     from lrq.io import file_lock
@@ -143,7 +179,7 @@ def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autoc
     with file_lock(path):
         ref = load_reference(path, key)   # another worker may have finished it meanwhile
         if ref is None:
-            ref = compute_reference(model, wins, k, autocast, key)
+            ref = compute_reference(model, wins, autocast, key)
             save_reference(ref, path)
     return ref
 

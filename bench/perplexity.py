@@ -25,6 +25,15 @@ def windows(ids: torch.Tensor, seq_len: int, include_partial: bool = False) -> l
     return out
 
 
+def final_hidden(model: nn.Module, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the final hidden states [L-1, H] the output head reads for positions 1..L-1, their targets [L-1]): one
+    forward pass of the model's body."""
+    device = next(model.parameters()).device
+    x = window.to(device).unsqueeze(0)
+    hidden = model.model(input_ids=x, use_cache=False).last_hidden_state[0, :-1]
+    return hidden, x[0, 1:]
+
+
 def _logit_chunks(model: nn.Module, window: torch.Tensor, chunk: int = 128):
     """(float32 logits [c, vocab], targets [c]) of a window's positions 1..L-1, `chunk` positions at a time.
 
@@ -33,11 +42,8 @@ def _logit_chunks(model: nn.Module, window: torch.Tensor, chunk: int = 128):
     logits at a 49k vocabulary) keep the logits in the CPU's L3 cache across the cast and the log-softmax:
     0.5 s per 2048-token window instead of 0.75-0.9 s at 512 on the 2-core test machine
     (bench/studies/eval_speed.py); the sums differ by < 1e-7 relative."""
-    device = next(model.parameters()).device
-    x = window.to(device).unsqueeze(0)
-    hidden = model.model(input_ids=x, use_cache=False).last_hidden_state[0, :-1]
+    hidden, targets = final_hidden(model, window)
     head = model.get_output_embeddings()
-    targets = x[0, 1:]
     for i in range(0, hidden.shape[0], chunk):
         yield head(hidden[i:i + chunk]).float(), targets[i:i + chunk]
 
@@ -76,7 +82,7 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
 
     `window_nll` holds every window's mean NLL (over `window_tokens` predicted tokens each), for paired
     comparisons of two models on the same windows; the results store keeps both with every perplexity.
-    With `reference` (bench.kl.Reference: the FP model's top-k log-probabilities on these windows) the same
+    With `reference` (bench.kl.Reference: what the FP model's logits on these windows are computed from) the same
     pass also measures the KL divergence from the FP model: `token_kl` and `token_top1` for every position,
     `window_kld` and `window_top1` per window."""
     wins = windows(ids, seq_len, include_partial)

@@ -438,9 +438,9 @@ def _kl_section(mdf: pd.DataFrame, stats: dict, datasets: list[str]) -> list[str
     cfg = kl.iloc[-1]["config"].get("kl", {})
     return ["### KL divergence from the FP model", "",
             f"Per predicted position, KL(P_FP || P_quantized) over the whole vocabulary in nats, on the perplexity "
-            f"windows; the FP distribution is stored as its top-{cfg.get('top_k', '?')} tokens' log-probabilities "
-            f"plus the tail's mass ({cfg.get('approximation', '?')}): a lower bound of the exact KL, within 1 % "
-            f"of it on real cells of the default model (reports/kl/kl_approx.md). Mean with its 95 % interval over "
+            f"windows, exact: the FP logits are recomputed from the FP model's stored final hidden states and output "
+            f"head with the same operations (approximation: {cfg.get('approximation', '?')}; against KL from both "
+            f"models side by side: reports/kl/kl_approx.md). Mean with its 95 % interval over "
             f"windows (positions inside a window are correlated: each window's mean is one observation), median and "
             f"99th percentile over positions, top-1 agreement = the share of positions where both models' most "
             f"likely next token is the same. The last column: the paired difference to RTN at the same scheme over "

@@ -1,4 +1,4 @@
-"""KL divergence from the FP model and flips (issue L): the top-k + tail approximation against the exact KL,
+"""KL divergence from the FP model and flips (issue L): the stored reference gives the exact KL,
 the reference computed once and reused, KL as its own unit beside perplexities stored before it, the
 leaderboard led by KLD and top-1 agreement, flips per task, the gate on KLD, and the catalogue every consumer
 reads."""
@@ -27,18 +27,42 @@ def _dists(n=64, vocab=300, seed=0, spread=0.3):
     return lp, lq
 
 
-def test_top_k_kl_is_exact_at_full_k_and_a_close_lower_bound_below():
-    lp, lq = _dists()
-    exact = (lp.exp() * (lp - lq)).sum(1)
-    for k, tol in ((300, 1e-4), (64, 0.05), (16, 0.3)):   # a flat random distribution: the worst case
-        top = lp.topk(k, dim=-1)
-        approx, agree = kl.kl_top_k(lq, top.indices, top.values)
-        assert (approx <= exact + 1e-5).all()                          # the log-sum inequality
-        assert abs(float(approx.mean() / exact.mean()) - 1) <= tol, (k, float(approx.mean()), float(exact.mean()))
-        assert torch.equal(agree, lq.argmax(1) == lp.argmax(1))
-    top = lp.topk(8, dim=-1)
-    zero, agree = kl.kl_top_k(lp, top.indices, top.values)
-    assert float(zero.abs().max()) < 1e-5 and bool(agree.all())       # a model against itself
+def test_the_stored_reference_gives_the_exact_kl(tiny_model_dir, tmp_path, monkeypatch):
+    """The KL from the stored reference (FP final hidden states + head, recomputed) equals the KL computed from
+    both models side by side, in bf16 and fp32, through a save/load round trip; it is 0 against itself."""
+    import copy
+
+    import lrq
+    from bench.models import load_model
+    from bench.perplexity import _logit_chunks, perplexity, windows
+    fp = load_model(str(tiny_model_dir)).model
+    q = copy.deepcopy(fp)
+    lrq.quantize(q, "rtn", "w3a16")
+    ids = torch.randint(0, fp.config.vocab_size, (512,), generator=torch.Generator().manual_seed(0))
+    wins = windows(ids, 128)
+    for bf16 in (False, True):
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+        with ctx, torch.no_grad():
+            exact = torch.cat([kl.kl_exact(torch.log_softmax(a, -1), torch.log_softmax(b, -1))[0]
+                               for w in wins for (a, _), (b, _) in zip(_logit_chunks(fp, w), _logit_chunks(q, w))])
+        ref = kl.compute_reference(fp, wins, bf16, key=f"k{bf16}")
+        path = tmp_path / f"ref{bf16}.safetensors"
+        monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "kl-cache"))
+        kl.save_reference(ref, path)
+        back = kl.load_reference(path, f"k{bf16}")
+        assert back is not None and kl.load_reference(path, "another key") is None
+        assert back.hidden.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        res = perplexity(q, ids, 128, autocast=bf16, reference=back)
+        assert exact.mean() > 0.01
+        assert torch.allclose(res["token_kl"], exact, rtol=1e-5, atol=1e-6), float((res["token_kl"] - exact).abs().max())
+        self_kl = perplexity(fp, ids, 128, autocast=bf16, reference=back)
+        assert float(self_kl["token_kl"].abs().max()) < 1e-5 and bool(self_kl["token_top1"].all())
+        # a damaged head file makes the reference absent (recomputed), never wrong
+        hpath = next((tmp_path / "kl-cache" / "kl-reference").glob("head-*.safetensors"))
+        good = hpath.read_bytes()
+        hpath.write_bytes(good[:100])
+        assert kl.load_reference(path, f"k{bf16}") is None
+        hpath.write_bytes(good)
 
 
 def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, data_dir, tmp_path, capsys,
@@ -56,7 +80,7 @@ def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, da
     kld = {r.scheme: r for r in rows if r.metric == "kld"}
     assert set(kld) == {"w4a16", "w3a16"} and kld["w3a16"].value > kld["w4a16"].value > 0
     c = kld["w4a16"].config["kl"]
-    assert c["top_k"] == kl.TOP_K and len(c["window_kld"]) == 4 and c["positions"] == 4 * 255
+    assert c["schema"] == kl.SCHEMA and len(c["window_kld"]) == 4 and c["positions"] == 4 * 255
     assert math.isclose(sum(c["window_kld"]) / 4, kld["w4a16"].value, rel_tol=1e-6)
     top1 = next(r for r in rows if r.metric == "top1_agree" and r.scheme == "w4a16")
     assert 0 < top1.value <= 1
@@ -72,6 +96,22 @@ def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, da
     assert {(r.scheme, r.unit_key) for r in after if r.metric == "ppl"} == ppl_before   # not recomputed
     assert {r.scheme for r in after if r.metric == "kld"} == {"w4a16", "w3a16"}
     assert len(calls) == 1            # the cached reference was reused
+    # the separation study pairs the two cells on every text, each metric paired over the same windows
+    from bench import stats
+    from bench.studies import separation
+    assert separation.main(["--results", str(results), "--out", str(tmp_path / "sep")]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "sep" / "separation.json").read_text())
+    assert len(doc["texts"]) == len({r.dataset for r in after if r.metric == "kld"})
+    for text, res in doc["texts"].items():
+        assert res["cells"] == 2 and res["windows"] == 4 and all(res[m]["pairs"] == 1 for m in ("ppl", "kld", "top1"))
+    ds = next(r.dataset for r in after if r.metric == "kld")
+    k = {r.scheme: r.config["kl"]["window_kld"] for r in after if r.metric == "kld" and r.dataset == ds}
+    c = stats.paired_mean(k["w3a16"], k["w4a16"])
+    res = next(v for t, v in doc["texts"].items() if f" {ds} " in t)
+    assert res["kld"]["separated"] == int(c.separated)
+    assert math.isclose(res["kld"]["median_rel_half_width"],
+                        (c.hi - c.lo) / 2 / ((sum(k["w3a16"]) + sum(k["w4a16"])) / 8), rel_tol=1e-9)
 
 
 def test_the_leaderboard_is_led_by_kld_and_shows_flips(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
