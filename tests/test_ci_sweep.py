@@ -44,21 +44,26 @@ def test_each_cpu_capability_and_precision_has_its_own_reference(tmp_path, monke
 def test_another_cpus_reference_gates_calibration_dependent_cells_loosely(tmp_path, capsys):
     from bench.store import ResultStore, Row
 
-    def rows(fp, w8a8):
+    def rows(fp, w8a8, kld=0.5, top1=0.58):
         cal = {"calibration": {"n_samples": 16}}
         return [Row("smollm2-135m", "fp", "fp", "wikitext2", "ppl", fp, config={}),
-                Row("smollm2-135m", "rtn", "w8a8", "wikitext2", "ppl", w8a8, config=cal)]
+                Row("smollm2-135m", "rtn", "w8a8", "wikitext2", "ppl", w8a8, config=cal),
+                Row("smollm2-135m", "rtn", "w8a8", "wikitext2", "kld", kld, config=cal),
+                Row("smollm2-135m", "rtn", "w8a8", "wikitext2", "top1_agree", top1, config=cal)]
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps([r.__dict__ for r in rows(24.0, 40.0)]))
 
-    def gate(fp, w8a8):
-        store = ResultStore(tmp_path / f"{fp}-{w8a8}.sqlite")
-        store.write_unit(rows(fp, w8a8), "k")
+    def gate(*values, **kl):
+        store = ResultStore(tmp_path / f"{values}-{sorted(kl.items())}.sqlite")
+        store.write_unit(rows(*values, **kl), "k")
         return ci_sweep.cross_cpu_gate(ref, str(store.path))
     assert gate(24.0, 44.0) == 0          # another CPU's rounding: 10 % on a calibration-dependent cell passes
+    assert gate(24.0, 44.0, kld=0.52, top1=0.57) == 0   # and 4 % of KLD, 1 point of top-1 (fp32, AVX2 vs AVX-512)
     assert gate(24.0, 60.0) == 1          # 50 %: a broken method still fails
+    assert gate(24.0, 40.0, kld=0.8) == 1   # on KLD as well
+    assert gate(24.0, 40.0, top1=0.50) == 1   # and on top-1 agreement (8 points)
     assert gate(24.5, 40.0) == 1          # calibration-free cells stay strict (2 % > 0.5 %)
-    assert "calibration-dependent cells, perplexity within 25%" in capsys.readouterr().out
+    assert "calibration-dependent cells, perplexity and KLD within 25%, top-1 within 3 points" in capsys.readouterr().out
 
 
 def test_the_committed_references_name_their_machine():
@@ -69,3 +74,29 @@ def test_the_committed_references_name_their_machine():
         seen.add((ident["precision"], ident["torch_cpu_capability"]))
     assert {("bf16", "AVX512"), ("fp32", "AVX2")} <= seen   # bf16 CPUs, and the CPUs without native bf16
     assert ci_sweep.reference_for()[0].is_file()
+
+
+def test_write_reference_then_gate_round_trips(tmp_path, monkeypatch, capsys):
+    """--write-reference stores the gate-relevant rows of this machine's sweep (here: rows written by a stub
+    sweep), and the gate then passes against that file and fails on a worse result."""
+    from bench.store import ResultStore, Row
+
+    def fake_sweep(results, data_dir, precision="auto", ppl=30.0):
+        rows = [Row(model="smollm2-135m", method="rtn", scheme="w4a16-g128", dataset="wikitext2", metric="ppl",
+                    value=ppl, config={"precision": {"used": "fp32"}}),
+                Row(model="smollm2-135m", method="rtn", scheme="w4a16-g128", dataset="wikitext2", metric="latency_ms",
+                    value=1.0, config={"precision": {"used": "fp32"}})]
+        ResultStore(results).write_unit(rows, key=f"k{ppl}")
+        return 0
+
+    monkeypatch.setattr(ci_sweep, "run_sweep", fake_sweep)
+    ref = tmp_path / "ref.json"
+    assert ci_sweep.main(["--results", str(tmp_path / "a.sqlite"), "--write-reference", "--reference", str(ref)]) == 0
+    stored = json.loads(ref.read_text())
+    assert [(r["metric"], r["value"]) for r in stored] == [("ppl", 30.0)]     # untracked metrics left out
+    capsys.readouterr()
+    assert ci_sweep.main(["--results", str(tmp_path / "b.sqlite"), "--reference", str(ref)]) == 0
+    assert "no regression" in capsys.readouterr().out
+    monkeypatch.setattr(ci_sweep, "run_sweep", lambda r, d, p="auto": fake_sweep(r, d, p, ppl=36.0))
+    assert ci_sweep.main(["--results", str(tmp_path / "c.sqlite"), "--reference", str(ref)]) == 1
+    assert "**REGRESSION**" in capsys.readouterr().out
