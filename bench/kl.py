@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,10 +52,20 @@ class Reference:
     bias: torch.Tensor | None
     offsets: list[int]
     key: str
+    _heads: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_windows(self) -> int:
         return len(self.offsets) - 1
+
+    def _head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head in the dtype autocast would cast it to here (cast once, not at every chunk: the same values)."""
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+        key = (str(device), dtype)
+        if key not in self._heads:
+            self._heads[key] = (self.weight.to(device, dtype),
+                                None if self.bias is None else self.bias.to(device, dtype))
+        return self._heads[key]
 
     def scorer(self, w: int):
         """score(lq, start): KL and top-1 agreement of window w's positions start.. (bench.perplexity calls it
@@ -65,10 +75,9 @@ class Reference:
 
         def score(lq: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
             c = lq.shape[0]
-            h = self.hidden[a + start:a + start + c].to(lq.device)
-            weight = self.weight.to(lq.device)
-            logits = F.linear(h, weight, None if self.bias is None else self.bias.to(lq.device)).float()
-            return kl_exact(torch.log_softmax(logits, dim=-1), lq)
+            weight, bias = self._head(lq.device)
+            h = self.hidden[a + start:a + start + c].to(lq.device, weight.dtype)
+            return kl_exact(torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1), lq)
         return score
 
 
