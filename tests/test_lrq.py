@@ -286,3 +286,22 @@ def test_train_precision_authors_runs_the_authors_fp16_pipeline(method, scheme_n
     default = M.config("quick", {"iters": 3, "heldout_samples": 2})
     assert M.keyed_settings(M.resolve(get_scheme(scheme_name), default)) != \
         M.keyed_settings(M.resolve(get_scheme(scheme_name), dict(default, train_precision="authors")))
+
+
+def test_the_long_preset_resolves_to_its_sizes_for_every_method():
+    """--preset long: 1,000 steps at batch 2 with 16 held-out windows, the authors' settings otherwise; LRQ at
+    the llama2-7b-like rank; one calibration (128 x 1,024 C4 tokens in order) for LRQ, FlexRound, GPTQ and AWQ;
+    a method without a long preset takes its paper settings."""
+    from bench.cell import resolve_calib
+    from lrq.methods import method_class
+    for name in ("lrq", "flexround"):
+        cfg = method_class(name)().config("long")
+        paper = method_class(name)().config("paper")
+        assert (cfg["iters"], cfg["batch_size"], cfg["heldout_samples"], cfg["preset"]) == (1000, 2, 16, "long")
+        assert cfg["lr"] == paper["lr"] and cfg["s1_init"] == paper["s1_init"]
+    assert method_class("lrq")().config("long")["rank_rule"] == "llama2-7b-like"
+    assert method_class("lrq")().config("paper")["rank_rule"] != "llama2-7b-like"
+    for name in ("lrq", "flexround", "gptq", "awq"):
+        c = resolve_calib(name, "long", {})
+        assert (c.dataset, c.n_samples, c.seq_len, c.sampling) == ("c4", 128, 1024, "sequential"), name
+    assert method_class("gptq")().config("long") == method_class("gptq")().config("paper")

@@ -2,7 +2,8 @@
 
     python -m bench.studies.kl_gate [--layer model.layers.15.mlp.down_proj] [--out reports/kl]
 
-The CI sweep's RTN w4a16-g128 cell of the default model (calibration-free, so any change is the injected one)
+The CI sweep's RTN w4a16-g128 cell of the default model (or RTN at `--scheme`: calibration-free, so any change
+is the injected one)
 is evaluated on the CI sweep's text (WikiText-2's first 8,192 tokens, 4 windows of 2,048) at the machine's
 precision, then again with Gaussian noise added to one layer's quantized weights: W_q + E, E ~ N(0, (s * rms(W_q))^2)
 for relative sizes s, three noise seeds each. Each perturbed model is judged by the regression gate's own
@@ -26,6 +27,8 @@ SEEDS = (0, 1, 2)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", default="model.layers.15.mlp.down_proj")
+    ap.add_argument("--scheme", default="w4a16-g128", help="the RTN cell's scheme (calibration-free: w4a16-g128, "
+                                                          "w8a16, w3a16, ...)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--out", default="reports/kl")
     ap.add_argument("--data-dir", default=None)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     wins = windows(ids, 2048)
     ref = kl.compute_reference(fp, wins, bf16)
     q = copy.deepcopy(fp)
-    lrq.quantize(q, "rtn", "w4a16-g128", precision=prec)
+    lrq.quantize(q, "rtn", args.scheme, precision=prec)
     layer = q.get_submodule(args.layer)
     assert isinstance(layer, QuantLinear), f"{args.layer} is not a quantized linear"
     w = layer.dequantized_weight().detach().float()
@@ -81,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     smallest = {g: next((s for s in sizes if all(r[f"{g}_flags"] for r in rows if r["size"] == s)), None)
                 for g in ("ppl", "kld")}
-    doc = {"cell": "rtn w4a16-g128", "layer": args.layer, "weight_rms": rms, "precision": prec, "tokens": len(ids),
+    doc = {"cell": f"rtn {args.scheme}", "layer": args.layer, "weight_rms": rms, "precision": prec, "tokens": len(ids),
            "windows": len(wins), "base_ppl": base_ppl, "base_kld": base_kld, "ppl_allowed": ppl_allowed,
            "kld_allowed": kld_allowed, "tolerances": {"ppl": tol["ppl"], "kld": tol["kld"]}, "rows": rows,
            "smallest_flagged_on_every_seed": smallest, "seconds": time.perf_counter() - t0,
            "hardware": hardware(), "versions": versions(), "git": git_revision()}
     from bench.studies import write_study
-    write_study(args.out, "kl_gate", doc, markdown(doc))
+    write_study(args.out, "kl_gate" if args.scheme == "w4a16-g128" else f"kl_gate-{args.scheme}", doc, markdown(doc))
     return 0
 
 
