@@ -107,6 +107,15 @@ def test_the_figure2_study_joins_the_page(tmp_path, lrq_held, verdict):
     page = (tmp_path / "o" / "claims.html").read_text()
     assert "paper's regime: block error during training" in page and page.count("<svg") == 1
     assert "<h3>Block 0, LRQ rank rule" in page and "(f2)</h3>" in page      # each figure titled apart
+    # the page re-rendered from its JSON (the store gone): the same rows, verdicts and figure, numbered once
+    assert main(["--from-json", str(tmp_path / "o" / "claims.json"), "--figure2", str(f2),
+                 "--out", str(tmp_path / "re")]) == 0
+    again = json.loads((tmp_path / "re" / "claims.json").read_text())
+    first = json.loads((tmp_path / "o" / "claims.json").read_text())
+    assert [(c["claim"], c["verdict"], c["measurement"]) for c in again["claims"]] == \
+        [(c["claim"], c["verdict"], c["measurement"]) for c in first["claims"]]
+    assert [c["id"] for c in again["claims"]] == list(range(1, len(first["claims"]) + 1))
+    assert (tmp_path / "re" / "claims.html").read_text().count("<svg") == 1
     with pytest.raises(UserError, match="no figure2.json"):
         main(["--results", str(tmp_path / "s.sqlite"), "--figure2", str(tmp_path), "--out", str(tmp_path / "o2")])
 

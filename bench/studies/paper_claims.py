@@ -49,7 +49,11 @@ PPL_SETS = ("wikitext2", "c4")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.studies.paper_claims", description=__doc__.split("\n")[0])
-    p.add_argument("--results", required=True, help="the results store to read (SQLite)")
+    p.add_argument("--results", help="the results store to read (SQLite)")
+    p.add_argument("--from-json", metavar="CLAIMS_JSON",
+                   help="instead of a store: re-render a claims.json this study wrote (its measured rows kept as "
+                        "they are; the Figure-2 rows rebuilt from --figure2 folders), e.g. after a layout change "
+                        "when the store is gone")
     p.add_argument("--model", default="smollm2-135m", help="the model whose rows are read, and its shape")
     p.add_argument("--out", default="reports/paper-claims")
     p.add_argument("--figure2", action="append", default=[], metavar="DIR",
@@ -57,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank-results", action="append", default=[], metavar="STORE",
                    help="a store of LRQ runs that differ only in rank (--set rank_rule=uniform --set rank=R): its rows "
                         "join --results' for the rank claim only")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.results and not args.from_json:
+        p.error("give --results STORE (or --from-json CLAIMS_JSON to re-render an earlier page)")
+    return args
 
 
 # ---- claim 1: learnable parameters ------------------------------------------------------------------------
@@ -382,6 +389,34 @@ def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: lis
             "written_by": git_revision(), "claims": claims, "curves": [ch for _, cs in studies for ch in cs]}
 
 
+def rebuild(claims_json: str, figure2: list[str] = ()) -> dict:
+    """An earlier claims.json re-rendered: its rows as they were measured, the Figure-2 study rows and curves
+    rebuilt from the --figure2 folders (their source), one number per row, stores named without paths."""
+    from bench.provenance import git_revision
+    path = Path(claims_json)
+    if not path.is_file():
+        raise UserError(f"--from-json {claims_json!r} does not exist: give a claims.json written by this study.")
+    old = json.loads(path.read_text())
+    studies = [claim_figure2_study(d) for d in figure2]
+    claims, placed = [], False
+    for c in old["claims"]:
+        if c["claim"].startswith("Figure 2 in the paper's regime"):
+            if not placed:
+                claims += [sc for sc, _ in studies]
+                placed = True
+            continue
+        claims.append(dict(c))
+    if not placed:
+        claims += [sc for sc, _ in studies]
+    for n, c in enumerate(claims, 1):
+        c["id"] = n
+        c["verdict_class"] = verdict_class(c["verdict"])
+    return {"model": old["model"], "store": Path(old["store"]).name,
+            "rank_stores": [Path(p).name for p in old.get("rank_stores", [])], "rows": old["rows"],
+            "row_revisions": old["row_revisions"], "written_by": git_revision(), "rerendered_from": old["written_by"],
+            "claims": claims, "curves": [ch for _, cs in studies for ch in cs]}
+
+
 VERDICTS = {"holds": "holds", "holds in part": "holds in part", "mixed": "holds in part",
             "not separated": "not separated", "does not hold": "does not hold"}
 COLOURS = {"holds": "#d7f0d2", "holds in part": "#fff1c2", "not separated": "#e8e8e8", "does not hold": "#f8d4d0",
@@ -403,7 +438,9 @@ def markdown(res: dict) -> str:
            f"Model {res['model']}; results store `{res['store']}` ({res['rows']} rows, code revisions "
            f"{', '.join(_rev(r) for r in res['row_revisions'])})"
            + "".join(f"; rank sweep `{p}`" for p in res.get("rank_stores", []))
-           + f"; written by {_rev(res['written_by'])}. "
+           + f"; written by {_rev(res['written_by'])}"
+           + (f" (re-rendered from the page {_rev(res['rerendered_from'])} wrote)" if res.get("rerendered_from") else "")
+           + ". "
            "Each verdict holds for the regime stated in its row, not beyond it.", "",
            "| # | claim | verdict | regime |", "|---|---|---|---|"]
     for c in res["claims"]:
@@ -439,7 +476,8 @@ regime stated in its row, not beyond it. Open a row for the paper's statement an
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jinja2 import Environment, select_autoescape
-    res = build(args.results, args.model, args.figure2, args.rank_results)
+    res = (rebuild(args.from_json, args.figure2) if args.from_json else
+           build(args.results, args.model, args.figure2, args.rank_results))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "claims.json", dumps_json({k: v for k, v in res.items() if k != "curves"}, indent=1))
