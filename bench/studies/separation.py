@@ -22,12 +22,12 @@ import sys
 import time
 
 
-def cells(results: str) -> dict:
+def cells(results: str, methods: set[str] | None = None) -> dict:
     """{(model, seed, precision, text): {(method, scheme): {"nll": [...], "kld": [...], "top1": [...]}}}."""
     from bench.store import ResultStore
     out: dict = {}
     for r in ResultStore(results, readonly=True).rows(latest=True):
-        if r.method == "fp" or r.metric not in ("ppl", "kld", "top1_agree"):
+        if r.method == "fp" or r.metric not in ("ppl", "kld", "top1_agree") or (methods and r.method not in methods):
             continue
         per = ((r.config.get("eval") or {}).get("window_nll") if r.metric == "ppl" else
                (r.config.get("kl") or {}).get("window_kld" if r.metric == "kld" else "window_top1"))
@@ -39,10 +39,10 @@ def cells(results: str) -> dict:
     return out
 
 
-def study(results: str, same_scheme: bool) -> dict:
+def study(results: str, same_scheme: bool, methods: set[str] | None = None) -> dict:
     from bench import stats
     texts = {}
-    for (model, seed, prec, text), group in sorted(cells(results).items(), key=lambda kv: str(kv[0])):
+    for (model, seed, prec, text), group in sorted(cells(results, methods).items(), key=lambda kv: str(kv[0])):
         res = {m: {"pairs": 0, "separated": 0, "half_widths": []} for m in ("ppl", "kld", "top1")}
         for (a, va), (b, vb) in itertools.combinations(sorted(group.items()), 2):
             if same_scheme and a[1] != b[1]:
@@ -71,7 +71,7 @@ def study(results: str, same_scheme: bool) -> dict:
 def render(doc: dict) -> str:
     lines = ["# What separates cells: paired perplexity, KL divergence and top-1 agreement", "",
              f"Store `{doc['store_name']}`, {'same-scheme pairs' if doc['same_scheme'] else 'all pairs'} of "
-             f"quantized cells; 95 % paired t intervals over windows (bench.stats); measured {doc['measured_at']}.",
+             f"quantized cells{' of ' + doc['methods'] if doc.get('methods') else ''}; 95 % paired t intervals over windows (bench.stats); measured {doc['measured_at']}.",
              "", "| text | cells | windows | metric | pairs | separated | median relative half-width |",
              "|---|---|---|---|---|---|---|"]
     names = {"ppl": "perplexity (ratio)", "kld": "KLD (difference / mean KLD)",
@@ -91,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", required=True, help="the results store (SQLite)")
     ap.add_argument("--same-scheme", action="store_true", help="only pairs of cells at the same scheme")
+    ap.add_argument("--methods", default=None, help="only these methods (comma-separated; default: every one)")
     ap.add_argument("--out", default="reports/kl")
     ap.add_argument("--name", default="separation")
     args = ap.parse_args(argv)
     doc = {"store_name": Path(args.results).name, "same_scheme": args.same_scheme,
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "texts": study(args.results, args.same_scheme)}
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "methods": args.methods,
+           "texts": study(args.results, args.same_scheme, set(args.methods.split(",")) if args.methods else None)}
     if not doc["texts"]:
         print(f"{args.results}: no pairs of quantized cells with per-window perplexity and KL data", file=sys.stderr)
         return 1
