@@ -12,7 +12,8 @@ entry point), kept apart from the product (bench/: cli, cell, sweep, executor, s
 - figure2: the paper's Figure 2 (calibration vs held-out block error while training) in its regime;
 - paper_claims: the paper's claims from a results store, one row each with a verdict;
 - precision: fp32 against bf16 on this machine (and under the no-bf16 emulation), and what `auto` picks;
-- kl_approx, kl_gate: the KL reference's approximation error, and the KLD gate against the perplexity gate;
+- kl_approx, kl_gate, separation: the KL reference against exact KL, the KLD gate against the perplexity gate, and
+  which pairs of cells each metric separates;
 - gpu_stage, llmc_checkpoint: the GPU session's paper-regime stage; a checkpoint written by llm-compressor.
 """
 
