@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 
@@ -64,15 +63,6 @@ def compare(fp, q, wins, ks, autocast: bool) -> dict:
     return out
 
 
-def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=4)
@@ -87,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.models import load_model
     from bench.perplexity import perplexity, windows
     from bench.provenance import git_revision, hardware, versions
+    from bench.studies.precision import _median_time
     from lrq import precision as P
     torch.set_num_threads(1)
     ks = [int(k) for k in args.ks.split(",")]
