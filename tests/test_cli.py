@@ -211,7 +211,9 @@ def test_the_rough_edges_a_new_user_met(tiny_model_dir, data_dir, tmp_path, caps
     assert code == 0 and {r["metric"] for r in rows} >= {"ppl", "kld", "bits_per_weight"}
     # an interrupted run: the quant unit of a cell stored, none of its evaluation
     from bench.store import ResultStore, Row
-    ResultStore(results).write_unit([Row(str(tiny_model_dir), "gptq", "w4a16", "quant", "bits_per_weight", 4.2)], "x")
+    prec = ResultStore(results).rows()[0].config["precision"]   # the run's own (bf16 or fp32, by the CPU)
+    ResultStore(results).write_unit([Row(str(tiny_model_dir), "gptq", "w4a16", "quant", "bits_per_weight", 4.2,
+                                         {"precision": prec})], "x")
     code, out, _ = _run(["report", "--results", str(results), "--out", str(tmp_path / "rep")], capsys)
     assert code == 0 and out.split() == [str(tmp_path / "rep" / "leaderboard.md"), str(tmp_path / "rep" / "leaderboard.html")]
     md = (tmp_path / "rep" / "leaderboard.md").read_text()
