@@ -79,8 +79,9 @@ def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
     return given
 
 
-def _check_writable(folder: str, what: str = "the leaderboard") -> None:
-    """--out must be a folder we can write, checked before any cell runs (not after hours of work)."""
+def _check_writable(folder: str, what: str = "the leaderboard", option: str = "--out") -> None:
+    """--out (or `option`) must be a folder we can write, checked before any cell runs (not after hours of
+    work)."""
     import tempfile
     path = Path(folder).expanduser()
     try:
@@ -88,7 +89,7 @@ def _check_writable(folder: str, what: str = "the leaderboard") -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".lrq-bench-write-check-"):
             pass
     except OSError as e:
-        raise UserError(f"--out {folder!r} is not a writable folder ({e.strerror or e}): choose another place for "
+        raise UserError(f"{option} {folder!r} is not a writable folder ({e.strerror or e}): choose another place for "
                         f"{what}. Nothing was run.") from None
 
 
@@ -179,6 +180,10 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="recompute cells already in the store")
     r.add_argument("--no-fp", action="store_true", help="skip the floating-point reference row")
     r.add_argument("--out", default=None, help="also write the leaderboard to this folder")
+    r.add_argument("--sync", default=None, metavar="DIR",
+                   help="continue a run across machines: read DIR/results.jsonl first (its units are not computed "
+                        "again), and keep it and the running cells' finished blocks (DIR/checkpoints/) up to date "
+                        "as the run goes; commit DIR, and the same command on another machine continues")
 
     pl = sub.add_parser("plan", help="estimated time and memory of every cell from a model's shape (no weights)")
     pl.add_argument("--model", default="smollm2-135m",
@@ -238,6 +243,12 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     res.add_argument("--results", default=None)
     res.add_argument("--format", default="table", choices=["table", "csv", "json"],
                      help="table (default, with a header), csv, or json (every row with its full configuration)")
+    res.add_argument("--save", default=None, metavar="DIR",
+                     help="instead of printing, add the store's units to the results file DIR/results.jsonl (what "
+                          "`run --sync DIR` reads on another machine)")
+    res.add_argument("--model", dest="only_model", default=None, help="with --save: only this model's units")
+    res.add_argument("--methods", dest="only_methods", default=None,
+                     help="with --save: only these methods' units (comma-separated)")
     res.add_argument("--json", action="store_true", help="the same as --format json")
     return p
 
@@ -245,7 +256,7 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
 def _apply_profile(args):
     """Fill every option left unset (None) with the chosen run profile's value; returns the profile."""
     from bench.profiles import DEFAULT_PROFILE, get_profile
-    prof = get_profile(args.profile or DEFAULT_PROFILE)
+    prof = get_profile(args.profile or DEFAULT_PROFILE).for_preset(getattr(args, "preset", "quick"))
     for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit", "jobs"):
         if getattr(args, name, None) is None and hasattr(args, name):
             setattr(args, name, getattr(prof, name))
@@ -329,6 +340,15 @@ def cmd_run(args) -> int:
     if args.task_limit is not None and args.task_limit < 1:
         raise UserError(f"--task-limit must be 0 (all) or at least 1, got {args.task_limit}.")
     store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
+    carry = None
+    if args.sync:
+        from bench.ledger import Carry
+        carry = Carry(args.sync, store)
+        _check_writable(str(carry.folder), "the results file", "--sync")
+        added, present = carry.import_results()   # a damaged results file: exit 2 now, before any work
+        if added or present:
+            _say(f"{carry.file}: {added} unit(s) added to {store.path}, {present} already there; cells they "
+                 f"complete are not computed again")
 
     from bench.models import load_model
     from transformers.utils import logging as hf_logging
@@ -380,7 +400,7 @@ def cmd_run(args) -> int:
     print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells ({n_todo} to compute, {len(cells) - n_todo} "
           f"already stored), {where}; precision {cells[0].precision} ({info.get('why')})", file=sys.stderr, flush=True)
     estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
-    outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate)
+    outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate, carry=carry)
     wall = time.perf_counter() - t0
     from bench.store import newest
     run_keys = {k for c in cells for k in c.keys.values()}   # the leaderboard of this run's own settings only
@@ -614,6 +634,14 @@ def cmd_results(args) -> int:
     store = _existing_store(args.results)
     rows = store.rows()
     _warn_unreadable(store)
+    if args.save:
+        from bench import ledger
+        methods = set(_csv(args.only_methods)) if args.only_methods else None
+        keys = {r.unit_key for r in rows if (args.only_model is None or r.model == args.only_model)
+                and (methods is None or r.method in methods)}
+        path, n = ledger.save(store, args.save, keys)
+        print(f"{path}: {n} unit(s) ({len(keys)} from {store.path})")
+        return 0
     fmt = "json" if args.json else args.format
     if fmt == "json":
         sys.stdout.write(dumps_json([asdict(r) | {"precision": r.precision} for r in rows], indent=1, default=str))

@@ -174,6 +174,15 @@ class JobQueue:
         return None
 
 
+def _on_progress(board: "ProgressBoard", sink: Sink, job: Job, stage: str, detail: str, fraction) -> None:
+    """A cell's progress report: the bar moves, and a sink that carries checkpoints (`progress(job)`) looks
+    whether a block finished."""
+    board.update(job.index, stage, detail, fraction)
+    hook = getattr(sink, "progress", None)
+    if hook is not None:
+        hook(job)
+
+
 def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -232,7 +241,7 @@ class LocalExecutor:
                 try:
                     with open(log_dir / _log_name(job), "a", encoding="utf-8") as out, \
                             contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
-                            progress.reporting(lambda st, d, f, i=job.index: board.update(i, st, d, f)):
+                            progress.reporting(lambda st, d, f, j=job: _on_progress(board, sink, j, st, d, f)):
                         wall = run_job(job, lambda unit, rows, job=job: sink.unit(job, unit, rows), cell_fn)
                 except UserError:
                     raise
@@ -269,7 +278,7 @@ class LocalExecutor:
                 sink.unit(job, *payload)
                 return
             if kind == "progress":
-                board.update(idx, *payload)
+                _on_progress(board, sink, job, *payload)
                 return
             ended.add(idx)
             if kind == "done":

@@ -27,7 +27,7 @@ sweep keeps every method and scheme and cuts the sample sizes instead; its figur
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lrq.errors import UserError
@@ -45,6 +45,15 @@ class Profile:
     task_limit: int | None = None
     jobs: str = "auto"                    # "auto": 2 workers on a CPU machine with >= 2 cores, else 1
     method_settings: dict[str, Any] = field(default_factory=dict)  # --set defaults (a method ignores keys it lacks)
+
+    def for_preset(self, preset: str) -> "Profile":
+        """The profile as it applies under `preset`. A profile sizes the quick preset (its calibration windows
+        and training steps); a preset chosen explicitly (long, paper) keeps its own, or `--preset long` would
+        silently train 20 steps on 32 windows under the default sweep profile. Its evaluation settings
+        (texts, slice, tasks) and workers apply under every preset."""
+        if preset == "quick":
+            return self
+        return replace(self, calib_samples=None, method_settings={})
 
 
 PROFILES: dict[str, Profile] = {

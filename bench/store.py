@@ -262,9 +262,10 @@ class ResultStore:
         except sqlite3.DatabaseError as e:
             _reraise(self.path, e)
 
-    def write_unit(self, rows: Iterable[Row], key: str, run_id: str | None = None) -> int:
+    def write_unit(self, rows: Iterable[Row], key: str, run_id: str | None = None, keep_time: bool = False) -> int:
         """Insert all rows of one unit atomically (all or none); returns the number written. A NaN or
-        infinite value is refused (SQLite would store it as NULL, which reads as 'not measured')."""
+        infinite value is refused (SQLite would store it as NULL, which reads as 'not measured'). `keep_time`:
+        the rows keep the time they record (a unit measured elsewhere, read from a results file)."""
         rows = list(rows)
         bad = [r for r in rows if r.value is not None and not math.isfinite(r.value)]
         if bad:
@@ -277,7 +278,7 @@ class ResultStore:
         records = []
         for r in rows:
             d = asdict(r)
-            d.update(unit_key=key, run_id=run_id, created_at=now)
+            d.update(unit_key=key, run_id=run_id, created_at=(r.created_at if keep_time and r.created_at else now))
             for f in _JSON_FIELDS:
                 d[f] = dumps_json(d[f], sort_keys=True, default=str)   # NaN stored as null
             records.append(tuple(d[c] for c in _COLUMNS))

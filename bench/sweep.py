@@ -14,6 +14,7 @@ computes what is still missing.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -23,6 +24,8 @@ from pathlib import Path
 from bench.cell import Cell, execute
 from bench.executor import Job, LocalExecutor
 from bench.store import ResultStore, Row
+
+log = logging.getLogger("lrq_bench")
 
 
 @dataclass
@@ -69,8 +72,9 @@ class StoreSink:
     before it starts (`claim`: "run", "wait" while another run holds it, "skip" when nothing is missing any
     more)."""
 
-    def __init__(self, store: ResultStore, run_id: str, force: bool = False):
+    def __init__(self, store: ResultStore, run_id: str, force: bool = False, carry=None):
         self.store, self.run_id, self.force = store, run_id, force
+        self.carry = carry   # bench.ledger.Carry (run --sync): results file and carried checkpoints
         self.outcomes: dict[int, CellOutcome] = {}
         self.locks: dict[int, CellLock] = {}
 
@@ -86,6 +90,11 @@ class StoreSink:
                 return "skip"
             job.todo = todo
         self.locks[job.index] = lock
+        if self.carry is not None and "quant" in job.todo:
+            n = self.carry.restore(job.cell)
+            if n:
+                log.warning("%s: %d finished block(s) restored from %s; the calibration streams are recomputed "
+                            "from them", job.cell.label(), n, self.carry.folder)
         return "run"
 
     def _release(self, job: Job) -> None:
@@ -95,8 +104,17 @@ class StoreSink:
 
     def unit(self, job: Job, unit: str, rows: list[Row]) -> None:
         self.store.write_unit(rows, job.cell.keys[unit], self.run_id)
+        if self.carry is not None:
+            self.carry.unit_stored()
+
+    def progress(self, job: Job) -> None:
+        """The cell reported progress (a block may have finished): carry its new blocks."""
+        if self.carry is not None:
+            self.carry.mirror(job.cell)
 
     def done(self, job: Job, wall_s: float) -> None:
+        if self.carry is not None:
+            self.carry.cell_done(job.cell)
         if job.cell.checkpoint_dir:
             shutil.rmtree(job.cell.checkpoint_dir, ignore_errors=True)   # results are safe: drop the resume state
         self.outcomes[job.index] = CellOutcome(job.cell, "done", wall_s=wall_s)
@@ -126,12 +144,16 @@ def missing_units(cells: list[Cell], store: ResultStore, force: bool = False) ->
 
 
 def run_cells(cells: list[Cell], store: ResultStore, force: bool = False, executor=None,
-              estimate=None) -> list[CellOutcome]:
+              estimate=None, carry=None) -> list[CellOutcome]:
     """Run every cell not already in the store (on `executor`, default: in this process, one by one);
     a failing cell is reported and the others go on. Returns one outcome per cell, in order.
-    `estimate` (bench.plan.RunEstimate, by cell index): weighs the progress bar's stages."""
+    `estimate` (bench.plan.RunEstimate, by cell index): weighs the progress bar's stages. `carry`
+    (bench.ledger.Carry): also keep the run's results file and carried checkpoints up to date."""
     executor = executor or LocalExecutor(jobs=1)
-    sink = StoreSink(store, uuid.uuid4().hex[:12], force)
+    sink = StoreSink(store, uuid.uuid4().hex[:12], force, carry)
+    if carry is not None:
+        carry.track(cells)
+        carry.unit_stored()   # units stored before (or imported) are in the file from the start
     jobs = []
     for i, todo in missing_units(cells, store, force).items():
         if todo:

@@ -263,12 +263,43 @@ class BlockCheckpoint:
         state = {"identity": self.identity, "done": index + 1, "stats": _encode_floats(stats)}
         atomic_write_text(self.dir / self.STATE, json.dumps(state, allow_nan=False))
 
-    def load(self) -> tuple[dict, list[dict]]:
+    def load(self) -> tuple[dict | None, list[dict]]:
+        """The streams entering the next block and the finished blocks' statistics. Streams None: the folder
+        holds the finished blocks without their streams (a checkpoint carried from another machine, where the
+        600 MB of streams did not travel): the walk recomputes them from the blocks (`replay_streams`)."""
         state = self._state()
+        if not (self.dir / self.STREAMS).exists():
+            return None, state["stats"]
         return self._load_tensors(self.STREAMS), state["stats"]
 
     def block_state(self, index: int) -> dict:
         return self._load_tensors(self._block_name(index))
+
+
+def replay_streams(layers, states: list[dict], restore: Callable[[int, nn.Module, dict], None],
+                   q_in: ActivationBuffer, fp_in: ActivationBuffer | None, fp_out: ActivationBuffer | None,
+                   kwargs: dict, batch_size: int, device: torch.device | None):
+    """The calibration streams entering block len(states), recomputed from the captured block inputs and the
+    finished blocks' states, with the walk's own operations in the walk's order: the FP stream through each FP
+    block (before it is restored), the quantized stream through each restored block. Deterministic kernels on
+    the same kind of CPU and thread count give the streams a walk would have saved, bit for bit (checked by
+    the tests); returns the (fp_in, fp_out) pair as the walk swaps it."""
+    n = len(states)
+    for i, state in enumerate(states):
+        progress.update(f"recomputing the streams after block {i + 1}/{n} (checkpoint without streams)",
+                        None, force=True)
+        block = layers[i]
+        home = next(block.parameters()).device
+        if device is not None and home != device:
+            block.to(device)
+        if fp_in is not None:
+            run_block(block, fp_in, kwargs, fp_out, batch_size)
+            fp_in, fp_out = fp_out, fp_in
+        restore(i, block, state)
+        run_block(layers[i], q_in, kwargs, q_in, batch_size)
+        if device is not None and home != device:
+            layers[i].to(home)
+    return fp_in, fp_out
 
 
 def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[BlockContext], Any], *,
@@ -302,7 +333,7 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
         try:
             streams, all_stats = checkpoint.load()
             states = [checkpoint.block_state(i) for i in range(start)]
-            if need_targets and "fp" not in streams:
+            if streams is not None and need_targets and "fp" not in streams:
                 raise CheckpointDamaged(f"{checkpoint.dir}: the FP stream is missing")
         except CheckpointDamaged as e:
             checkpoint.discard(str(e))
@@ -310,11 +341,14 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
         else:
             for st in all_stats:
                 st["restored"] = True   # finished by an earlier (interrupted) run
-            for i, state in enumerate(states):
-                restore(i, layers[i], state)
-            q_in.data.copy_(streams["q"])
-            if need_targets:
-                fp_in.data.copy_(streams["fp"])
+            if streams is None:
+                fp_in, fp_out = replay_streams(layers, states, restore, q_in, fp_in, fp_out, kwargs, batch_size, device)
+            else:
+                for i, state in enumerate(states):
+                    restore(i, layers[i], state)
+                q_in.data.copy_(streams["q"])
+                if need_targets:
+                    fp_in.data.copy_(streams["fp"])
             del streams, states
     try:
         for i in tqdm(range(start, len(layers)), desc=desc, leave=False, initial=start, total=len(layers)):

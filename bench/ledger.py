@@ -1,0 +1,308 @@
+"""Results files: the finished units of a store as one small text file meant to be committed.
+
+A long run outlives the machine it started on (a preemptible instance, a shared box taken back, a session
+that ends). Its store (`~/.cache/lrq-bench/results.sqlite`) goes with the machine; a results file does not:
+`lrq-bench run ... --sync DIR` reads `DIR/results.jsonl` before it decides what to compute (every unit in it
+that the store lacks is added, under the same store key, so a finished cell is never computed again) and
+rewrites the file after every unit it stores. `lrq-bench results --save DIR` writes the same file from a
+store. On another machine, `git pull` and the same `run` command continue where the last one stopped.
+
+The file is JSON Lines, one unit per line after a header line, sorted (by model, method, scheme, unit
+key), so a commit's diff shows exactly the units that finished. A unit is what the store writes
+atomically (all metrics of one evaluation, or a quantization's statistics): its key, the fields its rows
+share (configuration, seed, versions, git revision, hardware, wall time, memory, when and by which run it
+was measured) and its rows' own fields (dataset, metric, value). Everything the store holds travels, so
+a row imported elsewhere is the row that was measured, with the configuration and hardware that produced
+it; nothing is recomputed or re-labelled on the way.
+
+Only whole units are written (the store never holds half of one); a file that cannot be read whole, a
+line that is not a unit, or a non-finite value is refused with the line that is wrong, before anything is
+imported: a damaged results file must never become a result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import math
+import shutil
+import re
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.store import ResultStore, Row
+from lrq.errors import UserError
+from lrq.io import atomic_write, atomic_write_text, dumps_json
+
+FILE = "results.jsonl"
+FORMAT = "lrq-bench results"
+VERSION = 1
+# fields every row of a unit has in common (written once per unit); the others are per row
+_SHARED = ("model", "method", "scheme", "config", "seed", "versions", "git_rev", "hardware", "wall_s",
+           "peak_mem_bytes", "run_id", "created_at")
+_PER_ROW = ("dataset", "metric", "value")
+_KEY = re.compile(r"^[0-9a-f]{16,64}$")
+
+
+def results_file(path: str | Path) -> Path:
+    """A folder means its `results.jsonl`; a file path is taken as it is."""
+    p = Path(path).expanduser()
+    return p / FILE if p.suffix != ".jsonl" else p
+
+
+def _units(rows: Iterable[Row]) -> dict[str, list[Row]]:
+    """unit key -> the rows of its newest measurement (a unit recomputed with --force is stored again under
+    the same key by another run: the last run's rows are the unit). `rows` oldest first."""
+    runs: dict[str, dict[str, list[Row]]] = {}
+    for r in rows:
+        runs.setdefault(r.unit_key, {}).setdefault(r.run_id, []).append(r)
+    return {k: list(by_run.values())[-1] for k, by_run in runs.items()}
+
+
+def encode_unit(key: str, rows: list[Row]) -> dict:
+    """One unit as a JSON object: the fields its rows share once, the rest per row."""
+    dicts = [asdict(r) for r in rows]
+    shared = {f: dicts[0][f] for f in _SHARED if all(d[f] == dicts[0][f] for d in dicts)}
+    per_row = [{f: d[f] for f in d if f != "unit_key" and f not in shared} for d in dicts]
+    return {"unit": key, "shared": shared, "rows": per_row}
+
+
+def decode_unit(obj, where: str) -> tuple[str, list[Row]]:
+    """A unit object back into its key and rows; anything of the wrong shape is a UserError naming `where`."""
+    fields = set(Row.__dataclass_fields__)
+    if not isinstance(obj, dict) or not isinstance(obj.get("unit"), str) or not isinstance(obj.get("shared"), dict) \
+            or not isinstance(obj.get("rows"), list) or not obj["rows"]:
+        raise UserError(f"{where}: not a unit (an object with 'unit', 'shared' and a non-empty 'rows' list).")
+    key = obj["unit"]
+    if not _KEY.match(key):
+        raise UserError(f"{where}: {key!r} is not a unit key (hexadecimal, as the store writes them).")
+    rows = []
+    for i, r in enumerate(obj["rows"]):
+        if not isinstance(r, dict):
+            raise UserError(f"{where}: row {i} is not an object.")
+        d = obj["shared"] | r
+        unknown = set(d) - fields
+        missing = [f for f in _PER_ROW + ("model", "method", "scheme") if f not in d]
+        if unknown or missing:
+            raise UserError(f"{where}: row {i} " + (f"has unknown fields {sorted(unknown)}" if unknown else
+                                                    f"lacks {', '.join(missing)}") + ".")
+        v = d["value"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise UserError(f"{where}: row {i} ({d['metric']}) has the value {v!r}, not a finite number: a results "
+                            f"file never holds one, so this file was altered or damaged.")
+        for f in ("config", "versions", "hardware"):
+            if not isinstance(d.get(f, {}), dict):
+                raise UserError(f"{where}: row {i}: {f} is not an object.")
+        rows.append(Row(**(d | {"unit_key": key})))
+    return key, rows
+
+
+def read(path: str | Path) -> dict[str, list[Row]]:
+    """The units of a results file (unit key -> rows). A missing file is an empty one; anything else that is
+    not a whole results file is a UserError naming the file and the line."""
+    p = results_file(path)
+    if not p.exists():
+        return {}
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read the results file {str(p)!r} ({type(e).__name__}: {e}).") from None
+    if not lines:
+        raise UserError(f"the results file {str(p)!r} is empty (a whole one starts with a header line): restore it "
+                        f"from version control, or delete it to start a new one.")
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError:
+        head = None
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        raise UserError(f"{p}:1: not an lrq-bench results file (its first line must be the header "
+                        f'{{"format": "{FORMAT}", ...}}).')
+    if head.get("version") != VERSION:
+        raise UserError(f"{p}:1: results file version {head.get('version')!r}; this lrq-bench reads version "
+                        f"{VERSION}. Upgrade lrq-bench, or write the file anew with `lrq-bench results --save`.")
+    units: dict[str, list[Row]] = {}
+    for n, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}:{n}: not JSON ({e.msg}); a results file holds one unit per line. The file is "
+                            f"damaged (a merge conflict?): restore it from version control.") from None
+        key, rows = decode_unit(obj, f"{p}:{n}")
+        if key in units:
+            raise UserError(f"{p}:{n}: unit {key[:12]} appears twice; a results file holds each unit once.")
+        units[key] = rows
+    if head.get("units") is not None and head["units"] != len(units):
+        raise UserError(f"{p}: the header says {head['units']} units and the file holds {len(units)}: it is "
+                        f"truncated or was edited. Restore it from version control.")
+    return units
+
+
+def _order(item: tuple[str, list[Row]]) -> tuple:
+    key, rows = item
+    r = rows[0]
+    return (r.model, r.method != "fp", r.method, r.scheme, r.seed or 0, r.dataset, key)
+
+
+def write(path: str | Path, units: dict[str, list[Row]]) -> Path:
+    """Write `units` as a results file, atomically (a crash leaves the old file or the new one, never half)."""
+    p = results_file(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(units.items(), key=_order)
+    lines = [json.dumps({"format": FORMAT, "version": VERSION, "units": len(ordered),
+                         "rows": sum(len(r) for _, r in ordered)}, sort_keys=True)]
+    lines += [dumps_json(encode_unit(k, rows), sort_keys=True, separators=(",", ":")) for k, rows in ordered]
+    atomic_write_text(p, "\n".join(lines) + "\n")
+    return p
+
+
+def save(store: ResultStore, path: str | Path, keys: set[str] | None = None) -> tuple[Path, int]:
+    """Add the store's units (those in `keys`, or all) to the results file at `path`, keeping the units it
+    already holds. Returns the file and the number of units it now holds."""
+    units = read(path)
+    units.update({k: v for k, v in _units(store.rows()).items() if keys is None or k in keys})
+    return write(path, units), len(units)
+
+
+def load_into(store: ResultStore, path: str | Path) -> tuple[int, int]:
+    """Add every unit of the results file that the store lacks, under its own key, with the rows exactly as they
+    were measured (run id and time included). Returns (units added, units the store had already)."""
+    added = present = 0
+    for key, rows in read(path).items():
+        if store.has_unit(key):
+            present += 1
+            continue
+        store.write_unit(rows, key, rows[0].run_id or None, keep_time=True)
+        added += 1
+    return added, present
+
+
+# ---- carrying a run between machines ----------------------------------------------------------------------
+CHECKPOINTS = "checkpoints"
+_STATE = "state.json"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Carry:
+    """What `run --sync DIR` keeps in DIR so that another machine continues the run: the results file (every
+    unit of the run's cells, rewritten after each stored unit) and, for each block-wise cell still running,
+    its finished blocks (`checkpoints/<cell>/`: the blocks' quantized states, xz-compressed, about 1.3 MB a
+    block at 3 bits, and the walk's state with a SHA-256 per block; never the 600 MB calibration streams,
+    which the walk recomputes from the blocks when it resumes). A cell's carried blocks are dropped when the
+    cell is done: its results are in the results file then."""
+
+    def __init__(self, folder: str | Path, store: ResultStore):
+        self.folder = Path(folder).expanduser()
+        self.store = store
+        self.file = results_file(self.folder)
+        self._keys: set[str] = set()
+        self._mirrored: dict[str, int] = {}   # cell checkpoint -> blocks carried so far
+
+    # results
+    def import_results(self) -> tuple[int, int]:
+        return load_into(self.store, self.file)
+
+    def track(self, cells) -> None:
+        """The cells whose units this run writes to the results file (units already stored included)."""
+        self._keys |= {k for c in cells for k in c.keys.values()}
+
+    def unit_stored(self) -> None:
+        save(self.store, self.file, self._keys & self._stored_keys())
+
+    def _stored_keys(self) -> set[str]:
+        return {k for k in self._keys if self.store.has_unit(k)}
+
+    # checkpoints
+    def _carried(self, cell) -> Path | None:
+        if not cell.checkpoint_dir:
+            return None
+        return self.folder / CHECKPOINTS / Path(cell.checkpoint_dir).name
+
+    @staticmethod
+    def _done(folder: Path) -> int:
+        try:
+            state = json.loads((folder / _STATE).read_text(encoding="utf-8"))
+            return int(state["done"]) if isinstance(state, dict) else 0
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    def restore(self, cell) -> int:
+        """Before a cell starts here: where the carried checkpoint holds more finished blocks than the local
+        one, unpack it into the local checkpoint folder (each block checked against its SHA-256; the local
+        streams, which belong to the local block count, are removed: the walk recomputes them). Returns the
+        blocks restored (0: nothing carried, or the local checkpoint is as far)."""
+        src = self._carried(cell)
+        if src is None or not (src / _STATE).exists():
+            return 0
+        local = Path(cell.checkpoint_dir)
+        done = self._done(src)
+        if done <= self._done(local):
+            return 0
+        state = json.loads((src / _STATE).read_text(encoding="utf-8"))
+        hashes = state.pop("carried", {})
+        local.mkdir(parents=True, exist_ok=True)
+        for p in local.iterdir():
+            if p.is_file():
+                p.unlink()
+        for i in range(done):
+            name = f"block{i:04d}.safetensors"
+            try:
+                data = lzma.decompress((src / f"{name}.xz").read_bytes())
+            except (OSError, lzma.LZMAError) as e:
+                raise UserError(f"the carried checkpoint {src} is incomplete ({name}.xz: {type(e).__name__}: {e}): "
+                                f"restore the folder from version control, or delete it to train the cell from "
+                                f"its first block.") from None
+            if _sha256(data) != hashes.get(name):
+                raise UserError(f"the carried checkpoint {src}: {name}.xz does not match the SHA-256 its state "
+                                f"records (altered or from another run): restore the folder from version control, "
+                                f"or delete it to train the cell from its first block.")
+            atomic_write_bytes(local / name, data)
+        atomic_write_text(local / _STATE, json.dumps(state, allow_nan=False))   # last: what makes them count
+        self._mirrored[local.name] = done
+        return done
+
+    def mirror(self, cell) -> int:
+        """Carry the local checkpoint's newly finished blocks (called as the cell reports progress; cheap when
+        nothing changed). Blocks are written first and the state last, each atomically, so a commit taken at
+        any moment holds a usable checkpoint. Returns the blocks carried."""
+        dst = self._carried(cell)
+        if dst is None:
+            return 0
+        local = Path(cell.checkpoint_dir)
+        done = self._done(local)
+        if done <= self._mirrored.get(local.name, self._done(dst)):
+            return 0
+        state = json.loads((local / _STATE).read_text(encoding="utf-8"))
+        if int(state.get("done", 0)) != done:
+            return 0
+        dst.mkdir(parents=True, exist_ok=True)
+        old = json.loads((dst / _STATE).read_text(encoding="utf-8")) if (dst / _STATE).exists() else {}
+        hashes = dict(old.get("carried", {})) if old.get("identity") == state.get("identity") else {}
+        for i in range(done):
+            name = f"block{i:04d}.safetensors"
+            data = (local / name).read_bytes()
+            digest = _sha256(data)
+            if hashes.get(name) == digest and (dst / f"{name}.xz").exists():
+                continue
+            atomic_write_bytes(dst / f"{name}.xz", lzma.compress(data, preset=6))
+            hashes[name] = digest
+        atomic_write_text(dst / _STATE, json.dumps(state | {"carried": hashes}, allow_nan=False, indent=1))
+        self._mirrored[local.name] = done
+        return done
+
+    def cell_done(self, cell) -> None:
+        """The cell's units are stored: write them to the results file, then drop its carried blocks."""
+        self.unit_stored()
+        dst = self._carried(cell)
+        if dst is not None and dst.exists():
+            shutil.rmtree(dst, ignore_errors=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda p: Path(p).write_bytes(data))
