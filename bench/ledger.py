@@ -162,9 +162,19 @@ def write(path: str | Path, units: dict[str, list[Row]]) -> Path:
 def save(store: ResultStore, path: str | Path, keys: set[str] | None = None) -> tuple[Path, int]:
     """Add the store's units (those in `keys`, or all) to the results file at `path`, keeping the units it
     already holds. Returns the file and the number of units it now holds."""
-    units = read(path)
-    units.update({k: v for k, v in _units(store.rows()).items() if keys is None or k in keys})
-    return write(path, units), len(units)
+    with _locked(path):   # two runs syncing to one folder (two workers' worth of cells) never drop each other's
+        units = read(path)
+        units.update({k: v for k, v in _units(store.rows()).items() if keys is None or k in keys})
+        return write(path, units), len(units)
+
+
+def _locked(path: str | Path):
+    """An exclusive lock on the results file for a read-modify-write, its lock file kept in the cache (not beside
+    the file, which is committed)."""
+    from bench.cache import cache_root
+    from lrq.io import file_lock
+    digest = hashlib.sha256(str(results_file(path).resolve()).encode()).hexdigest()[:24]
+    return file_lock(cache_root() / "locks" / f"results-{digest}")
 
 
 def load_into(store: ResultStore, path: str | Path) -> tuple[int, int]:
@@ -246,6 +256,7 @@ class Carry:
             return 0
         state = json.loads((src / _STATE).read_text(encoding="utf-8"))
         hashes = state.pop("carried", {})
+        state.pop("label", None)
         local.mkdir(parents=True, exist_ok=True)
         for p in local.iterdir():
             if p.is_file():
@@ -292,7 +303,9 @@ class Carry:
                 continue
             atomic_write_bytes(dst / f"{name}.xz", lzma.compress(data, preset=6))
             hashes[name] = digest
-        atomic_write_text(dst / _STATE, json.dumps(state | {"carried": hashes}, allow_nan=False, indent=1))
+        label = {"cell": cell.label(), "precision": cell.precision, "preset": cell.preset}
+        atomic_write_text(dst / _STATE, json.dumps(state | {"carried": hashes, "label": label}, allow_nan=False,
+                                                   indent=1))
         self._mirrored[local.name] = done
         return done
 

@@ -216,3 +216,30 @@ def test_run_sync_continues_a_cell_on_a_fresh_machine(tiny_model_dir, data_dir, 
     again = subprocess.run(base + ["--results", str(tmp_path / "c.sqlite")], cwd=ROOT,
                            env=_env(_copy_profiles(tmp_path / "cache-c")), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "0 to compute" in " ".join(again.stderr.split()), again.stderr[-2000:]
+
+
+# ---- the long preset is the long preset under the default profile ---------------------------------------------
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("preset,iters,n,seq", [("long", 1000, 128, 1024), ("quick", 20, 32, 512)])
+def test_a_preset_keeps_its_steps_and_calibration_under_the_default_profile(preset, iters, n, seq, tiny_model_dir,
+                                                                            data_dir, tmp_path, monkeypatch):
+    """The sweep profile sizes the quick preset (20 steps, 32 windows); `--preset long` used to get them too,
+    silently, and a '1,000-step' cell trained 20 steps per block."""
+    import bench.sweep
+
+    def capture(cells, *a, **k):
+        raise _Captured(cells)
+
+    monkeypatch.setattr(bench.sweep, "run_cells", capture)
+    monkeypatch.setattr("bench.cli._announce_estimate", lambda *a, **k: None)
+    with pytest.raises(_Captured) as got:
+        main(["run", "--preset", preset, "--model", str(tiny_model_dir), "--methods", "lrq", "--schemes", "w3a16",
+              "--no-fp", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "512",
+              "--eval-seq-len", "256", "--data-dir", str(data_dir), "--results", str(tmp_path / "r.sqlite")])
+    (cell,) = got.value.args[0]
+    assert cell.resolved["iters"] == iters
+    assert (cell.calib.n_samples, cell.calib.seq_len) == (n, seq)
