@@ -6,6 +6,7 @@ Exit codes: 0 success, 2 bad input (one paragraph on stderr, no traceback), 1 fa
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -224,6 +225,8 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     ex.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ex.add_argument("--seed", type=int, default=0)
     ex.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help=PRECISION_HELP)
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace whatever --out holds (without it, only an earlier export of the same request)")
     ex.add_argument("--allow-ragged", action="store_true",
                     help="write a group size that does not divide every layer (only lrq-bench reads it back)")
 
@@ -562,7 +565,7 @@ def cmd_export(args) -> int:
     cell = settle(Request(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
                           overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
                           seed=args.seed, data_dir=args.data_dir, precision=args.precision))
-    _check_export_target(args.out, args.model)      # before any quantization: never over the source model
+    target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite)   # before any work
     if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
         from bench.plan import load_shape
         from lrq.export import group_fit_problem
@@ -576,16 +579,54 @@ def cmd_export(args) -> int:
     if cell.uses_calibration:
         check_available([cell.calib.dataset], resolve_data_dir(args.data_dir))
     model, tok, cfg, stats, qm = quantize_cell(cell)
-    meta = cfg | {"versions": versions(), "git_rev": git_revision(), "quant_time_s": qm.wall_s}
-    out = lrq.save(model, args.out, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
-    print(f"{args.method} {scheme} written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB; "
-          f"quantization {qm.wall_s:.1f} s)", file=sys.stderr)
+    meta = cfg | {"versions": versions(), "git_rev": git_revision(), "quant_time_s": qm.wall_s,
+                  "request": _export_request(cell)}
+    # written into a new folder beside the target and moved into place whole: a failed export leaves nothing
+    # (no empty or half-written --out), and an earlier export it replaces stays intact until the new one is done
+    import shutil
+    import tempfile
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    try:
+        lrq.save(model, staging, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
+        _install_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"{args.method} {scheme} written to {target} ({sum(f.stat().st_size for f in target.iterdir()) / 2**20:.1f} "
+          f"MiB; quantization {qm.wall_s:.1f} s)", file=sys.stderr)
     return 0
 
 
-def _check_export_target(out: str, model: str) -> None:
-    """--out must be a writable folder that is not the folder the source model is read from (writing there
-    would overwrite the weights being quantized, and every later run of that model would read the export)."""
+def _export_request(cell) -> dict:
+    """What an export was asked for, as its metadata records it (`request`): the model, method, scheme, settings,
+    seed, precision asked and calibration."""
+    return json.loads(dumps_json({"model": cell.model, "model_id": cell.model_id, "method": cell.method_name,
+                                  "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
+                                  "method_config": cell.config, "precision": cell.precision,
+                                  "calibration": asdict(cell.calib) if cell.uses_calibration else None},
+                                 sort_keys=True, default=str))
+
+
+def _earlier_export(folder: Path) -> dict | None:
+    """The request an lrq-bench export in `folder` was made for ({} for an export that predates the record;
+    None: not an lrq-bench export)."""
+    try:
+        from safetensors import safe_open
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("lrq_bench", "null"))
+    except Exception:  # noqa: BLE001 - unreadable, absent, not ours: not an earlier export
+        return None
+    if not isinstance(meta, dict):
+        return None
+    return meta.get("request") if isinstance(meta.get("request"), dict) else {}
+
+
+def _check_export_target(out: str, model: str, request: dict | None = None, overwrite: bool = False) -> Path:
+    """Where an export may go, decided before any work: never the folder the source model is read from, never
+    inside lrq-bench's cache (the built-in model's converted copy is there: an export over it would be scored
+    as the built-in by every later run), never over a folder that holds something else (another model, any
+    files) unless `overwrite`; an earlier export of the same request is replaced. Returns the target folder
+    (not created: the export is moved there whole when it is done)."""
+    from bench.cache import cache_root
     from bench.models import source_folder
     src = source_folder(model)
     target = Path(out).expanduser().resolve()
@@ -593,7 +634,45 @@ def _check_export_target(out: str, model: str) -> None:
         raise UserError(f"--out {out!r} is the folder the model {model!r} is read from: the export would overwrite "
                         f"the source weights. Choose another folder (e.g. --out {target.name}-quantized). Nothing "
                         f"was quantized.")
-    _check_writable(out, "the export")
+    cache = cache_root().expanduser().resolve()
+    if target == cache or cache in target.parents:
+        raise UserError(f"--out {out!r} is inside lrq-bench's cache ({cache}), which holds the built-in models and "
+                        f"the results: an export there could replace a model every later run reads. Choose a folder "
+                        f"outside it. Nothing was quantized.")
+    if target.exists() and not target.is_dir():
+        raise UserError(f"--out {out!r} is a file, not a folder: choose a folder for the export. Nothing was "
+                        f"quantized.")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        earlier = _earlier_export(target)
+        if earlier is None or (request is not None and earlier != request):
+            what = ("an lrq-bench export of another request" if earlier is not None else
+                    "a model" if (target / "config.json").exists() or list(target.glob("*.safetensors")) else
+                    "other files")
+            raise UserError(f"--out {out!r} already holds {what}: an export would replace it. Choose an empty or "
+                            f"new folder, or pass --overwrite to replace the folder's contents. Nothing was "
+                            f"quantized.")
+    if target.parent != target:
+        _check_writable(str(target.parent), "the export")
+    return target
+
+
+def _install_folder(staging: Path, target: Path) -> None:
+    """Move a finished folder into place: the old one (if any) is set aside first and removed after."""
+    import shutil
+    import tempfile
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+        os.rmdir(old)
+        os.replace(target, old)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def cmd_compare(args) -> int:

@@ -98,6 +98,35 @@ def head_path(head_key: str) -> Path:
     return cache_root() / "kl-reference" / f"head-{head_key[:32]}.safetensors"
 
 
+def _tensor_sha256(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes, any dtype (bf16 included)."""
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+STALE_TMP_S = 15 * 60   # a temporary of the reference folder older than this is a crashed writer's leftover
+
+
+def clean_stale_temporaries(folder: Path, older_than_s: float = STALE_TMP_S) -> int:
+    """Remove what writers killed mid-write left in the reference folder (atomic_write's `.<name>.*.tmp`,
+    anything `.tmp*`): a kill -9 while the 113 MB head was written left it there forever. Only files older than
+    any write takes (minutes), so a temporary another process is writing now is never touched."""
+    import time
+    removed = 0
+    if not folder.is_dir():
+        return 0
+    now = time.time()
+    for p in folder.iterdir():
+        n = p.name
+        if p.is_file() and n.startswith(".") and (n.endswith(".tmp") or n.startswith(".tmp")):
+            try:
+                if now - p.stat().st_mtime > older_than_s:
+                    p.unlink()
+                    removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def _head_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     h = hashlib.sha256(weight.detach().float().contiguous().cpu().numpy().tobytes())
     if bias is not None:
@@ -139,7 +168,8 @@ def save_reference(ref: Reference, path: Path) -> None:
     if _load_head(hpath, hkey) is None:
         tensors = {"weight": ref.weight.contiguous()} | ({} if ref.bias is None else {"bias": ref.bias.contiguous()})
         atomic_write(hpath, lambda p: save_file(tensors, str(p), metadata={"key": hkey}))
-    meta = {"offsets": json.dumps(ref.offsets), "key": ref.key, "head": hkey, "schema": str(SCHEMA)}
+    meta = {"offsets": json.dumps(ref.offsets), "key": ref.key, "head": hkey, "schema": str(SCHEMA),
+            "hidden_sha256": _tensor_sha256(ref.hidden)}
     atomic_write(path, lambda p: save_file({"hidden": ref.hidden.contiguous()}, str(p), metadata=meta))
 
 
@@ -159,7 +189,9 @@ def _load_head(path: Path, hkey: str) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def load_reference(path: Path, key: str) -> Reference | None:
-    """The stored reference, or None when absent, of another key, or unreadable (then computed again)."""
+    """The stored reference, or None when absent, of another key, unreadable, or altered: its hidden states must
+    match the SHA-256 their metadata records, as the head must match its key (then computed again; an altered
+    reference would otherwise change every KLD stored for that model from then on, with exit 0)."""
     from safetensors import safe_open
     if not path.is_file():
         return None
@@ -169,7 +201,14 @@ def load_reference(path: Path, key: str) -> Reference | None:
             if meta.get("key") != key or meta.get("schema") != str(SCHEMA):
                 return None
             hidden, offsets, hkey = f.get_tensor("hidden"), json.loads(meta["offsets"]), meta["head"]
+            digest = meta.get("hidden_sha256")
     except Exception:  # noqa: BLE001 - a damaged cache file is recomputed
+        return None
+    if not digest or _tensor_sha256(hidden) != digest:
+        import logging
+        logging.getLogger("lrq_bench").warning("the KL reference %s %s: it is computed again", path,
+                                               "predates its integrity check" if not digest else
+                                               "does not match its recorded SHA-256 (altered or damaged)")
         return None
     head = _load_head(head_path(hkey), hkey)
     if head is None or len(offsets) < 2 or offsets[-1] != hidden.shape[0]:
@@ -182,6 +221,7 @@ def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autoc
     stored. A file lock makes parallel workers compute it once."""
     from lrq.io import file_lock
     path = reference_path(key)
+    clean_stale_temporaries(path.parent)
     ref = load_reference(path, key)
     if ref is not None:
         return ref

