@@ -326,6 +326,11 @@ def cmd_run(args) -> int:
         user_overrides = _checked_overrides(args.set, methods)
     datasets = _datasets(args.datasets)
     if args.out:
+        from bench.models import source_folder
+        src, out = source_folder(args.model), Path(args.out).expanduser().resolve()
+        if src is not None and (out == src.resolve() or src.resolve() in out.parents):
+            raise UserError(f"--out {args.out!r} is inside the folder the model is read from ({src}): the "
+                            f"leaderboard does not belong to the model. Choose a folder outside it. Nothing was run.")
         _check_writable(args.out)
     for name, v in (("--max-eval-tokens", args.max_eval_tokens), ("--eval-seq-len", args.eval_seq_len),
                     ("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):

@@ -57,14 +57,20 @@ class LoadedModel:
     note: str = ""
 
 
-_NOT_MODEL = (".md", ".txt.lock", ".lock")
+# what transformers and lrq-bench read from a model folder: config, generation config, tokenizer files
+_MODEL_NAMES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
+                "preprocessor_config.json", "model.safetensors.index.json", "lrq_bench_source.json"}
 
 
 def model_files(folder: Path) -> list[Path]:
-    """The files that define a model folder: weights, config, generation config, tokenizer (every
-    top-level file except hidden ones, READMEs and licences)."""
-    return [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
-            and not p.name.lower().endswith(_NOT_MODEL) and not p.name.upper().startswith(("LICENSE", "LICENCE"))]
+    """The files a model folder is read from, and only those: every `*.safetensors` (hidden ones too: a glob
+    reads them), the config, generation config and tokenizer files. What else lies there (a leaderboard written
+    into the folder, notes, licences) is not the model: it must not change the model's identity, or identical
+    runs never resume."""
+    return [p for p in sorted(folder.iterdir()) if p.is_file()
+            and (p.name.endswith(".safetensors") or p.name in _MODEL_NAMES)]
 
 
 def _fingerprint(folder: Path) -> str:

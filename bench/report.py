@@ -570,10 +570,16 @@ def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
             f"{PRECISION_TEXT.get(ev.get('autocast'), ev.get('autocast', '?'))}), exp(mean window NLL).")
 
 
+_MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\|`[]*"})   # (`_` is left: paths are full of it)
+
+
 def md_text(value) -> str:
     """A stored string as Markdown shows it, never as markup: HTML's special characters escaped (a model path
-    holding `<script>` stays text), table pipes and backticks too."""
-    return html.escape(str(value), quote=False).replace("|", "\\|").replace("`", "\\`")
+    holding `<script>` stays text), line breaks made spaces (a newline in a folder name or a checkpoint's
+    metadata would start a heading, a table row or a list), and the characters of links, emphasis and tables
+    escaped."""
+    text = " ".join(str(value).splitlines()).replace("\t", " ")
+    return html.escape(text.translate(_MD_SPECIAL), quote=False)
 
 
 def _escaped(r: Row) -> Row:

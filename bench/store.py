@@ -202,6 +202,34 @@ class ResultStore:
                             f"writable file path.") from None
         if check:
             self.verify()
+        self.check_schema()
+
+    def check_schema(self) -> None:
+        """The store must be one this lrq-bench writes: its schema version and the results table's columns. A
+        store of another version (a newer lrq-bench's) or with a renamed or missing column is refused before any
+        work: written into, it would lose a computed cell at write time or mix two layouts."""
+        try:
+            conn = self._conn()
+            try:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if "results" not in tables:
+                    return   # a new, empty store (read-only on a file that holds no store yet: rows() says so)
+                cols = [r[1] for r in conn.execute("PRAGMA table_info(results)")]
+                version = (conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                           if "meta" in tables else None)
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            raise _diagnose(self.path, e, opening=True) from None
+        if version is not None and version[0] != str(SCHEMA_VERSION):
+            raise UserError(f"the results store {str(self.path)!r} has schema version {version[0]}; this lrq-bench "
+                            f"reads and writes version {SCHEMA_VERSION}. Use the lrq-bench that wrote it, or pass "
+                            f"--results with another store. Nothing was read from or written to it.")
+        missing = [c for c in _COLUMNS if c not in cols]
+        if missing:
+            raise UserError(f"the results store {str(self.path)!r} is not an lrq-bench store of this version: its "
+                            f"results table lacks the column(s) {', '.join(missing)}. Pass --results with another "
+                            f"store. Nothing was read from or written to it.")
 
     def verify(self) -> None:
         """SQLite's quick_check over the whole file: a damaged page is bad input, said before any work."""

@@ -50,11 +50,17 @@ class CellLock:
         except ImportError:
             return True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        for _ in range(5):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)   # the file was removed by its releasing holder between our open and our lock: again
+        else:
             return False
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())   # who holds it, for a curious user
@@ -62,9 +68,53 @@ class CellLock:
         return True
 
     def release(self) -> None:
+        """Remove the lock file, then release the lock (a waiting process that opened the removed file sees it
+        is gone and opens the path again): no lock file outlives its cell."""
         if self.fd is not None:
+            try:
+                if _same_file(self.fd, self.path):
+                    self.path.unlink()
+            except OSError:
+                pass
             os.close(self.fd)   # closing the descriptor releases the lock
             self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def remove_stale_locks(store_path: Path) -> int:
+    """Lock files whose holder is gone (a run killed with SIGKILL, a machine that crashed: the lock itself died
+    with the process, the file did not): removed, each under its own lock so a live holder is never touched.
+    Returns the number removed."""
+    try:
+        import fcntl
+    except ImportError:
+        return 0
+    folder = Path(f"{store_path}.locks")
+    removed = 0
+    if not folder.is_dir():
+        return 0
+    for p in folder.glob("*.lock"):
+        try:
+            fd = os.open(p, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, p):
+                p.unlink()
+                removed += 1
+        except (BlockingIOError, OSError):
+            pass   # held by a live run
+        finally:
+            os.close(fd)
+    return removed
 
 
 class StoreSink:
@@ -150,6 +200,7 @@ def run_cells(cells: list[Cell], store: ResultStore, force: bool = False, execut
     `estimate` (bench.plan.RunEstimate, by cell index): weighs the progress bar's stages. `carry`
     (bench.ledger.Carry): also keep the run's results file and carried checkpoints up to date."""
     executor = executor or LocalExecutor(jobs=1)
+    remove_stale_locks(store.path)
     sink = StoreSink(store, uuid.uuid4().hex[:12], force, carry)
     if carry is not None:
         carry.track(cells)

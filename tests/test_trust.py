@@ -146,3 +146,81 @@ def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tin
     kl.ensure_reference(fp, wins, "key-a", autocast=True)
     assert not any(p.exists() for p in old) and fresh.exists()
     assert path.exists() and list(folder.glob("head-*.safetensors"))
+
+
+# ---- 12 and 16: a model's identity is the files it is read from, and only those ----------------------------
+
+def test_a_model_is_fingerprinted_by_the_files_it_is_read_from(tiny_model_dir, tmp_path, data_dir, capsys):
+    from bench.models import model_fingerprint
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    before = model_fingerprint(str(folder))
+    (folder / "leaderboard.html").write_text("<html>")
+    (folder / "NOTES.txt").write_text("x")
+    assert model_fingerprint(str(folder)) == before          # not model files: the same model
+    (folder / ".extra.safetensors").write_bytes(b"weights")   # a glob reads it: part of the model
+    assert model_fingerprint(str(folder)) != before
+    code, out, err = _run(["run", "--model", str(folder), "--methods", "rtn", "--schemes", "w4a16", "--out",
+                           str(folder / "report"), "--data-dir", str(data_dir), "--results",
+                           str(tmp_path / "r.sqlite")], capsys)
+    assert code == 2 and "inside the folder the model is read from" in err
+
+
+# ---- 19: a store of another schema is refused before any work -------------------------------------------------
+
+def test_a_store_of_another_schema_is_refused(tmp_path):
+    import sqlite3
+
+    from bench.store import ResultStore, Row
+    from lrq.errors import UserError
+    path = tmp_path / "r.sqlite"
+    ResultStore(path).write_unit([Row("m", "rtn", "w4a16", "wikitext2", "ppl", 1.0)], "k")
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    for readonly in (False, True):
+        with pytest.raises(UserError, match="schema version 99"):
+            ResultStore(path, readonly=readonly)
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+        c.execute("ALTER TABLE results RENAME COLUMN wall_s TO wall_seconds")
+    with pytest.raises(UserError, match="lacks the column.s. wall_s"):
+        ResultStore(path)
+
+
+# ---- 20: stored strings never become Markdown structure ---------------------------------------------------------
+
+def test_newlines_and_links_in_stored_strings_stay_text():
+    from bench.report import markdown_report
+    from bench.store import Row
+    evil = "m\n# Injected heading\n| a | b |\n[click](http://example.invalid)"
+    md = markdown_report([Row(evil, "rtn", "w4a16", "wikitext2", "ppl", 12.0, config={"model_note": "x\n## note"})])
+    lines = md.splitlines()
+    assert not any(line.startswith("# Injected") or line.startswith("## note") for line in lines)
+    assert "[click](" not in md and "\\[click\\]" in md
+    assert not any(line.startswith("| a | b |") for line in lines)
+
+
+# ---- 21: lock files do not outlive their cells -----------------------------------------------------------------
+
+def test_lock_files_are_removed_when_released_or_stale(tmp_path):
+    import subprocess
+    import sys
+
+    from bench.sweep import CellLock, remove_stale_locks
+    store = tmp_path / "r.sqlite"
+    lock = CellLock(store, "a" * 40)
+    assert lock.acquire() and lock.path.exists()
+    assert not CellLock(store, "a" * 40).acquire()           # held
+    lock.release()
+    assert not lock.path.exists()
+    # a holder killed with SIGKILL leaves its file behind; the next run removes it, never a live holder's
+    code = (f"import sys, os, signal; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); "
+            f"from bench.sweep import CellLock; from pathlib import Path; "
+            f"assert CellLock(Path({str(store)!r}), 'b' * 40).acquire(); os.kill(os.getpid(), signal.SIGKILL)")
+    subprocess.run([sys.executable, "-c", code])
+    stale = Path(f"{store}.locks") / ("b" * 32 + ".lock")
+    live = CellLock(store, "c" * 40)
+    assert stale.exists() and live.acquire()
+    assert remove_stale_locks(store) == 1
+    assert not stale.exists() and live.path.exists()
+    live.release()
