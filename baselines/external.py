@@ -41,18 +41,52 @@ def quantization_config(folder: str | Path) -> dict | None:
     return qc if isinstance(qc, dict) and qc.get("quant_method") in ("compressed-tensors", "gptq") else None
 
 
-def _weights_args(qc: dict) -> tuple[dict, dict | None]:
+def _int_field(d: dict, key: str, where: str, lo: int, hi: int, default=None, allow_none: bool = False):
+    """An integer setting of the quantization_config, checked: anything else is bad input naming the field."""
+    v = d.get(key, default)
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise UserError(f"{where}: quantization_config {key} is {v!r}; an integer from {lo} to {hi} is expected. "
+                        f"The checkpoint's config.json is damaged or of a format lrq-bench does not read.")
+    return v
+
+
+def _weights_args(qc: dict, where: str = "config.json") -> tuple[dict, dict | None]:
     if qc["quant_method"] == "gptq":
-        return {"num_bits": int(qc["bits"]), "group_size": None if int(qc.get("group_size", -1)) <= 0
-                else int(qc["group_size"]), "symmetric": bool(qc.get("sym", True)),
-                "strategy": "group" if int(qc.get("group_size", -1)) > 0 else "channel"}, None
-    groups = list((qc.get("config_groups") or {}).values())
+        bits = _int_field(qc, "bits", where, 1, 8)
+        gs = _int_field(qc, "group_size", where, -1, 1 << 20, default=-1)
+        sym = qc.get("sym", True)
+        if not isinstance(sym, bool):
+            raise UserError(f"{where}: quantization_config sym is {sym!r}; true or false is expected.")
+        return {"num_bits": bits, "group_size": None if gs <= 0 else gs, "symmetric": sym,
+                "strategy": "group" if gs > 0 else "channel"}, None
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise UserError(f"{where}: quantization_config config_groups is {type(groups).__name__}; an object of "
+                        f"groups is expected.")
+    groups = list(groups.values())
     if len(groups) != 1:
         raise UserError(f"the checkpoint has {len(groups)} quantization config groups: one (every Linear alike) "
                         f"is supported.")
-    w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    w, a = groups[0].get("weights"), groups[0].get("input_activations")
+    if not isinstance(w, dict):
+        raise UserError(f"{where}: config_groups weights is {w!r}; the weights' quantization arguments (num_bits, "
+                        f"strategy, group_size, symmetric) are expected.")
     if w.get("type", "int") != "int":
         raise UserError(f"the checkpoint's weights are {w.get('type')}, not integers: not supported.")
+    _int_field(w, "num_bits", where, 1, 8)
+    strategy = w.get("strategy", "channel")
+    if strategy not in ("channel", "group", "tensor", "block"):
+        raise UserError(f"{where}: weights strategy is {strategy!r}; channel, group, block or tensor is expected.")
+    if strategy == "group":
+        _int_field(w, "group_size", where, 1, 1 << 20)
+    if not isinstance(w.get("symmetric", True), bool):
+        raise UserError(f"{where}: weights symmetric is {w.get('symmetric')!r}; true or false is expected.")
+    if a is not None:
+        if not isinstance(a, dict):
+            raise UserError(f"{where}: config_groups input_activations is {a!r}; an object or null is expected.")
+        _int_field(a, "num_bits", where, 1, 16)
     return w, a
 
 
@@ -64,7 +98,7 @@ def describe(folder: str | Path) -> dict:
     if qc is None:
         raise UserError(f"{folder} is not a quantized checkpoint (no compressed-tensors or GPTQ quantization_config "
                         f"in its config.json).")
-    w, a = _weights_args(qc)
+    w, a = _weights_args(qc, str(folder / "config.json"))
     bits = int(w["num_bits"])
     group = w.get("group_size") if w.get("strategy") == "group" else None
     if w.get("strategy") == "block":
@@ -130,13 +164,28 @@ def _lrq_metadata(folder: Path) -> dict:
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every .safetensors file of the folder (hidden ones too: the model's fingerprint covers the
+    same files). A file that is not a regular safetensors file (a symlink loop, a device, truncated, garbage) or a
+    tensor stored twice is bad input naming the file."""
     from safetensors.torch import load_file
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UserError(f"{folder} holds no .safetensors weights.")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(f)))
+        try:
+            if not f.is_file() or f.resolve().is_char_device():
+                raise OSError("not a regular file")
+            part = load_file(str(f))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unreadable weights file is the user's to fix
+            raise UserError(f"{f}: cannot be read as safetensors ({type(e).__name__}: {str(e)[:160]}).") from None
+        twice = set(part) & set(out)
+        if twice:
+            raise UserError(f"{f}: tensors also stored in another file of the folder ({', '.join(sorted(twice)[:3])}): "
+                            f"which one is the model's is not clear. Remove the extra file.")
+        out.update(part)
     return out
 
 
@@ -157,16 +206,44 @@ def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, 
         q = t[f"{prefix}.weight"].to(torch.int64) + off                        # int-quantized: signed int8
     else:
         raise UserError(f"{prefix}: neither weight_packed nor integer weight in the checkpoint.")
-    scale = t[f"{prefix}.weight_scale"].float().reshape(out_f, -1)
-    if symmetric or f"{prefix}.weight_zero_point" not in t:
+    if f"{prefix}.weight_scale" not in t:
+        raise UserError(f"{prefix}: the checkpoint has no weight_scale for it.")
+    n_groups = 1 if not group else -(-in_f // group)
+    scale = t[f"{prefix}.weight_scale"]
+    if tuple(scale.shape) != (out_f, n_groups) or tuple(q.shape) != (out_f, in_f):
+        raise UserError(f"{prefix}: weight_scale has shape {tuple(scale.shape)} and the levels "
+                        f"{tuple(q.shape)}; the config ({'group ' + str(group) if group else 'per channel'}) of a "
+                        f"{out_f} x {in_f} weight needs ({out_f}, {n_groups}) and ({out_f}, {in_f}).")
+    scale = scale.float()
+    has_zp = f"{prefix}.weight_zero_point" in t
+    if symmetric and has_zp or not symmetric and not has_zp:
+        raise UserError(f"{prefix}: the config says {'symmetric' if symmetric else 'asymmetric'} weights and the "
+                        f"checkpoint {'has' if has_zp else 'has no'} weight_zero_point: its tensors do not match "
+                        f"its config.")
+    if symmetric:
         zero = torch.full_like(scale, float(off))
     else:
         zp = t[f"{prefix}.weight_zero_point"]
         if zp.dtype == torch.int32 and zp.shape[0] != out_f:                   # packed along the output rows
             zero = _unpack_stream(zp.t().contiguous(), bits, out_f).t().float()
         else:
-            zero = zp.float().reshape(out_f, -1) + off
-    return q.clamp(0, (1 << bits) - 1).to(torch.uint8), scale, zero
+            zero = zp.float() + off
+        if tuple(zero.shape) != (out_f, n_groups):
+            raise UserError(f"{prefix}: weight_zero_point has shape {tuple(zp.shape)}; ({out_f}, {n_groups}) is "
+                            f"expected.")
+    top = (1 << bits) - 1
+    if int(q.min()) < 0 or int(q.max()) > top or float(zero.min()) < 0 or float(zero.max()) > top:
+        raise UserError(f"{prefix}: integers outside the {bits}-bit range the config declares (levels "
+                        f"{int(q.min()) - off}..{int(q.max()) - off}, zero points {float(zero.min()) - off:g}.."
+                        f"{float(zero.max()) - off:g}, signed); they are never clamped into it.")
+    _check_finite(prefix, "weight_scale", scale)
+    return q.to(torch.uint8), scale, zero
+
+
+def _check_finite(prefix: str, name: str, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise UserError(f"{prefix}: {name} holds NaN or infinite values: the checkpoint is damaged (nothing was "
+                        f"evaluated or stored).")
 
 
 def read_gptq(t: dict, prefix: str, bits: int, group: int | None, symmetric: bool, shape: tuple[int, int],
@@ -181,18 +258,29 @@ def read_gptq(t: dict, prefix: str, bits: int, group: int | None, symmetric: boo
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // gs):
         raise UserError(f"{prefix}: the checkpoint uses act-order (desc_act): its groups are not contiguous "
                         f"column ranges, which the suite's quantized linear cannot hold.")
+    missing = [k for k in ("qweight", "qzeros", "scales") if f"{prefix}.{k}" not in t]
+    if missing:
+        raise UserError(f"{prefix}: the GPTQ checkpoint has no {', '.join(missing)} for it.")
     q = unpack_bits(t[f"{prefix}.qweight"].t().contiguous(), bits, in_f)          # [out, in]
     scale = t[f"{prefix}.scales"].float().t().contiguous()                       # [out, G]
     zero = unpack_bits(t[f"{prefix}.qzeros"].contiguous(), bits, out_f).t().float() + zero_offset
     if symmetric:
         zero = torch.full_like(scale, float(1 << (bits - 1)))
+    n_groups = -(-in_f // gs)
+    if tuple(scale.shape) != (out_f, n_groups) or tuple(q.shape) != (out_f, in_f):
+        raise UserError(f"{prefix}: scales {tuple(t[f'{prefix}.scales'].shape)} and qweight "
+                        f"{tuple(t[f'{prefix}.qweight'].shape)} do not fit a {out_f} x {in_f} weight in "
+                        f"{'groups of ' + str(group) if group else 'one group per row'}.")
+    _check_finite(prefix, "scales", scale)
     return q.to(torch.uint8), scale, zero
 
 
 @torch.no_grad()
-def apply_checkpoint(model: nn.Module, folder: str | Path) -> dict[str, Any]:
+def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = False) -> dict[str, Any]:
     """Replace `model`'s block linears by QuantLinears holding the checkpoint's integers and copy every other
-    parameter it stores. Returns statistics, among them the bits per weight the checkpoint really stores."""
+    parameter it stores. Returns statistics, among them the bits per weight the checkpoint really stores.
+    `check_only`: read and check everything (shapes against the config and the model, integer ranges, finite
+    scales, tensors the model lacks) and change nothing: what the driver runs before any work."""
     from lrq.arch import KV_LINEARS, decoder_blocks, iter_linears, set_submodule
     from lrq.qlinear import QuantLinear
     folder = Path(folder)
@@ -215,6 +303,14 @@ def apply_checkpoint(model: nn.Module, folder: str | Path) -> dict[str, Any]:
             q, scale, zero = read_compressed_tensors(t, prefix, bits, group, sym, shape)
             keys = [f"{prefix}.{k}" for k in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
                                               "weight_shape", "bias", "input_scale", "input_zero_point")]
+        if scheme.static_activations:
+            if f"{prefix}.input_scale" not in t:
+                raise UserError(f"{prefix}: the config declares static activations and the checkpoint has no "
+                                f"input_scale for it.")
+            _check_finite(prefix, "input_scale", t[f"{prefix}.input_scale"].float())
+        if check_only:
+            used.update(k for k in keys if k in t)
+            continue
         m = QuantLinear(lin.in_features, lin.out_features, f"{prefix}.bias" in t, scheme,
                         quantize_output=name in KV_LINEARS)
         m.set_weight(q, scale, zero)
@@ -241,8 +337,13 @@ def apply_checkpoint(model: nn.Module, folder: str | Path) -> dict[str, Any]:
         if params[k].shape != v.shape:
             raise UserError(f"{folder}: {k} has shape {tuple(v.shape)}, the reference model's is "
                             f"{tuple(params[k].shape)}: name the right model with --reference-model.")
+        if v.is_floating_point():
+            _check_finite(k, "the stored tensor", v.float())
         replaced += not torch.equal(params[k].detach().to(v.dtype), v)
-        params[k].copy_(v.to(params[k].dtype))
+        if not check_only:
+            params[k].copy_(v.to(params[k].dtype))
+    if check_only:
+        return {"external": info}
     return {"bits_per_weight": stored_bits / n_weights, "external": info, "replaced_params": replaced}
 
 
@@ -266,3 +367,33 @@ class External(Method):
         if not config.get("checkpoint"):
             raise UserError("the external method reads a checkpoint: run `lrq-bench run --model <its folder>`.")
         return apply_checkpoint(model, config["checkpoint"])
+
+
+def check_against_reference(folder: str | Path, model: nn.Module, reference: str) -> None:
+    """Before any work: the checkpoint is not its own reference, it reads whole against the reference model
+    (every check of `apply_checkpoint`), and the reference is the model it was quantized from, as far as the
+    tensors they share say (the token embeddings, which no method of either side changes)."""
+    from bench.models import model_fingerprint, source_folder
+    folder = Path(folder).expanduser().resolve()
+    src = source_folder(reference)
+    if (src is not None and src.resolve() == folder) or model_fingerprint(reference) == model_fingerprint(str(folder)):
+        raise UserError(f"the reference model {reference!r} is the checkpoint {folder} itself: scored against itself "
+                        f"it would show KLD 0 and top-1 agreement 1. Pass the floating-point model it was quantized "
+                        f"from with --reference-model.")
+    vocab = getattr(model.config, "vocab_size", None)
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if vocab is not None and cfg.get("vocab_size") not in (None, vocab):
+        raise UserError(f"{folder}: its vocabulary has {cfg.get('vocab_size')} tokens and the reference model "
+                        f"{reference!r} has {vocab}: it is not the model this checkpoint was quantized from. Pass the "
+                        f"right one with --reference-model.")
+    apply_checkpoint(model, folder, check_only=True)
+    t = _tensors(folder)
+    emb = t.get("model.embed_tokens.weight")
+    if emb is not None:
+        mine = model.get_input_embeddings().weight.detach()
+        diff = (mine.to(emb.dtype).float() - emb.float()).norm() / emb.float().norm().clamp(min=1e-12)
+        if float(diff) > 1e-3:
+            raise UserError(f"{folder}: its token embeddings differ from those of the reference model {reference!r} "
+                            f"(relative difference {float(diff):.3g}): it is not the model this checkpoint was "
+                            f"quantized from, and its KLD against it would mean nothing. Pass the right one with "
+                            f"--reference-model.")

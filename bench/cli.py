@@ -362,6 +362,9 @@ def cmd_run(args) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
+    if external:   # the checkpoint read whole against its reference before any work (exit 2 naming file and field)
+        from baselines.external import check_against_reference
+        check_against_reference(external["overrides"]["checkpoint"], loaded.model, args.model)
 
     # explicit --set wins over the profile; a checkpoint read as it is takes none of the methods' settings
     overrides = user_overrides if external else dict(prof.method_settings) | user_overrides

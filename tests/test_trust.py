@@ -224,3 +224,124 @@ def test_lock_files_are_removed_when_released_or_stale(tmp_path):
     assert remove_stale_locks(store) == 1
     assert not stale.exists() and live.path.exists()
     live.release()
+
+
+# ---- 6-11, 14: external checkpoints are read exactly, or refused with exit 2 naming the file -----------------------
+
+RUN = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "512",
+       "--eval-seq-len", "256", "--jobs", "1", "--no-fp"]
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dir, data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exported") / "rtn-w4a16"
+    assert main(["export", "--model", str(tiny_model_dir), "--method", "rtn", "--scheme", "w4a16", "--out", str(out),
+                 "--data-dir", str(data_dir)]) == 0
+    return out
+
+
+def _altered(exported, tmp_path, tensors=None, config=None) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    folder = tmp_path / "ckpt"
+    shutil.copytree(exported, folder)
+    if tensors is not None:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            t, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        save_file(tensors(t), str(folder / "model.safetensors"), metadata=meta)
+    if config is not None:
+        cfg = json.loads((folder / "config.json").read_text())
+        config(cfg["quantization_config"]["config_groups"]["group_0"]["weights"], cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _drop(suffix):
+    return lambda t: {k: v for k, v in t.items() if not k.endswith(suffix)}
+
+
+def _levels_as_int8_with_one_out_of_range(t):
+    from lrq.packing import unpack_bits
+    out = dict(t)
+    k = next(k for k in t if k.endswith("q_proj.weight_packed"))
+    prefix = k[:-len(".weight_packed")]
+    rows, cols = (int(x) for x in t[f"{prefix}.weight_shape"])
+    levels = unpack_bits(t[k].to(torch.int32).contiguous(), 4, cols).to(torch.int64) - 8
+    levels[0, 0] = 100
+    del out[k]
+    out[f"{prefix}.weight"] = levels.to(torch.int8)
+    return out
+
+
+def _nan_scale(t):
+    out = dict(t)
+    k = next(k for k in t if k.endswith("o_proj.weight_scale"))
+    out[k] = out[k].clone()
+    out[k][3] = float("nan")
+    return out
+
+
+def _set(key, value):
+    def f(w, cfg):
+        if key == "weights":
+            cfg["quantization_config"]["config_groups"]["group_0"]["weights"] = value
+        else:
+            w[key] = value
+    return f
+
+
+def _group48(w, cfg):
+    w["strategy"], w["group_size"] = "group", 48
+
+
+@pytest.mark.parametrize("case,tensors,config,match", [
+    ("zero points removed (asymmetric)", _drop("weight_zero_point"), None, "do not match its config"),
+    ("levels beyond num_bits", _levels_as_int8_with_one_out_of_range, None, "outside the 4-bit range"),
+    ("group_size 48 over per-channel tensors", None, _group48, r"needs \("),
+    ("num_bits 'four'", None, _set("num_bits", "four"), "num_bits is 'four'"),
+    ("num_bits 0", None, _set("num_bits", 0), "num_bits is 0"),
+    ("num_bits -3", None, _set("num_bits", -3), "num_bits is -3"),
+    ("group_size 'abc'", None, lambda w, c: (_group48(w, c), w.update(group_size="abc")), "group_size is 'abc'"),
+    ("weights null", None, _set("weights", None), "weights is None"),
+    ("weight_scale missing", _drop("down_proj.weight_scale"), None, "no weight_scale"),
+    ("a NaN scale", _nan_scale, None, "NaN or infinite"),
+])
+def test_a_checkpoint_that_does_not_match_its_config_is_refused_before_any_work(case, tensors, config, match, exported,
+                                                                                tiny_model_dir, data_dir, tmp_path,
+                                                                                capsys, monkeypatch):
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    folder = _altered(exported, tmp_path, tensors, config)
+    results = tmp_path / "r.sqlite"
+    code, out, err = _run(["run", *RUN, "--model", str(folder), "--reference-model", str(tiny_model_dir),
+                           "--data-dir", str(data_dir), "--results", str(results)], capsys)
+    assert code == 2, (case, err[-600:])
+    assert "Traceback" not in err and __import__("re").search(match, err), (case, err[-600:])
+    assert not results.exists() or not __import__("bench.store").store.ResultStore(results).rows()
+
+
+def test_damaged_weight_files_and_wrong_references_are_refused(exported, tiny_model_dir, data_dir, tmp_path, capsys,
+                                                              monkeypatch):
+    from conftest import tiny_model
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    common = [*RUN, "--data-dir", str(data_dir), "--results", str(tmp_path / "r.sqlite")]
+    # the checkpoint named as its own reference (the folder, or a copy of it)
+    code, out, err = _run(["run", *common, "--model", str(exported), "--reference-model", str(exported)], capsys)
+    assert code == 2 and "is the checkpoint" in err
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    code, out, err = _run(["run", *common, "--model", str(exported), "--reference-model", str(copy)], capsys)
+    assert code == 2 and "is the checkpoint" in err
+    # a same-shape model that is not the one it was quantized from
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    tiny_model("llama", seed=7, vocab_size=json.loads((other / "config.json").read_text())["vocab_size"], hidden=64,
+               layers=2).save_pretrained(other)
+    code, out, err = _run(["run", *common, "--model", str(exported), "--reference-model", str(other)], capsys)
+    assert code == 2 and "token embeddings differ" in err, err[-500:]
+    # an extra weights file that is a device, or a symlink loop
+    for name, make in (("zero", lambda p: p.symlink_to("/dev/zero")), ("loop", lambda p: p.symlink_to(p))):
+        bad = tmp_path / f"bad-{name}"
+        shutil.copytree(exported, bad)
+        make(bad / "extra.safetensors")
+        code, out, err = _run(["run", *common, "--model", str(bad), "--reference-model", str(tiny_model_dir)], capsys)
+        assert code == 2 and "extra.safetensors" in err and "Traceback" not in err, (name, err[-500:])
