@@ -95,13 +95,50 @@ def load_rows(path: str | Path) -> list[Row]:
                 raise UserError(f"{p}: row {i} is not a result row ("
                                 + (f"missing {', '.join(missing)}" if missing else f"value {value!r} is not a number")
                                 + "); a results export has model, method, scheme, dataset, metric and value per row.")
-        return [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
+        rows = [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
+        check_rows(rows, str(p))
+        return rows
     store = ResultStore(p, check=True, readonly=True)
     rows = store.rows(latest=True)
     if store.unreadable:
         raise UserError(f"{p}: {store.unreadable} stored row(s) cannot be decoded; the gate will not compare a "
                         f"partly readable store. Recover it or compare JSON exports.")
+    check_rows(rows, str(p))
     return rows
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                       for x in v)
+
+
+def check_rows(rows: list[Row], source: str) -> None:
+    """Every field the gate reads, of the type it reads it as; the same measurement given twice refused (which
+    would win is an accident of order). Bad input is exit 2 naming the row and the field, never a traceback
+    with the gate's 'regression' exit 1."""
+    seen: set = set()
+    for i, r in enumerate(rows):
+        where = f"{source}: row {i} ({r.method} {r.scheme} {r.dataset} {r.metric})"
+        for f in ("model", "method", "scheme", "dataset", "metric"):
+            if not isinstance(getattr(r, f), str):
+                raise UserError(f"{source}: row {i}: {f} is {getattr(r, f)!r}, not a string.")
+        for f in ("config", "versions", "hardware"):
+            if not isinstance(getattr(r, f), dict):
+                raise UserError(f"{where}: {f} is a {type(getattr(r, f)).__name__}, not an object.")
+        if r.seed is not None and (isinstance(r.seed, bool) or not isinstance(r.seed, int)):
+            raise UserError(f"{where}: seed is {r.seed!r}, not an integer.")
+        c = r.config
+        for section in ("kl", "eval", "precision"):
+            if section in c and c[section] is not None and not isinstance(c[section], dict):
+                raise UserError(f"{where}: config {section} is a {type(c[section]).__name__}, not an object.")
+        samples = _samples(r)
+        if samples is not None and not _numbers(samples):
+            raise UserError(f"{where}: its per-window or per-example values are not a list of finite numbers.")
+        key = (row_key(r), r.run_id, r.created_at)
+        if key in seen:
+            raise UserError(f"{where} appears twice (the same measurement: same run and time); which one the gate "
+                            f"should read is not clear. Remove the duplicate.")
+        seen.add(key)
 
 
 def latest(rows: list[Row]) -> dict[Key, float | None]:
@@ -275,6 +312,11 @@ def gate(baseline: str | Path, current: str | Path, tolerances: str | Path | Non
     tol = load_tolerances(tolerances)
     check_tolerance_names(tol, {k[5] for k in base} | {k[5] for k in cur},
                           str(tolerances or "the default tolerances (reports/tolerances.toml)"))
+    if not set(base) & set(cur):
+        raise UserError(f"nothing to compare: {baseline} ({len(base)} values) and {current} ({len(cur)} values) share "
+                        f"no cell, metric and seed" + (" (--allow-missing hides missing values; it cannot make an "
+                                                       "empty comparison pass)" if allow_missing else "")
+                        + ". Check that both name the same model, methods, schemes and precision.")
     diffs = compare({k: r.value for k, r in base.items()}, {k: r.value for k, r in cur.items()}, tol, allow_missing)
     annotate(diffs, base, cur)
     bad = any(d.status in ("regressed", "missing") for d in diffs)

@@ -345,3 +345,41 @@ def test_damaged_weight_files_and_wrong_references_are_refused(exported, tiny_mo
         make(bad / "extra.safetensors")
         code, out, err = _run(["run", *common, "--model", str(bad), "--reference-model", str(tiny_model_dir)], capsys)
         assert code == 2 and "extra.safetensors" in err and "Traceback" not in err, (name, err[-500:])
+
+
+# ---- 18: the gate's inputs are of the types it reads, and an empty comparison never passes --------------------
+
+def _json_rows(path: Path, **changes) -> Path:
+    from bench.store import Row
+    row = Row("m", "rtn", "w4a16", "wikitext2", "ppl", 20.0, config={"eval": {"window_nll": [3.0, 3.1]}}, seed=0,
+              run_id="r1", created_at="2026-12-02T00:00:00+00:00").__dict__
+    rows = [dict(row, **changes)]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"config": "a string"}, "config is a str"),
+    ({"config": {"kl": [1, 2]}}, "config kl is a list"),
+    ({"config": {"eval": {"window_nll": ["x", 1]}}}, "not a list of finite numbers"),
+    ({"seed": "0"}, "seed is '0'"),
+])
+def test_compare_refuses_malformed_rows_with_exit_2(changes, match, tmp_path, capsys):
+    base = _json_rows(tmp_path / "base.json")
+    bad = _json_rows(tmp_path / "bad.json", **changes)
+    for a, b in ((base, bad), (bad, base)):
+        code, out, err = _run(["compare", str(a), str(b)], capsys)
+        assert code == 2 and match in err and "Traceback" not in err, err
+
+
+def test_compare_refuses_duplicates_and_an_empty_comparison(tmp_path, capsys):
+    base = _json_rows(tmp_path / "base.json")
+    dup = tmp_path / "dup.json"
+    rows = json.loads(base.read_text())
+    dup.write_text(json.dumps(rows + [dict(rows[0], value=25.0)]))
+    code, out, err = _run(["compare", str(base), str(dup)], capsys)
+    assert code == 2 and "appears twice" in err
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    code, out, err = _run(["compare", str(base), str(empty), "--allow-missing"], capsys)
+    assert code == 2 and "nothing to compare" in err and "no regression" not in out
