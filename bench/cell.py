@@ -64,6 +64,7 @@ class EvalSettings:
     include_partial: bool = False
     max_tokens: int | None = None
     autocast: str = "bf16"
+    head: str = "fp32"        # the output head's precision where logits are scored (lrq.precision.HEAD_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ def resolve_calib(method: str, preset: str, given: dict[str, Any]) -> CalibSetti
 
 def _task_protocol(tasks: tuple[str, ...]) -> dict:
     from bench import tasks as T
-    return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS}
+    from lrq.precision import HEAD_PRECISION
+    return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS, "head": HEAD_PRECISION}
             | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in tasks else {}))
 
 
@@ -461,7 +463,7 @@ def _kl_rows(cell: Cell, ds: str, res: dict, ref, cfg: dict, em) -> list[Row]:
     """The KL unit of a text: mean, median and 99th-percentile KL and top-1 agreement, each window's mean
     KL and agreement kept for intervals and paired comparisons."""
     from bench import kl
-    values = kl.summary(res["token_kl"], res["token_top1"])
+    values = kl.summary(res["token_kl"], res["token_top1"], res.get("top1_ties"))
     bad = [k for k, v in values.items() if not math.isfinite(v)]
     if bad:
         raise NonFiniteResult(f"{ds} KL divergence from the FP model is not finite ({', '.join(bad)}). Nothing was "

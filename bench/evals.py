@@ -51,6 +51,7 @@ _METRICS = (
     Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token"),
     Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token"),
     Metric("top1_agree", "top-1 agreement", "higher", "{:.2f}", "%", percent=True, interval="mean"),
+    Metric("top1_ties", "top-1 ties", None, "{:.0f}", "positions"),
     Metric("acc", "accuracy", "higher", "{:.1f}", "%", percent=True, interval="acc"),
     Metric("acc_norm", "accuracy (length-normalized)", "higher", "{:.1f}", "%", percent=True, interval="acc"),
     Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}"),

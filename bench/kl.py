@@ -7,12 +7,12 @@ plus the tail's mass) is not good enough on a small model: measured against the 
 default model it is 14-19 % low at k = 64 and still 7-10 % low at k = 256 (its flat tails carry the
 divergence; bench/studies/kl_approx.py, reports/kl/). So the reference keeps what the FP logits are computed
 from: the FP model's final hidden state at every position (after the last norm: hidden size H values per
-position, in the dtype the output head consumes them: bf16 under bf16 autocast, else float32) and, once per
-model, its output head (the vocabulary projection, float32). At scoring time the FP logits are recomputed
-chunk by chunk with the same operation, the same inputs and the same precision as the FP pass that stored
-them, so the FP log-probabilities, hence the KL, are exact (bench/studies/kl_approx.py measures it), at one
-head projection and one log-softmax per chunk beside the quantized model's own: 19 MB per 16,384 tokens in
-bf16 (38 MB in float32) and 113 MB per model for the head, instead of 1.6 GB per text.
+position, in float32, what the output head reads: the head computes in float32 under every precision,
+lrq.precision.head_logits) and, once per model, its output head (the vocabulary projection, float32). At
+scoring time the FP logits are recomputed chunk by chunk with the same operation, the same inputs and the
+same precision as the FP pass that stored them, so the FP log-probabilities, hence the KL, are exact
+(bench/studies/kl_approx.py measures it), at one head projection and one log-softmax per chunk beside the
+quantized model's own: 38 MB per 16,384 tokens and 113 MB per model for the head, instead of 1.6 GB per text.
 
 Top-1 agreement: the quantized model's most likely token is the FP model's.
 
@@ -33,14 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 
 APPROXIMATION = "none: FP logits recomputed from the FP final hidden states and output head (exact)"
-SCHEMA = 2
+SCHEMA = 3   # 3: the output head in float32 under every precision (2: in bf16 under bf16 autocast)
 
 
-def kl_exact(lp: torch.Tensor, lq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_exact(lp: torch.Tensor, lq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per position: KL(P_fp || P_q) over the whole vocabulary from both models' log-probabilities [n, vocab]
-    (float32), and whether their most likely tokens agree."""
+    (float32), whether their most likely tokens agree, and whether either model's most likely token is an exact
+    tie (then argmax's lowest-id rule, not the model, decides the agreement; counted and reported)."""
     kl = (lp.exp() * (lp - lq)).sum(1).clamp(min=0.0)
-    return kl, lp.argmax(1) == lq.argmax(1)
+    p2, q2 = lp.topk(2, dim=1).values, lq.topk(2, dim=1).values
+    tied = (p2[:, 0] == p2[:, 1]) | (q2[:, 0] == q2[:, 1])
+    return kl, lp.argmax(1) == lq.argmax(1), tied
 
 
 @dataclass
@@ -59,8 +62,8 @@ class Reference:
         return len(self.offsets) - 1
 
     def _head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head in the dtype autocast would cast it to here (cast once, not at every chunk: the same values)."""
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+        """The head in float32 on `device` (moved once, not at every chunk)."""
+        dtype = torch.float32
         key = (str(device), dtype)
         if key not in self._heads:
             self._heads[key] = (self.weight.to(device, dtype),
@@ -73,11 +76,13 @@ class Reference:
         [c, vocab]): the FP logits recomputed from the stored hidden states, as the FP pass computed them."""
         a = self.offsets[w]
 
-        def score(lq: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def score(lq: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             c = lq.shape[0]
             weight, bias = self._head(lq.device)
-            h = self.hidden[a + start:a + start + c].to(lq.device, weight.dtype)
-            return kl_exact(torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1), lq)
+            h = self.hidden[a + start:a + start + c].to(lq.device, torch.float32)
+            with torch.autocast(lq.device.type, enabled=False):   # the head in float32, as the FP pass ran it
+                logits = F.linear(h, weight, bias)
+            return kl_exact(torch.log_softmax(logits, dim=-1), lq)
         return score
 
 
@@ -144,15 +149,13 @@ def compute_reference(model: nn.Module, wins: list[torch.Tensor], autocast: bool
     from lrq import progress
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    store_dtype = torch.bfloat16 if autocast else torch.float32
+    store_dtype = torch.float32   # the head reads the body's output in float32 (schema 3; bf16 before)
     hidden, offsets = [], [0]
     with ctx:
         for n, w in enumerate(wins):
             progress.update(f"FP reference window {n + 1}/{len(wins)}")
             h, _ = final_hidden(model, w)
-            if autocast and h.dtype == torch.float32:
-                h = h.to(torch.bfloat16)   # what autocast feeds the head anyway: exact
-            hidden.append(h.to(store_dtype).cpu())
+            hidden.append(h.to(store_dtype).cpu())   # what the float32 head reads (lrq.precision.head_logits)
             offsets.append(offsets[-1] + len(w) - 1)
     head = model.get_output_embeddings()
     bias = None if getattr(head, "bias", None) is None else head.bias.detach().float().cpu().clone()
@@ -233,8 +236,10 @@ def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autoc
     return ref
 
 
-def summary(token_kl: torch.Tensor, token_top1: torch.Tensor) -> dict[str, float]:
-    """The stored KL metrics of one text: mean, median and 99th percentile KL over positions, top-1 agreement."""
+def summary(token_kl: torch.Tensor, token_top1: torch.Tensor, top1_ties: int | None = None) -> dict[str, float]:
+    """The stored KL metrics of one text: mean, median and 99th percentile KL over positions, top-1 agreement
+    and (where counted) the positions where either model's top token was an exact tie."""
     kl = token_kl.double()
-    return {"kld": float(kl.mean()), "kld_median": float(kl.median()),
-            "kld_p99": float(torch.quantile(kl, 0.99)), "top1_agree": float(token_top1.float().mean())}
+    out = {"kld": float(kl.mean()), "kld_median": float(kl.median()),
+           "kld_p99": float(torch.quantile(kl, 0.99)), "top1_agree": float(token_top1.float().mean())}
+    return out | ({} if top1_ties is None else {"top1_ties": float(top1_ties)})

@@ -38,14 +38,15 @@ def _logit_chunks(model: nn.Module, window: torch.Tensor, chunk: int = 128):
     """(float32 logits [c, vocab], targets [c]) of a window's positions 1..L-1, `chunk` positions at a time.
 
     The hidden states come from one forward pass; the vocabulary projection runs in chunks of positions,
-    in float32, so a 2048 x 49152 logit matrix is never held at once. 128 positions (25 MB of float32
+    in float32 (also under bf16 autocast: lrq.precision.head_logits), so a 2048 x 49152 logit matrix is never held at once. 128 positions (25 MB of float32
     logits at a 49k vocabulary) keep the logits in the CPU's L3 cache across the cast and the log-softmax:
     0.5 s per 2048-token window instead of 0.75-0.9 s at 512 on the 2-core test machine
     (bench/studies/eval_speed.py); the sums differ by < 1e-7 relative."""
+    from lrq.precision import head_logits
     hidden, targets = final_hidden(model, window)
     head = model.get_output_embeddings()
-    for i in range(0, hidden.shape[0], chunk):
-        yield head(hidden[i:i + chunk]).float(), targets[i:i + chunk]
+    for i in range(0, hidden.shape[0], chunk):   # the head in float32 whatever the body's precision
+        yield head_logits(head, hidden[i:i + chunk]), targets[i:i + chunk]
 
 
 @torch.no_grad()
@@ -64,15 +65,16 @@ def window_scores(model: nn.Module, window: torch.Tensor, score, chunk: int = 12
     """The window's mean NLL and, from `score(lq, start)` (bench.kl.Reference.scorer: the KL(P_fp || P_q) and
     top-1 agreement of the positions start.. given the quantized model's log-probabilities `lq` [c, vocab]),
     every position's KL and whether the top-1 tokens agree: one pass, one log-softmax per chunk."""
-    total, n, kls, top1 = 0.0, 0, [], []
+    total, n, kls, top1, ties = 0.0, 0, [], [], 0
     for logits, targets in _logit_chunks(model, window, chunk):
         lq = torch.log_softmax(logits, dim=-1)
         total -= lq.gather(1, targets.unsqueeze(1)).sum().item()
-        kl, agree = score(lq, n)
+        kl, agree, tied = score(lq, n)
         kls.append(kl.cpu())
         top1.append(agree.cpu())
+        ties += int(tied.sum())
         n += targets.numel()
-    return total / n, torch.cat(kls), torch.cat(top1)
+    return total / n, torch.cat(kls), torch.cat(top1), ties
 
 
 def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include_partial: bool = False,
@@ -92,14 +94,15 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
         raise ValueError(f"the KL reference holds {reference.n_windows} windows, the text {len(wins)}")
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    nlls, kls, top1 = [], [], []
+    nlls, kls, top1, ties = [], [], [], 0
     with ctx:
         for k, w in enumerate(tqdm(wins, desc=desc, leave=False, unit="win")):
             progress.update(f"window {k + 1}/{len(wins)}", k / len(wins))
             if reference is None:
                 nlls.append(window_nll(model, w))
                 continue
-            nll, kl, agree = window_scores(model, w, reference.scorer(k))
+            nll, kl, agree, tied = window_scores(model, w, reference.scorer(k))
+            ties += tied
             nlls.append(nll)
             kls.append(kl)
             top1.append(agree)
@@ -108,7 +111,7 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
            "tokens": int(sum(len(w) for w in wins)), "window_nll": nlls,
            "window_tokens": [len(w) - 1 for w in wins]}   # the tokens each window's mean NLL is over
     if reference is not None:
-        out |= {"token_kl": torch.cat(kls), "token_top1": torch.cat(top1),
+        out |= {"token_kl": torch.cat(kls), "token_top1": torch.cat(top1), "top1_ties": ties,
                 "window_kld": [float(v.mean()) for v in kls], "window_top1": [float(v.float().mean()) for v in top1]}
     return out
 

@@ -162,10 +162,11 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     raw: dict[str, Any] = {}
     n_samples: dict[str, Any] = {}
     samples: dict[str, list] = {}
-    # under bf16 autocast the logits come out of the head in bf16: lm-eval's log-softmax then runs in bf16
-    # too, and choices a few hundredths of a nat apart would round to ties. Scored in float32, as perplexity.
-    head = model.get_output_embeddings()
-    upcast = head.register_forward_hook(lambda _m, _a, out: out.float()) if precision == "bf16" else None
+    # under bf16 autocast the head would compute in bf16: choices a few hundredths of a nat apart would round to
+    # ties. The head computes in float32 (lrq.precision.float32_head), as for perplexity and the KL divergence.
+    from lrq.precision import float32_head
+    head32 = float32_head(model)
+    head32.__enter__()
     # progress: lm-eval scores one request per forward at batch size 1; the catalogue knows about how many
     from bench.evals import task_requests
     expected = sum(task_requests(t, limit)[0] for t in names)
@@ -197,8 +198,7 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
                     samples.update(res.get("samples", {}))
     finally:   # the model leaves as it came
         counter.remove()
-        if upcast is not None:
-            upcast.remove()
+        head32.__exit__(None, None, None)
     out: dict[str, Any] = {}
     for task, metrics in raw.items():
         name = task[len(PREFIX):]

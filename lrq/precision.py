@@ -126,3 +126,31 @@ def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bo
         return contextlib.nullcontext()
     kw = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
     return torch.autocast(kind, dtype=torch.bfloat16, **kw)
+
+
+# Where logits are scored (perplexity, KL divergence, top-1 agreement, task accuracy) the output head runs in
+# float32 whatever the precision of the model's body. Under bf16 autocast the head would compute in bf16 and
+# only its output would be cast: on the default model, bf16 logits tie exactly for the top token at 310 of
+# 8,188 positions (FP) and 466 (RTN w4a16), and tie-breaking by the lowest token id then decides top-1 agreement
+# (0.5714 stored vs 0.5657 from float32 logits of the same hidden states).
+HEAD_PRECISION = "fp32"
+
+
+def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of `head` (a Linear: the vocabulary projection) on `hidden`, outside any autocast."""
+    import torch.nn.functional as F
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = getattr(head, "bias", None)
+        return F.linear(hidden.float(), head.weight.float(), None if bias is None else bias.float())
+
+
+@contextlib.contextmanager
+def float32_head(model: torch.nn.Module):
+    """The model's output head computes in float32 inside this block (lm-eval calls the model as a whole)."""
+    head = model.get_output_embeddings()
+    original = head.forward
+    head.forward = lambda x: head_logits(head, x)
+    try:
+        yield
+    finally:
+        head.forward = original

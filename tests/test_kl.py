@@ -51,7 +51,7 @@ def test_the_stored_reference_gives_the_exact_kl(tiny_model_dir, tmp_path, monke
         kl.save_reference(ref, path)
         back = kl.load_reference(path, f"k{bf16}")
         assert back is not None and kl.load_reference(path, "another key") is None
-        assert back.hidden.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert back.hidden.dtype == torch.float32   # what the float32 head reads, under every precision
         res = perplexity(q, ids, 128, autocast=bf16, reference=back)
         assert exact.mean() > 0.01
         assert torch.allclose(res["token_kl"], exact, rtol=1e-5, atol=1e-6), float((res["token_kl"] - exact).abs().max())
@@ -63,6 +63,29 @@ def test_the_stored_reference_gives_the_exact_kl(tiny_model_dir, tmp_path, monke
         hpath.write_bytes(good[:100])
         assert kl.load_reference(path, f"k{bf16}") is None
         hpath.write_bytes(good)
+
+
+def test_the_head_computes_in_float32_under_bf16_autocast_and_ties_are_counted(tiny_model_dir):
+    """Under bf16 autocast the body runs in bf16 and the head in float32: the scored logits equal the float32
+    projection of the body's output exactly (a bf16 head ties the top token where float32 does not)."""
+    import torch.nn.functional as F
+
+    from bench.models import load_model
+    from bench.perplexity import _logit_chunks, final_hidden
+    fp = load_model(str(tiny_model_dir)).model
+    w = torch.randint(0, fp.config.vocab_size, (128,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.cat([c for c, _ in _logit_chunks(fp, w, chunk=32)])
+        h, _ = final_hidden(fp, w)
+        bf16_head = fp.get_output_embeddings()(h)
+    assert got.dtype == torch.float32 and bf16_head.dtype == torch.bfloat16
+    assert torch.equal(got, F.linear(h.float(), fp.get_output_embeddings().weight.float()))
+    assert not torch.equal(got, bf16_head.float())
+    lp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 3.0, 1.0]]), -1)
+    lq = torch.log_softmax(torch.tensor([[2.0, 2.0, 0.0], [1.0, 0.5, 0.0], [0.0, 3.0, 1.0]]), -1)
+    _, agree, tied = kl.kl_exact(lp, lq)
+    assert tied.tolist() == [True, True, False] and agree.tolist() == [True, True, True]
+    assert kl.summary(torch.zeros(3), agree, int(tied.sum()))["top1_ties"] == 2
 
 
 def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, data_dir, tmp_path, capsys,
@@ -86,7 +109,7 @@ def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, da
     assert 0 < top1.value <= 1
     # a store of perplexities made before KL existed: only the KL units are computed, the rest reused
     conn = __import__("sqlite3").connect(results)
-    conn.execute("DELETE FROM results WHERE metric IN ('kld', 'kld_median', 'kld_p99', 'top1_agree')")
+    conn.execute("DELETE FROM results WHERE metric IN ('kld', 'kld_median', 'kld_p99', 'top1_agree', 'top1_ties')")
     conn.commit()
     conn.close()
     ppl_before = {(r.scheme, r.unit_key) for r in ResultStore(results).rows() if r.metric == "ppl"}

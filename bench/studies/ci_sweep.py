@@ -167,11 +167,38 @@ def main(argv: list[str] | None = None) -> int:
                                       f"calibration-dependent cells are gated at {CROSS_CPU_REL:.0%} for another "
                                       f"CPU's rounding, the others strictly; write one with --write-reference)"))
     from bench.compare import gate
-    if matched:
-        code, md = gate(str(ref), args.results)
-        print(md)
-        return code
-    return cross_cpu_gate(ref, args.results)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = current_reference(ref, Path(tmp))
+        if matched:
+            code, md = gate(str(ref), args.results)
+            print(md)
+            return code
+        return cross_cpu_gate(ref, args.results)
+
+
+def _bf16_head(row: dict) -> bool:
+    """A row measured before the output head computed in float32: a bf16 cell whose evaluation settings do not
+    name the head's precision (bench.cell.EvalSettings.head)."""
+    cfg = row.get("config") or {}
+    ev = cfg.get("eval") if isinstance(cfg.get("eval"), dict) else {}
+    prec = (cfg.get("precision") or {}).get("used") if isinstance(cfg.get("precision"), dict) else None
+    return (prec or ev.get("autocast") or "bf16") == "bf16" and "head" not in ev
+
+
+def current_reference(ref: Path, tmp: Path) -> Path:
+    """The reference without the values an evaluation change made incomparable: top-1 agreement measured with the
+    output head in bf16 (before 2026-12-02: exact ties, broken by the lowest token id, decided it at 4-6 % of the
+    positions; bench/studies/head_precision.py) is not gated against top-1 from the float32 head, and the gate says
+    so. Perplexity (-0.02 %) and KLD (-0.08 %) moved far less than their tolerances and stay gated."""
+    rows = json.loads(ref.read_text())
+    stale = [r for r in rows if r.get("metric") == "top1_agree" and _bf16_head(r)]
+    if not stale:
+        return ref
+    print(f"note: {len(stale)} top-1 agreement value(s) of {ref.name} were measured with the output head in bf16 "
+          f"and are not gated (shown as new); rewrite the reference on that machine with --write-reference.")
+    out = tmp / ref.name
+    out.write_text(json.dumps([r for r in rows if not (r.get("metric") == "top1_agree" and _bf16_head(r))]))
+    return out
 
 
 def cross_cpu_gate(ref: Path, results: str) -> int:
