@@ -435,6 +435,7 @@ def cmd_plan(args) -> int:
     from bench import plan as P
     from bench.cell import resolve_calib
     from bench.profiles import resolve_jobs
+    from bench.provenance import cpu_label
 
     _check_lists(args)
     prof = _apply_profile(args)
@@ -476,7 +477,7 @@ def cmd_plan(args) -> int:
              f"{c.device_bytes / 2**30:.1f}" if c.device_bytes else "-"] for c in cells]
     print(f"Plan: {shape.name} ({shape.params() / 1e9:.2f} B parameters, {shape.layers} blocks), profile {prof.name}, "
           f"preset {args.preset}; machine profile: {machine['device']}, {machine['threads']} thread(s), "
-          f"{machine['hardware'].get('gpu') or machine['hardware'].get('cpu')}, precision "
+          f"{machine['hardware'].get('gpu') or cpu_label(machine['hardware'])}, precision "
           f"{machine.get('precision', 'bf16 (measured before the precision was recorded)')}\n")
     print(tabulate(rows, headers=["method", "scheme", "est. time", "host GiB", "device GiB"], tablefmt="github"))
     print(f"\nFP reference evaluation: {P.fmt_hours(fp_s)}. Total: {total / 3600:.2f} {unit}-hours; "
@@ -544,7 +545,8 @@ def _announce_estimate(args, cells, todo, executor, loaded):
     workers = executor.jobs
     longest = max(est.stages, key=est.seconds)
     unpriced = f"; {len(est.unpriced)} cell(s) without a cost model not counted" if est.unpriced else ""
-    _say(f"estimate on this machine ({machine['hardware'].get('gpu') or machine['hardware'].get('cpu')}, "
+    from bench.provenance import cpu_label
+    _say(f"estimate on this machine ({machine['hardware'].get('gpu') or cpu_label(machine['hardware'])}, "
          f"{cells[0].precision}): {len(est.stages)} cells, {est.total / 3600:.2f} {unit}-hours of work, about "
          f"{P.fmt_duration(est.wall(workers))} wall on {workers} worker{'s' if workers > 1 else ''} (longest cell: "
          f"{cells[longest].method_name} {cells[longest].scheme_name}, {P.fmt_duration(est.seconds(longest))}"

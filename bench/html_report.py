@@ -29,7 +29,7 @@ def _prov(r: Row) -> str:
             if c.get(k) is not None}
     keep.update({"git_rev": r.git_rev, "versions": {k: v for k, v in (r.versions or {}).items()
                                                       if k in ("torch", "transformers", "lrq-bench", "python")},
-                 "hardware": {k: (r.hardware or {}).get(k) for k in ("cpu", "cpu_count", "gpu")},
+                 "hardware": {k: (r.hardware or {}).get(k) for k in ("cpu", "cpu_kind", "cpu_count", "gpu")},
                  "created_at": r.created_at})
     return dumps_json(keep, indent=1, default=str)
 

@@ -47,6 +47,49 @@ def git_revision() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if ":" in line:
+                k, v = (x.strip() for x in line.split(":", 1))
+                out.setdefault(k, v)
+            elif not line.strip() and out:
+                break   # the first processor is enough
+    except OSError:
+        pass
+    return out
+
+
+def cpu_kind(info: dict[str, str] | None = None) -> str:
+    """What the CPU is, from its vendor, family, model and flags, where its model name does not say ("AMD
+    EPYC" is a Zen 3 without native bf16 and a Zen 4 with it; "Intel(R) Xeon(R) Processor" with AMX or
+    without): e.g. "Zen 4, AVX512-BF16", "Zen 3, AVX2", "Intel with AMX-BF16". Empty where unknown."""
+    info = _cpuinfo() if info is None else info
+    flags = set(info.get("flags", "").split())
+    vendor = info.get("vendor_id", "")
+    try:
+        family, model = int(info.get("cpu family", "-1")), int(info.get("model", "-1"))
+    except ValueError:
+        family, model = -1, -1
+    isa = ("AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else
+           "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "")
+    core = ""
+    if vendor == "AuthenticAMD":
+        core = {23: "Zen/Zen 2", 26: "Zen 5"}.get(family, "")
+        if family == 25:   # Zen 3: models 0x00-0x0f, 0x20-0x5f; Zen 4: 0x10-0x1f, 0x60-0x7f, 0xa0-0xaf
+            core = "Zen 4" if (0x10 <= model <= 0x1f or 0x60 <= model <= 0x7f or 0xa0 <= model <= 0xaf) else "Zen 3"
+    elif vendor == "GenuineIntel":
+        core = "Intel"
+    return ", ".join(x for x in (core, isa) if x)
+
+
+def cpu_label(hw: dict) -> str:
+    """The CPU as reports name it: its model name and kind, e.g. "AMD EPYC (Zen 4, AVX512-BF16)"."""
+    kind = hw.get("cpu_kind")
+    return f"{hw.get('cpu')} ({kind})" if kind else str(hw.get("cpu"))
+
+
 def hardware() -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -60,7 +103,8 @@ def hardware() -> dict[str, object]:
     bf16 = cpu_bf16()
     # the model name alone does not tell CPUs apart ("AMD EPYC" is Zen 3 without native bf16 and Zen 4 with
     # it): what decides the numerics of bf16 runs and the speed of both precisions is recorded with it
-    hw: dict[str, object] = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    hw: dict[str, object] = {"cpu": cpu, "cpu_kind": cpu_kind(), "cpu_count": os.cpu_count(),
+                             "torch_threads": torch.get_num_threads(),
                              "platform": platform.platform(), "native_bf16": bf16["native"],
                              "cpu_bf16_flags": bf16["cpu_bf16_flags"],
                              "torch_cpu_capability": bf16["torch_cpu_capability"]}
@@ -74,4 +118,4 @@ def hardware() -> dict[str, object]:
 
 def device_label() -> str:
     hw = hardware()
-    return str(hw.get("gpu") or f"{hw['cpu']} x{hw['cpu_count']}")
+    return str(hw.get("gpu") or f"{cpu_label(hw)} x{hw['cpu_count']}")

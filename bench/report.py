@@ -601,6 +601,12 @@ def markdown_report(rows: list[Row]) -> str:
         parts += [f"## {section_title(model, prec)}", ""]
         notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
         parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
+        from bench.provenance import cpu_label
+        machines = sorted({md_text(cpu_label(r.hardware)) for r in srows if isinstance(r.hardware, dict)
+                           and r.hardware.get("cpu") and not r.hardware.get("gpu")}
+                          | {md_text(r.hardware["gpu"]) for r in srows if isinstance(r.hardware, dict) and r.hardware.get("gpu")})
+        if machines:
+            parts += [f"Measured on: {'; '.join(machines)}.", ""]
         why = {(r.config.get("precision") or {}).get("why") for r in srows if isinstance(r.config.get("precision"), dict)}
         parts += [f"Precision of every number in this section: {PRECISION_TEXT.get(prec, prec)}"
                   + (f" ({'; '.join(sorted(md_text(w) for w in why if w))})" if any(why) else
