@@ -97,7 +97,8 @@ def load_rows(path: str | Path) -> list[Row]:
                                 + "); a results export has model, method, scheme, dataset, metric and value per row.")
         rows = [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
         check_rows(rows, str(p))
-        return rows
+        from bench.store import distinct_checkpoint_names
+        return distinct_checkpoint_names(rows)
     store = ResultStore(p, check=True, readonly=True)
     rows = store.rows(latest=True)
     if store.unreadable:

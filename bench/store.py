@@ -356,6 +356,7 @@ class ResultStore:
                 out.append(Row(**d))
             except (TypeError, ValueError):
                 self.unreadable += 1
+        out = distinct_checkpoint_names(out)   # two checkpoints of one derived name never collapse into one cell
         return newest(out) if latest else out
 
 
@@ -368,3 +369,25 @@ def newest(rows: list[Row]) -> list[Row]:
     """The newest row per `row_key`, in storage order (`rows` oldest first)."""
     last = {row_key(r): i for i, r in enumerate(rows)}
     return [rows[i] for i in sorted(last.values())]
+
+
+def distinct_checkpoint_names(rows: list[Row]) -> list[Row]:
+    """Cells scored from checkpoints quantized elsewhere are named from the checkpoint (`external:<producer>-w4g128`);
+    two different checkpoints of one model can derive the same name and scheme, and would collapse into one row of
+    the leaderboard and one key of the gate. Where that happens, each is named by its content too (the name plus
+    `@` and the first 8 characters of the checkpoint's fingerprint); unique names are left as they are."""
+    from dataclasses import replace
+
+    def fingerprint(r: Row) -> str:
+        mc = (r.config or {}).get("method_config") if isinstance(r.config, dict) else None
+        return str((mc or {}).get("fingerprint") or "") if isinstance(mc, dict) else ""
+
+    seen: dict[tuple, set[str]] = {}
+    for r in rows:
+        if r.method.startswith("external:"):
+            seen.setdefault((r.model, r.method, r.scheme, r.precision), set()).add(fingerprint(r))
+    clash = {k for k, fps in seen.items() if len(fps) > 1}
+    if not clash:
+        return rows
+    return [replace(r, method=f"{r.method}@{fingerprint(r).split(':')[-1][:8]}")
+            if (r.model, r.method, r.scheme, r.precision) in clash else r for r in rows]

@@ -383,3 +383,18 @@ def test_compare_refuses_duplicates_and_an_empty_comparison(tmp_path, capsys):
     empty.write_text("[]")
     code, out, err = _run(["compare", str(base), str(empty), "--allow-missing"], capsys)
     assert code == 2 and "nothing to compare" in err and "no regression" not in out
+
+
+# ---- 13: two checkpoints of one derived name stay two cells --------------------------------------------------
+
+def test_two_checkpoints_with_one_derived_name_stay_apart(tmp_path):
+    from bench.report import markdown_report
+    from bench.store import ResultStore, Row
+    store = ResultStore(tmp_path / "r.sqlite")
+    for i, (fp, ppl) in enumerate((("folder:sha256:aaaa1111bbbb", 30.0), ("folder:sha256:cccc2222dddd", 45.0))):
+        store.write_unit([Row("m", "external:llmc-gptq-w4g64", "w4a16-g64", "wikitext2", "ppl", ppl,
+                              config={"method_config": {"checkpoint": f"/c{i}", "fingerprint": fp}})], f"k{i}")
+    latest = store.rows(latest=True)
+    assert sorted(r.method for r in latest) == ["external:llmc-gptq-w4g64@aaaa1111", "external:llmc-gptq-w4g64@cccc2222"]
+    md = markdown_report(latest)
+    assert "aaaa1111" in md and "cccc2222" in md and "30.00" in md and "45.00" in md
