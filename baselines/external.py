@@ -206,6 +206,12 @@ def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, 
         q = t[f"{prefix}.weight"].to(torch.int64) + off                        # int-quantized: signed int8
     else:
         raise UserError(f"{prefix}: neither weight_packed nor integer weight in the checkpoint.")
+    g_idx = t.get(f"{prefix}.weight_g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // (group or in_f)):
+        raise UserError(f"{prefix}: the checkpoint quantizes with activation order (weight_g_idx: its groups are "
+                        f"permuted column sets, not contiguous ranges), which lrq-bench's quantized linear does not "
+                        f"hold. Not supported: export the model without act-order (llm-compressor: "
+                        f"actorder=None) to score it here.")
     if f"{prefix}.weight_scale" not in t:
         raise UserError(f"{prefix}: the checkpoint has no weight_scale for it.")
     n_groups = 1 if not group else -(-in_f // group)
@@ -302,7 +308,8 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
         else:
             q, scale, zero = read_compressed_tensors(t, prefix, bits, group, sym, shape)
             keys = [f"{prefix}.{k}" for k in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
-                                              "weight_shape", "bias", "input_scale", "input_zero_point")]
+                                              "weight_shape", "weight_g_idx", "bias", "input_scale",
+                                              "input_zero_point")]
         if scheme.static_activations:
             if f"{prefix}.input_scale" not in t:
                 raise UserError(f"{prefix}: the config declares static activations and the checkpoint has no "
@@ -354,6 +361,7 @@ class External(Method):
     name = "external"
     summary = "a checkpoint quantized by another tool (compressed-tensors or GPTQ format), read as it is"
     external = True
+    provides_activation_ranges = True   # a static-activation checkpoint stores its input_scale: scored from it
     defaults = {"quick": {"checkpoint": "", "fingerprint": ""}, "paper": {"checkpoint": "", "fingerprint": ""}}
 
     def display_name(self, config: dict[str, Any]) -> str:

@@ -80,7 +80,7 @@ def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", 
     check_settings(settings, [m.name])
     cfg = m.config(preset, settings)
     calib = _calibration(calibration)
-    if calib is None and (m.needs_calibration(s) or s.static_activations):
+    if calib is None and (m.needs_calibration(s) or (s.static_activations and not m.provides_activation_ranges)):
         raise UserError(f"{m.name} under {s.name} needs calibration data: pass calibration=<token ids "
                         f"[n_samples, seq_len]> (e.g. 128 x 512 tokens of C4).")
     with P.use(precision):

@@ -141,6 +141,9 @@ class Method:
     cost_rank: ClassVar[int] = 1
     # Resumes at the next block from `checkpoint_dir` after a crash.
     checkpoints: ClassVar[bool] = False
+    # the method's output carries its own static activation ranges (a checkpoint read as it is): a static-activation
+    # scheme then needs no calibration data to observe them
+    provides_activation_ranges: ClassVar[bool] = False
     # Walks the model block by block with the calibration activations in memory (the planner's memory model).
     blockwise: ClassVar[bool] = False
     # Training state of one block (learnables; Adam doubles it twice more), as a fraction of its weights.

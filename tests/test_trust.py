@@ -398,3 +398,40 @@ def test_two_checkpoints_with_one_derived_name_stay_apart(tmp_path):
     assert sorted(r.method for r in latest) == ["external:llmc-gptq-w4g64@aaaa1111", "external:llmc-gptq-w4g64@cccc2222"]
     md = markdown_report(latest)
     assert "aaaa1111" in md and "cccc2222" in md and "30.00" in md and "45.00" in md
+
+
+# ---- 15: a static-activation checkpoint is scored from its stored scales; act-order is said to be unsupported ------
+
+def test_a_w8a8_checkpoint_is_scored_from_its_stored_activation_scales(tiny_model_dir, data_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    from bench.store import ResultStore
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    results = tmp_path / "r.sqlite"
+    common = [*RUN, "--data-dir", str(data_dir), "--results", str(results)]
+    assert main(["run", *common, "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w8a8"]) == 0
+    assert main(["export", "--model", str(tiny_model_dir), "--method", "rtn", "--scheme", "w8a8", "--out",
+                 str(tmp_path / "w8a8"), "--data-dir", str(data_dir)]) == 0
+    capsys.readouterr()
+    assert main(["run", *common, "--model", str(tmp_path / "w8a8")]) == 0, capsys.readouterr().err[-800:]
+    rows = [r for r in ResultStore(results).rows() if r.dataset == "wikitext2" and r.metric in ("ppl", "kld")]
+    ours = {r.metric: r.value for r in rows if r.method == "rtn"}
+    theirs = {r.metric: r.value for r in rows if r.method.startswith("external:")}
+    assert ours and theirs == ours      # the stored input scales are the ones the cell calibrated
+
+
+def test_an_act_order_checkpoint_is_refused_as_unsupported(exported, tiny_model_dir, data_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+
+    def act_order(t):
+        out = dict(t)
+        k = next(k for k in t if k.endswith("q_proj.weight_shape"))
+        cols = int(t[k][1])
+        out[k.replace("weight_shape", "weight_g_idx")] = torch.randperm(cols, generator=torch.Generator().manual_seed(0)) % 1
+        out[k.replace("weight_shape", "weight_g_idx")][0] = 1
+        return out
+
+    folder = _altered(exported, tmp_path, act_order)
+    code, out, err = _run(["run", *RUN, "--model", str(folder), "--reference-model", str(tiny_model_dir),
+                           "--data-dir", str(data_dir), "--results", str(tmp_path / "r.sqlite")], capsys)
+    assert code == 2 and "activation order" in err and "Not supported" in err and "--reference-model" not in err, err
