@@ -306,7 +306,6 @@ def cmd_run(args) -> int:
     from bench.executor import LocalExecutor
     from bench.profiles import resolve_jobs
     from bench.html_report import write_report
-    from bench.report import markdown_report
     from bench.store import ResultStore
     from bench.sweep import missing_units, run_cells
     _check_lists(args)
@@ -417,9 +416,11 @@ def cmd_run(args) -> int:
     run_keys = {k for c in cells for k in c.keys.values()}   # the leaderboard of this run's own settings only
     rows = newest([r for r in store.rows() if r.unit_key in run_keys])
     _warn_unreadable(store)
-    print(markdown_report(rows))
+    from bench.report import terminal_summary
+    print(terminal_summary(rows))
     if args.out:
-        print(f"leaderboard written to {write_report(store, Path(args.out))}", file=sys.stderr)
+        md = write_report(store, Path(args.out))
+        print(f"leaderboard written to {md} and {md.with_name('leaderboard.html')}", file=sys.stderr)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("done", "reused", "failed")}
     print(f"{len(outcomes)} cells: {counts['done']} run, {counts['reused']} reused from {store.path}, "
           f"{counts['failed']} failed; wall time {wall:.1f} s", file=sys.stderr)

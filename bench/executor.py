@@ -214,6 +214,8 @@ class LocalExecutor:
         return {"executor": "local", "jobs": self.jobs, "threads_per_job": self.threads if self.jobs > 1 else None}
 
     def run(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
+        if not jobs:   # everything is stored already: no progress bar at cells 0/0
+            return
         if self.jobs == 1 or len(jobs) <= 1:
             self._run_inline(jobs, sink, cell_fn, weights)
         else:

@@ -648,3 +648,55 @@ def markdown_report(rows: list[Row]) -> str:
         parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
                   f"`lrq-bench results --json`.", ""]
     return "\n".join(parts)
+
+
+def terminal_summary(rows: list[Row], width: int = 120) -> str:
+    """What `run` prints at its end: one line per cell (method, scheme, precision, bits per weight, then per text
+    KLD, top-1 agreement and perplexity with their 95 % intervals), as narrow as the values allow and never wider
+    than `width` (texts beyond what fits are left to the leaderboard files, and the summary says so). The
+    leaderboard files hold everything else (tasks, flips, paired comparisons, block errors, provenance)."""
+    from tabulate import tabulate
+    if not rows:
+        return "no results for this run's cells."
+    stats = cell_stats(rows)
+    bits = {(r.method, r.scheme): r.value for r in rows if r.metric == "bits_per_weight" and r.value is not None}
+    prec = {(r.method, r.scheme): r.precision for r in rows}
+    texts = [d for d in E.PERPLEXITY if any(r.dataset == d and r.metric == "ppl" for r in rows)]
+    keys = sorted({(r.method, r.scheme) for r in rows}, key=lambda k: (k[0] != "fp", k[1], k[0]))
+
+    def cell(cs, kind):
+        if cs is None:
+            return "-"
+        e = cs.first()
+        if kind == "ppl":
+            f = lambda v: f"{v:.2f}" if v < 1000 else f"{v:.4g}"  # noqa: E731
+        elif kind == "top1":
+            f = lambda v: f"{100 * v:.1f}"  # noqa: E731
+        else:
+            f = lambda v: f"{v:.4f}" if v < 10 else f"{v:.3g}"  # noqa: E731
+        return f"{f(e.value)} [{f(e.lo)}, {f(e.hi)}]" if e.known and e.lo is not None else f(e.value)
+
+    def table(shown):
+        head = ["method", "scheme", "prec", "bits"]
+        for d in shown:
+            head += [f"{d} KLD", f"{d} top-1 %", f"{d} ppl"]
+        body = []
+        for k in keys:
+            st = stats.get(k, {})
+            line = [k[0], k[1], prec.get(k, ""), f"{bits[k]:.2f}" if k in bits else "-"]
+            for d in shown:
+                line += [cell(st.get((d, "kld")), "kld"), cell(st.get((d, "top1_agree")), "top1"),
+                         cell(st.get((d, "ppl")), "ppl")]
+            body.append(line)
+        return tabulate(body, headers=head, tablefmt="simple", disable_numparse=True)
+
+    shown = list(texts)
+    out = table(shown)
+    while len(shown) > 1 and max(len(line) for line in out.splitlines()) > width:
+        shown.pop()
+        out = table(shown)
+    left = [d for d in texts if d not in shown]
+    note = "95 % intervals over windows in brackets"
+    if left:
+        note += f"; {', '.join(left)} in the leaderboard files (too wide for {width} columns)"
+    return out + "\n" + note + "."
