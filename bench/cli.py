@@ -462,6 +462,7 @@ def cmd_plan(args) -> int:
     for m in methods:
         calib = resolve_calib(m, args.preset, _calib_given(args))
         cells += P.plan_cells(shape, [m], schemes, machine, preset=args.preset, overrides=overrides,
+                              measure=not args.machine_profile,
                               n=calib.n_samples, seq=calib.seq_len, eval_tokens=eval_tokens, eval_seq=args.eval_seq_len,
                               tasks=tasks, task_limit=limit)
     fp_work = P.cell_work(shape, None, None, {}, 1, 1, eval_tokens, args.eval_seq_len, tasks, limit)

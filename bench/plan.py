@@ -139,13 +139,18 @@ def task_requests(task: str, task_limit: int | None) -> tuple[int, int]:
 
 
 def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
-               eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, dict[str, tuple[float, float]]]:
+               eval_seq: int, tasks: list[str], task_limit: int | None, measure: bool = False
+               ) -> dict[str, dict[str, tuple[float, float]]]:
     """(calls, flops) per kind of work, per stage of one cell as it runs: "quant" (the method's own work,
-    `Method.work`; nothing for the FP reference), one stage per perplexity dataset, and "tasks"."""
+    `Method.work`; nothing for the FP reference), one stage per perplexity dataset, and "tasks". `measure`: the
+    estimate is for this machine's CPU, where a compiled training step is measured at the cell's shape
+    (`measured_training`)."""
     from lrq.methods import add_work
     stages: dict[str, dict[str, tuple[float, float]]] = {
         "quant": {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))}
     L = shape.layers
+    if method is not None and measure:
+        measured_training(stages["quant"], shape, method, scheme, cfg, seq)
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
         stages[ds] = add_work({}, "fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
@@ -159,11 +164,13 @@ def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, e
 
 
 def cell_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, eval_tokens: dict[str, int],
-              eval_seq: int, tasks: list[str], task_limit: int | None) -> dict[str, tuple[float, float]]:
+              eval_seq: int, tasks: list[str], task_limit: int | None, measure: bool = False
+              ) -> dict[str, tuple[float, float]]:
     """(calls, flops) per kind of work for one cell: every stage of `stage_work` together."""
     from lrq.methods import add_work
     w: dict[str, tuple[float, float]] = {}
-    for stage in stage_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks, task_limit).values():
+    for stage in stage_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks, task_limit,
+                            measure).values():
         for kind, (calls, flops) in stage.items():
             add_work(w, kind, calls, flops)
     return w
@@ -389,9 +396,125 @@ def _load_or_measure(p: Path, device: str, remeasure: bool, precision: str, say)
     return prof
 
 
+# ---- long training, measured at the cell's own shape ----------------------------------------------------------
+# The machine profile times eager training steps of small random blocks (batch 1 x 128 tokens) and scales them
+# by FLOPs. That prices the quick preset; the long and paper presets train compiled steps at batch 2 x 1,024 on
+# the model's own widths, where a CPU runs several times more FLOP/s: on a Zen 4 the profile priced a long LRQ
+# cell at 13.9 h against about 4.5 h measured (reports/long-smollm2-135m/). A cell with this many training steps
+# (blocks x steps per block) or more has its step measured instead: the method's own quantize on one random
+# block of the model's widths, at the cell's batch, window length, compilation and precision, at two step counts
+# (their difference is the step; the rest, the per-block overhead: compilation, its check, s1 initialisation,
+# error measurements). Cached per machine; about a minute per method and shape the first time.
+MEASURE_TRAINING_FROM_STEPS = 5000
+MEASURE_TRAINING_MAX_BLOCK_PARAMS = 50_000_000
+_PROBE_STEPS = (2, 8)
+
+
+def _say_stderr(line: str) -> None:
+    import sys
+    print(f"lrq-bench: {line}", file=sys.stderr, flush=True)
+
+
+def _probe_cache() -> Path:
+    from bench.cache import cache_root
+    return cache_root() / "plan-training-steps.json"
+
+
+def _probe_key(shape: ModelShape, method, scheme, cfg: dict) -> dict:
+    from bench.provenance import hardware
+    from lrq import precision as P
+    resolved = method.resolve(scheme, dict(cfg))
+    keep = {k: resolved.get(k) for k in ("batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank",
+                                          "rank_fraction", "s1_init", "search_grid", "recon_act_quant", "let")}
+    hw = hardware()
+    return {"method": method.name, "scheme": scheme.name, "shape": [shape.hidden, shape.intermediate, shape.heads,
+                                                                   shape.kv_heads],
+            "settings": keep, "precision": P.current("cpu"),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu": [hw.get("cpu"), hw.get("cpu_kind"), hw.get("torch_cpu_capability")]}
+
+
+def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dict:
+    """Seconds per training step and per block (beyond the steps) of `method` on one random block of `shape`."""
+    import copy
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lrq.methods import Calibration
+    torch.manual_seed(0)
+    mc = LlamaConfig(vocab_size=256, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                     num_hidden_layers=1, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                     max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
+    model0 = LlamaForCausalLM(mc).eval()
+    bs = int(cfg.get("batch_size", 1))
+    n = 2 * bs + 1
+    ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(0))
+    calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
+    compiled = method.resolve(scheme, dict(cfg))["compile"]
+    times = []
+    # the first run compiles from cold (and warms torch's caches): discarded, as a real cell pays that once while
+    # its later blocks compile warm
+    for steps in (_PROBE_STEPS[0], *_PROBE_STEPS):
+        c = {k: v for k, v in cfg.items() if k != "preset" and k not in getattr(method, "fixed_settings", ())}
+        c |= {"iters": steps, "heldout_samples": 1, "error_samples": 1, "compile": "on" if compiled else "off"}
+        model = copy.deepcopy(model0)
+        t = time.perf_counter()
+        method.quantize(model, scheme, method.config(cfg.get("preset", "quick"), c), calib)
+        times.append(time.perf_counter() - t)
+    warm, t1, t2 = times
+    step = max((t2 - t1) / (_PROBE_STEPS[1] - _PROBE_STEPS[0]), 1e-6)
+    return {"step_s": step, "block_s": max(t1 - _PROBE_STEPS[0] * step, 0.0), "probe_s": times,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict, seq: int,
+                      say=None) -> None:
+    """Replace the FLOP-scaled training of a long block-wise cell (MEASURE_TRAINING_FROM_STEPS) by its measured
+    step: kinds `probe:<key>:step` (calls: blocks x steps) and `probe:<key>:block` (calls: blocks), priced by
+    `seconds` from the cache of measured steps."""
+    import hashlib
+    kind = f"train_{method.name}"
+    if kind not in work or scheme is None:
+        return
+    steps = int(cfg.get("iters", 0)) * shape.layers
+    # only compiled steps (the eager profile prices eager ones), only many of them, only a block this machine
+    # trains in seconds (a 70B block would take minutes and gigabytes to probe: its FLOP-scaled price stands)
+    if steps < MEASURE_TRAINING_FROM_STEPS or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
+        return
+    try:
+        if not method.resolve(scheme, dict(cfg)).get("compile"):
+            return
+    except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
+        return
+    key = _probe_key(shape, method, scheme, cfg) | {"seq": int(seq)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    from lrq.io import atomic_write_text, file_lock
+    path = _probe_cache()
+    with file_lock(path):
+        try:
+            cache = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            cache = {}
+        if digest not in cache:
+            (say or _say_stderr)(f"measuring a {method.name} training step at this cell's shape (batch "
+                                        f"{key['settings']['batch_size']} x {seq}, compile "
+                                        f"{'on' if key['settings']['compile'] else 'off'}; about a minute, once) ...")
+            cache[digest] = _measure_training(shape, method, scheme, cfg, seq) | {"key": key}
+            atomic_write_text(path, dumps_json(cache, indent=1))
+    del work[kind]
+    work[f"probe:{digest}:step"] = (float(steps), 0.0)
+    work[f"probe:{digest}:block"] = (float(shape.layers), 0.0)
+
+
 def seconds(work: dict[str, tuple[float, float]], profile: dict) -> float:
     total = 0.0
+    probes = None
     for kind, (calls, flops) in work.items():
+        if kind.startswith("probe:"):
+            if probes is None:
+                probes = json.loads(_probe_cache().read_text())
+            _, digest, part = kind.split(":")
+            total += calls * probes[digest][f"{part}_s"]
+            continue
         if kind not in profile["kinds"]:
             raise UserError(f"the machine profile has no timing for {kind!r} work (it predates that method): "
                             f"measure it again with `lrq-bench plan --remeasure`.")
@@ -412,7 +535,9 @@ def schedule(durations: list[float], workers: int) -> float:
 def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profile: dict, *, preset: str = "quick",
                overrides: dict | None = None, n: int = 128, seq: int = 512, eval_tokens: dict[str, int] | None = None,
                eval_seq: int = 2048, tasks: list[str] | None = None, task_limit: int | None = None,
-               offload: bool = True) -> list[CellPlan]:
+               offload: bool = True, measure: bool = False) -> list[CellPlan]:
+    """The planned cells. `measure`: `profile` is this machine's CPU profile, so compiled training steps may be
+    measured here at each cell's shape (`measured_training`)."""
     from lrq.methods import get_method
     from lrq.schemes import get_scheme
     out = []
@@ -425,7 +550,8 @@ def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profil
         cfg = method.config(preset, overrides or {})
         for s in schemes:
             scheme = get_scheme(s)
-            work = cell_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks or [], task_limit)
+            work = cell_work(shape, method, scheme, cfg, n, seq, eval_tokens, eval_seq, tasks or [], task_limit,
+                             measure and profile.get("device") == "cpu")
             host, dev = estimate_memory(shape, method, n, seq, profile["device"], offload)
             out.append(CellPlan(name, s, work, seconds(work, profile), host, dev))
     return out
@@ -476,7 +602,8 @@ def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[s
         datasets = [d for d in cell.datasets if d in units or f"{d}:kl" in units]   # one pass computes both
         work = stage_work(shape, method, cell.scheme, cell.config, cell.calib.n_samples, cell.calib.seq_len,
                           eval_tokens_for(datasets, cell.eval.max_tokens), cell.eval.seq_len,
-                          list(cell.tasks) if "tasks" in units else [], cell.task_limit)
+                          list(cell.tasks) if "tasks" in units else [], cell.task_limit,
+                          measure=profile.get("device") == "cpu" and "quant" in units)
         new_refs = {d for d in cell.datasets if f"{d}:kl" in units} - references
         if new_refs:   # one FP pass over these texts, before the cell quantizes (perhaps cached already)
             references |= new_refs

@@ -4,6 +4,7 @@ cell which cannot fit, saying what would."""
 
 from __future__ import annotations
 
+import json
 import copy
 import time
 
@@ -95,3 +96,34 @@ def test_run_refuses_a_cell_that_cannot_fit_before_any_work(tiny_model_dir, data
     err = capsys.readouterr().err.replace("\n", " ")
     assert code == 2 and "needs about" in err and "host memory" in err
     assert not ResultStore(tmp_path / "r.sqlite").rows()
+
+
+def test_long_training_is_priced_from_a_step_measured_at_the_cells_shape(tmp_path, monkeypatch):
+    """A cell with MEASURE_TRAINING_FROM_STEPS training steps or more is priced from its own step, measured on one
+    random block of the model's widths at the cell's batch and window (cached): the FLOP-scaled eager profile
+    priced the long preset's compiled steps 3x too slow."""
+    from bench import plan as P
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))
+    shape = P.ModelShape("tiny", 64, 160, 2, 4, 2, 128)
+    m, scheme = get_method("lrq"), get_scheme("w3a16")
+    cfg = m.config("quick", {"iters": 3000, "compile": "on", "batch_size": 2})
+    work = dict(m.work(shape, scheme, cfg, 8, 32))
+    calls = []
+    real = P._measure_training
+    monkeypatch.setattr(P, "_measure_training", lambda *a: calls.append(1) or real(*a))
+    P.measured_training(work, shape, m, scheme, cfg, 32)
+    assert "train_lrq" not in work and len(calls) == 1
+    (step_kind,) = [k for k in work if k.endswith(":step")]
+    assert work[step_kind][0] == 2 * 3000
+    probe = json.loads((tmp_path / "plan-training-steps.json").read_text())[step_kind.split(":")[1]]
+    assert probe["step_s"] > 0 and probe["key"]["seq"] == 32 and probe["key"]["settings"]["batch_size"] == 2
+    expect = 6000 * probe["step_s"] + 2 * probe["block_s"]
+    assert abs(P.seconds({k: v for k, v in work.items() if k.startswith("probe:")}, {"kinds": {}}) - expect) < 1e-9
+    # cached: the same cell is not measured again; a quick (eager) cell is never measured
+    again = dict(m.work(shape, scheme, cfg, 8, 32))
+    P.measured_training(again, shape, m, scheme, cfg, 32)
+    quick = dict(m.work(shape, scheme, m.config("quick", {}), 8, 32))
+    P.measured_training(quick, shape, m, scheme, m.config("quick", {}), 32)
+    assert len(calls) == 1 and "train_lrq" in quick
