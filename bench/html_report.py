@@ -249,7 +249,7 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 
 def _model_section(name: str, precision: str, rows: list[Row], history_rows: list[Row]) -> dict:
     from bench import stats as S
-    from bench.report import PRECISION_TEXT, _fmt_cmp, _verdict, cell_stats, section_title
+    from bench.report import _fmt_cmp, precision_text, _verdict, cell_stats, section_title
     stats = cell_stats(rows)
     by = defaultdict(dict)   # (method, scheme) -> metric/dataset -> row (the lowest seed's)
     for r in sorted(rows, key=lambda r: -(r.seed or 0)):
@@ -361,7 +361,7 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
             history.append({"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": r.git_rev[:12],
                             "when": r.created_at, "ppl": _fmt("ppl", r.value)})
     return {"name": name, "title": section_title(name, precision), "kl_charts": kl_charts,
-            "precision_note": f"Precision of every number in this section: {PRECISION_TEXT.get(precision, precision)}.",
+            "precision_note": f"Precision of every number in this section: {precision_text(precision)}.",
             "notes": notes, "ppl_tables": tables, "cost": cost, "fig2": fig2, "speed": speed,
             "history": history}
 

@@ -34,12 +34,51 @@ def rows_frame(rows: list[Row]) -> pd.DataFrame:
 PRECISION_TEXT = {"bf16": "bf16, bf16 autocast over float32 weights", "fp32": "fp32, float32 throughout"}
 
 
+def precision_text(section_precision: str) -> str:
+    """A section's precision in words ("bf16" or "bf16, evaluated on ..." where a model's cells were evaluated
+    under several settings)."""
+    prec, _, rest = section_precision.partition(", ")
+    return PRECISION_TEXT.get(prec, prec) + (f"; {rest}" if rest else "")
+
+
+def eval_setting(r: Row) -> str | None:
+    """How a perplexity / KL row's text was evaluated (tokens scored, window length, partial window), None for
+    rows of no evaluation text (a quantization's statistics, tasks)."""
+    ev = (r.config or {}).get("eval") if isinstance(r.config, dict) else None
+    if not isinstance(ev, dict) or r.metric not in ("ppl", "kld", "kld_median", "kld_p99", "top1_agree", "top1_ties"):
+        return None
+    tokens = ev.get("max_tokens") or "all"
+    return (f"{tokens if tokens == 'all' else f'{tokens:,}'} tokens per text in windows of {ev.get('seq_len', '?')}"
+            + (" (+ the partial one)" if ev.get("include_partial") else ""))
+
+
 def sections(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
-    """The leaderboard's sections: one per (model, precision), in order of first appearance. A bf16 and an
-    fp32 result of the same cell are different numbers and are never ranked against each other."""
+    """The leaderboard's sections: one per (model, precision), in order of first appearance, and within it one per
+    evaluation setting when cells were evaluated differently (2,048 and 6,144 tokens per text: never one table
+    under one protocol line). A bf16 and an fp32 result of the same cell are different numbers and are never
+    ranked against each other. Keys are (model, precision) or, where settings differ, (model, precision and
+    setting); rows of no evaluation text (bits, quantization time, tasks) go with each setting of their cell."""
+    settings: dict[tuple, list[str]] = {}
+    for r in rows:
+        s = eval_setting(r)
+        if s is not None and s not in settings.setdefault((r.model, r.precision), []):
+            settings[(r.model, r.precision)].append(s)
+    cell_settings: dict[tuple, set[str]] = {}
+    for r in rows:
+        s = eval_setting(r)
+        if s is not None:
+            cell_settings.setdefault((r.model, r.precision, r.method, r.scheme, r.seed or 0), set()).add(s)
     out: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
-        out.setdefault((r.model, r.precision), []).append(r)
+        several = len(settings.get((r.model, r.precision), [])) > 1
+        if not several:
+            out.setdefault((r.model, r.precision), []).append(r)
+            continue
+        own = eval_setting(r)
+        mine = [own] if own is not None else sorted(cell_settings.get((r.model, r.precision, r.method, r.scheme,
+                                                                        r.seed or 0), set())) or [None]
+        for s in mine:
+            out.setdefault((r.model, f"{r.precision}, evaluated on {s}" if s else r.precision), []).append(r)
     return out
 
 
@@ -608,7 +647,7 @@ def markdown_report(rows: list[Row]) -> str:
         if machines:
             parts += [f"Measured on: {'; '.join(machines)}.", ""]
         why = {(r.config.get("precision") or {}).get("why") for r in srows if isinstance(r.config.get("precision"), dict)}
-        parts += [f"Precision of every number in this section: {PRECISION_TEXT.get(prec, prec)}"
+        parts += [f"Precision of every number in this section: {precision_text(prec)}"
                   + (f" ({'; '.join(sorted(md_text(w) for w in why if w))})" if any(why) else
                      " (stored before the precision was recorded: perplexity under bf16 autocast)") + ".", ""]
         stats = cell_stats(srows)
@@ -667,13 +706,15 @@ def terminal_summary(rows: list[Row], width: int = 120) -> str:
     def cell(cs, kind):
         if cs is None:
             return "-"
-        e = cs.first()
         if kind == "ppl":
             f = lambda v: f"{v:.2f}" if v < 1000 else f"{v:.4g}"  # noqa: E731
         elif kind == "top1":
             f = lambda v: f"{100 * v:.1f}"  # noqa: E731
         else:
             f = lambda v: f"{v:.4f}" if v < 10 else f"{v:.3g}"  # noqa: E731
+        if len(cs.seeds) > 1:   # several seeds: their mean and spread, never one seed's value as the cell's
+            return f"{f(cs.value)} +-{f(cs.seed_sd)} ({len(cs.seeds)} seeds)"
+        e = cs.first()
         return f"{f(e.value)} [{f(e.lo)}, {f(e.hi)}]" if e.known and e.lo is not None else f(e.value)
 
     def table(shown):
@@ -696,7 +737,8 @@ def terminal_summary(rows: list[Row], width: int = 120) -> str:
         shown.pop()
         out = table(shown)
     left = [d for d in texts if d not in shown]
-    note = "95 % intervals over windows in brackets"
+    note = "95 % intervals over windows in brackets; +- a standard deviation over seeds"
     if left:
         note += f"; {', '.join(left)} in the leaderboard files (too wide for {width} columns)"
-    return out + "\n" + note + "."
+    import textwrap
+    return out + "\n" + textwrap.fill(note + ".", width=width)

@@ -64,7 +64,10 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     code, out, err = _run(args, capsys)
     assert code == 0, err
     assert "3 cells: 3 run, 0 reused" in err
-    lines = [l for l in out.splitlines() if l.startswith("| fp") or l.startswith("| rtn")]
+    assert out.splitlines()[2].split()[0] == "fp" and max(len(l) for l in out.splitlines()) <= 120  # the summary
+    assert _run(["report", "--results", str(results), "--out", str(tmp_path / "rep0")], capsys)[0] == 0
+    md = (tmp_path / "rep0" / "leaderboard.md").read_text()
+    lines = [l for l in md.splitlines() if l.startswith("| fp") or l.startswith("| rtn")]
     assert lines[0].startswith("| fp")  # FP row first in each table
 
     code, out, err = _run(["results", "--results", str(results), "--json"], capsys)
@@ -178,8 +181,9 @@ def test_task_accuracy_through_lm_eval(tiny_model_dir, data_dir, tmp_path, capsy
     args = ["run", "--profile", "full", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--datasets", "wikitext2",
             "--data-dir", str(data_dir), "--results", str(results), "--max-eval-tokens", "512", "--eval-seq-len", "256",
             "--tasks", "zeroshot", "--task-limit", "3"]
-    code, out, err = _run(args, capsys)
+    code, out, err = _run(args + ["--out", str(tmp_path / "rep")], capsys)
     assert code == 0, err
+    out = (tmp_path / "rep" / "leaderboard.md").read_text()
     assert "### Task accuracy (lm-eval)" in out and "zero-shot avg" in out and "first 3 examples" in out
     code, out, _ = _run(["results", "--results", str(results), "--json"], capsys)
     rows = json.loads(out)

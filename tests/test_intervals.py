@@ -157,8 +157,10 @@ def test_seeds_repeat_only_calibration_dependent_cells(tiny_model_dir, data_dir,
                  "--methods", "rtn,lrq", "--schemes", "w4a16,w8a8", "--datasets", "wikitext2", "--data-dir",
                  str(data_dir), "--results", str(results), "--max-eval-tokens", "512", "--eval-seq-len", "256",
                  "--calib-samples", "6", "--calib-seq-len", "32", "--set", "iters=2", "--set", "heldout_samples=2",
-                 "--seeds", "0,1"])
+                 "--seeds", "0,1", "--out", str(tmp_path / "rep")])
     out, err = capsys.readouterr()
+    assert "(2 seeds)" in out                      # the terminal summary shows seeds as seeds
+    out = (tmp_path / "rep" / "leaderboard.md").read_text()
     # FP and RTN w4a16 (no calibration) once; RTN w8a8, LRQ w4a16 and LRQ w8a8 per seed
     assert code == 0 and "8 cells: 8 run" in err, err
     seeds = {(r.method, r.scheme): set() for r in ResultStore(results).rows()}
@@ -174,9 +176,10 @@ def test_task_rows_keep_every_example_and_show_intervals(tiny_model_dir, data_di
     results = tmp_path / "r.sqlite"
     code = main(["run", "--profile", "full", "--tasks", "piqa,boolq", "--task-limit", "6", "--jobs", "1",
                  "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--datasets", "none",
-                 "--data-dir", str(data_dir), "--results", str(results)])
+                 "--data-dir", str(data_dir), "--results", str(results), "--out", str(tmp_path / "rep")])
     out, err = capsys.readouterr()
     assert code == 0, err
+    out = (tmp_path / "rep" / "leaderboard.md").read_text()
     acc = [r for r in ResultStore(results).rows() if r.metric in ("acc", "acc_norm")]
     for r in acc:
         per = r.config["per_example"]

@@ -248,9 +248,10 @@ def test_lrq_and_flexround_through_the_cli(tiny_model_dir, data_dir, tmp_path, c
     code = main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "lrq,flexround", "--schemes", "w4a16",
                  "--datasets", "wikitext2", "--data-dir", str(data_dir), "--results", str(results),
                  "--max-eval-tokens", "512", "--eval-seq-len", "256", "--calib-samples", "6", "--calib-seq-len", "32",
-                 "--set", "iters=4", "--set", "heldout_samples=2"])
+                 "--set", "iters=4", "--set", "heldout_samples=2", "--out", str(tmp_path / "rep")])
     out, err = capsys.readouterr()
     assert code == 0, err
+    out = (tmp_path / "rep" / "leaderboard.md").read_text()
     assert "### Block reconstruction" in out and "lrq / flexround learnable parameters" in out
     main(["results", "--results", str(results), "--json"])
     rows = json.loads(capsys.readouterr()[0])

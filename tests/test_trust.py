@@ -435,3 +435,23 @@ def test_an_act_order_checkpoint_is_refused_as_unsupported(exported, tiny_model_
     code, out, err = _run(["run", *RUN, "--model", str(folder), "--reference-model", str(tiny_model_dir),
                            "--data-dir", str(data_dir), "--results", str(tmp_path / "r.sqlite")], capsys)
     assert code == 2 and "activation order" in err and "Not supported" in err and "--reference-model" not in err, err
+
+
+# ---- 17: cells evaluated under different settings are never one table ----------------------------------------
+
+def test_cells_evaluated_under_different_settings_are_separate_sections():
+    from bench.report import markdown_report, sections
+    from bench.store import Row
+
+    def cell(method, tokens, ppl):
+        ev = {"seq_len": 2048, "max_tokens": tokens, "include_partial": False, "window_nll": [2.0, 2.1]}
+        return [Row("m", method, "w4a16", "wikitext2", "ppl", ppl, config={"eval": ev}),
+                Row("m", method, "w4a16", "quant", "bits_per_weight", 4.2, config={})]
+    rows = cell("rtn", 2048, 30.0) + cell("gptq", 6144, 25.0)
+    secs = sections(rows)
+    assert len(secs) == 2 and all(len({r.method for r in v}) == 1 for v in secs.values())
+    assert any("2,048 tokens per text" in k[1] for k in secs) and any("6,144 tokens per text" in k[1] for k in secs)
+    md = markdown_report(rows)
+    assert md.count("## Model: m") == 2 and "evaluated on 6,144 tokens per text" in md
+    # one setting: one section, as before
+    assert len(sections(cell("rtn", 2048, 30.0) + cell("gptq", 2048, 25.0))) == 1
