@@ -301,20 +301,23 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
     for i, name, lin in list(iter_linears(model)):
         prefix = f"model.layers.{i}.{name}"
         shape = (lin.out_features, lin.in_features)
-        if info["quant_method"] == "gptq":
-            fmt = str(qc.get("checkpoint_format", "gptq"))
-            q, scale, zero = read_gptq(t, prefix, bits, group, sym, shape, 0 if fmt == "gptq_v2" else 1)
-            keys = [f"{prefix}.{k}" for k in ("qweight", "qzeros", "scales", "g_idx", "bias")]
-        else:
-            q, scale, zero = read_compressed_tensors(t, prefix, bits, group, sym, shape)
-            keys = [f"{prefix}.{k}" for k in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
-                                              "weight_shape", "weight_g_idx", "bias", "input_scale",
-                                              "input_zero_point")]
-        if scheme.static_activations:
-            if f"{prefix}.input_scale" not in t:
-                raise UserError(f"{prefix}: the config declares static activations and the checkpoint has no "
-                                f"input_scale for it.")
-            _check_finite(prefix, "input_scale", t[f"{prefix}.input_scale"].float())
+        try:   # a refusal names the checkpoint as well as the tensor
+            if info["quant_method"] == "gptq":
+                fmt = str(qc.get("checkpoint_format", "gptq"))
+                q, scale, zero = read_gptq(t, prefix, bits, group, sym, shape, 0 if fmt == "gptq_v2" else 1)
+                keys = [f"{prefix}.{k}" for k in ("qweight", "qzeros", "scales", "g_idx", "bias")]
+            else:
+                q, scale, zero = read_compressed_tensors(t, prefix, bits, group, sym, shape)
+                keys = [f"{prefix}.{k}" for k in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
+                                                  "weight_shape", "weight_g_idx", "bias", "input_scale",
+                                                  "input_zero_point")]
+            if scheme.static_activations:
+                if f"{prefix}.input_scale" not in t:
+                    raise UserError(f"{prefix}: the config declares static activations and the checkpoint has no "
+                                    f"input_scale for it.")
+                _check_finite(prefix, "input_scale", t[f"{prefix}.input_scale"].float())
+        except UserError as e:
+            raise UserError(f"{folder}: {e}") from None
         if check_only:
             used.update(k for k in keys if k in t)
             continue
