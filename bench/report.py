@@ -31,6 +31,12 @@ def rows_frame(rows: list[Row]) -> pd.DataFrame:
                           "created_at": r.created_at, "config": r.config, "precision": r.precision} for r in rows])
 
 
+STATIC_ACTIVATIONS_NOTE = (
+    " One activation range per tensor, fixed at calibration, is the hardest of these schemes: a few outlier "
+    "channels set the range and every other channel loses resolution, which is why it can be worse than 4-bit "
+    "weight-only schemes, and why SmoothQuant (and the W8A8 smoothing LRQ and FlexRound apply) exists. Compare "
+    "methods with each other here.")
+
 PRECISION_TEXT = {"bf16": "bf16, bf16 autocast over float32 weights", "fp32": "fp32, float32 throughout"}
 
 
@@ -419,6 +425,8 @@ def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
     for scheme in schemes:
         keys = pd.concat([fp, cells[cells["scheme"] == scheme]])
         desc = SCHEMES[scheme].description + "." if scheme in SCHEMES else ""
+        if scheme in SCHEMES and SCHEMES[scheme].static_activations:
+            desc += STATIC_ACTIVATIONS_NOTE
         table, verdicts = _leaderboard_table(value, stats, keys, cols)
         parts += [f"### Scheme {scheme}", ""] + ([desc, ""] if desc else []) + [table, ""] + verdicts + [""]
     return parts
