@@ -307,9 +307,10 @@ def _flip_stats(out: dict, task_scores: dict) -> None:
                 cs = out[key].setdefault((task, kind), S.CellStat("acc", metric="flips"))
                 cs.seeds[seed], cs.samples[seed] = S.acc_estimate(v), v
         zs = [per_task[t] for t in E.ZERO_SHOT if t in per_task]
-        if zs and len(zs) == len([t for t in E.ZERO_SHOT if t in scores]):
-            cs = out[key].setdefault(("flips", "flips"), S.CellStat("flip", metric="flips"))
-            cs.seeds[seed], cs.samples[seed] = S.avg_estimate(zs), zs
+        if len(zs) == len(E.ZERO_SHOT):   # "zero-shot" only when the seven zero-shot tasks all ran
+            pooled = [x for v in zs for x in v]   # every example of the seven, one Wilson interval over them
+            cs = out[key].setdefault(("flips", "flips"), S.CellStat("acc", metric="flips"))
+            cs.seeds[seed], cs.samples[seed] = S.acc_estimate(pooled), pooled
 
 
 def _style(metric: str) -> str:
@@ -498,27 +499,40 @@ def _kl_section(mdf: pd.DataFrame, stats: dict, datasets: list[str]) -> list[str
 def _flips_section(stats: dict) -> list[str]:
     """Flips against the FP model per task: the share of examples whose answer changed, right to wrong and
     wrong to right apart, with Wilson intervals."""
+    from bench.tasks import MAIN_METRIC
     tasks = [t for t in E.ALL_TASKS if any((t, "flips") in v for v in stats.values())]
     if not tasks:
         return []
     body = []
+    seven = any(("flips", "flips") in v for v in stats.values())
     for key in sorted(k for k in stats if k[0] != FP):
         if not any((t, "flips") in stats[key] for t in tasks):
             continue
         line = [key[0], key[1]]
         for t in tasks:
-            a, b = stats[key].get((t, "right_to_wrong")), stats[key].get((t, "wrong_to_right"))
-            line.append(f"{100 * a.value:.1f} / {100 * b.value:.1f} (n={a.first().n})" if a and b else "-")
+            a, b, tot = (stats[key].get((t, k)) for k in ("right_to_wrong", "wrong_to_right", "flips"))
+            if a and b and tot:
+                e, n = tot.first(), tot.first().n
+                line.append(f"{100 * e.value:.1f} [{100 * e.lo:.1f}, {100 * e.hi:.1f}] "
+                            f"({round(a.value * n)} r->w, {round(b.value * n)} w->r of {n})")
+            else:
+                line.append("-")
         zs = stats[key].get(("flips", "flips"))
-        line.append(fmt_stat(zs) if zs else "-")
+        if seven:
+            e = zs.first() if zs else None
+            line.append("-" if e is None else fmt_stat(zs) if len(zs.seeds) > 1 else
+                        f"{100 * e.value:.1f} [{100 * e.lo:.1f}, {100 * e.hi:.1f}] (n={e.n})")
         body.append(line)
+    metric_note = ", ".join(f"{t}: {MAIN_METRIC.get(t, 'acc')}" for t in tasks)
     return ["### Flips against the FP model", "",
-            "Per task, the share of examples (%) whose answer went from right to wrong / from wrong to right against "
-            "the FP model on the same examples (Dutta et al., \"Accuracy is Not All You Need\", 2024): flips move "
-            "even where accuracy does not. Last column: all flips averaged over the zero-shot tasks, with its 95 % "
-            "interval (normal, from the tasks' binomial variances).", "",
-            tabulate(body, headers=["method", "scheme"] + tasks + ["zero-shot flips %"], tablefmt="github",
-                     disable_numparse=True), ""]
+            "Per task, the share of examples (%) whose answer changed against the FP model on the same examples, "
+            "with its 95 % Wilson interval, and the counts right to wrong (r->w) and wrong to right (w->r) (Dutta et "
+            "al., \"Accuracy is Not All You Need\", 2024): flips move even where accuracy does not. An answer is "
+            f"each task's main metric's ({metric_note}); on the other metric the same examples can flip otherwise."
+            + (" Last column: the flips of all examples of the seven zero-shot tasks pooled, with its Wilson "
+               "interval." if seven else ""), "",
+            tabulate(body, headers=["method", "scheme"] + tasks + (["zero-shot flips %"] if seven else []),
+                     tablefmt="github", disable_numparse=True), ""]
 
 
 def _seeds_section(stats: dict) -> list[str]:
