@@ -282,11 +282,13 @@ def read_gptq(t: dict, prefix: str, bits: int, group: int | None, symmetric: boo
 
 
 @torch.no_grad()
-def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = False) -> dict[str, Any]:
+def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = False,
+                     tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Replace `model`'s block linears by QuantLinears holding the checkpoint's integers and copy every other
     parameter it stores. Returns statistics, among them the bits per weight the checkpoint really stores.
     `check_only`: read and check everything (shapes against the config and the model, integer ranges, finite
-    scales, tensors the model lacks) and change nothing: what the driver runs before any work."""
+    scales, tensors the model lacks) and change nothing: what the driver runs before any work. `tensors`: the
+    folder's tensors where the caller has read them already (`_tensors`)."""
     from lrq.arch import KV_LINEARS, decoder_blocks, iter_linears, set_submodule
     from lrq.qlinear import QuantLinear
     folder = Path(folder)
@@ -294,7 +296,7 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
     qc = quantization_config(folder)
     scheme = SCHEMES[info["scheme"]]
     bits, group, sym = info["bits"], info["group_size"], info["symmetric"]
-    t = _tensors(folder)
+    t = _tensors(folder) if tensors is None else tensors
     blocks = decoder_blocks(model)
     stored_bits = n_weights = 0
     used = set()
@@ -397,8 +399,8 @@ def check_against_reference(folder: str | Path, model: nn.Module, reference: str
         raise UserError(f"{folder}: its vocabulary has {cfg.get('vocab_size')} tokens and the reference model "
                         f"{reference!r} has {vocab}: it is not the model this checkpoint was quantized from. Pass the "
                         f"right one with --reference-model.")
-    apply_checkpoint(model, folder, check_only=True)
-    t = _tensors(folder)
+    t = _tensors(folder)   # read once, for every check below
+    apply_checkpoint(model, folder, check_only=True, tensors=t)
     emb = t.get("model.embed_tokens.weight")
     if emb is not None:
         mine = model.get_input_embeddings().weight.detach()

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from lrq.precision import float32_logits
 
 APPROXIMATION = "none: FP logits recomputed from the FP final hidden states and output head (exact)"
 SCHEMA = 3   # 3: the output head in float32 under every precision (2: in bf16 under bf16 autocast)
@@ -63,11 +64,10 @@ class Reference:
 
     def _head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head in float32 on `device` (moved once, not at every chunk)."""
-        dtype = torch.float32
-        key = (str(device), dtype)
+        key = str(device)
         if key not in self._heads:
-            self._heads[key] = (self.weight.to(device, dtype),
-                                None if self.bias is None else self.bias.to(device, dtype))
+            self._heads[key] = (self.weight.to(device, torch.float32),
+                                None if self.bias is None else self.bias.to(device, torch.float32))
         return self._heads[key]
 
     def scorer(self, w: int):
@@ -79,10 +79,9 @@ class Reference:
         def score(lq: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             c = lq.shape[0]
             weight, bias = self._head(lq.device)
-            h = self.hidden[a + start:a + start + c].to(lq.device, torch.float32)
-            with torch.autocast(lq.device.type, enabled=False):   # the head in float32, as the FP pass ran it
-                logits = F.linear(h, weight, bias)
-            return kl_exact(torch.log_softmax(logits, dim=-1), lq)
+            h = self.hidden[a + start:a + start + c].to(lq.device)
+            # the head in float32, as the FP pass ran it
+            return kl_exact(torch.log_softmax(float32_logits(h, weight, bias), dim=-1), lq)
         return score
 
 

@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.store import ResultStore, Row
+from lrq.blockwise import BlockCheckpoint
 from lrq.errors import UserError
 from lrq.io import atomic_write, atomic_write_text, dumps_json
 
@@ -192,7 +193,8 @@ def load_into(store: ResultStore, path: str | Path) -> tuple[int, int]:
 
 # ---- carrying a run between machines ----------------------------------------------------------------------
 CHECKPOINTS = "checkpoints"
-_STATE = "state.json"
+_STATE = BlockCheckpoint.STATE
+_block = BlockCheckpoint._block_name   # the walk's own names for its files
 
 
 def _sha256(data: bytes) -> str:
@@ -223,10 +225,7 @@ class Carry:
         self._keys |= {k for c in cells for k in c.keys.values()}
 
     def unit_stored(self) -> None:
-        save(self.store, self.file, self._keys & self._stored_keys())
-
-    def _stored_keys(self) -> set[str]:
-        return {k for k in self._keys if self.store.has_unit(k)}
+        save(self.store, self.file, self._keys)   # (a key not stored yet has no rows: it is not written)
 
     # checkpoints
     def _carried(self, cell) -> Path | None:
@@ -235,12 +234,13 @@ class Carry:
         return self.folder / CHECKPOINTS / Path(cell.checkpoint_dir).name
 
     @staticmethod
-    def _done(folder: Path) -> int:
+    def _state(folder: Path) -> dict:
+        """The walk's state in `folder` ({} when absent or unreadable), its `done` an int."""
         try:
             state = json.loads((folder / _STATE).read_text(encoding="utf-8"))
-            return int(state["done"]) if isinstance(state, dict) else 0
+            return state | {"done": int(state["done"])} if isinstance(state, dict) else {}
         except (OSError, ValueError, KeyError, TypeError):
-            return 0
+            return {}
 
     def restore(self, cell) -> int:
         """Before a cell starts here: where the carried checkpoint holds more finished blocks than the local
@@ -248,13 +248,13 @@ class Carry:
         streams, which belong to the local block count, are removed: the walk recomputes them). Returns the
         blocks restored (0: nothing carried, or the local checkpoint is as far)."""
         src = self._carried(cell)
-        if src is None or not (src / _STATE).exists():
+        if src is None:
             return 0
         local = Path(cell.checkpoint_dir)
-        done = self._done(src)
-        if done <= self._done(local):
+        state = self._state(src)
+        done = state.get("done", 0)
+        if done <= self._state(local).get("done", 0):
             return 0
-        state = json.loads((src / _STATE).read_text(encoding="utf-8"))
         hashes = state.pop("carried", {})
         state.pop("label", None)
         local.mkdir(parents=True, exist_ok=True)
@@ -262,7 +262,7 @@ class Carry:
             if p.is_file():
                 p.unlink()
         for i in range(done):
-            name = f"block{i:04d}.safetensors"
+            name = _block(i)
             try:
                 data = lzma.decompress((src / f"{name}.xz").read_bytes())
             except (OSError, lzma.LZMAError) as e:
@@ -286,17 +286,14 @@ class Carry:
         if dst is None:
             return 0
         local = Path(cell.checkpoint_dir)
-        done = self._done(local)
-        if done <= self._mirrored.get(local.name, self._done(dst)):
-            return 0
-        state = json.loads((local / _STATE).read_text(encoding="utf-8"))
-        if int(state.get("done", 0)) != done:
+        state, old = self._state(local), self._state(dst)
+        done = state.get("done", 0)
+        if done <= self._mirrored.get(local.name, old.get("done", 0)):
             return 0
         dst.mkdir(parents=True, exist_ok=True)
-        old = json.loads((dst / _STATE).read_text(encoding="utf-8")) if (dst / _STATE).exists() else {}
         hashes = dict(old.get("carried", {})) if old.get("identity") == state.get("identity") else {}
         for i in range(done):
-            name = f"block{i:04d}.safetensors"
+            name = _block(i)
             data = (local / name).read_bytes()
             digest = _sha256(data)
             if hashes.get(name) == digest and (dst / f"{name}.xz").exists():
@@ -310,8 +307,8 @@ class Carry:
         return done
 
     def cell_done(self, cell) -> None:
-        """The cell's units are stored: write them to the results file, then drop its carried blocks."""
-        self.unit_stored()
+        """The cell's units are stored (and in the results file, written after each of them): drop its carried
+        blocks."""
         dst = self._carried(cell)
         if dst is not None and dst.exists():
             shutil.rmtree(dst, ignore_errors=True)

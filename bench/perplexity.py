@@ -38,7 +38,8 @@ def _logit_chunks(model: nn.Module, window: torch.Tensor, chunk: int = 128):
     """(float32 logits [c, vocab], targets [c]) of a window's positions 1..L-1, `chunk` positions at a time.
 
     The hidden states come from one forward pass; the vocabulary projection runs in chunks of positions,
-    in float32 (also under bf16 autocast: lrq.precision.head_logits), so a 2048 x 49152 logit matrix is never held at once. 128 positions (25 MB of float32
+    in float32 (also under bf16 autocast: lrq.precision.head_logits), so a 2048 x 49152 logit matrix is never
+    held at once. 128 positions (25 MB of float32
     logits at a 49k vocabulary) keep the logits in the CPU's L3 cache across the cast and the log-softmax:
     0.5 s per 2048-token window instead of 0.75-0.9 s at 512 on the 2-core test machine
     (bench/studies/eval_speed.py); the sums differ by < 1e-7 relative."""

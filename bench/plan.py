@@ -420,10 +420,9 @@ def _probe_cache() -> Path:
     return cache_root() / "plan-training-steps.json"
 
 
-def _probe_key(shape: ModelShape, method, scheme, cfg: dict) -> dict:
+def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
     from bench.provenance import hardware
     from lrq import precision as P
-    resolved = method.resolve(scheme, dict(cfg))
     keep = {k: resolved.get(k) for k in ("batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank",
                                           "rank_fraction", "s1_init", "search_grid", "recon_act_quant", "let")}
     hw = hardware()
@@ -434,8 +433,9 @@ def _probe_key(shape: ModelShape, method, scheme, cfg: dict) -> dict:
             "cpu": [hw.get("cpu"), hw.get("cpu_kind"), hw.get("torch_cpu_capability")]}
 
 
-def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dict:
-    """Seconds per training step and per block (beyond the steps) of `method` on one random block of `shape`."""
+def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, compiled: bool) -> dict:
+    """Seconds per training step and per block (beyond the steps) of `method` on one random block of `shape`, its
+    step compiled as the cell's is."""
     import copy
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -449,7 +449,6 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int) ->
     n = 2 * bs + 1
     ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(0))
     calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
-    compiled = method.resolve(scheme, dict(cfg))["compile"]
     times = []
     # the first run compiles from cold (and warms torch's caches): discarded, as a real cell pays that once while
     # its later blocks compile warm
@@ -466,8 +465,8 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int) ->
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict, seq: int,
-                      say=None) -> None:
+def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict,
+                      seq: int) -> None:
     """Replace the FLOP-scaled training of a long block-wise cell (MEASURE_TRAINING_FROM_STEPS) by its measured
     step: kinds `probe:<key>:step` (calls: blocks x steps) and `probe:<key>:block` (calls: blocks), priced by
     `seconds` from the cache of measured steps."""
@@ -481,11 +480,12 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
     if steps < MEASURE_TRAINING_FROM_STEPS or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
         return
     try:
-        if not method.resolve(scheme, dict(cfg)).get("compile"):
-            return
+        resolved = method.resolve(scheme, dict(cfg))
     except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
         return
-    key = _probe_key(shape, method, scheme, cfg) | {"seq": int(seq)}
+    if not resolved.get("compile"):
+        return
+    key = _probe_key(shape, method, scheme, resolved) | {"seq": int(seq)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     from lrq.io import atomic_write_text, file_lock
     path = _probe_cache()
@@ -495,10 +495,9 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
         except (OSError, ValueError):
             cache = {}
         if digest not in cache:
-            (say or _say_stderr)(f"measuring a {method.name} training step at this cell's shape (batch "
-                                        f"{key['settings']['batch_size']} x {seq}, compile "
-                                        f"{'on' if key['settings']['compile'] else 'off'}; about a minute, once) ...")
-            cache[digest] = _measure_training(shape, method, scheme, cfg, seq) | {"key": key}
+            _say_stderr(f"measuring a {method.name} training step at this cell's shape (batch "
+                        f"{key['settings']['batch_size']} x {seq}, compiled; about a minute, once) ...")
+            cache[digest] = _measure_training(shape, method, scheme, cfg, seq, True) | {"key": key}
             atomic_write_text(path, dumps_json(cache, indent=1))
     del work[kind]
     work[f"probe:{digest}:step"] = (float(steps), 0.0)

@@ -64,20 +64,16 @@ def sections(rows: list[Row]) -> dict[tuple[str, str], list[Row]]:
     under one protocol line). A bf16 and an fp32 result of the same cell are different numbers and are never
     ranked against each other. Keys are (model, precision) or, where settings differ, (model, precision and
     setting); rows of no evaluation text (bits, quantization time, tasks) go with each setting of their cell."""
-    settings: dict[tuple, list[str]] = {}
-    for r in rows:
-        s = eval_setting(r)
-        if s is not None and s not in settings.setdefault((r.model, r.precision), []):
-            settings[(r.model, r.precision)].append(s)
-    cell_settings: dict[tuple, set[str]] = {}
+    settings: dict[tuple, set[str]] = {}        # per (model, precision): the evaluation settings its rows used
+    cell_settings: dict[tuple, set[str]] = {}   # per cell (and seed): the same
     for r in rows:
         s = eval_setting(r)
         if s is not None:
+            settings.setdefault((r.model, r.precision), set()).add(s)
             cell_settings.setdefault((r.model, r.precision, r.method, r.scheme, r.seed or 0), set()).add(s)
     out: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
-        several = len(settings.get((r.model, r.precision), [])) > 1
-        if not several:
+        if len(settings.get((r.model, r.precision), ())) < 2:
             out.setdefault((r.model, r.precision), []).append(r)
             continue
         own = eval_setting(r)

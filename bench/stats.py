@@ -225,7 +225,7 @@ def welch(a: list[float], b: list[float], ratio: bool) -> Comparison | None:
 @dataclass
 class CellStat:
     """A (method, scheme) cell's value in one column: per seed the number and what it was measured on."""
-    kind: str                                                 # "ppl", "acc", "avg", "mean" or "flip"
+    kind: str                                                 # "ppl", "acc", "avg" or "mean"
     seeds: dict[int, Estimate] = field(default_factory=dict)
     samples: dict[int, object] = field(default_factory=dict)  # per seed: window NLLs / example scores / task lists
     metric: str = ""                                          # what it measures (bench.evals), for formatting
@@ -253,7 +253,7 @@ def compare(a: CellStat, b: CellStat) -> Comparison | None:
     if not common:
         return None
     s = common[0]
-    fn = {"ppl": paired_ppl, "acc": paired_acc, "avg": paired_avg, "flip": paired_avg, "mean": paired_mean}[a.kind]
+    fn = {"ppl": paired_ppl, "acc": paired_acc, "avg": paired_avg, "mean": paired_mean}[a.kind]
     return fn(a.samples[s], b.samples[s])
 
 

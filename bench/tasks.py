@@ -165,8 +165,6 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     # under bf16 autocast the head would compute in bf16: choices a few hundredths of a nat apart would round to
     # ties. The head computes in float32 (lrq.precision.float32_head), as for perplexity and the KL divergence.
     from lrq.precision import float32_head
-    head32 = float32_head(model)
-    head32.__enter__()
     # progress: lm-eval scores one request per forward at batch size 1; the catalogue knows about how many
     from bench.evals import task_requests
     expected = sum(task_requests(t, limit)[0] for t in names)
@@ -181,7 +179,7 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     # 0.26 s instead of 0.12 s per 60-token forward of the default model, one AMX core)
     outer = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
     try:
-        with tempfile.TemporaryDirectory() as tmp, outer:
+        with tempfile.TemporaryDirectory() as tmp, outer, float32_head(model):
             run, mmlu_stats = write_tasks(Path(tmp), data_dir, names, tokenizer, limit)
             tm = TaskManager(include_path=tmp, include_defaults=False)
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=BATCH_SIZE, max_length=MAX_LENGTH,
@@ -198,7 +196,6 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
                     samples.update(res.get("samples", {}))
     finally:   # the model leaves as it came
         counter.remove()
-        head32.__exit__(None, None, None)
     out: dict[str, Any] = {}
     for task, metrics in raw.items():
         name = task[len(PREFIX):]

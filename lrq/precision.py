@@ -136,21 +136,25 @@ def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bo
 HEAD_PRECISION = "fp32"
 
 
-def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits of `head` (a Linear: the vocabulary projection) on `hidden`, outside any autocast."""
+def float32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden @ weight^T (+ bias) in float32, outside any autocast: the vocabulary projection where logits are
+    scored."""
     import torch.nn.functional as F
     with torch.autocast(hidden.device.type, enabled=False):
-        bias = getattr(head, "bias", None)
-        return F.linear(hidden.float(), head.weight.float(), None if bias is None else bias.float())
+        return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+
+def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of `head` (a Linear: the vocabulary projection) on `hidden`, outside any autocast."""
+    return float32_logits(hidden, head.weight, getattr(head, "bias", None))
 
 
 @contextlib.contextmanager
 def float32_head(model: torch.nn.Module):
     """The model's output head computes in float32 inside this block (lm-eval calls the model as a whole)."""
     head = model.get_output_embeddings()
-    original = head.forward
-    head.forward = lambda x: head_logits(head, x)
+    head.forward = lambda x: head_logits(head, x)   # an instance attribute over the class's forward
     try:
         yield
     finally:
-        head.forward = original
+        del head.forward
