@@ -1,11 +1,14 @@
-"""Self-contained HTML leaderboard (Jinja2): sortable tables, inline SVG charts, provenance on every number.
+"""Self-contained HTML leaderboard (Jinja2): everything the Markdown leaderboard shows, plus charts and
+provenance tooltips.
 
 No network is needed to view it: styles, the table-sorting script and the charts (SVG drawn here) are
-inline. Every value cell carries its configuration (method settings, calibration, scheme, versions,
-hardware, git revision) in a `title` tooltip and, for the perplexity tables, in a <details> block.
-Charts: perplexity against bits per weight per dataset; the per-block calibration vs held-out error of
-block reconstruction (LRQ paper, Figure 2); inference speed-up per scheme when bench/studies/speed.py stored it.
-A history table shows every stored value of each perplexity across git revisions.
+inline. The Markdown leaderboard's lines of each model (summary, per-scheme tables, KLD and top-1, paired
+comparisons, tasks, flips, seeds, cost, block errors, speed, all with their intervals) are rendered here by
+markdown-it, so the page cannot drift from it. Added: charts per scheme (perplexity, KLD, top-1 agreement,
+one colour per method, the FP model as a reference line), per-text perplexity tables whose every value
+carries its configuration (method settings, calibration, scheme, versions, hardware, git revision) in a
+`title` tooltip, the per-block calibration vs held-out error of block reconstruction (LRQ paper, Figure 2),
+and, where a cell was measured by several git revisions, its history.
 """
 
 from __future__ import annotations
@@ -46,74 +49,92 @@ def _fmt(metric: str, v) -> str:
     return f"{v:.4g}"
 
 
-def scatter_svg(points: list[tuple], xlabel: str, ylabel: str, logy: bool = True,
-                width: int = 600, height: int = 340, zero_line: str | None = None) -> str:
-    """points: (series, x, y) or (series, x, y, lo, hi) with a 95 % interval drawn as an error bar. A small
-    inline SVG scatter with axes, ticks and a legend. Points of different series at the same x are dodged
-    sideways so that none hides another; x labels that would overprint their neighbour go on a second row
-    (3.028 beside 3.161), and the axis title sits below both rows. `zero_line` (linear y only): a dashed
-    reference line at y = 0 with that label (the FP model for a divergence from it)."""
+def scheme_chart(points: list[tuple], schemes: list[tuple[str, float | None]], ylabel: str, logy: bool = True,
+                 ref: tuple[float, str] | None = None, width: int = 720, height: int = 360) -> str:
+    """A small inline SVG chart of one value per (method, scheme): schemes along x in the given order (each
+    labelled with its name and bits per weight: w4a16 and w4a8 share 4.029 bits and would hide each other on a
+    bits axis), methods side by side inside a scheme, one colour per method with a legend; a 95 % interval as
+    an error bar; every point's tooltip names the method, the scheme, its bits and the value with its interval.
+    points: (method, scheme, y) or (method, scheme, y, lo, hi). `ref` (value, label): a dashed reference line
+    (the FP model: its perplexity, or KLD 0). Ticks are round numbers on either axis."""
     pts = [(p[0], p[1], p[2], *(p[3:5] if len(p) >= 5 else (None, None))) for p in points]
-    pts = [p for p in pts if p[1] is not None and p[2] is not None and (p[2] > 0 or not logy)]
-    if not pts:
+    pts = [p for p in pts if p[2] is not None and math.isfinite(p[2]) and (p[2] > 0 or not logy)]
+    order = [s for s, _ in schemes if any(p[1] == s for p in pts)]
+    bits = dict(schemes)
+    if not pts or not order:
         return ""
-    series = sorted({p[0] for p in pts})
-    color = {s: PALETTE[i % len(PALETTE)] for i, s in enumerate(series)}
-    tx = lambda v: math.log10(v) if logy else v  # noqa: E731
-    xs = [p[1] for p in pts]
-    ys = [tx(v) for p in pts for v in (p[2], p[3], p[4]) if v is not None and (v > 0 or not logy)]
-    if zero_line is not None and not logy:
-        ys.append(0.0)
-    x0, x1 = min(xs) - 0.5, max(xs) + 0.5
-    y0, y1 = min(ys), max(ys)
+    methods = sorted({p[0] for p in pts}, key=lambda m: (m != "fp", m))
+    color = {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(methods)}
+    tx = (lambda v: math.log10(v)) if logy else (lambda v: v)  # noqa: E731
+    vals = [v for p in pts for v in (p[2], p[3], p[4]) if v is not None and (v > 0 or not logy)]
+    if ref is not None and (ref[0] > 0 or not logy):
+        vals.append(ref[0])
+    lo_v, hi_v = min(vals), max(vals)
+    y0, y1 = tx(lo_v), tx(hi_v)
     if y1 - y0 < 1e-9:
         y0, y1 = y0 - 0.5, y1 + 0.5
-    pad = (y1 - y0) * 0.08
+    pad = (y1 - y0) * 0.06
     y0, y1 = y0 - pad, y1 + pad
-    L, R, T, B = 64, 150, 15, 58
-    sx = lambda v: L + (v - x0) / (x1 - x0) * (width - L - R)  # noqa: E731
-    sy = lambda v: height - B - (v - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
+    L, R, T, B = 64, 120, 15, 52
+    pw = width - L - R
+    slot = pw / len(order)
+    sy = lambda v: height - B - (tx(v) - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-           f'aria-label="{html.escape(ylabel)} vs {html.escape(xlabel)}">',
-           f'<rect x="{L}" y="{T}" width="{width - L - R}" height="{height - T - B}" fill="none" stroke="#999"/>']
-    ticks = [y0 + (y1 - y0) * i / 4 for i in range(5)] if logy else nice_ticks(y0, y1)
+           f'aria-label="{html.escape(ylabel)} per scheme">',
+           f'<rect x="{L}" y="{T}" width="{pw}" height="{height - T - B}" fill="none" stroke="#999"/>']
+    ticks = log_ticks(10 ** y0, 10 ** y1) if logy else nice_ticks(y0, y1, 6)
     for v in ticks:
-        lab = f"{10 ** v:.3g}" if logy else f"{v:g}"
-        out.append(f'<text x="{L - 6}" y="{sy(v) + 4:.1f}" font-size="10" text-anchor="end">{lab}</text>')
-        out.append(f'<line x1="{L - 3}" x2="{L}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" stroke="#999"/>')
-    last = [-1e9, -1e9]             # the right end of the last label on each of two rows
-    for v in sorted({round(x, 3) for x in xs}):
-        out.append(f'<line x1="{sx(v):.1f}" x2="{sx(v):.1f}" y1="{height - B}" y2="{height - B + 4}" stroke="#999"/>')
-        w = 6.2 * len(f"{v:g}")
-        row = next((r for r in (0, 1) if sx(v) - w / 2 >= last[r] + 4), None)
-        if row is None:            # both rows taken here: the tooltip of each point still says its x
-            continue
-        out.append(f'<text class="xtick" x="{sx(v):.1f}" y="{height - B + 15 + 12 * row}" font-size="10" '
-                   f'text-anchor="middle">{v:g}</text>')
-        last[row] = sx(v) + w / 2
-    out.append(f'<text x="{(L + width - R) / 2}" y="{height - 8}" font-size="11" text-anchor="middle">'
-               f'{html.escape(xlabel)}</text>')
+        out.append(f'<text class="ytick" x="{L - 6}" y="{sy(v) + 4:.1f}" font-size="10" text-anchor="end">{v:g}</text>'
+                   f'<line x1="{L - 3}" x2="{L + pw}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" stroke="#eee"/>')
+    for i, s in enumerate(order):
+        cx = L + slot * (i + 0.5)
+        if i:
+            out.append(f'<line x1="{L + slot * i:.1f}" x2="{L + slot * i:.1f}" y1="{T}" y2="{height - B}" stroke="#ddd"/>')
+        out.append(f'<text class="xtick" x="{cx:.1f}" y="{height - B + 15}" font-size="11" text-anchor="middle">'
+                   f'{html.escape(s)}</text>')
+        if bits.get(s) is not None:
+            out.append(f'<text x="{cx:.1f}" y="{height - B + 28}" font-size="10" fill="#555" text-anchor="middle">'
+                       f'{bits[s]:.3f} b/w</text>')
+    out.append(f'<text x="{L + pw / 2}" y="{height - 6}" font-size="11" text-anchor="middle">scheme (bits per '
+               f'weight, with scales and zero points)</text>')
     out.append(f'<text x="13" y="{(T + height - B) / 2}" font-size="11" text-anchor="middle" '
                f'transform="rotate(-90 13 {(T + height - B) / 2})">{html.escape(ylabel)}{" (log)" if logy else ""}'
                f'</text>')
-    if zero_line is not None and not logy:
-        out.append(f'<line class="zero" x1="{L}" x2="{width - R}" y1="{sy(0):.1f}" y2="{sy(0):.1f}" stroke="#555" '
-                   f'stroke-dasharray="5 4"/><text x="{width - R - 4}" y="{sy(0) - 4:.1f}" font-size="10" '
-                   f'text-anchor="end">{html.escape(zero_line)}</text>')
-    for s, x, y, lo, hi in pts:
-        dx = (series.index(s) - (len(series) - 1) / 2) * 7     # dodge: each series its own lane around x
-        cx = sx(x) + dx
+    if ref is not None and (ref[0] > 0 or not logy):
+        out.append(f'<line class="ref" x1="{L}" x2="{L + pw}" y1="{sy(ref[0]):.1f}" y2="{sy(ref[0]):.1f}" '
+                   f'stroke="#555" stroke-dasharray="5 4"><title>{html.escape(ref[1])}</title></line>'
+                   f'<text x="{L + pw - 4}" y="{sy(ref[0]) - 4:.1f}" font-size="10" text-anchor="end">'
+                   f'{html.escape(ref[1])}</text>')
+    step = min(14.0, slot / (len(methods) + 1))
+    for m, s, y, lo, hi in pts:
+        if s not in order:
+            continue
+        cx = L + slot * (order.index(s) + 0.5) + (methods.index(m) - (len(methods) - 1) / 2) * step
         if lo is not None and hi is not None and (lo > 0 or not logy):
-            out.append(f'<line class="errorbar" x1="{cx:.1f}" x2="{cx:.1f}" y1="{sy(tx(lo)):.1f}" '
-                       f'y2="{sy(tx(hi)):.1f}" stroke="{color[s]}" stroke-width="1.2"/>')
+            out.append(f'<line class="errorbar" x1="{cx:.1f}" x2="{cx:.1f}" y1="{sy(lo):.1f}" y2="{sy(hi):.1f}" '
+                       f'stroke="{color[m]}" stroke-width="1.2"/>')
         ci = f" (95 %: {lo:.4g}-{hi:.4g})" if lo is not None and hi is not None else ""
-        out.append(f'<circle cx="{cx:.1f}" cy="{sy(tx(y)):.1f}" r="4" fill="{color[s]}">'
-                   f'<title>{html.escape(s)}: {y:.4g}{ci} at {x:g}</title></circle>')
-    for i, s in enumerate(series):
-        out.append(f'<circle cx="{width - R + 12}" cy="{T + 10 + 16 * i}" r="4" fill="{color[s]}"/>'
-                   f'<text x="{width - R + 20}" y="{T + 14 + 16 * i}" font-size="11">{html.escape(s)}</text>')
+        b = f", {bits[s]:.3f} bits/weight" if bits.get(s) is not None else ""
+        out.append(f'<circle class="pt" cx="{cx:.1f}" cy="{sy(y):.1f}" r="4" fill="{color[m]}" data-method="'
+                   f'{html.escape(m)}" data-scheme="{html.escape(s)}"><title>{html.escape(m)} {html.escape(s)}{b}: '
+                   f'{y:.4g}{ci}</title></circle>')
+    for i, m in enumerate(methods):
+        out.append(f'<circle cx="{width - R + 14}" cy="{T + 10 + 16 * i}" r="4" fill="{color[m]}"/>'
+                   f'<text x="{width - R + 22}" y="{T + 14 + 16 * i}" font-size="11">{html.escape(m)}</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Round ticks for a log axis over [lo, hi] (> 0): 1, 2, 5 x 10^k where at least three fall inside, else
+    round linear steps (13.5 to 20 gives 14, 16, 18, 20, not 13.5, 15.1, 16.9)."""
+    if lo <= 0 or hi <= lo:
+        return [lo] if lo > 0 else []
+    k0, k1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    ticks = [m * 10.0 ** k for k in range(k0, k1 + 1) for m in (1, 2, 5) if lo <= m * 10.0 ** k <= hi]
+    if len(ticks) >= 3:
+        return [float(f"{t:.12g}") for t in ticks]
+    return [t for t in nice_ticks(lo, hi) if t > 0]
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -138,8 +159,10 @@ def scheme_order(names) -> list[str]:
     return sorted(names, key=key)
 
 
-def lines_svg(series: dict[str, list[float]], xlabel: str, ylabel: str, width: int = 560, height: int = 300) -> str:
-    """series name -> y per block index; log-scale y."""
+def lines_svg(series: dict[str, list[float]], xlabel: str, ylabel: str, width: int = 560, height: int = 300,
+              index_ticks: bool = False) -> str:
+    """series name -> y per index (a block, a recorded step); log-scale y with round ticks; `index_ticks`: label
+    the x axis with round indices (where x is the index itself, as for blocks)."""
     vals = [v for ys in series.values() for v in ys if v and v > 0]
     if not vals:
         return ""
@@ -154,9 +177,12 @@ def lines_svg(series: dict[str, list[float]], xlabel: str, ylabel: str, width: i
     sy = lambda v: height - B - (math.log10(v) - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">',
            f'<rect x="{L}" y="{T}" width="{width - L - R}" height="{height - T - B}" fill="none" stroke="#999"/>']
-    for i in range(5):
-        v = y0 + (y1 - y0) * i / 4
-        out.append(f'<text x="{L - 5}" y="{sy(10 ** v) + 4:.1f}" font-size="10" text-anchor="end">{10 ** v:.3g}</text>')
+    for v in log_ticks(10 ** y0, 10 ** y1):
+        out.append(f'<text x="{L - 5}" y="{sy(v) + 4:.1f}" font-size="10" text-anchor="end">{v:g}</text>')
+    for i in (nice_ticks(0, n - 1, 8) if n > 1 else [0]) if index_ticks else []:
+        if float(i).is_integer():
+            out.append(f'<text class="xtick" x="{sx(i):.1f}" y="{height - B + 14}" font-size="10" '
+                       f'text-anchor="middle">{int(i)}</text>')
     out.append(f'<text x="{(L + width - R) / 2}" y="{height - 8}" font-size="11" text-anchor="middle">'
                f'{html.escape(xlabel)}</text>')
     out.append(f'<text x="12" y="{(T + height - B) / 2}" font-size="11" text-anchor="middle" '
@@ -177,29 +203,35 @@ def lines_svg(series: dict[str, list[float]], xlabel: str, ylabel: str, width: i
 TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>lrq-bench leaderboard</title>
 <style>
-body{font-family:system-ui,sans-serif;margin:24px;max-width:1100px;color:#222}
+body{font-family:system-ui,sans-serif;margin:24px;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:8px 0 20px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3;cursor:pointer;user-select:none}td:first-child,td:nth-child(2){text-align:left}
-tr.fp td{background:#f7fbff}td.best{font-weight:bold;background:#eaf7ea}td.tie{background:#fff8e1}details{margin:2px 0}
-pre{font-size:11px;background:#fafafa;padding:6px;overflow:auto;max-height:240px}.note{color:#555;font-size:13px}
+tr.fp td{background:#f7fbff}td.best,td strong{font-weight:bold}td.best{background:#eaf7ea}td.tie{background:#fff8e1}
+td.ref{text-align:center;font-style:italic}details{margin:2px 0}blockquote{color:#555;margin:8px 0 8px 12px}
+pre{font-size:11px;background:#fafafa;padding:6px;overflow:auto;max-height:240px}.note,.md p{color:#444;font-size:13px}
+.md table{font-size:13px}
 </style></head><body>
 <h1>lrq-bench leaderboard</h1>
-<p class="note">Generated from {{ n_rows }} stored rows. Hover any number for the configuration that produced it;
-click a column header to sort. Lower perplexity is better. {{ method_text }}</p>
+<p class="note">Generated from {{ n_rows }} stored rows. Every table of the Markdown leaderboard is here; the perplexity
+tables below the charts carry the configuration behind each number in a tooltip (hover it); click a column header to sort.
+{{ method_text }}</p>
 {% for m in models %}
+<section class="model" data-model="{{ m.name }}">
 <h2>{{ m.title }}</h2>
-<p class="note">{{ m.precision_note }}</p>
-{% for note in m.notes %}<p class="note">{{ note }}</p>{% endfor %}
+<div class="md summary">{{ m.head|safe }}</div>
+{% if m.kl_charts or m.ppl_tables %}<h3>Charts</h3>
+<p class="note">One colour per method; schemes along the x axis (their bits per weight below the name); 95 % intervals as
+error bars; the FP model is the dashed line. Hover a point for its method, scheme and value.</p>{% endif %}
 {% for k in m.kl_charts %}
-<h3>{{ k.dataset }}: KL divergence from the FP model</h3>
-<p class="note">Mean KL(P_FP || P_quantized) per predicted position on the perplexity windows, with its 95 % interval over
-windows, against bits per weight; the FP model is the dashed line at 0. Points of one bit width are set side by side.</p>
-<div>{{ k.chart|safe }}</div>
+<h4>{{ k.title }}</h4>
+<div class="chart" data-chart="{{ k.id }}">{{ k.chart|safe }}</div>
 {% endfor %}
 {% for t in m.ppl_tables %}
 <h3>{{ t.dataset }} perplexity</h3>
 <p class="note">{{ t.protocol }}</p>
+<div class="chart" data-chart="ppl-{{ t.dataset }}">{{ t.chart|safe }}</div>
 <table class="grid" data-grid="{{ t.dataset }}"><thead><tr><th>method</th>{% for s in t.schemes %}<th>{{ s }}</th>{% endfor %}</tr></thead><tbody>
+{% if t.fp_text %}<tr class="fp"><td>fp</td><td class="ref" colspan="{{ t.schemes|length }}" title="the FP model, the reference of every scheme">FP reference, every scheme: {{ t.fp_text }}</td></tr>{% endif %}
 {% for g in t.grid %}<tr><td>{{ g.method }}</td>{% for c in g.cells %}<td class="{{ c.mark }}" title="{{ c.title }}">{{ c.text }}</td>{% endfor %}</tr>
 {% endfor %}</tbody></table>
 <p class="note">Method x scheme: perplexity (95 % interval). Per scheme, bold: the best, separated from the runner-up; shaded: tied with the best.
@@ -210,25 +242,18 @@ windows, against bits per weight; the FP model is the dashed line at 0. Points o
 <td>{{ r.method }}</td><td>{{ r.scheme }}</td><td>{{ r.bits }}</td>
 <td class="{{ r.mark }}" title="{{ r.prov }}" data-value="{{ r.value }}">{{ r.ppl }}</td><td>{{ r.ci }}</td><td>{{ r.ratio }}</td></tr>
 {% endfor %}</tbody></table>
-<div>{{ t.chart|safe }}</div>
 {% endfor %}
-{% if m.cost %}<h3>Quantization cost</h3>
-<table class="sortable"><thead><tr><th>method</th><th>scheme</th><th>time (s)</th><th>peak memory</th>
-<th>learnable parameters</th></tr></thead><tbody>
-{% for r in m.cost %}<tr><td>{{ r.method }}</td><td>{{ r.scheme }}</td><td title="{{ r.prov }}" data-value="{{ r.t }}">{{ r.time }}</td>
-<td>{{ r.mem }}</td><td>{{ r.nl }}</td></tr>{% endfor %}</tbody></table>{% endif %}
+<div class="md details">{{ m.details|safe }}</div>
 {% for f in m.fig2 %}<h3>Block reconstruction error, {{ f.scheme }} (LRQ paper, Figure 2)</h3>
 <p class="note">Each block's output error after training, on the calibration samples it was trained on (solid) and on held-out
 samples (dashed). FlexRound should fit the calibration set better; LRQ should generalize better.</p>
 <div>{{ f.chart|safe }}</div>{% endfor %}
-{% if m.speed %}<h3>Inference speed</h3>
-<table class="sortable"><thead><tr><th>scheme</th><th>prefill tok/s</th><th>decode tok/s</th><th>model size</th></tr></thead><tbody>
-{% for r in m.speed %}<tr><td>{{ r.scheme }}</td><td title="{{ r.prov }}">{{ r.prefill }}</td><td>{{ r.decode }}</td><td>{{ r.size }}</td></tr>{% endfor %}
-</tbody></table>{% endif %}
 {% if m.history %}<h3>History across git revisions</h3>
-<table class="sortable"><thead><tr><th>method</th><th>scheme</th><th>dataset</th><th>revision</th><th>when</th><th>ppl</th></tr></thead><tbody>
+<p class="note">Cells whose perplexity was stored by {{ m.n_revs }} different revisions: every stored value, oldest first.</p>
+<table class="sortable history"><thead><tr><th>method</th><th>scheme</th><th>dataset</th><th>revision</th><th>when</th><th>ppl</th></tr></thead><tbody>
 {% for h in m.history %}<tr><td>{{ h.method }}</td><td>{{ h.scheme }}</td><td style="text-align:left">{{ h.dataset }}</td>
 <td style="text-align:left">{{ h.rev }}</td><td style="text-align:left">{{ h.when }}</td><td>{{ h.ppl }}</td></tr>{% endfor %}</tbody></table>{% endif %}
+</section>
 {% endfor %}
 <script>
 document.querySelectorAll("table.sortable th").forEach(function (th) {
@@ -236,9 +261,11 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
     var table = th.closest("table"), idx = Array.prototype.indexOf.call(th.parentNode.children, th);
     var body = table.tBodies[0], rows = Array.prototype.slice.call(body.rows);
     var asc = th.dataset.order !== "asc"; th.dataset.order = asc ? "asc" : "desc";
-    function key(r) { var c = r.cells[idx], v = c.dataset.value !== undefined ? c.dataset.value : c.textContent;
+    function key(r) { var c = r.cells[idx]; if (!c) return ""; var v = c.dataset.value !== undefined ? c.dataset.value : c.textContent;
       var f = parseFloat(v); return isNaN(f) ? v : f; }
-    rows.sort(function (a, b) { var x = key(a), y = key(b); return (x > y ? 1 : x < y ? -1 : 0) * (asc ? 1 : -1); });
+    rows.sort(function (a, b) { var x = key(a), y = key(b);
+      if (typeof x !== typeof y) { x = String(x); y = String(y); }
+      return (x > y ? 1 : x < y ? -1 : 0) * (asc ? 1 : -1); });
     rows.forEach(function (r) { body.appendChild(r); });
   });
 });
@@ -247,16 +274,40 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 """
 
 
+def markdown_html(lines: list[str]) -> str:
+    """Markdown lines of the leaderboard as HTML (markdown-it, GitHub tables): every table sortable, headings one
+    level down (the model is this page's <h2>). Raw HTML in the text stays text (`md_text` escaped it)."""
+    from markdown_it import MarkdownIt
+    text = "\n".join(("#" + ln) if ln.startswith("#") else ln for ln in lines)
+    out = MarkdownIt("commonmark", {"html": False}).enable("table").render(text)
+    return out.replace("<table>", '<table class="sortable md">')
+
+
 def _model_section(name: str, precision: str, rows: list[Row], history_rows: list[Row]) -> dict:
     from bench import stats as S
-    from bench.report import _fmt_cmp, precision_text, _verdict, cell_stats, section_title
+    from bench.report import (DETAILS, TASK_DATASETS, _escaped, _fmt_cmp, _verdict, cell_stats, fmt_stat, markdown_section,
+                              section_title)
+    md = markdown_section([_escaped(r) for r in rows], precision)
+    cut = md.index(DETAILS) if DETAILS in md else len(md)
     stats = cell_stats(rows)
     by = defaultdict(dict)   # (method, scheme) -> metric/dataset -> row (the lowest seed's)
     for r in sorted(rows, key=lambda r: -(r.seed or 0)):
         by[(r.method, r.scheme)][(r.dataset, r.metric)] = r
-    notes = sorted({r.config.get("model_note") for r in rows if r.config.get("model_note")})
+    bits = {}
+    for (m, s), v in by.items():
+        b = v.get(("quant", "bits_per_weight"))
+        if b is not None and m != "fp":
+            bits.setdefault(s, b.value)
+    schemes_all = [(s, bits.get(s)) for s in scheme_order({k[1] for k in by if k[0] != "fp"})]
     datasets = [d for d in ("wikitext2", "c4") if any(r.dataset == d and r.metric == "ppl" for r in rows)]
-    datasets += sorted({r.dataset for r in rows if r.metric == "ppl"} - set(datasets))
+    datasets += sorted({r.dataset for r in rows if r.metric == "ppl" and r.dataset not in TASK_DATASETS}
+                       - set(datasets))
+
+    def point(method, scheme, cs):
+        e = cs.first()
+        one = len(cs.seeds) == 1 and e.known
+        return (method, scheme, cs.value, e.lo if one else None, e.hi if one else None)
+
     tables = []
     for ds in datasets:
         col = (ds, "ppl")
@@ -272,16 +323,13 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
             ci = (f"{e.lo:.2f}-{e.hi:.2f}" if e and e.known else "unknown") if len(cs.seeds) == 1 else \
                 f"+-{cs.seed_sd:.2f} over {len(cs.seeds)} seeds"
             vs_fp = S.compare(cs, fp_stat) if cs and fp_stat and method != "fp" else None
-            mark = overall.marks.get((method, scheme), "")
             trs.append({"method": method, "scheme": scheme, "bits": _fmt("bits_per_weight", b.value if b else None),
                         "ppl": _fmt("ppl", cs.value if cs else r.value), "value": cs.value if cs else r.value,
-                        "prov": _prov(r), "ci": ci, "mark": mark,
+                        "prov": _prov(r), "ci": ci, "mark": overall.marks.get((method, scheme), ""),
                         "ratio": "-" if vs_fp is None else _fmt_cmp(vs_fp, False)})
-            if b is not None and method != "fp":
-                pts.append((method, b.value, cs.value, e.lo if e and len(cs.seeds) == 1 else None,
-                            e.hi if e and len(cs.seeds) == 1 else None))
+            if cs and method != "fp":
+                pts.append(point(method, scheme, cs))
         schemes = scheme_order({k[1] for k, _, _ in entries if k[0] != "fp"})
-        methods = sorted({k[0] for k, _, _ in entries})
         grid, verdicts = [], [v for v in [_verdict("all schemes", overall, False)] if v]
         per_scheme = {}
         for s_name in schemes:
@@ -290,53 +338,35 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
             v = _verdict(s_name, rk, False)
             if v:
                 verdicts.append(v)
-        from bench.report import fmt_stat
-        for m in methods:
+        for m in sorted({k[0] for k, _, _ in entries} - {"fp"}):
             cells = []
-            for s_name in (["fp"] if m == "fp" else schemes):
+            for s_name in schemes:
                 cs = stats.get((m, s_name), {}).get(col)
                 cells.append({"text": fmt_stat(cs) if cs else "-", "title": f"{m} {s_name}",
-                              "mark": per_scheme.get(s_name).marks.get((m, s_name), "") if s_name in per_scheme else ""})
-            if m == "fp":
-                cells += [{"text": "", "title": "", "mark": ""}] * (len(schemes) - 1)
+                              "mark": per_scheme[s_name].marks.get((m, s_name), "")})
             grid.append({"method": m, "cells": cells})
         ev = entries[-1][1].config.get("eval", {}) if entries else {}
         n = ev.get('windows', '?')
         protocol = (f"{n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens ({ev.get('tokens', '?')} "
                     f"tokens), exp(mean window NLL); FP = {_fmt('ppl', fp)}.")
         tables.append({"dataset": ds, "rows": trs, "protocol": protocol, "schemes": schemes, "grid": grid,
-                       "verdicts": verdicts,
-                       "chart": scatter_svg(pts, "bits per weight", f"{ds} perplexity (95 % interval)")})
-    from bench.report import _fmt_seeds, _seed_mean, _seed_values
-    per_seed = _seed_values(r for r in rows if r.dataset == "quant")   # several seeds show mean +- sd
-    cost = []
-    for (method, scheme), v in sorted(by.items()):
-        t = v.get(("quant", "quant_time_s"))
-        if t is None:
-            continue
-        nl = v.get(("quant", "n_learnable"))
-        times = per_seed[(method, scheme, "quant", "quant_time_s")]
-        cost.append({"method": method, "scheme": scheme, "t": _seed_mean(times), "prov": _prov(t),
-                     "time": _fmt_seeds("quant_time_s", times),
-                     "mem": _fmt_seeds("quant_peak_rss_bytes", per_seed.get((method, scheme, "quant", "quant_peak_rss_bytes"))),
-                     "nl": f"{nl.value:,.0f}" if nl else "-"})
+                       "verdicts": verdicts, "fp_text": fmt_stat(fp_stat) if fp_stat else "",
+                       "chart": scheme_chart(pts, schemes_all, f"{ds} perplexity",
+                                             ref=(fp, f"FP {fp:.2f}") if fp else None)})
     kl_charts = []
     for ds in datasets:
-        pts = []
-        for (method, scheme), v in by.items():
-            cs = stats.get((method, scheme), {}).get((ds, "kld"))
-            b = v.get(("quant", "bits_per_weight"))
-            if cs is None or b is None or method == "fp":
-                continue
-            e = cs.first()
-            one = len(cs.seeds) == 1 and e.known
-            pts.append((method, b.value, cs.value, e.lo if one else None, e.hi if one else None))
-        if pts:
-            kl_charts.append({"dataset": ds, "chart": scatter_svg(pts, "bits per weight (with scales and zero points)",
-                                                                   f"{ds} KL divergence from FP (nats/token)",
-                                                                   logy=False, zero_line="FP (KLD = 0)")})
+        for metric, title, ylabel, ref in (
+                ("kld", f"{ds}: KL divergence from the FP model", f"{ds} KLD (nats/token)", (0.0, "FP (KLD = 0)")),
+                ("top1_agree", f"{ds}: top-1 agreement with the FP model", f"{ds} top-1 agreement (%)",
+                 (100.0, "FP (100 %)"))):
+            scale = 100.0 if metric == "top1_agree" else 1.0
+            pts = [tuple(x * scale if isinstance(x, float) else x for x in point(m, s, v[(ds, metric)]))
+                   for (m, s), v in stats.items() if m != "fp" and (ds, metric) in v]
+            if pts:
+                kl_charts.append({"id": f"{metric}-{ds}", "title": title,
+                                  "chart": scheme_chart(pts, schemes_all, ylabel, logy=False, ref=ref)})
     fig2 = []
-    for scheme in sorted({k[1] for k in by}):
+    for scheme in scheme_order({k[1] for k in by}):
         series = {}
         for (method, sch), v in by.items():
             q = v.get(("quant", "bits_per_weight"))
@@ -346,24 +376,22 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
             series[f"{method} calibration"] = [e.get("calib_after") for e in errs]
             series[f"{method} held-out"] = [e.get("heldout_after") for e in errs]
         if series:
-            fig2.append({"scheme": scheme, "chart": lines_svg(series, "block", "block output error")})
-    speed = []
-    for (method, scheme), v in sorted(by.items()):
-        p = v.get(("speed_e2e", "prefill_tok_s"))
-        if p is None:
-            continue
-        d, s = v.get(("speed_e2e", "decode_tok_s")), v.get(("speed_e2e", "model_bytes"))
-        speed.append({"scheme": scheme, "prefill": f"{p.value:.1f}", "decode": f"{d.value:.2f}" if d else "-",
-                      "size": _fmt("model_bytes", s.value if s else None), "prov": _prov(p)})
-    history = []
-    for r in history_rows:
-        if r.model == name and r.precision == precision and r.metric == "ppl":
-            history.append({"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": r.git_rev[:12],
-                            "when": r.created_at, "ppl": _fmt("ppl", r.value)})
+            fig2.append({"scheme": scheme, "chart": lines_svg(series, "block (index from 0)", "block output error",
+                                                                index_ticks=True)})
+    mine = [r for r in history_rows if r.model == name and r.precision == precision and r.metric == "ppl"
+            and r.dataset in datasets]
+    revs_of = defaultdict(set)
+    for r in mine:
+        revs_of[(r.method, r.scheme, r.dataset)].add(r.git_rev)
+    several = {k for k, v in revs_of.items() if len(v) > 1}
+    history = [{"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": r.git_rev[:12],
+                "when": r.created_at, "ppl": _fmt("ppl", r.value)}
+               for r in sorted(mine, key=lambda r: (r.method, r.scheme, r.dataset, str(r.created_at)))
+               if (r.method, r.scheme, r.dataset) in several]
     return {"name": name, "title": section_title(name, precision), "kl_charts": kl_charts,
-            "precision_note": f"Precision of every number in this section: {precision_text(precision)}.",
-            "notes": notes, "ppl_tables": tables, "cost": cost, "fig2": fig2, "speed": speed,
-            "history": history}
+            "head": markdown_html(md[:cut]), "details": markdown_html(md[cut:]),
+            "ppl_tables": tables, "fig2": fig2, "history": history,
+            "n_revs": len({r.git_rev for r in mine if (r.method, r.scheme, r.dataset) in several})}
 
 
 def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> str:

@@ -654,57 +654,67 @@ def markdown_report(rows: list[Row]) -> str:
     rows = [_escaped(r) for r in rows]
     parts = ["# lrq-bench leaderboard", ""]
     for (model, prec), srows in sections(rows).items():
-        mdf = rows_frame(srows)
-        parts += [f"## {section_title(model, prec)}", ""]
-        notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
-        parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
-        from bench.provenance import cpu_label
-        machines = sorted({md_text(cpu_label(r.hardware)) for r in srows if isinstance(r.hardware, dict)
-                           and r.hardware.get("cpu") and not r.hardware.get("gpu")}
-                          | {md_text(r.hardware["gpu"]) for r in srows if isinstance(r.hardware, dict) and r.hardware.get("gpu")})
-        if machines:
-            parts += [f"Measured on: {'; '.join(machines)}.", ""]
-        why = {(r.config.get("precision") or {}).get("why") for r in srows if isinstance(r.config.get("precision"), dict)}
-        parts += [f"Precision of every number in this section: {precision_text(prec)}"
-                  + (f" ({'; '.join(sorted(md_text(w) for w in why if w))})" if any(why) else
-                     " (stored before the precision was recorded: perplexity under bf16 autocast)") + ".", ""]
-        stats = cell_stats(srows)
-        parts += _leaderboard_sections(mdf, stats)
-        ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
-            d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
-            if not d.startswith("speed_") and d not in TASK_DATASETS)
-        parts += ["## Details", ""]
-        if ppl_sets:
-            parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
-        parts += _kl_section(mdf, stats, [d for d in ppl_sets if (d, "kld") in set(zip(mdf["dataset"], mdf["metric"]))])
-        parts += _paired_section(stats, ppl_sets)
-        parts += _seeds_section(stats)
-        mrows = srows
-        calibrated = {(r.method, r.scheme) for r in mrows if (r.config or {}).get("calibration")}
-        seedless = {(r.method, r.scheme) for r in mrows} - calibrated
-        parts += _seed_rankings_section(stats, seedless)
-        if "quant" in set(mdf["dataset"]):
-            parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
-                      "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "
-                      "every block's time, including blocks an interrupted earlier run finished (resumed_blocks).",
-                      "", dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "blocks_time_s",
-                                                       "resumed_blocks", "quant_peak_rss_bytes"]), ""]
-        recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(RECON_METRICS)]
-        if not recon.empty:
-            parts += ["### Block reconstruction (LRQ paper, Figure 2)", "",
-                      "Learnable scale parameters, and each block's output error (the reconstruction loss) averaged "
-                      "over blocks, on the calibration samples it was trained on and on held-out samples it never "
-                      "saw, before (RTN start) and after training. FlexRound should fit the calibration set better; "
-                      "LRQ should generalize better.", "",
-                      dataset_table(mdf, "quant", RECON_METRICS), ""]
-            parts += _param_ratio(recon)
-        parts += _task_section(mdf, stats)
-        parts += _flips_section(stats)
-        parts += _speed_sections(mdf)
-        revs = sorted(set(mdf["git_rev"]))
-        parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
-                  f"`lrq-bench results --json`.", ""]
+        parts += [f"## {section_title(model, prec)}", ""] + markdown_section(srows, prec)
     return "\n".join(parts)
+
+
+def markdown_section(srows: list[Row], prec: str) -> list[str]:
+    """One model and precision's part of the leaderboard as Markdown lines, below its title: the notes, where
+    it was measured, the summary and per-scheme tables, then "## Details". The HTML leaderboard renders the same
+    lines, so that it shows everything the Markdown shows. `srows` are Markdown-escaped rows (`_escaped`)."""
+    mdf = rows_frame(srows)
+    parts: list[str] = []
+    notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
+    parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
+    from bench.provenance import cpu_label
+    machines = sorted({md_text(cpu_label(r.hardware)) for r in srows if isinstance(r.hardware, dict)
+                       and r.hardware.get("cpu") and not r.hardware.get("gpu")}
+                      | {md_text(r.hardware["gpu"]) for r in srows if isinstance(r.hardware, dict) and r.hardware.get("gpu")})
+    if machines:
+        parts += [f"Measured on: {'; '.join(machines)}.", ""]
+    why = {(r.config.get("precision") or {}).get("why") for r in srows if isinstance(r.config.get("precision"), dict)}
+    parts += [f"Precision of every number in this section: {precision_text(prec)}"
+              + (f" ({'; '.join(sorted(md_text(w) for w in why if w))})" if any(why) else
+                 " (stored before the precision was recorded: perplexity under bf16 autocast)") + ".", ""]
+    stats = cell_stats(srows)
+    parts += _leaderboard_sections(mdf, stats)
+    ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
+        d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
+        if not d.startswith("speed_") and d not in TASK_DATASETS)
+    parts += [DETAILS, ""]
+    if ppl_sets:
+        parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
+    parts += _kl_section(mdf, stats, [d for d in ppl_sets if (d, "kld") in set(zip(mdf["dataset"], mdf["metric"]))])
+    parts += _paired_section(stats, ppl_sets)
+    parts += _seeds_section(stats)
+    calibrated = {(r.method, r.scheme) for r in srows if (r.config or {}).get("calibration")}
+    seedless = {(r.method, r.scheme) for r in srows} - calibrated
+    parts += _seed_rankings_section(stats, seedless)
+    if "quant" in set(mdf["dataset"]):
+        parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
+                  "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "
+                  "every block's time, including blocks an interrupted earlier run finished (resumed_blocks).",
+                  "", dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "blocks_time_s",
+                                                   "resumed_blocks", "quant_peak_rss_bytes"]), ""]
+    recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(RECON_METRICS)]
+    if not recon.empty:
+        parts += ["### Block reconstruction (LRQ paper, Figure 2)", "",
+                  "Learnable scale parameters, and each block's output error (the reconstruction loss) averaged "
+                  "over blocks, on the calibration samples it was trained on and on held-out samples it never "
+                  "saw, before (RTN start) and after training. FlexRound should fit the calibration set better; "
+                  "LRQ should generalize better.", "",
+                  dataset_table(mdf, "quant", RECON_METRICS), ""]
+        parts += _param_ratio(recon)
+    parts += _task_section(mdf, stats)
+    parts += _flips_section(stats)
+    parts += _speed_sections(mdf)
+    revs = sorted(set(mdf["git_rev"]))
+    parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
+              f"`lrq-bench results --json`.", ""]
+    return parts
+
+
+DETAILS = "## Details"
 
 
 def terminal_summary(rows: list[Row], width: int = 120) -> str:

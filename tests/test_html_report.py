@@ -1,6 +1,11 @@
-"""The HTML leaderboard: built from a real (tiny) run, then opened in headless Chromium (Debian's chromium
-and chromium-driver, installed by .ci/run): no console errors, table rows equal the store's rows, sorting
-works, and a screenshot is saved (path printed; $LRQ_BENCH_ARTIFACTS keeps it)."""
+"""The HTML leaderboard: built from a real (tiny) run with two tasks, then opened in headless Chromium (Debian's
+chromium and chromium-driver, installed by .ci/run): no console errors, every table and value of the Markdown
+leaderboard on the page, table rows equal the store's rows, the FP row a reference spanning the schemes, charts
+whose points name their method and scheme with one colour per method and the FP line, sorting works, history
+only where a cell has several revisions, and a screenshot is saved (path printed; $LRQ_BENCH_ARTIFACTS keeps
+it)."""
+
+import html as htmllib
 
 import os
 import re
@@ -10,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.html_report import scatter_svg
+from bench.html_report import html_report, scheme_chart
 from bench.store import ResultStore
 
 
@@ -18,7 +23,7 @@ from bench.store import ResultStore
 def report(tiny_model_dir, data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("html")
     results = tmp / "r.sqlite"
-    args = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn,lrq",
+    args = ["run", "--profile", "full", "--tasks", "piqa,arc_easy", "--task-limit", "8", "--model", str(tiny_model_dir), "--methods", "rtn,lrq",
             "--schemes", "w4a16,w3a16",
             "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
             "--max-eval-tokens", "1024", "--eval-seq-len", "256", "--calib-samples", "6", "--calib-seq-len", "32",
@@ -43,9 +48,52 @@ def test_html_tables_hold_every_stored_perplexity(report):
     assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")   # nothing fetched
 
 
-def test_scatter_svg_handles_degenerate_input():
-    assert scatter_svg([], "x", "y") == ""
-    assert scatter_svg([("a", 4.0, 10.0)], "x", "y").startswith("<svg")
+def test_scheme_chart_handles_degenerate_input():
+    assert scheme_chart([], [("w4a16", 4.0)], "y") == ""
+    assert scheme_chart([("a", "w4a16", 10.0)], [("w4a16", 4.0)], "y").startswith("<svg")
+    assert scheme_chart([("a", "w4a16", float("nan"))], [("w4a16", 4.0)], "y") == ""
+
+
+def _text(page: str) -> str:
+    """The page's visible text, tags dropped and entities decoded, whitespace collapsed."""
+    body = re.sub(r"<(script|style)[^>]*>.*?</\1>", " ", page, flags=re.S)
+    return " ".join(htmllib.unescape(re.sub(r"<[^>]+>", " ", body)).split())
+
+
+def test_html_shows_everything_the_markdown_shows(report):
+    results, page = report
+    text = page.read_text()
+    shown = _text(text)
+    md = (page.parent / "leaderboard.md").read_text()
+    headings = [ln.lstrip("#").strip() for ln in md.splitlines() if ln.startswith("### ")]
+    for h in ("Summary", "Scheme w4a16", "Scheme w3a16", "KL divergence from the FP model", "Task accuracy (lm-eval)",
+              "Flips against the FP model", "Paired comparisons with FP and RTN", "Quantization cost"):
+        assert h in headings
+    for h in headings:
+        assert re.search(rf"<h4>{re.escape(htmllib.escape(h, quote=False))}</h4>", text), h
+    cells = [c.strip().replace("**", "") for ln in md.splitlines() if ln.startswith("|") and not
+             re.match(r"^\|[-:| ]+\|$", ln) for c in ln.strip("|").split("|")]
+    assert len(cells) > 200
+    missing = [c for c in cells if c and " ".join(c.split()) not in shown]
+    assert missing == []
+    # the flips carry their Wilson intervals and counts, the tasks their intervals
+    flips = text[text.index("<h4>Flips against the FP model</h4>"):]
+    assert re.search(r"<td>\d+\.\d \[\d+\.\d, \d+\.\d\] \(\d+ r-&gt;w, \d+ w-&gt;r of 8\)</td>", flips)
+    assert "history" not in text.lower().split("<script>")[0]       # one revision: no history section
+
+
+def test_history_only_when_a_cell_has_several_revisions(report):
+    from dataclasses import replace
+    results, _ = report
+    store = ResultStore(results)
+    latest = store.rows(latest=True)
+    assert "History across git revisions" not in html_report(latest, store.rows())
+    older = [replace(r, git_rev="0123456789abcdef", created_at="2026-01-01T00:00:00", value=r.value * 1.01)
+             for r in latest if r.metric == "ppl" and r.method == "rtn" and r.scheme == "w4a16"]
+    page = html_report(latest, store.rows() + older)
+    hist = page[page.index("History across git revisions"):]
+    assert "0123456789ab" in hist
+    assert set(re.findall(r"<tr><td>(\w+)</td><td>([\w-]+)</td>", hist)) == {("rtn", "w4a16")}   # only that cell
 
 
 def _browser():
@@ -85,6 +133,33 @@ def test_html_in_a_real_browser(report, tmp_path):
         vals = [float(tr.find_elements(By.TAG_NAME, "td")[3].text) for tr in table.find_elements(By.CSS_SELECTOR,
                                                                                               "tbody tr")]
         assert vals == sorted(vals, reverse=True)
+        # the FP row of the method x scheme grid: one reference cell spanning every scheme column
+        grid = driver.find_element(By.CSS_SELECTOR, 'table[data-grid="wikitext2"]')
+        n_schemes = len(grid.find_elements(By.CSS_SELECTOR, "thead th")) - 1
+        ref = grid.find_element(By.CSS_SELECTOR, "tr.fp td.ref")
+        assert int(ref.get_attribute("colspan")) == n_schemes == 2 and "FP reference" in ref.text
+        # charts: perplexity, KLD and top-1 per text; every point names its method and scheme, one colour per
+        # method, the FP line on every chart, round tick labels
+        charts = driver.find_elements(By.CSS_SELECTOR, "div.chart")
+        assert {c.get_attribute("data-chart") for c in charts} == {
+            f"{k}-{ds}" for k in ("ppl", "kld", "top1_agree") for ds in ("wikitext2", "c4")}
+        cells = {(r.method, r.scheme) for r in stored if r.method != "fp"}
+        for c in charts:
+            pts = c.find_elements(By.CSS_SELECTOR, "circle.pt")
+            assert {(p.get_attribute("data-method"), p.get_attribute("data-scheme")) for p in pts} == cells
+            for p in pts:
+                title = p.find_element(By.TAG_NAME, "title").get_attribute("textContent")
+                assert title.startswith(f"{p.get_attribute('data-method')} {p.get_attribute('data-scheme')}, ")
+            colours = {}
+            for p in pts:
+                colours.setdefault(p.get_attribute("data-method"), set()).add(p.get_attribute("fill"))
+            assert all(len(v) == 1 for v in colours.values()) and len({f for v in colours.values() for f in v}) == 2
+            assert len(c.find_elements(By.CSS_SELECTOR, "line.ref")) == 1
+            for t in c.find_elements(By.CSS_SELECTOR, "text.ytick"):
+                assert len(t.text.replace(".", "").lstrip("0")) <= 3, t.text    # 0.02, 450, 60: not 13.5e0 noise
+        # the summary (a Markdown table, sortable here): one row per evaluated cell, FP included
+        summary = driver.find_element(By.CSS_SELECTOR, "div.summary table")
+        assert len(summary.find_elements(By.CSS_SELECTOR, "tbody tr")) == len(cells) + 1
         out_dir = Path(os.environ.get("LRQ_BENCH_ARTIFACTS", tmp_path))
         out_dir.mkdir(parents=True, exist_ok=True)
         shot = out_dir / "leaderboard.png"

@@ -205,20 +205,30 @@ def test_every_catalogue_metric_formats_and_has_a_direction():
     assert [c.metric for c in cols][:5] == ["bits_per_weight", "kld", "top1_agree", "kld", "ppl"]
 
 
-def test_kld_chart_ticks_never_overprint_and_schemes_order_by_bits():
+def test_kld_chart_points_are_identifiable_and_schemes_order_by_bits():
     import re
 
-    from bench.html_report import scatter_svg, scheme_order
-    pts = [("rtn", 3.028, 0.5, 0.4, 0.6), ("gptq", 3.028, 0.3, 0.25, 0.35), ("rtn", 3.161, 0.2, 0.15, 0.25),
-           ("rtn", 4.029, 0.1, 0.08, 0.12), ("awq", 4.029, 0.09, 0.07, 0.11), ("rtn", 4.169, 0.05, 0.04, 0.06),
-           ("rtn", 8.035, 0.01, 0.005, 0.015)]
-    svg = scatter_svg(pts, "bits", "KLD", logy=False, zero_line="FP")
-    labels = [(float(x), float(y), t) for x, y, t in re.findall(r'<text class="xtick" x="([\d.]+)" y="([\d.]+)"[^>]*>([^<]+)<', svg)]
-    assert {t for *_, t in labels} == {"3.028", "3.161", "4.029", "4.169", "8.035"}   # every bit width labelled
-    for (x1, y1, t1), (x2, y2, t2) in zip(labels, labels[1:]):
-        assert y1 != y2 or x2 - x1 >= 6.2 * (len(t1) + len(t2)) / 2                # same row: no overlap
-    cx = [float(x) for x in re.findall(r'<circle cx="([\d.]+)" cy="[\d.]+" r="4" fill="[^"]+"><title>', svg)]
-    assert len(set(cx)) == len(cx)                                                   # points at one x dodged
-    assert 'class="zero"' in svg
+    from bench.html_report import log_ticks, scheme_chart, scheme_order
+    pts = [("rtn", "w3a16", 0.5, 0.4, 0.6), ("gptq", "w3a16", 0.3, 0.25, 0.35), ("rtn", "w3a16-g128", 0.2, 0.15, 0.25),
+           ("rtn", "w4a16", 0.1, 0.08, 0.12), ("awq", "w4a16", 0.09, 0.07, 0.11), ("rtn", "w4a8", 0.12, 0.1, 0.14),
+           ("awq", "w4a8", 0.11, 0.09, 0.13), ("rtn", "w8a8", 0.01, 0.005, 0.015)]
+    schemes = [("w3a16", 3.028), ("w3a16-g128", 3.161), ("w4a8", 4.029), ("w4a16", 4.029), ("w8a8", 8.035)]
+    svg = scheme_chart(pts, schemes, "KLD", logy=False, ref=(0.0, "FP"))
+    # every scheme labelled on its own slot, even two at the same bits per weight (w4a8 and w4a16: 4.029)
+    labels = re.findall(r'<text class="xtick" x="([\d.]+)"[^>]*>([^<]+)<', svg)
+    assert [t for _, t in labels] == [s for s, _ in schemes]
+    assert len({x for x, _ in labels}) == len(schemes)
+    circles = re.findall(r'<circle class="pt" cx="([\d.]+)" cy="([\d.]+)" r="4" fill="([^"]+)" data-method="([^"]+)" '
+                         r'data-scheme="([^"]+)"><title>([^<]+)</title>', svg)
+    assert len(circles) == len(pts) and len({(c[0], c[1]) for c in circles}) == len(pts)   # none hides another
+    fills = {m: f for _, _, f, m, _, _ in circles}
+    assert len(set(fills.values())) == 3                                            # one colour per method
+    for _, _, _, m, s, title in circles:
+        assert title.startswith(f"{m} {s}, ") and "bits/weight" in title and "95 %" in title   # tooltip names both
+    assert 'class="ref"' in svg
+    yt = [float(t) for t in re.findall(r'<text class="ytick"[^>]*>([^<]+)<', svg)]
+    assert yt and all(abs(v * 10 - round(v * 10)) < 1e-9 for v in yt)             # round ticks
+    assert log_ticks(13.5, 1020) == [20, 50, 100, 200, 500, 1000]
+    assert log_ticks(13.5, 20) == [14, 16, 18, 20]
     assert scheme_order(["w8a8", "w4a16", "w3a16-g128", "w4a8", "w3a16", "w4a16-g128"]) == \
         ["w3a16", "w3a16-g128", "w4a8", "w4a16", "w4a16-g128", "w8a8"]
