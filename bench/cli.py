@@ -446,7 +446,6 @@ def cmd_plan(args) -> int:
     user_overrides = _checked_overrides(args.set, methods)
     tasks = _task_names(args.tasks)
     limit = args.task_limit or None
-    eval_tokens = P.eval_tokens_for(_datasets(args.datasets), args.max_eval_tokens)
     device = "cuda" if torch_cuda() else "cpu"
     workers = args.gpus or (resolve_jobs(prof.jobs) if device == "cpu" else 1)
     if device == "cpu" and not args.machine_profile:
@@ -458,17 +457,25 @@ def cmd_plan(args) -> int:
     if args.save_profile:
         Path(args.save_profile).write_text(dumps_json(machine, indent=1))
     overrides = dict(prof.method_settings) | user_overrides
+    given = _calib_given(args)
+
+    def calib(m):
+        c = resolve_calib(m, args.preset, given)
+        return c.n_samples, c.seq_len
+    specs = P.plan_specs(methods, schemes, calib, preset=args.preset, overrides=overrides,
+                         datasets=_datasets(args.datasets), max_tokens=args.max_eval_tokens or None,
+                         eval_seq=args.eval_seq_len, tasks=tasks, task_limit=limit,
+                         measure=not args.machine_profile and device == "cpu")
+    est = P.price(shape, specs, machine)   # the estimate `run` prints for the same options on an empty store
     cells = []
-    for m in methods:
-        calib = resolve_calib(m, args.preset, _calib_given(args))
-        cells += P.plan_cells(shape, [m], schemes, machine, preset=args.preset, overrides=overrides,
-                              measure=not args.machine_profile,
-                              n=calib.n_samples, seq=calib.seq_len, eval_tokens=eval_tokens, eval_seq=args.eval_seq_len,
-                              tasks=tasks, task_limit=limit)
-    fp_work = P.cell_work(shape, None, None, {}, 1, 1, eval_tokens, args.eval_seq_len, tasks, limit)
-    fp_s = P.seconds(fp_work, machine)
-    total = fp_s + sum(c.seconds for c in cells)
-    wall = P.schedule([fp_s] + [c.seconds for c in cells], workers)
+    for i, sp in specs.items():
+        if sp.method is None:
+            continue
+        host, dev = P.estimate_memory(shape, sp.method, sp.n, sp.seq, machine["device"])
+        cells.append(P.CellPlan(sp.method.name, sp.scheme.name, {}, est.seconds(i), host, dev))
+    fp_s = est.seconds(0)
+    total, wall = est.total, est.wall(workers)
+    load = P.load_note(workers) if device == "cpu" else None
     unit = "GPU" if machine["device"] == "cuda" else "CPU-process"
     if args.json:
         print(dumps_json({"shape": P.describe(shape), "machine": {k: machine[k] for k in ("device", "hardware", "threads")},
@@ -485,6 +492,8 @@ def cmd_plan(args) -> int:
     print(f"\nFP reference evaluation: {P.fmt_hours(fp_s)}. Total: {total / 3600:.2f} {unit}-hours; "
           f"wall time on {workers} {'device' if unit == 'GPU' else 'worker'}{'s' if workers > 1 else ''}: "
           f"{P.fmt_hours(wall)} (longest cells first).")
+    if load:
+        print(f"Note: {load}.")
     return 0
 
 
@@ -553,6 +562,9 @@ def _announce_estimate(args, cells, todo, executor, loaded):
          f"{P.fmt_duration(est.wall(workers))} wall on {workers} worker{'s' if workers > 1 else ''} (longest cell: "
          f"{cells[longest].method_name} {cells[longest].scheme_name}, {P.fmt_duration(est.seconds(longest))}"
          f"{unpriced}). `lrq-bench plan` itemizes it; Ctrl-C stops at once, and a rerun keeps what was stored.")
+    load = P.load_note(workers, executor.threads) if device == "cpu" else None
+    if load:
+        _say(load + ".")
     return est
 
 

@@ -59,7 +59,12 @@ Weights = dict[int, dict[str, float]]   # job index -> stage -> estimated second
 class ProgressBoard:
     """The one terminal bar of a run: cells done of all, the running cells' current stage and progress,
     failures, elapsed time and ETA. Its unit is estimated seconds of work (`weights`), so a long LRQ cell
-    moves the bar block by block and a short RTN cell barely; the ETA is tqdm's, elapsed x remaining / done."""
+    moves the bar block by block and a short RTN cell barely; the ETA is tqdm's, elapsed x remaining / done,
+    shown only once a first unit of work (a cell's stage) has finished: before that it would extrapolate from
+    the first seconds (model loading, a reference pass), which once read 286 hours after 4 minutes."""
+
+    FORMAT = "{desc} {percentage:3.0f}%|{bar:16}| [{elapsed}<{remaining}]{postfix}"
+    FORMAT_NO_ETA = "{desc} {percentage:3.0f}%|{bar:16}| [{elapsed}, ETA after the first unit]{postfix}"
 
     def __init__(self, jobs: list[Job], weights: Weights | None = None, file=None):
         weights = weights or {}
@@ -80,7 +85,9 @@ class ProgressBoard:
         self.waiting: set[str] = set()                   # cells another run is computing
         self.bar = tqdm(total=round(sum(sum(w.values()) for w in self.weights.values()), 3), desc=self._desc(),
                         unit="s", smoothing=0, dynamic_ncols=True, file=file or sys.stderr,
-                        bar_format="{desc} {percentage:3.0f}%|{bar:16}| [{elapsed}<{remaining}]{postfix}")
+                        bar_format=self.FORMAT_NO_ETA)
+        self.eta = False
+        self.stage_done = False                          # a stage of some cell has reported "done"
         self._done = 0.0
 
     def _desc(self) -> str:
@@ -98,6 +105,7 @@ class ProgressBoard:
         if fraction is not None:
             st[stage] = max(st.get(stage, 0.0), fraction)
         self.where[idx] = f"{stage} {detail}".strip() if detail != "done" else f"{stage} done"
+        self.stage_done |= detail == "done"
         self.refresh()
 
     def finish(self, idx: int, failed: bool = False) -> None:
@@ -121,6 +129,9 @@ class ProgressBoard:
 
     def refresh(self) -> None:
         # never backwards: a stage's fraction only grows, and finished cells keep their weight
+        if not self.eta and (self.finished or self.stage_done):
+            self.eta = True            # a first unit has finished: from now on the rate means something
+            self.bar.bar_format = self.FORMAT
         self._done = min(max(self._done, self.done_seconds()), self.bar.total)
         self.bar.n = round(self._done, 3)
         self.bar.set_description_str(self._desc(), refresh=False)

@@ -143,22 +143,32 @@ def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, e
                ) -> dict[str, dict[str, tuple[float, float]]]:
     """(calls, flops) per kind of work, per stage of one cell as it runs: "quant" (the method's own work,
     `Method.work`; nothing for the FP reference), one stage per perplexity dataset, and "tasks". `measure`: the
-    estimate is for this machine's CPU, where a compiled training step is measured at the cell's shape
-    (`measured_training`)."""
+    estimate is for this machine's CPU, where a compiled training step and a text window are measured at the
+    cell's shape (`measured_training`, `measured_eval`)."""
     from lrq.methods import add_work
     stages: dict[str, dict[str, tuple[float, float]]] = {
         "quant": {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))}
     L = shape.layers
     if method is not None and measure:
         measured_training(stages["quant"], shape, method, scheme, cfg, seq)
+    probe = measured_eval(shape, eval_seq) if measure and (eval_tokens or tasks) else None
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
-        stages[ds] = add_work({}, "fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
+        if probe:
+            stages[ds] = {f"probe:{probe}:win_block": (float(windows * L), 0.0),
+                          f"probe:{probe}:win_rest": (float(windows), 0.0)}
+        else:
+            stages[ds] = add_work({}, "fwd", windows * L, shape.model_fwd_flops(windows * eval_seq, eval_seq))
     if tasks:
         w: dict[str, tuple[float, float]] = {}
         for t in tasks:
             calls, toks = task_requests(t, task_limit)
-            add_work(w, "fwd", calls * L, calls * shape.model_fwd_flops(toks, toks))
+            if probe:   # the measured window's cost per token (its float32 head and NLL dominate short requests)
+                add_work(w, "fwd", calls * L, 0.0)                         # per-call overhead, from the profile
+                add_work(w, f"probe:{probe}:win_block", calls * toks / eval_seq * L, 0.0)
+                add_work(w, f"probe:{probe}:win_rest", calls * toks / eval_seq, 0.0)
+            else:
+                add_work(w, "fwd", calls * L, calls * shape.model_fwd_flops(toks, toks))
         stages["tasks"] = w
     return stages
 
@@ -283,8 +293,29 @@ def busy_note(profile: dict) -> str | None:
     if not load.get("busy"):
         return None
     return (f"the machine profile was measured while other processes used {100 * load['others_cpu_share']:.0f} % of "
-            f"the {load['cpus']} CPUs (load average {load.get('loadavg_before')}): estimates may be too long; "
-            f"`lrq-bench plan --remeasure` on an idle machine measures it again")
+            f"the {load['cpus']} CPUs (load average {load.get('loadavg_before')}): the rates it measured may be "
+            f"slower than this machine's own; `lrq-bench plan --remeasure` on an idle machine measures it again")
+
+
+def load_note(workers: int, threads: int = 1, busy: float | None = None, cpus: int | None = None) -> str | None:
+    """A sentence saying the estimate is too short because the machine is loaded now, or None: the estimate
+    assumes each of the run's `workers` (`threads` each) CPUs of its own, and other work already running takes
+    its share of the CPUs from them. `busy`: CPUs' worth of other work at normal priority (measured over half a
+    second where None; niced work, which yields to the run, is left out)."""
+    cpus = cpus or os.cpu_count() or 1
+    if busy is None:
+        try:
+            import psutil
+            t = psutil.cpu_times_percent(interval=0.5)
+            busy = (t.user + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)) / 100 * cpus
+        except Exception:  # noqa: BLE001 - no reading, no note
+            return None
+    demand = busy + workers * threads
+    if demand <= cpus * 1.1:
+        return None
+    return (f"the machine is busy now (other processes use {busy:.1f} of its {cpus} CPUs before this run's "
+            f"{workers * threads} thread{'s' if workers * threads > 1 else ''} start): the estimate assumes CPUs of "
+            f"their own, so it is too short while that load lasts; expect up to about {demand / cpus:.1f}x as long")
 
 
 def _measure(device: str, widths: tuple[int, int] | None, n: int, seq: int, iters: int) -> dict:
@@ -504,6 +535,83 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
     work[f"probe:{digest}:block"] = (float(shape.layers), 0.0)
 
 
+# a text pass is priced from a forward measured at the model's own shape where its block has at most this many
+# parameters (a CPU measures a SmolLM2- or 1B-shaped block in seconds; larger ones keep the FLOP-scaled price)
+MEASURE_EVAL_MAX_BLOCK_PARAMS = 50_000_000
+# ... and at least this many parameters in all (below it a text pass takes seconds and its FLOP price will do)
+MEASURE_EVAL_MIN_PARAMS = 20_000_000
+
+
+def _eval_probe_key(shape: ModelShape, seq: int) -> dict:
+    from bench.provenance import hardware
+    from lrq import precision as P
+    hw = hardware()
+    return {"probe": "eval", "shape": [shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.vocab],
+            "seq": int(seq), "precision": P.current("cpu"), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cpu": [hw.get("cpu"), hw.get("cpu_kind"), hw.get("torch_cpu_capability")]}
+
+
+def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
+    """Seconds per scored window of `seq` tokens on random models of `shape` (1 and `blocks` blocks, the real
+    vocabulary and output head), through the harness's own perplexity pass at the current precision: per block,
+    the rest (embedding, float32 head, NLL), what the KL divergence from a reference adds (bench.kl), and the
+    reference's own pass beyond its blocks. About 20 s for SmolLM2's shape on one core."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench import kl
+    from bench.perplexity import perplexity
+    from lrq import precision as P
+    bf16 = P.current("cpu") == "bf16"
+    win = torch.randint(0, shape.vocab, (seq,), generator=torch.Generator().manual_seed(0))
+
+    def model(layers):
+        torch.manual_seed(0)
+        mc = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
+        return LlamaForCausalLM(mc).eval()
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    one, many = model(1), model(blocks)
+    perplexity(one, win, seq, autocast=bf16, desc="probe")          # warm-up
+    t1 = timed(lambda: perplexity(one, win, seq, autocast=bf16, desc="probe"))
+    tn = timed(lambda: perplexity(many, win, seq, autocast=bf16, desc="probe"))
+    block = max((tn - t1) / (blocks - 1), 1e-6)
+    ref = {}
+    t_ref = timed(lambda: ref.setdefault("r", kl.compute_reference(one, [win], bf16)))
+    t_kl = timed(lambda: perplexity(one, win, seq, autocast=bf16, desc="probe", reference=ref["r"]))
+    return {"win_block_s": block, "win_rest_s": max(t1 - block, 0.0), "win_kl_s": max(t_kl - t1, 0.0),
+            "ref_rest_s": max(t_ref - block, 0.0), "probe_s": {"ppl1": t1, f"ppl{blocks}": tn, "ref": t_ref,
+                                                              "ppl1_kl": t_kl},
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def measured_eval(shape: ModelShape, seq: int) -> str | None:
+    """The digest of this machine's measured text pass at `shape` and `seq` (measured once and cached beside the
+    training steps), or None where it is not measured (a block too large to probe quickly)."""
+    import hashlib
+    if shape.block_params() > MEASURE_EVAL_MAX_BLOCK_PARAMS or shape.params() < MEASURE_EVAL_MIN_PARAMS:
+        return None
+    key = _eval_probe_key(shape, seq)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    from lrq.io import atomic_write_text, file_lock
+    path = _probe_cache()
+    with file_lock(path):
+        try:
+            cache = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            cache = {}
+        if digest not in cache:
+            _say_stderr(f"measuring a {seq}-token evaluation window at this model's shape (about 20 s, once) ...")
+            with _quiet():
+                cache[digest] = _measure_eval(shape, seq) | {"key": key}
+            atomic_write_text(path, dumps_json(cache, indent=1))
+    return digest
+
+
 def seconds(work: dict[str, tuple[float, float]], profile: dict) -> float:
     total = 0.0
     probes = None
@@ -582,37 +690,107 @@ class RunEstimate:
         return schedule([self.seconds(i) for i in self.stages], workers)
 
 
-def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict) -> RunEstimate:
-    """The planner's estimate of a run about to start: for each settled cell (bench.cell.Cell) the stages its
-    missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
-    "quant" stage always counts; a perplexity or task stage only when that unit is missing."""
+@dataclass(frozen=True)
+class Priced:
+    """What one cell of a run will compute, as the estimate prices it (`price`; a cell with any unit missing is
+    quantized again, the model is not stored): built from a settled cell and its missing units by `estimate_run`, and from the command line by `plan_specs` (`lrq-bench plan`), so that
+    `plan` and `run` price the same cells the same way."""
+    label: str
+    method: Any                       # the method class, None for the FP reference
+    scheme: Any
+    config: dict
+    n: int
+    seq: int
+    ppl: tuple[str, ...]              # texts whose perplexity is computed
+    kl: tuple[str, ...]               # texts whose KL divergence from FP is computed (same pass as ppl)
+    max_tokens: int | None
+    eval_seq: int
+    tasks: tuple[str, ...] = ()
+    task_limit: int | None = None
+    measure: bool = False             # this machine's CPU profile: training steps and text passes measured at the
+    #                                   cell's own shape (`measured_training`, `measured_eval`)
+
+
+def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEstimate:
+    """Seconds per stage of every cell: the method's work, every text's pass (perplexity and KL together: the
+    FP logits recomputed from the stored hidden states by the output head, in float32), the tasks, and the FP
+    reference pass over a text, once per run, in the stage of the first cell that needs it (bench.kl)."""
     from lrq.methods import add_work
     stages: dict[int, dict[str, float]] = {}
     unpriced = []
-    references = set()   # texts whose FP KL reference the first cell needing it computes (bench.kl)
-    for i, cell in cells.items():
-        units = todo.get(i) or set()
-        if not units:
-            continue
-        method = None if cell.is_fp else cell.method
-        if method is not None and method.external:
+    references: set[str] = set()
+    for i, sp in specs.items():
+        if sp.method is not None and sp.method.external:
             unpriced.append(i)
             continue
-        datasets = [d for d in cell.datasets if d in units or f"{d}:kl" in units]   # one pass computes both
-        work = stage_work(shape, method, cell.scheme, cell.config, cell.calib.n_samples, cell.calib.seq_len,
-                          eval_tokens_for(datasets, cell.eval.max_tokens), cell.eval.seq_len,
-                          list(cell.tasks) if "tasks" in units else [], cell.task_limit,
-                          measure=profile.get("device") == "cpu" and "quant" in units)
-        new_refs = {d for d in cell.datasets if f"{d}:kl" in units} - references
+        datasets = sorted(set(sp.ppl) | set(sp.kl), key=lambda d: (d not in ("wikitext2", "c4"), d))
+        tokens = eval_tokens_for(datasets, sp.max_tokens)
+        work = stage_work(shape, sp.method, sp.scheme, sp.config, sp.n, sp.seq, tokens, sp.eval_seq,
+                          list(sp.tasks), sp.task_limit, measure=sp.measure)
+        probe = measured_eval(shape, sp.eval_seq) if sp.measure and datasets else None
+        for d in sp.kl:   # scoring KL: the FP logits from the float32 head, and the divergence itself
+            windows = max(1, tokens[d] // sp.eval_seq)
+            if probe:
+                add_work(work[d], f"probe:{probe}:win_kl", windows, 0.0)
+            else:
+                add_work(work[d], "fwd", windows, 2.0 * shape.hidden * shape.vocab * windows * sp.eval_seq)
+        new_refs = set(sp.kl) - references
         if new_refs:   # one FP pass over these texts, before the cell quantizes (perhaps cached already)
             references |= new_refs
-            ref_work = stage_work(shape, None, None, {}, 1, 1, eval_tokens_for(sorted(new_refs), cell.eval.max_tokens),
-                                  cell.eval.seq_len, [], None)
+            ref_tokens = eval_tokens_for(sorted(new_refs), sp.max_tokens)
+            ref_work = stage_work(shape, None, None, {}, 1, 1, ref_tokens, sp.eval_seq, [], None)
             for d in new_refs:
+                if probe:
+                    windows = max(1, ref_tokens[d] // sp.eval_seq)
+                    add_work(work["quant"], f"probe:{probe}:win_block", windows * shape.layers, 0.0)
+                    add_work(work["quant"], f"probe:{probe}:ref_rest", windows, 0.0)
+                    continue
                 for kind, (calls, flops) in ref_work[d].items():
                     add_work(work["quant"], kind, calls, flops)
         stages[i] = {name: seconds(w, profile) for name, w in work.items()}
     return RunEstimate(stages, unpriced, profile)
+
+
+def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict) -> RunEstimate:
+    """The planner's estimate of a run about to start: for each settled cell (bench.cell.Cell) the stages its
+    missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
+    "quant" stage always counts; a perplexity or task stage only when that unit is missing."""
+    specs = {}
+    for i, cell in cells.items():
+        units = todo.get(i) or set()
+        if not units:
+            continue
+        specs[i] = Priced(
+            f"{cell.method_name} {cell.scheme_name}", None if cell.is_fp else cell.method, cell.scheme,
+            cell.config, cell.calib.n_samples, cell.calib.seq_len,
+            tuple(d for d in cell.datasets if d in units), tuple(d for d in cell.datasets if f"{d}:kl" in units),
+            cell.eval.max_tokens, cell.eval.seq_len, tuple(cell.tasks) if "tasks" in units else (), cell.task_limit,
+            measure=profile.get("device") == "cpu")
+    return price(shape, specs, profile)
+
+
+def plan_specs(methods: list[str], schemes: list[str], calib: Any, *, preset: str, overrides: dict,
+               datasets: list[str], max_tokens: int | None, eval_seq: int, tasks: list[str], task_limit: int | None,
+               fp: bool = True, measure: bool = False) -> dict[int, Priced]:
+    """The cells `lrq-bench run` would compute on an empty store with these options, in its order (FP first),
+    as `price` takes them. `calib(method) -> (n, seq)`."""
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+    out: list[Priced] = []
+    if fp:
+        out.append(Priced("fp fp", None, None, {}, 1, 1, tuple(datasets), (), max_tokens, eval_seq, tuple(tasks),
+                          task_limit, measure=measure))
+    for name in methods:
+        method = get_method(name)
+        if method.external:
+            raise UserError(f"{name} runs another stack in its own environment: the planner has no cost model "
+                            f"for it (time one cell instead).")
+        cfg = method.config(preset, overrides or {})
+        n, seq = calib(name)
+        for s in schemes:
+            out.append(Priced(f"{name} {s}", method, get_scheme(s), cfg, n, seq, tuple(datasets), tuple(datasets),
+                              max_tokens, eval_seq, tuple(tasks), task_limit, measure=measure))
+    return dict(enumerate(out))
 
 
 def check_fits(shape: ModelShape, method, n: int, seq: int, device: str, host_available: int,

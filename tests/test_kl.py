@@ -153,7 +153,7 @@ def test_the_leaderboard_is_led_by_kld_and_shows_flips(tiny_model_dir, data_dir,
     flips = md.split("### Flips against the FP model")[1].split("###")[0]
     assert flips.count("| rtn ") == 2 and "zero-shot flips %" in flips
     html = (tmp_path / "rep" / "leaderboard.html").read_text()
-    assert "KL divergence from the FP model" in html and 'class="zero"' in html
+    assert "KL divergence from the FP model" in html and 'class="ref"' in html
 
 
 def test_flips_count_answers_that_changed():

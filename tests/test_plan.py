@@ -127,3 +127,67 @@ def test_long_training_is_priced_from_a_step_measured_at_the_cells_shape(tmp_pat
     quick = dict(m.work(shape, scheme, m.config("quick", {}), 8, 32))
     P.measured_training(quick, shape, m, scheme, m.config("quick", {}), 32)
     assert len(calls) == 1 and "train_lrq" in quick
+
+
+def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir, tmp_path, capsys):
+    """`plan` and the estimate `run` prints come from one function (`P.price`): for the same options on an empty
+    store they agree to the second, and both count the KL pass (the FP reference over each text once, and the
+    float32 head for the FP logits in every quantized cell's pass)."""
+    from bench.cell import EvalSettings, Request, resolve_calib, settle
+    kinds = {k: {"per_call_s": 1e-3, "flops_per_s": 1e9} for k in
+             ("fwd", "walk", "rtn", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq")}
+    prof = {"kinds": kinds, "device": "cuda", "hardware": {"gpu": "test"}, "threads": 1, "precision": "bf16"}
+    f = tmp_path / "machine.json"
+    f.write_text(json.dumps(prof))
+    opts = ["--model", str(tiny_model_dir), "--profile", "full", "--methods", "rtn,gptq", "--schemes", "w4a16,w3a16",
+            "--datasets", "wikitext2,c4", "--max-eval-tokens", "1024", "--eval-seq-len", "256", "--tasks", "piqa",
+            "--task-limit", "8", "--calib-samples", "6", "--calib-seq-len", "32"]
+    assert main(["plan", *opts, "--machine-profile", str(f), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    given = {"n_samples": 6, "seq_len": 32}
+    cells = [settle(Request(model=str(tiny_model_dir), method=m, scheme=s, datasets=("wikitext2", "c4"),
+                            preset="quick", calib=resolve_calib(m, "quick", given), eval=EvalSettings(256, False, 1024),
+                            data_dir=str(data_dir), tasks=("piqa",), task_limit=8))
+             for m, s in [("fp", "fp")] + [(m, s) for m in ("rtn", "gptq") for s in ("w4a16", "w3a16")]]
+    est = P.estimate_run(plan_shape := P.load_shape(str(tiny_model_dir)), dict(enumerate(cells)),
+                         {i: set(c.keys) for i, c in enumerate(cells)}, prof)
+    assert plan["fp_seconds"] == pytest.approx(est.seconds(0), rel=1e-9)
+    assert [c["seconds"] for c in plan["cells"]] == pytest.approx([est.seconds(i) for i in range(1, 5)], rel=1e-9)
+    assert plan["total_hours"] * 3600 == pytest.approx(est.total, rel=1e-9)
+    # the KL pass is priced: without the KL units the same cells cost less, and the FP reference is paid once
+    no_kl = P.estimate_run(plan_shape, dict(enumerate(cells)),
+                           {i: {u for u in c.keys if not u.endswith(":kl")} for i, c in enumerate(cells)}, prof)
+    assert est.total > no_kl.total and est.seconds(1) - no_kl.seconds(1) > est.seconds(2) - no_kl.seconds(2) > 0
+
+
+def test_a_loaded_machine_is_said_to_make_the_estimate_too_short():
+    assert P.load_note(2, 1, busy=0.1, cpus=2) is None
+    note = P.load_note(2, 1, busy=2.0, cpus=2)
+    assert "too short" in note and "too long" not in note and "2.0x as long" in note
+
+
+def test_text_passes_are_priced_from_a_window_measured_at_the_models_shape(tmp_path, monkeypatch):
+    """On this machine's CPU profile a text pass, its KL scoring, the FP reference and the tasks are priced from
+    one window measured through the harness's own perplexity pass at the model's shape (`measured_eval`, cached
+    once), not from FLOPs at the profile's small widths: the float32 head and the KL over a 49k vocabulary
+    dominate a SmolLM2 window and were priced at a tenth of their cost."""
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))
+    shape = P.ModelShape("probe-test", 128, 384, 2, 2, 2, 30_000)       # 8 M parameters
+    monkeypatch.setattr(P, "MEASURE_EVAL_MIN_PARAMS", 1)
+    said = []
+    monkeypatch.setattr(P, "_say_stderr", said.append)
+    digest = P.measured_eval(shape, 128)
+    assert digest and len(said) == 1 and P.measured_eval(shape, 128) == digest and len(said) == 1   # cached
+    probe = json.loads(P._probe_cache().read_text())[digest]
+    assert probe["win_rest_s"] > 0 and probe["win_kl_s"] > 0 and probe["key"]["shape"][-1] == 30_000
+    prof = {"kinds": {"fwd": {"per_call_s": 0.0, "flops_per_s": 1e12}}, "device": "cpu"}
+    specs = P.plan_specs(["rtn"], ["w4a16"], lambda m: (4, 32), preset="quick", overrides={}, datasets=["wikitext2"],
+                         max_tokens=512, eval_seq=128, tasks=[], task_limit=None, fp=False, measure=True)
+    prof["kinds"]["rtn"] = {"per_call_s": 0.0, "flops_per_s": 1e12}
+    est = P.price(shape, specs, prof)
+    windows = 512 // 128
+    want = windows * (2 * probe["win_block_s"] + probe["win_rest_s"] + probe["win_kl_s"])
+    assert est.stages[0]["wikitext2"] == pytest.approx(want)
+    assert est.stages[0]["quant"] >= windows * (2 * probe["win_block_s"] + probe["ref_rest_s"])   # + the reference
+    monkeypatch.setattr(P, "MEASURE_EVAL_MIN_PARAMS", 10**12)                  # a tiny model: FLOP-priced
+    assert P.measured_eval(shape, 128) is None

@@ -176,7 +176,9 @@ def test_the_board_moves_with_stages_weighted_by_the_estimate():
         assert board.bar.n == pytest.approx(45.0) and "lrq w4a16: quant block 15/30" in board.postfix()
         board.update(0, "quant", "block 14/30", 0.4)       # a late or smaller report never moves it back
         assert board.bar.n == pytest.approx(45.0)
+        assert not board.eta and "ETA after the first unit" in str(board.bar)   # no ETA before a unit is done
         board.update(0, "quant", "done", 1.0)
+        assert board.eta and "ETA after" not in str(board.bar) and "<" in str(board.bar)
         board.update(0, "wikitext2", "window 1/2", 0.5)
         assert board.bar.n == pytest.approx(95.0)
         board.finish(0)
