@@ -501,7 +501,6 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
     """Replace the FLOP-scaled training of a long block-wise cell (MEASURE_TRAINING_FROM_STEPS) by its measured
     step: kinds `probe:<key>:step` (calls: blocks x steps) and `probe:<key>:block` (calls: blocks), priced by
     `seconds` from the cache of measured steps."""
-    import hashlib
     kind = f"train_{method.name}"
     if kind not in work or scheme is None:
         return
@@ -517,19 +516,9 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
     if not resolved.get("compile"):
         return
     key = _probe_key(shape, method, scheme, resolved) | {"seq": int(seq)}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    from lrq.io import atomic_write_text, file_lock
-    path = _probe_cache()
-    with file_lock(path):
-        try:
-            cache = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            cache = {}
-        if digest not in cache:
-            _say_stderr(f"measuring a {method.name} training step at this cell's shape (batch "
-                        f"{key['settings']['batch_size']} x {seq}, compiled; about a minute, once) ...")
-            cache[digest] = _measure_training(shape, method, scheme, cfg, seq, True) | {"key": key}
-            atomic_write_text(path, dumps_json(cache, indent=1))
+    digest = _cached_probe(key, lambda: _measure_training(shape, method, scheme, cfg, seq, True),
+                           f"measuring a {method.name} training step at this cell's shape (batch "
+                           f"{key['settings']['batch_size']} x {seq}, compiled; about a minute, once) ...")
     del work[kind]
     work[f"probe:{digest}:step"] = (float(steps), 0.0)
     work[f"probe:{digest}:block"] = (float(shape.layers), 0.0)
@@ -592,12 +581,22 @@ def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
 def measured_eval(shape: ModelShape, seq: int) -> str | None:
     """The digest of this machine's measured text pass at `shape` and `seq` (measured once and cached beside the
     training steps), or None where it is not measured (a block too large to probe quickly)."""
-    import hashlib
     if shape.block_params() > MEASURE_EVAL_MAX_BLOCK_PARAMS or shape.params() < MEASURE_EVAL_MIN_PARAMS:
         return None
-    key = _eval_probe_key(shape, seq)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    def measure():
+        with _quiet():
+            return _measure_eval(shape, seq)
+    return _cached_probe(_eval_probe_key(shape, seq), measure,
+                         f"measuring a {seq}-token evaluation window at this model's shape (about 20 s, once) ...")
+
+
+def _cached_probe(key: dict, measure, message: str) -> str:
+    """The digest under which the probe cache holds `measure()`'s result for `key`, measured (saying `message`)
+    and stored atomically where it is missing; a file lock makes parallel processes measure it once."""
+    import hashlib
+
     from lrq.io import atomic_write_text, file_lock
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = _probe_cache()
     with file_lock(path):
         try:
@@ -605,9 +604,8 @@ def measured_eval(shape: ModelShape, seq: int) -> str | None:
         except (OSError, ValueError):
             cache = {}
         if digest not in cache:
-            _say_stderr(f"measuring a {seq}-token evaluation window at this model's shape (about 20 s, once) ...")
-            with _quiet():
-                cache[digest] = _measure_eval(shape, seq) | {"key": key}
+            _say_stderr(message)
+            cache[digest] = measure() | {"key": key}
             atomic_write_text(path, dumps_json(cache, indent=1))
     return digest
 
