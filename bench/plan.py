@@ -451,17 +451,21 @@ def _probe_cache() -> Path:
     return cache_root() / "plan-training-steps.json"
 
 
-def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
+def _machine_key() -> dict:
+    """What a probe measured here depends on besides its shape: the precision, threads, torch and the CPU."""
     from bench.provenance import hardware
     from lrq import precision as P
+    hw = hardware()
+    return {"precision": P.current("cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu": [hw.get("cpu"), hw.get("cpu_kind"), hw.get("torch_cpu_capability")]}
+
+
+def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
     keep = {k: resolved.get(k) for k in ("batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank",
                                           "rank_fraction", "s1_init", "search_grid", "recon_act_quant", "let")}
-    hw = hardware()
     return {"method": method.name, "scheme": scheme.name, "shape": [shape.hidden, shape.intermediate, shape.heads,
                                                                    shape.kv_heads],
-            "settings": keep, "precision": P.current("cpu"),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cpu": [hw.get("cpu"), hw.get("cpu_kind"), hw.get("torch_cpu_capability")]}
+            "settings": keep} | _machine_key()
 
 
 def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, compiled: bool) -> dict:
@@ -532,12 +536,8 @@ MEASURE_EVAL_MIN_PARAMS = 20_000_000
 
 
 def _eval_probe_key(shape: ModelShape, seq: int) -> dict:
-    from bench.provenance import hardware
-    from lrq import precision as P
-    hw = hardware()
     return {"probe": "eval", "shape": [shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.vocab],
-            "seq": int(seq), "precision": P.current("cpu"), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cpu": [hw.get("cpu"), hw.get("cpu_kind"), hw.get("torch_cpu_capability")]}
+            "seq": int(seq)} | _machine_key()
 
 
 def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
@@ -736,7 +736,7 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
         if new_refs:   # one FP pass over these texts, before the cell quantizes (perhaps cached already)
             references |= new_refs
             ref_tokens = eval_tokens_for(sorted(new_refs), sp.max_tokens)
-            ref_work = stage_work(shape, None, None, {}, 1, 1, ref_tokens, sp.eval_seq, [], None)
+            ref_work = {} if probe else stage_work(shape, None, None, {}, 1, 1, ref_tokens, sp.eval_seq, [], None)
             for d in new_refs:
                 if probe:
                     windows = max(1, ref_tokens[d] // sp.eval_seq)
