@@ -475,6 +475,9 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lrq.methods import Calibration
+    # a fresh instance without the cell's checkpoint folder: the probe's random block must never be written where
+    # the cell resumes from (a --sync folder would commit it)
+    method = type(method)(device=method.device)
     torch.manual_seed(0)
     mc = LlamaConfig(vocab_size=256, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                      num_hidden_layers=1, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,

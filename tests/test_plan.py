@@ -191,3 +191,18 @@ def test_text_passes_are_priced_from_a_window_measured_at_the_models_shape(tmp_p
     assert est.stages[0]["quant"] >= windows * (2 * probe["win_block_s"] + probe["ref_rest_s"])   # + the reference
     monkeypatch.setattr(P, "MEASURE_EVAL_MIN_PARAMS", 10**12)                  # a tiny model: FLOP-priced
     assert P.measured_eval(shape, 128) is None
+
+
+def test_the_training_probe_never_writes_into_a_cells_checkpoints(tmp_path, monkeypatch):
+    """The probe that prices a long cell's step trains a random block: with the cell's method instance it wrote
+    a block 0 of that random model into the cell's (committed) checkpoint folder (seen on 2026-12-02)."""
+    from bench import plan as P
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+    monkeypatch.setattr(P, "_PROBE_STEPS", (1, 2))
+    m = get_method("lrq", checkpoint_dir=str(tmp_path / "ck"))
+    shape = P.ModelShape("tiny", 64, 128, 2, 4, 2, 256)
+    out = P._measure_training(shape, m, get_scheme("w3a16"), m.config("quick", {"heldout_samples": 1}), 32, False)
+    assert out["step_s"] > 0
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+    assert m.checkpoint_dir == str(tmp_path / "ck")     # the cell's own instance is untouched
