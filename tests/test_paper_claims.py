@@ -159,3 +159,68 @@ def test_rank_claim_pairs_each_rank_with_the_highest(tmp_path):
     _rank_store(tmp_path / "tie.sqlite", {("uniform", 8): 0.0, ("uniform", 576): 0.0})
     rank = claim_rank(ResultStore(tmp_path / "tie.sqlite").rows())
     assert rank["verdict"] == "not separated" and len(rank["measurement"]) == 2
+
+
+def _long_folder(path, lrq_kld_shift):
+    """A long run's committed folder: LRQ, FlexRound and GPTQ at w3a16, per-window NLLs and KL means."""
+    import hashlib
+    from bench import ledger
+    from bench.store import Row
+    hexkey = lambda name: hashlib.sha256(name.encode()).hexdigest()  # noqa: E731   (unit keys are hexadecimal)
+    base = [2.0, 2.2, 2.1, 2.3, 2.05, 2.15]
+    kld = [0.40, 0.45, 0.42, 0.47, 0.41, 0.44]
+    regime = {"method_resolved": {"iters": 1000, "batch_size": 2, "heldout_samples": 16, "preset": "long",
+                                  "rank_rule": "llama2-7b-like"},
+              "calibration": {"n_samples": 128, "seq_len": 1024}, "precision": {"used": "bf16"}}
+    units = {}
+    for m, shift in (("lrq", lrq_kld_shift), ("flexround", 0.0), ("gptq", 0.3)):
+        for ds in ("wikitext2", "c4"):
+            w = [x + shift for x in base]
+            k = [x + shift for x in kld]
+            for metric, value, extra in (("ppl", math.exp(sum(w) / len(w)), {"eval": {"window_nll": w}}),
+                                         ("kld", sum(k) / len(k), {"kl": {"window_kld": k}})):
+                key = hexkey(f"{m}-{ds}-{metric}")
+                units[key] = [Row("smollm2-135m", m, "w3a16", ds, metric, value, regime | extra, seed=0,
+                                  unit_key=key)]
+    ledger.write(path, units)
+    return path
+
+
+@pytest.mark.parametrize("shift, verdict, why", [
+    (0.05, "does not hold", "separated worse than flexround on wikitext2, flexround on c4, flexround on wikitext2 kld"),
+    (-0.05, "holds", "not yet measured: awq"),
+])
+def test_the_long_runs_results_file_adds_a_row_per_scheme(tmp_path, shift, verdict, why):
+    """`--long DIR` reads a committed results file: LRQ against FlexRound, GPTQ and AWQ, perplexity ratio
+    and KLD difference paired over the windows, for both texts; the regime names the preset, rank rule and
+    precision; the baselines not yet run are named, not counted."""
+    from bench.studies.paper_claims import main
+    _claims_store(tmp_path / "s.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    _long_folder(tmp_path / "long", shift)
+    assert main(["--results", str(tmp_path / "s.sqlite"), "--long", str(tmp_path / "long"),
+                 "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out" / "claims.json").read_text())
+    by = {c["claim"]: c for c in res["claims"]}
+    row = by["Results at W3A16, long preset"]
+    assert row["verdict"] == verdict and why in row["why"]
+    assert row["statement"] == "LRQ outperforms FlexRound, GPTQ and AWQ at W3A16"
+    assert "long preset, LRQ rank rule llama2-7b-like, bf16" in row["regime"]
+    vs_fr = next(line for line in row["measurement"] if line.startswith("vs flexround"))
+    assert vs_fr.count("ppl ratio") == 2 and vs_fr.count("KLD difference") == 2
+    assert f"wikitext2 KLD difference {shift:+.4f}" in vs_fr     # the windows differ by the shift exactly
+    assert "vs awq: not in the long run's results yet" in row["measurement"]
+    # the sweep's own rows are still there, and the long row stands apart from them
+    assert by["Results at W4A16"]["verdict"] == "holds"
+    # re-rendering the page from its JSON puts the long rows back in place of the old ones, once
+    assert main(["--from-json", str(tmp_path / "out" / "claims.json"), "--long", str(tmp_path / "long"),
+                 "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "claims.json").read_text())
+    assert [c["claim"] for c in again["claims"]] == [c["claim"] for c in res["claims"]]
+
+
+def test_a_missing_long_folder_is_refused(tmp_path):
+    from bench.studies.paper_claims import main
+    from lrq.errors import UserError
+    _claims_store(tmp_path / "s.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    with pytest.raises(UserError, match="no results file"):
+        main(["--results", str(tmp_path / "s.sqlite"), "--long", str(tmp_path / "nowhere"), "--out", str(tmp_path)])

@@ -58,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="reports/paper-claims")
     p.add_argument("--figure2", action="append", default=[], metavar="DIR",
                    help="a `python -m bench.studies.figure2` output folder: its paper-regime curves join the page")
+    p.add_argument("--long", action="append", default=[], metavar="DIR",
+                   help="a long run's committed folder (`lrq-bench run --preset long --sync DIR`): its results file "
+                        "adds a row per scheme, LRQ against FlexRound, GPTQ and AWQ (perplexity and KL divergence, "
+                        "paired over the same windows)")
     p.add_argument("--rank-results", action="append", default=[], metavar="STORE",
                    help="a store of LRQ runs that differ only in rank (--set rank_rule=uniform --set rank=R): its rows "
                         "join --results' for the rank claim only")
@@ -129,7 +133,9 @@ def _regime(cfg: dict) -> str:
     c = cfg.get("calibration") or {}
     return (f"{m.get('iters', '?')} steps/block, batch {m.get('batch_size', '?')}, calibration "
             f"{c.get('n_samples', '?')} x {c.get('seq_len', '?')} ({m.get('heldout_samples', '?')} held out), "
-            f"{m.get('preset', '?')} preset" + _precision_text(m.get("train_precision")))
+            f"{m.get('preset', '?')} preset" + _precision_text(m.get("train_precision"))
+            + (f", LRQ rank rule {m['rank_rule']}" if m.get("rank_rule") not in (None, "official") else "")
+            + (f", {(cfg.get('precision') or {})['used']}" if (cfg.get("precision") or {}).get("used") else ""))
 
 
 def _precision_text(train_precision) -> str:
@@ -236,7 +242,17 @@ def claim_figure2_study(path: str) -> tuple[dict, list[dict]]:
 
 
 # ---- claim 3: results per scheme ---------------------------------------------------------------------------
-def claim_schemes(rows) -> list[dict]:
+LONG_BASELINES = ("flexround", "gptq", "awq")
+#: what a comparison compares: (metric, label, how the effect is written); lower is better for both
+_COMPARED = {"ppl": ("ppl ratio", "{:.3f}"), "kld": ("KLD difference", "{:+.4f}")}
+
+
+def claim_schemes(rows, baselines: tuple[str, ...] = BASELINES, metrics: tuple[str, ...] = ("ppl",),
+                  source: str = "the store", tag: str = "") -> list[dict]:
+    """LRQ against each baseline at each scheme, paired over the same windows: perplexity ratios (LRQ / the
+    baseline) and, where `metrics` names it, the KL-divergence difference (LRQ minus the baseline) on both
+    texts. "holds" needs every comparison separated in LRQ's favour; one separated against it is "does not
+    hold". `tag` names the regime in the claim's title (e.g. "long preset")."""
     from bench.report import cell_stats
     stats = cell_stats(rows)
     regimes = {}
@@ -249,40 +265,68 @@ def claim_schemes(rows) -> list[dict]:
         if not lrq:
             continue
         lines, outcomes, worse_than = [], [], []
-        for base in BASELINES:
+        for base in baselines:
             other = stats.get((base, scheme))
             if not other:
-                lines.append(f"vs {base}: not in the store")
+                lines.append(f"vs {base}: not in {source}")
                 continue
             parts = []
-            for ds in PPL_SETS:
-                a, b = lrq.get((ds, "ppl")), other.get((ds, "ppl"))
-                c = S.compare(a, b) if a and b else None
-                if c is None:
-                    parts.append(f"{ds}: no paired data")
-                    continue
-                better = c.separated and c.effect < 1
-                worse = c.separated and c.effect > 1
-                outcomes.append("holds" if better else "does not hold" if worse else "not separated")
-                if worse:
-                    worse_than.append(f"{base} on {ds}")
-                iv = f" [{c.lo:.3f}, {c.hi:.3f}]" if c.lo is not None else ""
-                parts.append(f"{ds} ppl ratio {c.effect:.3f}{iv} ({c.how})")
+            for metric in metrics:
+                name, fmt = _COMPARED[metric]
+                for ds in PPL_SETS:
+                    a, b = lrq.get((ds, metric)), other.get((ds, metric))
+                    c = S.compare(a, b) if a and b else None
+                    if c is None:
+                        parts.append(f"{ds} {metric}: no paired data")
+                        continue
+                    better = c.separated and c.effect < c.null
+                    worse = c.separated and c.effect > c.null
+                    outcomes.append("holds" if better else "does not hold" if worse else "not separated")
+                    if worse:
+                        worse_than.append(f"{base} on {ds}" + ("" if metric == "ppl" else f" {metric}"))
+                    iv = f" [{fmt.format(c.lo)}, {fmt.format(c.hi)}]" if c.lo is not None else ""
+                    parts.append(f"{ds} {name} {fmt.format(c.effect)}{iv} ({c.how})")
             lines.append(f"vs {base}: " + ", ".join(parts))
         if not outcomes:
-            verdict, why = "not measurable here", "no baseline with paired perplexity data at this scheme"
+            verdict, why = "not measurable here", "no baseline with paired data at this scheme"
         elif all(o == "holds" for o in outcomes):
-            verdict, why = "holds", "LRQ's perplexity is lower than every baseline's, each separated"
+            verdict, why = "holds", "LRQ is better than every baseline on every comparison, each separated"
         elif worse_than:
             verdict, why = "does not hold", "separated worse than " + ", ".join(worse_than)
         else:
             n_sep = outcomes.count("holds")
             verdict = "not separated"
             why = (f"LRQ is never separated worse; separated better in {n_sep} of {len(outcomes)} comparisons")
-        out.append({"id": 3, "claim": f"Results at {label}",
-                    "statement": f"LRQ outperforms FlexRound, OmniQuant, GPTQ, AWQ and SmoothQuant at {label}",
+        missing = [b for b in baselines if (b, scheme) not in stats]
+        if missing and verdict != "does not hold":
+            why += f" (not yet measured: {', '.join(missing)})"
+        title = f"Results at {label}" + (f", {tag}" if tag else "")
+        out.append({"id": 3, "claim": title,
+                    "statement": f"LRQ outperforms {_names(baselines)} at {label}",
                     "measurement": lines, "verdict": verdict, "why": why, "regime": regimes.get(scheme, "-")})
     return out
+
+
+def _names(methods) -> str:
+    names = {"flexround": "FlexRound", "omniquant": "OmniQuant", "gptq": "GPTQ", "awq": "AWQ",
+             "smoothquant": "SmoothQuant"}
+    n = [names.get(m, m) for m in methods]
+    return n[0] if len(n) == 1 else ", ".join(n[:-1]) + " and " + n[-1]
+
+
+def claim_long(path: str, model: str) -> list[dict]:
+    """The scheme rows of a long run's committed results file (`lrq-bench run --preset long --sync DIR`):
+    LRQ against FlexRound, GPTQ and AWQ, perplexity and KL divergence paired over the same windows."""
+    from bench import ledger
+    f = ledger.results_file(path)
+    if not f.is_file():
+        raise UserError(f"--long {path!r}: no results file {f} there; give a folder written by "
+                        f"`lrq-bench run ... --sync DIR` or `lrq-bench results --save DIR`.")
+    rows = [r for unit in ledger.read(f).values() for r in unit if r.model == model]
+    if not rows:
+        raise UserError(f"--long {path!r} holds no rows of model {model!r}: pass --model with one of its models.")
+    return claim_schemes(rows, LONG_BASELINES, ("ppl", "kld"), source="the long run's results yet",
+                         tag="long preset")
 
 
 # ---- claim 4: the rank ------------------------------------------------------------------------------------
@@ -359,7 +403,8 @@ def claim_rank(all_rows) -> dict:
             "why": why, "regime": "; ".join(sorted(set(regimes)))}
 
 
-def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: list[str] = ()) -> dict:
+def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: list[str] = (),
+          long: list[str] = ()) -> dict:
     from bench.plan import load_shape
     from bench.provenance import git_revision
     from bench.store import ResultStore
@@ -378,18 +423,18 @@ def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: lis
         all_rows += [r for r in ResultStore(extra).rows() if r.model == model]
     studies = [claim_figure2_study(d) for d in figure2]
     claims = [claim_params(load_shape(model), rows), claim_figure2(rows), *(c for c, _ in studies),
-              *claim_schemes(rows), claim_rank(all_rows)]
+              *claim_schemes(rows), *(c for d in long for c in claim_long(d, model)), claim_rank(all_rows)]
     revs = sorted({r.git_rev for r in rows})
     for n, c in enumerate(claims, 1):   # one number per row, in page order; the kind of claim stays in its name
         c["id"] = n
         c["verdict_class"] = verdict_class(c["verdict"])
     # the stores by name only: a page committed to the repository names no path of the machine it was made on
     return {"model": model, "store": Path(store_path).name, "rank_stores": [Path(p).name for p in rank_stores],
-            "rows": len(rows), "row_revisions": revs,
+            "long_runs": [str(Path(d)) for d in long], "rows": len(rows), "row_revisions": revs,
             "written_by": git_revision(), "claims": claims, "curves": [ch for _, cs in studies for ch in cs]}
 
 
-def rebuild(claims_json: str, figure2: list[str] = ()) -> dict:
+def rebuild(claims_json: str, figure2: list[str] = (), long: list[str] = (), model: str | None = None) -> dict:
     """An earlier claims.json re-rendered: its rows as they were measured, the Figure-2 study rows and curves
     rebuilt from the --figure2 folders (their source), one number per row, stores named without paths."""
     from bench.provenance import git_revision
@@ -398,8 +443,14 @@ def rebuild(claims_json: str, figure2: list[str] = ()) -> dict:
         raise UserError(f"--from-json {claims_json!r} does not exist: give a claims.json written by this study.")
     old = json.loads(path.read_text())
     studies = [claim_figure2_study(d) for d in figure2]
+    long_rows = [c for d in long for c in claim_long(d, model or old["model"])]
     claims, placed = [], False
-    for c in old["claims"]:
+    kept = [c for c in old["claims"] if not (long and c["claim"].endswith(", long preset"))]
+    last_scheme = max((i for i, c in enumerate(kept) if c["claim"].startswith("Results at")), default=len(kept) - 1)
+    for i, c in enumerate(kept):
+        if i == last_scheme + 1:
+            claims += long_rows
+            long_rows = []
         if c["claim"].startswith("Figure 2 in the paper's regime"):
             if not placed:
                 claims += [sc for sc, _ in studies]
@@ -408,11 +459,13 @@ def rebuild(claims_json: str, figure2: list[str] = ()) -> dict:
         claims.append(dict(c))
     if not placed:
         claims += [sc for sc, _ in studies]
+    claims += long_rows
     for n, c in enumerate(claims, 1):
         c["id"] = n
         c["verdict_class"] = verdict_class(c["verdict"])
     return {"model": old["model"], "store": Path(old["store"]).name,
-            "rank_stores": [Path(p).name for p in old.get("rank_stores", [])], "rows": old["rows"],
+            "rank_stores": [Path(p).name for p in old.get("rank_stores", [])],
+            "long_runs": [str(Path(d)) for d in long] or old.get("long_runs", []), "rows": old["rows"],
             "row_revisions": old["row_revisions"], "written_by": git_revision(), "rerendered_from": old["written_by"],
             "claims": claims, "curves": [ch for _, cs in studies for ch in cs]}
 
@@ -438,6 +491,7 @@ def markdown(res: dict) -> str:
            f"Model {res['model']}; results store `{res['store']}` ({res['rows']} rows, code revisions "
            f"{', '.join(_rev(r) for r in res['row_revisions'])})"
            + "".join(f"; rank sweep `{p}`" for p in res.get("rank_stores", []))
+           + "".join(f"; long run `{d}`" for d in res.get("long_runs", []))
            + f"; written by {_rev(res['written_by'])}"
            + (f" (re-rendered from the page {_rev(res['rerendered_from'])} wrote)" if res.get("rerendered_from") else "")
            + ". "
@@ -476,8 +530,8 @@ regime stated in its row, not beyond it. Open a row for the paper's statement an
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jinja2 import Environment, select_autoescape
-    res = (rebuild(args.from_json, args.figure2) if args.from_json else
-           build(args.results, args.model, args.figure2, args.rank_results))
+    res = (rebuild(args.from_json, args.figure2, args.long, args.model) if args.from_json else
+           build(args.results, args.model, args.figure2, args.rank_results, args.long))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "claims.json", dumps_json({k: v for k, v in res.items() if k != "curves"}, indent=1))
