@@ -90,6 +90,23 @@ def test_methods_run_apart_then_merged(tiny_model_dir, data_dir, tmp_path):
         main(["--merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "m3")])
     with pytest.raises(UserError, match="does not exist"):
         main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m4")])
+    # one method of a run (DIR:METHOD), runs over other blocks: the blocks join, each result keeps its machine
+    last = base[:]
+    last[last.index("--blocks") + 1] = "last"
+    assert main(last + ["--methods", "flexround", "--out", str(tmp_path / "bl")]) == 0
+    assert main(["--merge", str(tmp_path / "r4"), f"{tmp_path / 'both'}:flexround", str(tmp_path / "bl"),
+                 "--out", str(tmp_path / "m7")]) == 0
+    res7 = json.loads((tmp_path / "m7" / "figure2.json").read_text())
+    assert sorted(res7["results"]) == ["0/flexround", "0/lrq", "1/flexround"] and res7["config"]["blocks"] == [0, 1]
+    assert res7["results"]["0/lrq"]["resolved"]["rank_rule"] == "uniform"       # r4's LRQ, not both's
+    assert res7["results"]["0/flexround"]["curve"] == one["results"]["0/flexround"]["curve"]
+    assert all(r["provenance"]["hardware"]["cpu"] for r in res7["results"].values())
+    md = (tmp_path / "m7" / "figure2.md").read_text()
+    assert md.count(" thread(s), ") == 3        # each row names its wall time and machine
+    with pytest.raises(UserError, match="0/lrq appears in more than one run"):
+        main(["--merge", str(tmp_path / "a"), str(tmp_path / "both"), "--out", str(tmp_path / "m8")])
+    with pytest.raises(UserError, match="has no omniquant results"):
+        main(["--merge", f"{tmp_path / 'both'}:omniquant", "--out", str(tmp_path / "m9")])
 
 
 def test_figure2_rejects_bad_blocks_and_static_schemes(tiny_model_dir, data_dir, tmp_path):

@@ -153,7 +153,7 @@ def run(args) -> dict:
     path = out_dir / "figure2.json"
     res = json.loads(path.read_text()) if path.exists() else {}
     # results are kept per (block, method): a run over other blocks of the same configuration adds to them
-    strip = lambda c: {k: v for k, v in (c or {}).items() if k != "blocks"}  # noqa: E731
+    strip = lambda c: {k: v for k, v in _comparable(c).items() if k != "blocks"}  # noqa: E731
     if strip(res.get("config")) != strip(config):
         res = {"config": config, "results": {}}
     res["config"]["blocks"] = sorted(set(res["config"].get("blocks", [])) | set(chosen))
@@ -193,7 +193,8 @@ def run(args) -> dict:
                         out = method._reconstruct_block(ctx, scheme, cfg, {}, args.calib_samples, args.seed)
                     res["results"][f"{b}/{m}"] = {"block": b, "method": m, "resolved": cfg,
                                                   "n_learnable": out["n_learnable"], "curve": out["curve"],
-                                                  "wall_s": time.perf_counter() - t0}
+                                                  "wall_s": time.perf_counter() - t0,
+                                                  "provenance": res["provenance"]}
                     atomic_write_text(path, dumps_json(res, indent=1, default=str))
                     last = time.perf_counter() - t0
                     print(f"block {b} {m}: {len(out['curve'])} points, {last:.0f} s", flush=True)
@@ -201,29 +202,53 @@ def run(args) -> dict:
     return res
 
 
+def _comparable(config: dict | None) -> dict:
+    """A study's configuration as compared for resuming and merging: the calibration windows by their tokens'
+    hash where it is recorded, not by the path they were read from (`../shared/data` on one machine,
+    `/work/shared/data` on another: the same windows)."""
+    c = dict(config or {})
+    calib = c.get("calibration")
+    if isinstance(calib, dict) and calib.get("tokens_sha256"):
+        c["calibration"] = {k: v for k, v in calib.items() if k != "source"}
+    return c
+
+
 def merge(dirs: list[str], out: Path) -> dict:
-    """Join figure2.json files whose configurations agree but for the methods (runs made apart) and for settings
-    only one run's methods have (e.g. LRQ's rank_rule beside a FlexRound run); each result keeps its own
-    resolved settings."""
+    """Join figure2.json files whose configurations agree but for the methods and blocks (runs made apart) and
+    for settings only one run's methods have (e.g. LRQ's rank_rule beside a FlexRound run); each result keeps
+    its own resolved settings. `DIR:METHOD[,METHOD]` takes only those methods' results from DIR (FlexRound's
+    block 0 from a study whose LRQ ran under another rank rule, say). A (block, method) given twice is refused."""
     parts = []
     for d in dirs:
-        path = Path(d) / "figure2.json"
+        folder, _, only = d.partition(":") if not Path(d).exists() else (d, "", "")
+        path = Path(folder) / "figure2.json"
         if not path.exists():
             raise UserError(f"--merge: {path} does not exist; give the --out folders of finished runs.")
-        parts.append(json.loads(path.read_text()))
+        r = json.loads(path.read_text())
+        if only:
+            keep = [m.strip() for m in only.split(",") if m.strip()]
+            absent = [m for m in keep if m not in r["config"]["methods"]]
+            if absent:
+                raise UserError(f"--merge: {folder} has no {', '.join(absent)} results (its methods: "
+                                f"{', '.join(r['config']['methods'])}).")
+            r["config"] = dict(r["config"], methods=keep)
+            r["results"] = {k: v for k, v in r["results"].items() if v["method"] in keep}
+        r["config"]["blocks"] = sorted({v["block"] for v in r["results"].values()} | (
+            set() if only else set(r["config"].get("blocks", []))))
+        parts.append(r)
     from lrq.methods import get_method
 
     def keys_of(config) -> set:      # the settings any of a run's methods has
         return set().union(*(get_method(m).config("paper") for m in config["methods"]))
 
-    strip = lambda c: {k: v for k, v in c.items() if k not in ("methods", "settings")}
+    strip = lambda c: {k: v for k, v in _comparable(c).items() if k not in ("methods", "settings", "blocks")}  # noqa: E731
     base = strip(parts[0]["config"])
     settings: dict = {}
     for d, r in zip(dirs, parts):
         if strip(r["config"]) != base:
-            diff = sorted(k for k in set(base) | set(strip(r["config"])) if base.get(k) != r["config"].get(k))
+            diff = sorted(k for k in set(base) | set(strip(r["config"])) if base.get(k) != strip(r["config"]).get(k))
             raise UserError(f"--merge: {d} was run with a different configuration ({', '.join(diff)}); only the "
-                            f"methods may differ between the runs joined.")
+                            f"methods and blocks may differ between the runs joined.")
         # a setting may differ only where it belongs to one run's methods alone (rank_rule is LRQ's)
         for d0, r0 in zip(dirs, parts):
             shared = keys_of(r["config"]) & keys_of(r0["config"])
@@ -234,14 +259,21 @@ def merge(dirs: list[str], out: Path) -> dict:
                                 f"{', '.join(diff)}, which both runs' methods have); only the methods, and settings "
                                 f"that belong to one run's methods alone, may differ between the runs joined.")
         settings.update(r["config"]["settings"])
-    methods = [m for r in parts for m in r["config"]["methods"]]
-    if len(set(methods)) != len(methods):
-        raise UserError(f"--merge: a method appears in more than one run ({methods}); join runs of distinct methods.")
-    res = {"config": base | {"methods": methods, "settings": settings}, "results": {},
+    seen: dict[str, str] = {}
+    for d, r in zip(dirs, parts):
+        for k in r["results"]:
+            if k in seen:
+                raise UserError(f"--merge: the result {k} appears in more than one run ({seen[k]} and {d}); "
+                                f"join runs of distinct (block, method) results, or take one method of a run "
+                                f"with DIR:METHOD.")
+            seen[k] = d
+    methods = list(dict.fromkeys(m for r in parts for m in r["config"]["methods"]))
+    blocks = sorted({b for r in parts for b in r["config"]["blocks"]})
+    res = {"config": base | {"methods": methods, "settings": settings, "blocks": blocks}, "results": {},
            "merged_from": [str(d) for d in dirs], "provenance_of_parts": [r.get("provenance") for r in parts],
            "provenance": parts[0]["provenance"]}
-    for r in parts:
-        res["results"].update(r["results"])
+    for r in parts:   # each result keeps the machine and revision it was measured on
+        res["results"].update({k: {"provenance": r.get("provenance")} | v for k, v in r["results"].items()})
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "figure2.json", dumps_json(res, indent=1, default=str))
     return res
@@ -277,6 +309,15 @@ def summary(res: dict) -> list[dict]:
     return rows
 
 
+def _where(res: dict, result: dict) -> str:
+    """A result's wall time and the machine it was measured on (its own provenance, else its run's)."""
+    from bench.provenance import cpu_label
+    prov = result.get("provenance") or res["provenance"]
+    wall = result.get("wall_s")
+    return (f"{wall:,.0f} s, " if wall else "") + f"{cpu_label(prov['hardware'])}, {prov['threads']} thread(s), " \
+        f"{prov['git'][:12]}"
+
+
 def markdown(res: dict) -> str:
     from bench import stats as S
     c = res["config"]
@@ -289,21 +330,21 @@ def markdown(res: dict) -> str:
              f"{c['calibration']['seq_len']} C4 training windows in order, {c['heldout_windows']} held-out windows "
              f"never trained on; errors on {s['error_samples']} windows each side every {c['every']} steps. "
              f"Code {', '.join(dict.fromkeys(p['git'][:12] for p in res.get('provenance_of_parts') or [res['provenance']]))}"
-             f", {res['provenance']['hardware'].get('cpu')}, "
-             f"{res['provenance']['threads']} thread(s).", "",
+             f"; each row's machine and wall time in its last column.", "",
              *([f"Settings beyond the paper preset: {', '.join(f'{k}={v}' for k, v in sorted(extra.items()))} "
                 "(each applies to the methods that have it).", ""] if extra else []),
              "Errors at the end with their 95 % intervals across windows (t, over the windows measured).", "",
-             "| block | method | steps | calibration error (end) | held-out error (end) | held-out (lowest) |",
-             "|---|---|---|---|---|---|"]
+             "| block | method | steps | calibration error (end) | held-out error (end) | held-out (lowest) | "
+             "wall time, where |",
+             "|---|---|---|---|---|---|---|"]
     ci = lambda v, k: (f"{v[k]:.4g} [{v[k + '_ci'][1]:.4g}, {v[k + '_ci'][2]:.4g}]" if v.get(k + "_ci")
                        else f"{v[k]:.4g}")
     for r in rows:
         for m in c["methods"]:
             if m in r:
-                v = r[m]
+                v, where = r[m], _where(res, res["results"][f"{r['block']}/{m}"])
                 lines.append(f"| {r['block']} | {m} | {v['steps']} | {ci(v, 'calib')} | {ci(v, 'heldout')} | "
-                             f"{v['heldout_min']:.4g} |")
+                             f"{v['heldout_min']:.4g} | {where} |")
     ratios = [r["lrq_over_flexround"] for r in rows if "lrq_over_flexround" in r]
     if ratios:
         lines.append("")
