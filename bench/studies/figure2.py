@@ -233,8 +233,7 @@ def merge(dirs: list[str], out: Path) -> dict:
                                 f"{', '.join(r['config']['methods'])}).")
             r["config"] = dict(r["config"], methods=keep)
             r["results"] = {k: v for k, v in r["results"].items() if v["method"] in keep}
-        r["config"]["blocks"] = sorted({v["block"] for v in r["results"].values()} | (
-            set() if only else set(r["config"].get("blocks", []))))
+        r["config"]["blocks"] = sorted({v["block"] for v in r["results"].values()})   # the blocks measured
         parts.append(r)
     from lrq.methods import get_method
 

@@ -204,15 +204,14 @@ def claim_figure2_study(path: str) -> tuple[dict, list[dict]]:
                         f"`python -m bench.studies.figure2` run.")
     res = json.loads(f.read_text())
     c, s = res["config"], res["config"]["settings"]
-    regime = (f"{s['iters']} steps/block, batch {s['batch_size']}, calibration {c['train_windows']} x "
-              f"{c['calibration']['seq_len']} ({c['heldout_windows']} held out), paper preset; blocks "
-              f"{', '.join(map(str, c['blocks']))}; Figure-2 study ({Path(path).name})"
-              + _precision_text(s.get("train_precision")))
-    lines, outcomes = [], []
+    lines, outcomes, paired = [], [], []
     for row in F.summary(res):
         q = row.get("lrq_over_flexround")
         if not q or not q.get("heldout_paired") or not q.get("calib_paired"):
+            have = sorted(m for m in ("lrq", "flexround") if m in row)
+            lines.append(f"block {row['block']}: {' and '.join(have) or 'no method'} only so far, not compared")
             continue
+        paired.append(row["block"])
         cal, held = q["calib_paired"], q["heldout_paired"]
         lr, fr = res["results"][f"{row['block']}/lrq"], res["results"][f"{row['block']}/flexround"]
         n = len(lr["curve"][-1]["heldout_windows"])
@@ -223,10 +222,14 @@ def claim_figure2_study(path: str) -> tuple[dict, list[dict]]:
                      f"[{held[1]:.3f}, {held[2]:.3f}] (geometric mean of per-window ratios, {n} windows each); "
                      f"learnables LRQ {lr.get('n_learnable', 0):,} (rank rule {rank}) vs FlexRound "
                      f"{fr.get('n_learnable', 0):,}")
+    regime = (f"{s['iters']} steps/block, batch {s['batch_size']}, calibration {c['train_windows']} x "
+              f"{c['calibration']['seq_len']} ({c['heldout_windows']} held out), paper preset; blocks "
+              f"{', '.join(map(str, paired)) or 'none yet'} with both methods; Figure-2 study ({Path(path).name})"
+              + _precision_text(s.get("train_precision")))
     statement = ("LRQ's block error on the calibration set ends slightly above FlexRound's, on held-out data "
                  "below it (the paper's Figure 2, in its training regime)")
     if not outcomes:
-        return ({"id": "2b", "claim": "Figure 2 in the paper's regime", "statement": statement, "measurement": [],
+        return ({"id": "2b", "claim": "Figure 2 in the paper's regime", "statement": statement, "measurement": lines,
                  "verdict": "not measurable here", "why": f"{f} has no block with both LRQ and FlexRound finished",
                  "regime": regime}, [])
     counts = {o: outcomes.count(o) for o in ("holds", "does not hold", "not separated")}
