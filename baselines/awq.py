@@ -46,7 +46,7 @@ Activation quantizers stay off while weights are chosen; static ranges are calib
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -56,7 +56,8 @@ from lrq.arch import block_linears, decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
 from lrq.errors import UserError
-from lrq.methods import Calibration, Method, Rule, add_work, register
+from lrq.config import MethodConfig, setting
+from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
 from lrq.quantize_model import quant_linear_for
@@ -66,11 +67,21 @@ from lrq.smooth import PAIRS, consumers, fold_scales, to_consumer_space, to_prod
 # pair -> module whose output measures the scale's effect (its input is the pair's shared input)
 INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
-SETTINGS = {"n_grid": 20, "grid": "open", "scale_vo": True, "clip": True, "clip_grid": 20, "max_shrink": 0.5,
-            "clip_tokens": 512, "n_samples": 128, "search_tokens": 0, "bf16": True, "batch_size": 8,
-            "chain": "quantized"}
-CHOICES = {"grid": ("open", "closed"), "chain": ("quantized", "float")}
-QUICK = SETTINGS | {"n_samples": 32, "search_tokens": 4096}
+@dataclass(frozen=True, eq=False)
+class AWQConfig(MethodConfig):
+    """AWQ's settings (the reference implementation's defaults; quick: fewer windows and search tokens)."""
+    n_grid: int = setting(20, lo=1)                # scale exponents tried per pair
+    grid: Literal["open", "closed"] = "open"       # open: alpha in [0, 1) as the reference; closed: [0, 1]
+    scale_vo: bool = True                          # also scale v_proj -> o_proj
+    clip: bool = True                              # the weight-clipping search after scaling
+    clip_grid: int = setting(20, lo=1)
+    max_shrink: float = setting(0.5, lo=0, hi=1)
+    clip_tokens: int = setting(512, lo=1)
+    n_samples: int = setting(128, lo=1)            # calibration windows used
+    search_tokens: int = setting(0, lo=0)          # tokens the scale search scores (0: all)
+    bf16: bool = True
+    batch_size: int = setting(8, lo=1)
+    chain: Literal["quantized", "float"] = "quantized"   # the next block's inputs: quantized or FP blocks
 
 
 def rtn(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -228,20 +239,20 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
               stats: dict) -> None:
     """Search and fold the scales, then search and apply the clipping, all in floating point.
 
-    Forwards run under bf16 autocast when config["bf16"]; the scale search too if weights have <= 4 bits.
+    Forwards run under bf16 autocast when config.bf16; the scale search too if weights have <= 4 bits.
     """
-    pairs = [p for p in PAIRS if p != "vo" or config["scale_vo"]]
-    bs, bf16 = int(config["batch_size"]), bool(config["bf16"])
+    pairs = [p for p in PAIRS if p != "vo" or config.scale_vo]
+    bs, bf16 = config.batch_size, config.bf16
     caps = capture(block, inputs, kwargs, [INSPECT[p] for p in pairs], bs, bf16)
-    found = {p: search_scale(block, p, caps[INSPECT[p]], scheme, int(config["n_grid"]), bs,
-                             bf16 and scheme.w_bits <= 4, int(config["search_tokens"]), str(config["grid"]))
+    found = {p: search_scale(block, p, caps[INSPECT[p]], scheme, config.n_grid, bs,
+                             bf16 and scheme.w_bits <= 4, config.search_tokens, config.grid)
              for p in pairs}
     for p, res in found.items():
         fold_scales(block, p, res.scale)
         caps[INSPECT[p]].x.div_(to_consumer_space(block, p, res.scale))
     stats["ratios"] = [res.ratio for res in found.values()]
     stats["loss_vs_rtn"] = [min(res.losses) / max(res.losses[0], 1e-30) for res in found.values()]
-    if not config["clip"]:
+    if not config.clip:
         return
     shrink = []
     for p in ("qkv", "vo", "gate_up", "up_down"):
@@ -249,13 +260,13 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
         names = PAIRS[p][1]
         if x is None:  # vo not scaled: o_proj's input was not captured above
             x = capture(block, inputs, kwargs, [names[0]], bs, bf16)[names[0]]
-        x = token_sample(x.x, int(config["clip_tokens"])).to(block.get_submodule(names[0]).weight.device)
+        x = token_sample(x.x, config.clip_tokens).to(block.get_submodule(names[0]).weight.device)
         for name in names:
             if name in NO_CLIP:
                 continue
             lin = block.get_submodule(name)
             w = lin.weight.data
-            max_val = search_clip(w, x, scheme, int(config["clip_grid"]), float(config["max_shrink"]))
+            max_val = search_clip(w, x, scheme, config.clip_grid, config.max_shrink)
             lo, hi = group_min_max(w, scheme.group_size)
             absmax = torch.maximum(-lo, hi)
             shrink.append((1 - max_val / absmax.clamp(min=1e-12)).mean().item())
@@ -267,11 +278,8 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
 class AWQ(Method):
     name = "awq"
     summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
-    defaults = {"quick": dict(QUICK), "paper": dict(SETTINGS)}
-    rules = {"n_grid": Rule(int, lo=1), "grid": Rule(choices=CHOICES["grid"]), "scale_vo": Rule(bool),
-             "clip": Rule(bool), "clip_grid": Rule(int, lo=1), "max_shrink": Rule(float, lo=0, hi=1),
-             "clip_tokens": Rule(int, lo=1), "n_samples": Rule(int, lo=1), "search_tokens": Rule(int, lo=0),
-             "bf16": Rule(bool), "batch_size": Rule(int, lo=1), "chain": Rule(choices=CHOICES["chain"])}
+    settings = AWQConfig
+    presets = {"quick": AWQConfig(n_samples=32, search_tokens=4096), "paper": AWQConfig()}
     cost_rank = 5
     blockwise = True
 
@@ -281,26 +289,21 @@ class AWQ(Method):
     def work(self, shape, scheme, cfg, n, seq):
         """Per block: two forwards of the search samples, n_grid candidate forwards, the clipping grid."""
         L = shape.layers
-        ns = min(int(cfg.get("n_samples", 32)), n)
-        st = min(int(cfg.get("search_tokens", 0)) or ns * seq, ns * seq)
-        clip = sum(int(cfg.get("clip_grid", 20)) * 2.0 * b * a * int(cfg.get("clip_tokens", 512))
-                   for a, b in shape.linears())
+        ns = min(cfg.n_samples, n)
+        st = min(cfg.search_tokens or ns * seq, ns * seq)
+        clip = sum(cfg.clip_grid * 2.0 * b * a * cfg.clip_tokens for a, b in shape.linears())
         return add_work(super().work(shape, scheme, cfg, n, seq), "awq", L,
                         L * (2 * shape.block_fwd_flops(ns * seq, seq)
-                             + int(cfg.get("n_grid", 20)) * shape.block_fwd_flops(st, seq) + clip))
+                             + cfg.n_grid * shape.block_fwd_flops(st, seq) + clip))
 
     def profile(self, run, shape, scheme, n, seq, steps=6):
         t, c = run()
         return {"awq": (*self.work(shape, scheme, c, n, seq)["awq"], t)}
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
-                 calib: Calibration | None) -> dict[str, Any]:
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: AWQConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
         device_type = self.compute_device(model).type
-        for key, allowed in CHOICES.items():
-            if config[key] not in allowed:
-                raise UserError(f"awq: {key}={config[key]!r} is not one of {', '.join(allowed)} "
-                                f"(--set {key}={allowed[0]}).")
-        float_chain = config["chain"] == "float"
+        float_chain = config.chain == "float"
 
         def to_quant_linears(block: nn.Module) -> None:
             for name, lin in block_linears(block).items():
@@ -316,10 +319,10 @@ class AWQ(Method):
             if not float_chain:  # else the scaled floating-point block feeds the next; quantized at the end
                 to_quant_linears(ctx.block)
 
-        ids = calib.input_ids[:int(config["n_samples"])]
+        ids = calib.input_ids[:config.n_samples]
         # The chain advances under the same autocast as the block forwards (and as evaluation).
-        with precision.autocast(device_type, enabled=bool(config["bf16"])):
-            per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=int(config["batch_size"]),
+        with precision.autocast(device_type, enabled=config.bf16):
+            per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=config.batch_size,
                                     desc=f"awq {scheme.name}", device=self.device)
         if float_chain:
             for block in decoder_blocks(model):
@@ -332,7 +335,7 @@ class AWQ(Method):
         stats: dict[str, Any] = {"awq_mean_ratio": sum(ratios) / len(ratios),
                                  "awq_mean_loss_vs_rtn": sum(gains) / len(gains),
                                  "awq_samples": int(ids.shape[0])}
-        if config["clip"]:
+        if config.clip:
             stats["awq_mean_clip_shrink"] = sum(s["clip_shrink"] for s in per_block) / len(per_block)
         if scheme.static_activations:
             stats["static_activation_quantizers"] = calibrate_static_activations(model, calib.input_ids)

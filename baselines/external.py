@@ -18,12 +18,14 @@ numbers exactly (tests/test_external.py).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lrq.config import MethodConfig
 from lrq.errors import UserError
 from lrq.methods import Calibration, Method, register
 from lrq.schemes import SCHEMES, Scheme
@@ -359,6 +361,13 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
     return {"bits_per_weight": stored_bits / n_weights, "external": info, "replaced_params": replaced}
 
 
+@dataclass(frozen=True, eq=False)
+class ExternalConfig(MethodConfig):
+    """The checkpoint read (its folder) and its content fingerprint (the cell's identity)."""
+    checkpoint: str = ""
+    fingerprint: str = ""
+
+
 @register
 class External(Method):
     """Load a checkpoint quantized elsewhere into the reference model (module docstring)."""
@@ -367,7 +376,8 @@ class External(Method):
     summary = "a checkpoint quantized by another tool (compressed-tensors or GPTQ format), read as it is"
     external = True
     provides_activation_ranges = True   # a static-activation checkpoint stores its input_scale: scored from it
-    defaults = {"quick": {"checkpoint": "", "fingerprint": ""}, "paper": {"checkpoint": "", "fingerprint": ""}}
+    settings = ExternalConfig
+    presets = {"quick": ExternalConfig(), "paper": ExternalConfig()}
 
     def display_name(self, config: dict[str, Any]) -> str:
         return describe(config["checkpoint"])["method"] if config.get("checkpoint") else self.name
@@ -375,8 +385,8 @@ class External(Method):
     def needs_calibration(self, scheme: Scheme) -> bool:
         return False
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
-                 calib: Calibration | None) -> dict[str, Any]:
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: ExternalConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
         if not config.get("checkpoint"):
             raise UserError("the external method reads a checkpoint: run `lrq-bench run --model <its folder>`.")
         return apply_checkpoint(model, config["checkpoint"])

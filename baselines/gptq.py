@@ -50,7 +50,8 @@ from lrq import precision
 from lrq.arch import decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
-from lrq.methods import Calibration, Method, Rule, add_work, register
+from lrq.config import MethodConfig, setting
+from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import fake_quant, minmax_qparams, n_groups, single_cpu_thread
 from lrq.quantize_model import quant_linear_for
@@ -64,7 +65,14 @@ SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = (
     ("mlp.down_proj",),
 )
 MAX_DAMP_RETRIES = 8
-SETTINGS = {"damp": 0.01, "block_size": 128, "act_order": True, "bf16": True, "batch_size": 8}
+@dataclass(frozen=True, eq=False)
+class GPTQConfig(MethodConfig):
+    """GPTQ's settings (the reference implementation's defaults)."""
+    damp: float = setting(0.01, lo=0, hi=1)        # dampening, a fraction of the mean Hessian diagonal
+    block_size: int = setting(128, lo=1)           # columns updated together (lazy batch updates)
+    act_order: bool = True                         # columns in decreasing Hessian-diagonal order
+    bf16: bool = True                              # the calibration chain under bf16 autocast
+    batch_size: int = setting(8, lo=1)             # calibration windows per forward
 
 
 @dataclass
@@ -198,9 +206,8 @@ def relative_output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> 
 class GPTQ(Method):
     name = "gptq"
     summary = "GPTQ: column-wise rounding with inverse-Hessian error feedback, true-sequential, act-order"
-    defaults = {"quick": dict(SETTINGS), "paper": dict(SETTINGS)}
-    rules = {"damp": Rule(float, lo=0, hi=1), "block_size": Rule(int, lo=1), "act_order": Rule(bool),
-             "bf16": Rule(bool), "batch_size": Rule(int, lo=1)}
+    settings = GPTQConfig
+    presets = {"quick": GPTQConfig(), "paper": GPTQConfig()}
     cost_rank = 5
     blockwise = True
 
@@ -223,9 +230,9 @@ class GPTQ(Method):
         """The largest Hessian, its inverse and Cholesky factor in float32."""
         return 4 * max(a * a for a, _ in shape.linears()) * 3
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
-                 calib: Calibration | None) -> dict[str, Any]:
-        batch_size, bf16 = int(config["batch_size"]), bool(config["bf16"])
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: GPTQConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
+        batch_size, bf16 = config.batch_size, config.bf16
         device_type = self.compute_device(model).type
 
         def process(ctx: BlockContext) -> None:
@@ -237,8 +244,8 @@ class GPTQ(Method):
                 h = input_hessian(block, linears[0], inputs, ctx.kwargs, batch_size, bf16)
                 w = torch.cat([lin.weight.detach().float() for lin in linears], dim=0)
                 with torch.autocast(device_type, enabled=False):  # GPTQ's algebra in fp32
-                    res = gptq_quantize(w, h, scheme.w_bits, scheme.group_size, damp=float(config["damp"]),
-                                        block_size=int(config["block_size"]), act_order=bool(config["act_order"]))
+                    res = gptq_quantize(w, h, scheme.w_bits, scheme.group_size, damp=config.damp,
+                                        block_size=config.block_size, act_order=config.act_order)
                     errors.append(relative_output_error(w, res.weight, h))
                 retries, fallbacks, dead = retries + res.retries, fallbacks + res.fallback, dead + res.dead
                 row = 0

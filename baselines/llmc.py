@@ -31,12 +31,14 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from lrq.config import MethodConfig, setting
 from lrq.errors import UserError
 from lrq.methods import Calibration, Method, register
 from lrq.schemes import Scheme
@@ -179,12 +181,37 @@ def logits_agreement(model: nn.Module, tensors: dict) -> dict[str, float]:
             "tokens": int(ids.numel())}
 
 
+@dataclass(frozen=True, eq=False)
+class LLMCConfig(MethodConfig):
+    """Where llm-compressor's environment is and how long and wide its run may be."""
+    venv: str = ".venv-llmc"
+    timeout_s: int = setting(3600, lo=1)
+    threads: int = setting(0, lo=0)                # 0: as many as this process uses
+
+
+@dataclass(frozen=True, eq=False)
+class LLMCGPTQConfig(LLMCConfig):
+    block_size: int = setting(128, lo=1)
+    dampening_frac: float = setting(0.01, lo=0, hi=1)
+    actorder: str = "static"                       # llm-compressor's word; none/off: no activation order
+
+
+@dataclass(frozen=True, eq=False)
+class LLMCAWQConfig(LLMCConfig):
+    duo_scaling: bool = False
+    n_grid: int = setting(20, lo=1)
+
+
+@dataclass(frozen=True, eq=False)
+class LLMCSmoothQuantConfig(LLMCConfig):
+    smoothing_strength: float = setting(0.8, lo=0, hi=1)
+
+
 class LLMCompressorMethod(Method):
     """An llm-compressor recipe run in its own environment; subclasses give the modifiers."""
 
     external = True
     cost_rank = 5
-    common: ClassVar[dict[str, Any]] = {"venv": ".venv-llmc", "timeout_s": 3600, "threads": 0}
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
@@ -198,8 +225,8 @@ class LLMCompressorMethod(Method):
         group = {"targets": ["Linear"], **{k: v for k, v in args.items() if v is not None}}
         return {"modifiers": self.modifiers(config), "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
-                 calib: Calibration | None) -> dict[str, Any]:
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: LLMCConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
         from safetensors.torch import load_file, save_file
 
         from baselines.llmc_worker import EXPORT_FILE, EXPORT_META, tokens_sha256
@@ -208,9 +235,9 @@ class LLMCompressorMethod(Method):
         if calib.tokenizer is None:
             raise UserError(f"{self.name}: llm-compressor's oneshot needs the tokenizer that made the calibration "
                             f"windows (lrq.methods.Calibration.tokenizer).")
-        py = llmc_python(config["venv"])
+        py = llmc_python(config.venv)
         recipe = self.recipe(scheme, config)
-        threads = int(config["threads"]) or torch.get_num_threads()
+        threads = config.threads or torch.get_num_threads()
         ids = calib.input_ids.to(torch.int64).contiguous()
         with tempfile.TemporaryDirectory(prefix="lrq-llmc-") as tmp:
             work = Path(tmp)
@@ -228,7 +255,7 @@ class LLMCompressorMethod(Method):
             with open(log, "w") as f:
                 proc = subprocess.run([str(py), str(WORKER), str(work / "job.json")], stdout=f,
                                       stderr=subprocess.STDOUT, env=env, cwd=str(work),
-                                      timeout=int(config["timeout_s"]))
+                                      timeout=config.timeout_s)
             if proc.returncode != 0:
                 raise RuntimeError(f"llm-compressor ({self.name}) failed with exit {proc.returncode}:\n"
                                    f"{log.read_text()[-3000:]}")
@@ -255,13 +282,13 @@ class LLMCompressorMethod(Method):
 class LLMCGPTQ(LLMCompressorMethod):
     name = "llmc-gptq"
     summary = "llm-compressor's GPTQModifier (its own environment), loaded back as our QuantLinears"
-    _settings = {"block_size": 128, "dampening_frac": 0.01, "actorder": "static"}
-    defaults = {"quick": LLMCompressorMethod.common | _settings, "paper": LLMCompressorMethod.common | _settings}
+    settings = LLMCGPTQConfig
+    presets = {"quick": LLMCGPTQConfig(), "paper": LLMCGPTQConfig()}
 
     def modifiers(self, config):
-        actorder = None if str(config["actorder"]).lower() in ("none", "off", "") else config["actorder"]
+        actorder = None if config.actorder.lower() in ("none", "off", "") else config.actorder
         return [{"type": "GPTQModifier", "quant": True,
-                 "kwargs": {"block_size": int(config["block_size"]), "dampening_frac": float(config["dampening_frac"]),
+                 "kwargs": {"block_size": config.block_size, "dampening_frac": config.dampening_frac,
                             "actorder": actorder}}]
 
 
@@ -269,12 +296,12 @@ class LLMCGPTQ(LLMCompressorMethod):
 class LLMCAWQ(LLMCompressorMethod):
     name = "llmc-awq"
     summary = "llm-compressor's AWQModifier + QuantizationModifier (its own environment)"
-    _settings = {"duo_scaling": False, "n_grid": 20}
-    defaults = {"quick": LLMCompressorMethod.common | _settings, "paper": LLMCompressorMethod.common | _settings}
+    settings = LLMCAWQConfig
+    presets = {"quick": LLMCAWQConfig(), "paper": LLMCAWQConfig()}
 
     def modifiers(self, config):
         return [{"type": "AWQModifier", "quant": False,
-                 "kwargs": {"duo_scaling": bool(config["duo_scaling"]), "n_grid": int(config["n_grid"])}},
+                 "kwargs": {"duo_scaling": config.duo_scaling, "n_grid": config.n_grid}},
                 {"type": "QuantizationModifier", "quant": True, "kwargs": {}}]
 
 
@@ -282,12 +309,12 @@ class LLMCAWQ(LLMCompressorMethod):
 class LLMCSmoothQuant(LLMCompressorMethod):
     name = "llmc-smoothquant"
     summary = "llm-compressor's SmoothQuantModifier + QuantizationModifier (its own environment)"
-    _settings = {"smoothing_strength": 0.8}
-    defaults = {"quick": LLMCompressorMethod.common | _settings, "paper": LLMCompressorMethod.common | _settings}
+    settings = LLMCSmoothQuantConfig
+    presets = {"quick": LLMCSmoothQuantConfig(), "paper": LLMCSmoothQuantConfig()}
 
     def modifiers(self, config):
         return [{"type": "SmoothQuantModifier", "quant": False,
-                 "kwargs": {"smoothing_strength": float(config["smoothing_strength"])}},
+                 "kwargs": {"smoothing_strength": config.smoothing_strength}},
                 {"type": "QuantizationModifier", "quant": True, "kwargs": {}}]
 
 

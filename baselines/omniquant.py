@@ -29,7 +29,8 @@ Deviations from the authors' code, each deliberate and recorded with the result:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +38,11 @@ from torch import nn
 
 from lrq.arch import block_linears, set_submodule
 from lrq.blockwise import BlockContext
-from lrq.engine import ReconstructionMethod
+from lrq.config import setting
+from lrq.engine import ReconConfig, ReconstructionMethod, recon_presets
 from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import Rule, register
+from lrq.methods import register
 from lrq.qlinear import QuantLinear
 from lrq.quant import (group_min_max, per_tensor_fake_quant, per_token_fake_quant,
                        qparams_from_range, round_ste)
@@ -227,6 +229,22 @@ def _static_ranges(stats: dict, bits: int) -> dict[str, tuple[torch.Tensor, torc
     return {n: qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), bits) for n, (_, lo, hi) in stats.items()}
 
 
+@dataclass(frozen=True, eq=False)
+class OmniQuantConfig(ReconConfig):
+    """OmniQuant's settings: the reconstruction settings, LWC's initial logit and LET (the authors' defaults)."""
+    let: Literal["on", "off", "auto"] = "auto"           # auto: on where activations are quantized
+    let_lr: float = setting(5e-3, lo=0, lo_open=True)
+    let_alpha: float = setting(0.5, lo=0, hi=1)          # the LET's SmoothQuant-style initialisation
+    lwc_init: float = 4.0                                # the clipping logits' start (sigmoid(4) = 0.982)
+    smooth_alpha: float = setting(0.0, lo=0, hi=1)       # LET replaces the SmoothQuant pre-step
+    lr_schedule: Literal["cosine", "constant"] = "constant"   # the authors: constant rates
+
+    def validate(self, method: str) -> None:
+        if self.smooth_alpha > 0 and self.let == "on":
+            raise UserError("omniquant's LET replaces the SmoothQuant pre-step: use --set smooth_alpha=0 with "
+                            "let=on (or let=off to smooth instead).")
+
+
 @register
 class OmniQuant(ReconstructionMethod):
     name = "omniquant"
@@ -234,16 +252,10 @@ class OmniQuant(ReconstructionMethod):
     # The authors' defaults: AdamW (weight decay 0) at constant rates, LWC 1e-2, LET 5e-3, SmoothQuant-style
     # LET initialisation with alpha 0.5, 20 epochs over 128 x 2048-token samples at batch 1 (2560 steps),
     # mixed precision. LET only when activations are quantized (their weight-only scripts use LWC alone).
-    defaults = ReconstructionMethod.preset_defaults(
-        quick_extra={"let": "auto", "let_lr": 5e-3, "let_alpha": 0.5, "lwc_init": 4.0, "lr_schedule": "constant",
-                     "smooth_alpha": 0.0},
-        paper_extra={"let": "auto", "let_lr": 5e-3, "let_alpha": 0.5, "lwc_init": 4.0, "lr_schedule": "constant",
-                     "smooth_alpha": 0.0, "iters": 2560, "batch_size": 1, "autocast": True})
+    settings = OmniQuantConfig
+    presets = recon_presets(OmniQuantConfig, paper={"iters": 2560, "batch_size": 1, "autocast": True})
     # (LWC learning rate, s1 search): LWC sets its own range, so there is no s1 initialisation to search.
     paper_table = {"w3": (1e-2, False), "w4": (1e-2, False), "w4a8": (1e-2, False), "w8a8": (1e-2, False)}
-    rules = ReconstructionMethod.rules | {"let": Rule(choices=("on", "off"), auto=True),
-                                          "let_lr": Rule(float, lo=0, lo_open=True), "let_alpha": Rule(float, lo=0, hi=1),
-                                          "lwc_init": Rule(float)}
     # quick: 100 steps instead of 2560; a sweep of held-out block error on the default model's first two
     # blocks (w3a16: lr 1e-2 -> 0.86/0.95 of the initial error, 5e-2 -> 0.43/0.67, 1e-1 -> 0.42/0.66).
     quick_lr = {"w3": 5e-2, "w4": 5e-2, "w4a8": 5e-2, "w8a8": 5e-2}
@@ -253,39 +265,32 @@ class OmniQuant(ReconstructionMethod):
     upfront_static_ranges = False   # ranges are observed per block, after the LET is folded
     learnable_fraction = 0.05       # clipping logits per row/group and LET scales per channel
 
-    def resolve(self, scheme: Scheme, config: dict) -> dict:
-        cfg = dict(config)
-        if cfg["let"] == "auto":
-            cfg["let"] = "on" if scheme.a_bits is not None else "off"
-        if cfg["let"] not in ("on", "off"):
-            raise UserError(f"let must be on, off or auto, got {cfg['let']!r} (--set let=on).")
-        if cfg["recon_act_quant"] == "auto":   # the authors train with the activation quantizers on
-            cfg["recon_act_quant"] = "on" if scheme.a_bits is not None else "off"
-        if cfg["s1_init"] == "auto":
-            cfg["s1_init"] = "minmax"
-        if float(cfg.get("smooth_alpha") or 0) > 0 and cfg["let"] == "on":
-            raise UserError("omniquant's LET replaces the SmoothQuant pre-step: use --set smooth_alpha=0 with "
-                            "let=on (or let=off to smooth instead).")
-        cfg = super().resolve(scheme, cfg)
-        for k in ("let_lr", "let_alpha", "lwc_init"):
-            cfg[k] = float(cfg[k])
-        if not 0.0 <= cfg["let_alpha"] <= 1.0:
-            raise UserError(f"let_alpha={cfg['let_alpha']} is outside [0, 1].")
-        return cfg
+    def resolve(self, scheme: Scheme, config) -> OmniQuantConfig:
+        cfg = self.typed(config)
+        decided: dict[str, Any] = {}
+        if cfg.let == "auto":
+            decided["let"] = "on" if scheme.a_bits is not None else "off"
+        if cfg.recon_act_quant == "auto":   # the authors train with the activation quantizers on
+            decided["recon_act_quant"] = "on" if scheme.a_bits is not None else "off"
+        if cfg.s1_init == "auto":
+            decided["s1_init"] = "minmax"
+        cfg = cfg.replace(**decided)
+        cfg.validate(self.name)
+        return super().resolve(scheme, cfg)
 
-    def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw):
-        return OmniQuantLinear(linear, scheme, scale, zero, lwc_init=config["lwc_init"], **kw)
+    def make_learnable(self, name, linear, scheme, scale, zero, config: OmniQuantConfig, generator, **kw):
+        return OmniQuantLinear(linear, scheme, scale, zero, lwc_init=config.lwc_init, **kw)
 
     # ---- LET around the engine's per-block loop ---------------------------------------------------
-    def prepare_block(self, ctx: BlockContext, cfg: dict, n_train: int) -> LET | None:
-        if cfg["let"] != "on":
+    def prepare_block(self, ctx: BlockContext, cfg: OmniQuantConfig, n_train: int) -> LET | None:
+        if cfg.let != "on":
             return None
         block = ctx.block
         acts = observe_inputs(block, block_linears(block), ctx.q_inputs.data[:n_train], ctx.kwargs)
         log_scales = {}
         for pair in LET_PAIRS:
             a = to_producer_space(block, pair, acts[PAIRS[pair][1][0]][0], "amax")
-            s = smoothing_scales(a, consumer_weight_absmax(block, pair), cfg["let_alpha"])
+            s = smoothing_scales(a, consumer_weight_absmax(block, pair), cfg.let_alpha)
             log_scales[pair] = torch.log(s)
         let = LET(block, log_scales)
         let.install()
@@ -296,7 +301,7 @@ class OmniQuant(ReconstructionMethod):
             return {}
         return {"in_scale": state.in_scale(name), "out_scale": state.out_scale(name)}
 
-    def init_learnables(self, ctx: BlockContext, learn: dict, state: Any, cfg: dict, n_train: int) -> None:
+    def init_learnables(self, ctx: BlockContext, learn: dict, state: Any, cfg: OmniQuantConfig, n_train: int) -> None:
         scheme = next(iter(learn.values())).scheme
         if scheme.static_activations:
             # static ranges for the 'before' measurement, seen through the initial LET
@@ -304,13 +309,13 @@ class OmniQuant(ReconstructionMethod):
             for name, rng in _static_ranges(stats, scheme.a_bits).items():
                 learn[name].act_range = rng
 
-    def param_groups(self, learn: dict, state: LET | None, cfg: dict) -> list[dict]:
-        groups = [{"params": [p for m in learn.values() for p in m.learnables()], "lr": cfg["lr"]}]
+    def param_groups(self, learn: dict, state: LET | None, cfg: OmniQuantConfig) -> list[dict]:
+        groups = [{"params": [p for m in learn.values() for p in m.learnables()], "lr": cfg.lr}]
         if state is not None:
-            groups.append({"params": list(state.parameters()), "lr": cfg["let_lr"]})
+            groups.append({"params": list(state.parameters()), "lr": cfg.let_lr})
         return groups
 
-    def finish_block(self, ctx: BlockContext, state: LET | None, cfg: dict, n_train: int) -> None:
+    def finish_block(self, ctx: BlockContext, state: LET | None, cfg: OmniQuantConfig, n_train: int) -> None:
         if state is not None:
             state.fold()
         qlins = {n: m for n, m in block_linears(ctx.block).items() if isinstance(m, QuantLinear)}

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from lrq.calibration import calibrate_static_activations
+from lrq.config import MethodConfig
 from lrq.methods import Calibration, Method, add_work, register
 from lrq.quantize_model import replace_linears
 from lrq.schemes import Scheme
@@ -27,8 +28,8 @@ class RTN(Method):
         t, c = run()
         return {"rtn": (*self.work(shape, scheme, c, n, seq)["rtn"], t)}
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
-                 calib: Calibration | None) -> dict[str, Any]:
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: MethodConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
         replace_linears(model, scheme, lambda name, w: minmax_qparams(w, scheme.w_bits, scheme.group_size))
         stats: dict[str, Any] = {}
         if scheme.static_activations:

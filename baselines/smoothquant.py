@@ -15,29 +15,33 @@ Other methods use the smoothing alone as a pre-step: `lrq.smooth.smooth_model(mo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from baselines.rtn import RTN
-from lrq.methods import Calibration, Method, Rule, register
+from lrq.config import MethodConfig, setting
+from lrq.methods import Calibration, Method, register
 from lrq.schemes import Scheme
 from lrq.smooth import DEFAULT_PAIRS, parse_pairs, smooth_model
 
-SETTINGS = {"alpha": 0.5, "pairs": ",".join(DEFAULT_PAIRS)}
+@dataclass(frozen=True, eq=False)
+class SmoothQuantConfig(MethodConfig):
+    """SmoothQuant's settings: the migration strength and the norm -> linear pairs smoothed."""
+    alpha: float = setting(0.5, lo=0, hi=1)
+    pairs: str = ",".join(DEFAULT_PAIRS)
+
+    def validate(self, method: str) -> None:
+        parse_pairs(self.pairs)    # an unknown pair name is bad input now, not in the worker
 
 
 @register
 class SmoothQuant(Method):
     name = "smoothquant"
     summary = "SmoothQuant: calibrated per-channel smoothing folded into the norms, then round-to-nearest"
-    defaults = {"quick": dict(SETTINGS), "paper": dict(SETTINGS)}
-    rules = {"alpha": Rule(float, lo=0, hi=1), "pairs": Rule(str)}
-
-    def config(self, preset: str, overrides: dict | None = None) -> dict:
-        cfg = super().config(preset, overrides)
-        parse_pairs(cfg["pairs"])    # an unknown pair name is bad input now, not in the worker
-        return cfg
+    settings = SmoothQuantConfig
+    presets = {"quick": SmoothQuantConfig(), "paper": SmoothQuantConfig()}
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
@@ -47,8 +51,8 @@ class SmoothQuant(Method):
         passes = 2 if scheme is not None and scheme.static_activations else 1
         return {"fwd": (n * shape.layers * passes, shape.model_fwd_flops(n * seq, seq) * passes)}
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
-                 calib: Calibration | None) -> dict[str, Any]:
-        stats = smooth_model(model, calib.input_ids, float(config["alpha"]), config["pairs"])
-        stats.update(RTN().quantize(model, scheme, {}, calib))
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: SmoothQuantConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
+        stats = smooth_model(model, calib.input_ids, config.alpha, config.pairs)
+        stats.update(RTN().quantize(model, scheme, RTN.presets["quick"], calib))
         return stats

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -96,8 +97,8 @@ class Cell:
     scheme_name: str
     scheme: Scheme | None                # None for the FP reference
     preset: str
-    config: dict[str, Any]               # declared settings (preset defaults + overrides): the store key's
-    resolved: dict[str, Any]             # the same with every 'auto' decided for the scheme
+    config: Mapping[str, Any]            # declared settings (the preset + overrides, parsed: lrq.config): the key's
+    resolved: Mapping[str, Any]          # the same with every 'auto' decided for the scheme
     calib: CalibSettings
     uses_calibration: bool
     datasets: tuple[str, ...]
@@ -185,6 +186,8 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
                              "scheme": scheme_name, "config": {} if is_fp else cls.keyed_settings(config),
                              "seed": req.seed}
+    if not is_fp and cls.version != 1:   # version 1: what every result stored before versions existed computed
+        ident["method_version"] = cls.version
     if prec != "bf16":   # bf16 was the only precision before it became a choice: those keys stay as they were
         ident["precision"] = prec
     calib_data = None
@@ -314,7 +317,7 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
     base_cfg: dict[str, Any] = {
         "model": cell.model, "model_source": loaded.source, "model_note": loaded.note,
         "method": cell.method_name, "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
-        "method_config": cell.config, "method_resolved": cell.resolved,
+        "method_config": dict(cell.config), "method_resolved": dict(cell.resolved),
         "scheme_def": None if cell.is_fp else cell.scheme.to_dict(),
         "precision": cell.precision_info | {"used": cell.precision},
     }
@@ -334,9 +337,8 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
                                   cell.seed, cell.calib.sampling)
         base_cfg["calibration"] = calib.description
     with measure() as qm:
-        settings = {k: v for k, v in cell.config.items() if k != "preset"}   # the preset is its own argument
-        _, stats = lrq.quantize(model, method, cell.scheme, calib, preset=cell.preset, precision=cell.precision,
-                                **settings)
+        # the settings parsed once when the cell was settled, typed: never parsed again here
+        _, stats = lrq.quantize(model, method, cell.scheme, calib, config=cell.config, precision=cell.precision)
     base_cfg["method_stats"] = stats
     if not on_device and not place_model(model, device):
         log.warning("evaluating %s on the CPU: the quantized model does not fit %s", cell.label(), device)

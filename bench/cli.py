@@ -625,7 +625,7 @@ def _export_request(cell) -> dict:
     seed, precision asked and calibration."""
     return json.loads(dumps_json({"model": cell.model, "model_id": cell.model_id, "method": cell.method_name,
                                   "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
-                                  "method_config": cell.config, "precision": cell.precision,
+                                  "method_config": dict(cell.config), "precision": cell.precision,
                                   "calibration": asdict(cell.calib) if cell.uses_calibration else None},
                                  sort_keys=True, default=str))
 

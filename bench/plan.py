@@ -491,7 +491,7 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     # the first run compiles from cold (and warms torch's caches): discarded, as a real cell pays that once while
     # its later blocks compile warm
     for steps in (_PROBE_STEPS[0], *_PROBE_STEPS):
-        c = {k: v for k, v in cfg.items() if k != "preset" and k not in getattr(method, "fixed_settings", ())}
+        c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
         c |= {"iters": steps, "heldout_samples": 1, "error_samples": 1, "compile": "on" if compiled else "off"}
         model = copy.deepcopy(model0)
         t = time.perf_counter()

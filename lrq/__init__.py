@@ -52,7 +52,7 @@ def _calibration(calibration):
 
 
 def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", device=None,
-             checkpoint_dir: str | os.PathLike | None = None, precision: str = "auto", **settings: Any):
+             checkpoint_dir: str | os.PathLike | None = None, precision: str = "auto", config=None, **settings: Any):
     """Quantize `model`'s decoder linears in place with `method` under `scheme`; returns (model, stats).
 
     method: a registered name ("lrq", "gptq", ...) or a configured lrq.methods.Method instance.
@@ -67,6 +67,8 @@ def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", 
     precision: "auto" (bf16 where the device computes it natively, else fp32), "bf16" or "fp32": the compute
     precision of the method's forwards (calibration passes, block forwards, training where the preset does
     not fix fp32); see lrq.precision.
+    config: the method's settings already parsed (an lrq.config.MethodConfig of the method, e.g.
+    `get_method("lrq").config("quick", {"iters": 200})`), instead of preset + settings.
     stats: what the method measured (learnable parameters, block errors, ...).
     """
     from lrq import precision as P
@@ -77,8 +79,17 @@ def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", 
                                                               checkpoint_dir=None if checkpoint_dir is None
                                                               else str(checkpoint_dir))
     s = scheme if isinstance(scheme, Scheme) else get_scheme(scheme)
-    check_settings(settings, [m.name])
-    cfg = m.config(preset, settings)
+    if config is not None:
+        if settings:
+            raise UserError(f"give the settings either parsed (config=) or as keywords ({', '.join(settings)}), "
+                            f"not both.")
+        if not isinstance(config, m.settings):
+            raise UserError(f"config= must be {m.name}'s settings ({m.settings.__name__}), got "
+                            f"{type(config).__name__}: build it with lrq.methods.get_method({m.name!r}).config(...).")
+        cfg = config
+    else:
+        check_settings(settings, [m.name])
+        cfg = m.config(preset, settings)
     calib = _calibration(calibration)
     if calib is None and (m.needs_calibration(s) or (s.static_activations and not m.provides_activation_ranges)):
         raise UserError(f"{m.name} under {s.name} needs calibration data: pass calibration=<token ids "

@@ -23,7 +23,9 @@ import logging
 import math
 import os
 import shutil
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -35,7 +37,8 @@ from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
 from lrq.calibration import observe_input_ranges
 from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import FALSE_WORDS, TRUE_WORDS, Calibration, Method, Rule, add_work, static_range_work
+from lrq.config import MethodConfig, setting
+from lrq.methods import Calibration, Method, add_work, static_range_work
 from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
 from lrq.schemes import Scheme
@@ -161,6 +164,49 @@ def _scheme_key(scheme: Scheme) -> str:
     return f"w{scheme.w_bits}"
 
 
+@dataclass(frozen=True, eq=False)
+class ReconConfig(MethodConfig):
+    """The settings every block-reconstruction method shares (lrq.config: typed, parsed once)."""
+    preset: str = setting("quick", fixed=True)
+    # Adam's learning rate; auto: the authors' rate for the scheme family (paper, long), the CPU rate (quick)
+    lr: float | Literal["auto"] = setting("auto", lo=0, lo_open=True)
+    # s1 initialisation: min/max, or the authors' L2.4 clipping search; auto: the authors' per-scheme choice
+    s1_init: Literal["minmax", "search", "auto"] = "auto"
+    search_grid: int = setting(100, lo=1)
+    search_norm: float = setting(2.4, lo=0, lo_open=True)
+    # the activation quantizers during reconstruction; auto: on for W8A8 static, off for W4A8 per-token
+    recon_act_quant: Literal["on", "off", "auto"] = "auto"
+    smooth_alpha: float = setting(0.8, lo=0, hi=1)     # SmoothQuant migration before W8A8 reconstruction (0: none)
+    error_samples: int = setting(16, lo=1)               # windows of each block error (Figure 2)
+    # torch.compile of the training step: how the step runs, not what it computes; auto: from COMPILE_MIN_ITERS
+    compile: bool | Literal["auto"] = setting("auto", execution=True)
+    # authors: the authors' fp16 model, fp16 freeze and (where their script has it) fp16 autocast + GradScaler
+    train_precision: Literal["default", "authors"] = setting("default", neutral="default")
+    iters: int = setting(100, lo=0)                      # training steps per block
+    batch_size: int = setting(1, lo=1)
+    heldout_samples: int = setting(16, lo=0)             # calibration windows held out of training (Figure 2)
+    autocast: bool = True                                # bf16 autocast of the steps where the run computes bf16
+    # the learning-rate schedule over a block's steps (the authors' LRQ/FlexRound: cosine to 0)
+    lr_schedule: Literal["cosine", "constant"] = setting("cosine", neutral="cosine")
+
+
+def recon_presets(cls: type[ReconConfig] = ReconConfig, quick: Mapping | None = None, paper: Mapping | None = None,
+                  long: Mapping | None = None) -> dict[str, ReconConfig]:
+    """The quick, long and paper presets of a reconstruction method's config class, each with its extras.
+
+    quick: sized for one cell of the 135M default model in about 15 minutes on 2 CPU cores. long: the closest to
+    the paper a CPU affords end to end (a step at batch 2 x 1,024 takes about 0.2 s compiled in bf16 on one AMX
+    core, reports/block-step/, so 1,000 steps x 30 blocks of the default model are about 1 h 45 min per cell
+    there; bf16 where the CPU has it, compiled, the authors' learning rates and s1 search, 16 held-out windows
+    for Figure 2). paper: the authors' settings."""
+    base = {"quick": {"preset": "quick", "iters": 100, "batch_size": 1, "heldout_samples": 16, "autocast": True},
+            "paper": {"preset": "paper", "iters": 5000, "batch_size": 2, "heldout_samples": 0, "autocast": False},
+            "long": {"preset": "long", "iters": 1000, "batch_size": 2, "heldout_samples": 16, "autocast": True}}
+    quick, paper, long = dict(quick or {}), dict(paper or {}), dict(long or {})
+    return {"quick": cls(**(base["quick"] | quick)), "long": cls(**(base["paper"] | paper | base["long"] | long)),
+            "paper": cls(**(base["paper"] | paper))}
+
+
 class ReconstructionMethod(Method):
     """A method whose learnables are trained block by block; subclasses supply `make_learnable`."""
 
@@ -172,17 +218,8 @@ class ReconstructionMethod(Method):
     # 16x finer than 4-bit ones, so the same step in log-scale moves 16x more levels).
     quick_lr: ClassVar[dict[str, float]] = {}
     cost_rank: ClassVar[int] = 10
-    # torch.compile of the training step: how the step runs, not what it computes (Method.execution_settings)
-    execution_settings: ClassVar[tuple[str, ...]] = ("compile",)
-    neutral_settings: ClassVar[dict[str, Any]] = {"train_precision": "default"}
-    rules: ClassVar[dict[str, Rule]] = {
-        "lr": Rule(float, lo=0, lo_open=True, auto=True), "s1_init": Rule(choices=("minmax", "search"), auto=True),
-        "search_grid": Rule(int, lo=1), "search_norm": Rule(float, lo=0, lo_open=True),
-        "recon_act_quant": Rule(choices=("on", "off"), auto=True), "smooth_alpha": Rule(float, lo=0, hi=1),
-        "error_samples": Rule(int, lo=1), "compile": Rule(choices=TRUE_WORDS + FALSE_WORDS, auto=True, label="on, off or auto"),
-        "iters": Rule(int, lo=0), "batch_size": Rule(int, lo=1), "heldout_samples": Rule(int, lo=0),
-        "autocast": Rule(bool), "lr_schedule": Rule(choices=("cosine", "constant")),
-        "train_precision": Rule(choices=("default", "authors"))}
+    settings: ClassVar[type[MethodConfig]] = ReconConfig
+    presets: ClassVar[dict[str, MethodConfig]] = recon_presets()
     # train_precision=authors: the scheme families whose Llama-2-7B script trains under fp16 autocast with a
     # GradScaler (FlexRound: all of them; LRQ: W4A16 and W4A8); subclasses override
     authors_amp: ClassVar[tuple[str, ...]] = ()
@@ -193,22 +230,6 @@ class ReconstructionMethod(Method):
     checkpoints: ClassVar[bool] = True
     blockwise: ClassVar[bool] = True
 
-    @staticmethod
-    def preset_defaults(quick_extra: dict | None = None, paper_extra: dict | None = None) -> dict[str, dict[str, Any]]:
-        common = {"lr": "auto", "s1_init": "auto", "search_grid": 100, "search_norm": 2.4, "recon_act_quant": "auto",
-                  "smooth_alpha": 0.8, "error_samples": 16, "compile": "auto", "train_precision": "default"}
-        # quick: sized for one cell of the 135M default model in about 15 minutes on 2 CPU cores
-        quick = common | {"preset": "quick", "iters": 100, "batch_size": 1, "heldout_samples": 16,
-                          "autocast": True} | (quick_extra or {})
-        paper = common | {"preset": "paper", "iters": 5000, "batch_size": 2, "heldout_samples": 0,
-                          "autocast": False} | (paper_extra or {})
-        # long: the closest to the paper a CPU affords end to end. A step at batch 2 x 1,024 takes about 0.2 s
-        # compiled in bf16 on one AMX core (reports/block-step/), so 1,000 steps x 30 blocks of the default model
-        # are about 1 h 45 min per cell; bf16 where the CPU has it (`autocast`, lrq.precision), compiled (auto
-        # compiles from 1,000 steps); the authors' learning rates and s1 search; 16 held-out windows for Figure 2
-        long = paper | {"preset": "long", "iters": 1000, "batch_size": 2, "heldout_samples": 16, "autocast": True}
-        return {"quick": quick, "long": long, "paper": paper}
-
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {
         "paper": {"dataset": "c4", "n_samples": 512, "seq_len": 1024, "sampling": "sequential"},
         "long": {"dataset": "c4", "n_samples": 128, "seq_len": 1024, "sampling": "sequential"}}
@@ -216,22 +237,22 @@ class ReconstructionMethod(Method):
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
 
-    def check_calibration(self, config: dict, n_samples: int, seq_len: int) -> None:
-        n_held = int(config["heldout_samples"])
+    def check_calibration(self, config: ReconConfig, n_samples: int, seq_len: int) -> None:
+        n_held = config.heldout_samples
         if n_held >= n_samples:
             raise UserError(f"{self.name}: heldout_samples ({n_held}) must be smaller than the calibration set "
                             f"({n_samples} windows): lower --set heldout_samples or raise --calib-samples.")
 
     # ---- cost (bench.plan) ------------------------------------------------------------------------
-    def work(self, shape, scheme: Scheme | None, cfg: dict, n: int, seq: int) -> dict[str, tuple[float, float]]:
+    def work(self, shape, scheme: Scheme | None, cfg: ReconConfig, n: int, seq: int) -> dict[str, tuple[float, float]]:
         """The block walk (both calibration chains and the block errors) and `iters` training steps per block
         (forward + backward ~ 3 forwards of a batch); W8A8's static ranges (twice with a SmoothQuant step)."""
-        es, iters, bs = min(int(cfg.get("error_samples", 16)), n), int(cfg.get("iters", 100)), int(cfg.get("batch_size", 1))
+        es, iters, bs = min(cfg.error_samples, n), cfg.iters, cfg.batch_size
         L, T = shape.layers, n * seq
         w: dict[str, tuple[float, float]] = {}
         add_work(w, "walk", L, L * shape.block_fwd_flops(2 * T + 4 * es * seq, seq))
         add_work(w, f"train_{self.name}", L * iters, L * iters * 3 * shape.block_fwd_flops(bs * seq, seq))
-        for kind, v in static_range_work(shape, scheme, n, seq, 2 if cfg.get("smooth_alpha") else 1).items():
+        for kind, v in static_range_work(shape, scheme, n, seq, 2 if cfg.smooth_alpha else 1).items():
             add_work(w, kind, *v)
         return w
 
@@ -245,55 +266,53 @@ class ReconstructionMethod(Method):
                 kind: (*self.work(shape, scheme, c1, n, seq)[kind], max(t1 - t0, 1e-6))}
 
     # ---- settings ---------------------------------------------------------------------------------
-    def resolve(self, scheme: Scheme, config: dict) -> dict:
-        cfg = dict(config)
+    def resolve(self, scheme: Scheme, config: Mapping) -> ReconConfig:
+        cfg = self.typed(config)
         family = _scheme_key(scheme)
         # 8-bit weight-only (w8a16) has no row of the authors' own: it takes the W8A8 row, whose 8-bit weight
         # grid it shares (the learning rate scales with the grid's step, not with the activations)
         family = family if family in self.paper_table or family not in FAMILY_FALLBACK else FAMILY_FALLBACK[family]
         lr, search = self.paper_table.get(family, (None, False))
-        if cfg["lr"] == "auto":
-            lr = self.quick_lr.get(family) if cfg.get("preset") == "quick" else lr
+        decided: dict[str, Any] = {}
+        if cfg.lr == "auto":
+            lr = self.quick_lr.get(family) if cfg.preset == "quick" else lr
             if lr is None:
                 raise UserError(f"{self.name} has no learning rate for {scheme.name} (weights at {scheme.w_bits} "
                                 f"bits): give one with --set lr=...")
-            cfg["lr"] = lr
-        cfg["lr"] = float(cfg["lr"])
-        if cfg["s1_init"] == "auto":
+            decided["lr"] = float(lr)
+        if cfg.s1_init == "auto":
             # On the CPU quick preset the exhaustive L2.4 search (100 widths x 2^b zero points) costs more
             # than the training; the paper preset follows the authors' per-scheme choice.
-            cfg["s1_init"] = "search" if (search and cfg["iters"] >= 1000) else "minmax"
-        if cfg["s1_init"] not in ("minmax", "search"):
-            raise UserError(f"s1_init must be minmax, search or auto, got {cfg['s1_init']!r}.")
-        if cfg["recon_act_quant"] == "auto":
+            decided["s1_init"] = "search" if (search and cfg.iters >= 1000) else "minmax"
+        if cfg.recon_act_quant == "auto":
             # W8A8 per-tensor static: quantizers on during reconstruction (our choice, METHOD.md 4);
             # W4A8 per-token: off during reconstruction, as in the authors' code.
-            cfg["recon_act_quant"] = "on" if scheme.static_activations else "off"
-        for k in ("iters", "batch_size", "heldout_samples", "search_grid", "error_samples"):
-            cfg[k] = int(cfg[k])
-        if cfg["iters"] < 0 or cfg["batch_size"] < 1:
-            raise UserError("iters must be >= 0 and batch_size >= 1 (--set iters=..., --set batch_size=...).")
-        # compile: "on", "off" or "auto" (on from COMPILE_MIN_ITERS steps per block where a compiler exists)
-        word = str(cfg.get("compile", "off")).strip().lower()
-        if word == "auto":
-            cfg["compile"] = cfg["iters"] >= COMPILE_MIN_ITERS and compile_unavailable("cpu") is None
-        elif word in TRUE_WORDS + FALSE_WORDS:
-            cfg["compile"] = word in TRUE_WORDS
-        else:
-            raise UserError(f"compile must be on, off or auto, got {cfg['compile']!r} (--set compile=...).")
-        cfg.setdefault("lr_schedule", "cosine")
-        if cfg["lr_schedule"] not in ("cosine", "constant"):
-            raise UserError(f"lr_schedule must be cosine or constant, got {cfg['lr_schedule']!r}.")
-        return cfg
+            decided["recon_act_quant"] = "on" if scheme.static_activations else "off"
+        if cfg.compile == "auto":   # on from COMPILE_MIN_ITERS steps per block where a compiler exists
+            decided["compile"] = cfg.iters >= COMPILE_MIN_ITERS and compile_unavailable("cpu") is None
+        return cfg.replace(**decided)
+
+    def checkpoint_settings(self, cfg: ReconConfig) -> dict[str, Any]:
+        """The settings part of the block-checkpoint identity: the resolved settings without the execution
+        ones, the schedule always named (as releases before typed configs named it)."""
+        return self.keyed_settings(cfg) | {"lr_schedule": cfg.lr_schedule}
+
+    def checkpoint_identity(self, scheme: Scheme, cfg: ReconConfig, calib: Calibration) -> str:
+        """What names a cell's block checkpoints: the method, scheme, `checkpoint_settings` and the calibration
+        windows (and the method's version from 2 on)."""
+        ident = {"m": self.name, "s": scheme.name, "c": self.checkpoint_settings(cfg), "calib": calib.description}
+        if self.version != 1:
+            ident["v"] = self.version
+        return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
     def make_learnable(self, name: str, linear: nn.Linear, scheme: Scheme, scale: torch.Tensor, zero: torch.Tensor,
-                       config: dict, generator: torch.Generator, **kw) -> LearnableQuantLinear:
+                       config: ReconConfig, generator: torch.Generator, **kw) -> LearnableQuantLinear:
         raise NotImplementedError
 
     # ---- optional hooks (OmniQuant's block-level equivalent transformation uses them) ---------------
     upfront_static_ranges: ClassVar[bool] = True   # observe W8A8 ranges on the whole model before the walk
 
-    def prepare_block(self, ctx: BlockContext, cfg: dict, n_train: int) -> Any:
+    def prepare_block(self, ctx: BlockContext, cfg: ReconConfig, n_train: int) -> Any:
         """Before the block's linears become learnable: returns block-level state (or None)."""
         return None
 
@@ -301,41 +320,41 @@ class ReconstructionMethod(Method):
         """Extra keyword arguments for `make_learnable` of linear `name`, given prepare_block's state."""
         return {}
 
-    def init_learnables(self, ctx: BlockContext, learn: dict, state: Any, cfg: dict, n_train: int) -> None:
+    def init_learnables(self, ctx: BlockContext, learn: dict, state: Any, cfg: ReconConfig, n_train: int) -> None:
         """After the learnables exist, before the initial (Figure-2 'before') errors are measured."""
 
-    def param_groups(self, learn: dict, state: Any, cfg: dict) -> list[dict]:
+    def param_groups(self, learn: dict, state: Any, cfg: ReconConfig) -> list[dict]:
         """Optimizer parameter groups; default: every learnable at one learning rate (METHOD.md 2)."""
-        return [{"params": [p for m in learn.values() for p in m.learnables()], "lr": cfg["lr"]}]
+        return [{"params": [p for m in learn.values() for p in m.learnables()], "lr": cfg.lr}]
 
-    def finish_block(self, ctx: BlockContext, state: Any, cfg: dict, n_train: int) -> None:
+    def finish_block(self, ctx: BlockContext, state: Any, cfg: ReconConfig, n_train: int) -> None:
         """After the linears are frozen, before the final errors and the block checkpoint."""
 
     # ---- the run ----------------------------------------------------------------------------------
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any], calib: Calibration | None
-                 ) -> dict[str, Any]:
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: ReconConfig, calib: Calibration | None
+                  ) -> dict[str, Any]:
         if calib is None:
             raise UserError(f"{self.name} needs calibration data.")
         cfg = self.resolve(scheme, config)
         self._compile_refused = None
         ids = calib.input_ids
-        n_held = cfg["heldout_samples"]
+        n_held = cfg.heldout_samples
         if n_held >= len(ids):
             raise UserError(f"heldout_samples ({n_held}) must be smaller than the calibration set ({len(ids)}).")
         n_train = len(ids) - n_held
         seed = int(calib.description.get("seed", 0))
 
         act_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        authors = cfg["train_precision"] == "authors"
+        authors = cfg.train_precision == "authors"
         if authors:
             # the authors load the model in fp16: every weight on the fp16 grid from the start
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.half().to(p.dtype))
         if scheme.static_activations and self.upfront_static_ranges:
-            if cfg["smooth_alpha"] and float(cfg["smooth_alpha"]) > 0:
+            if cfg.smooth_alpha > 0:
                 from lrq.smooth import smooth_model
-                smooth_model(model, ids[:n_train], alpha=float(cfg["smooth_alpha"]))
+                smooth_model(model, ids[:n_train], alpha=cfg.smooth_alpha)
             ranges = observe_input_ranges(model, ids[:n_train])
             act_qparams = {k: qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), scheme.a_bits)
                            for k, (lo, hi) in ranges.items()}
@@ -351,10 +370,7 @@ class ReconstructionMethod(Method):
 
         ckpt = None
         if self.checkpoint_dir is not None:
-            ident = hashlib.sha256(json.dumps({"m": self.name, "s": scheme.name, "c": self.keyed_settings(cfg),
-                                               "calib": calib.description},
-                                              sort_keys=True, default=str).encode()).hexdigest()
-            ckpt = BlockCheckpoint(self.checkpoint_dir, ident)
+            ckpt = BlockCheckpoint(self.checkpoint_dir, self.checkpoint_identity(scheme, cfg, calib))
         # train_precision=authors: the block forwards (FP targets, the quantized chain) in fp16 as in the authors'
         # fp16 model; the training steps decide their own autocast (_reconstruct_block)
         fp16 = (torch.autocast(self.compute_device(model).type, dtype=torch.float16) if authors
@@ -371,12 +387,12 @@ class ReconstructionMethod(Method):
             "compiled_blocks": sum(bool(b.get("compiled")) for b in per_block),
             # why compile=on ran eagerly from some block on (check_compiled_step), or None
             "compile_refused": next((b["compile_refused"] for b in per_block if b.get("compile_refused")), None),
-            "resolved_config": cfg, "train_samples": n_train, "heldout_samples": n_held,
+            "resolved_config": cfg.as_dict(), "train_samples": n_train, "heldout_samples": n_held,
             # what the training steps really ran at: bf16 autocast only where the preset and the run allow it
             "train_precision": (("authors: fp16 model and freeze, steps under fp16 autocast with a GradScaler"
                                  if _scheme_key(scheme) in self.authors_amp else
                                  "authors: fp16 model and freeze, fp32 steps") if authors else
-                                "bf16" if cfg["autocast"] and precision.current(self.device) == "bf16" else "fp32"),
+                                "bf16" if cfg.autocast and precision.current(self.device) == "bf16" else "fp32"),
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
                              for b in per_block],
         }
@@ -384,7 +400,7 @@ class ReconstructionMethod(Method):
             stats[f"mean_block_{k}"] = sum(b[k] for b in per_block) / len(per_block)
         return stats
 
-    def _reconstruct_block(self, ctx: BlockContext, scheme: Scheme, cfg: dict, act_qparams: dict, n_train: int,
+    def _reconstruct_block(self, ctx: BlockContext, scheme: Scheme, cfg: ReconConfig, act_qparams: dict, n_train: int,
                            seed: int) -> dict:
         block, i, kw = ctx.block, ctx.index, ctx.kwargs
         x_all, y_all = ctx.q_inputs.data, ctx.fp_targets.data
@@ -396,13 +412,13 @@ class ReconstructionMethod(Method):
         learn: dict[str, LearnableQuantLinear] = {}
         for name, lin in block_linears(block).items():
             w = lin.weight.detach().float()
-            if cfg["s1_init"] == "search":
-                scale, zero = search_qparams(w, scheme.w_bits, scheme.group_size, cfg["search_grid"], cfg["search_norm"])
+            if cfg.s1_init == "search":
+                scale, zero = search_qparams(w, scheme.w_bits, scheme.group_size, cfg.search_grid, cfg.search_norm)
             else:
                 scale, zero = minmax_qparams(w, scheme.w_bits, scheme.group_size)
             full = f"model.layers.{i}.{name}"
             m = self.make_learnable(name, lin, scheme, scale, zero, cfg, gen, quantize_output=name in KV_LINEARS,
-                                    act_range=act_qparams.get(full), act_quant=cfg["recon_act_quant"] == "on",
+                                    act_range=act_qparams.get(full), act_quant=cfg.recon_act_quant == "on",
                                     **self.learnable_kwargs(state, name))
             set_submodule(block, name, m)
             learn[name] = m
@@ -417,31 +433,31 @@ class ReconstructionMethod(Method):
 
         xt, yt, xh, yh = x_all[:n_train], y_all[:n_train], x_all[n_train:], y_all[n_train:]
         # Figure-2 errors: the first `error_samples` training windows vs (up to as many) held-out windows.
-        ne = cfg["error_samples"]
+        ne = cfg.error_samples
         xe, ye, xh, yh = xt[:ne], yt[:ne], xh[:ne], yh[:ne]
         with _frozen(block, learn):  # at initialisation the learnables are exactly RTN: measure that fast
             out = {"block": i, "n_learnable": n_learn,
                    "calib_before": block_error(block, xe, ye, kw), "heldout_before": block_error(block, xh, yh, kw)}
 
-        iters, bs = cfg["iters"], cfg["batch_size"]
+        iters, bs = cfg.iters, cfg.batch_size
         if iters > 0:
             opt = torch.optim.Adam(groups)
             sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=iters, eta_min=0.0)
-                     if cfg["lr_schedule"] == "cosine" else None)
+                     if cfg.lr_schedule == "cosine" else None)
             order = torch.randperm(n_train, generator=gen)
             pos = 0
             bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
             dev = next(block.parameters()).device    # the walk put the block on the compute device
             # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16; with
             # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
-            amp = cfg["train_precision"] == "authors" and _scheme_key(scheme) in self.authors_amp
-            if cfg["train_precision"] == "authors":
+            amp = cfg.train_precision == "authors" and _scheme_key(scheme) in self.authors_amp
+            if cfg.train_precision == "authors":
                 autocast = torch.autocast(dev.type, dtype=torch.float16, enabled=amp)
             else:
-                autocast = precision.autocast(dev, enabled=bool(cfg["autocast"]))
+                autocast = precision.autocast(dev, enabled=cfg.autocast)
             scaler = torch.amp.GradScaler(dev.type) if amp else None
             skipped = 0
-            fwd = compiled_step(block, cfg.get("compile") is True and not self._compile_refused, dev)
+            fwd = compiled_step(block, cfg.compile is True and not self._compile_refused, dev)
             if fwd is not block:
                 why = check_compiled_step(fwd, block, params, xt[:bs].to(dev), yt[:bs].to(dev), kw, autocast)
                 if why:   # every later block runs eagerly too: the same code generator would build its step
@@ -471,14 +487,14 @@ class ReconstructionMethod(Method):
                     skipped += not math.isfinite(loss_val)
                     if skipped > max(100, iters // 10):
                         raise ReconstructionError(f"block {i}: {skipped} of {step + 1} fp16 steps overflowed "
-                                                  f"(lr {cfg['lr']}): train_precision=authors diverges here.")
+                                                  f"(lr {cfg.lr}): train_precision=authors diverges here.")
                     scaler.scale(loss).backward()
                     scaler.step(opt)
                     scaler.update()
                 else:
                     if not math.isfinite(loss_val):
                         raise ReconstructionError(
-                            f"block {i}: the reconstruction loss became {loss_val} at step {step} (lr {cfg['lr']}). "
+                            f"block {i}: the reconstruction loss became {loss_val} at step {step} (lr {cfg.lr}). "
                             f"Lower the learning rate (--set lr=...) or turn on fp32 (--set autocast=False).")
                     loss.backward()
                     opt.step()
@@ -497,7 +513,7 @@ class ReconstructionMethod(Method):
             if self.curve_every:
                 out["curve"] = curve
         for name, m in learn.items():   # the authors freeze in fp16, after .half() of the whole model
-            set_submodule(block, name, m.freeze(half=cfg["train_precision"] == "authors"))
+            set_submodule(block, name, m.freeze(half=cfg.train_precision == "authors"))
         for p in params:
             p.requires_grad_(False)
         self.finish_block(ctx, state, cfg, n_train)

@@ -33,7 +33,6 @@ class FlexRound(ReconstructionMethod):
     name = "flexround"
     summary = "learnable element-wise division (s1, S2, s3) trained by block reconstruction"
     # The authors' Llama-2 learning rates range 4e-4 .. 3e-3 (METHOD.md table); quick: fewer, shorter steps.
-    defaults = ReconstructionMethod.preset_defaults()
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (2.5e-3, False), "w4": (3e-3, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}

@@ -14,15 +14,18 @@ a 576-wide model, and 1024 / 4096 = 0.25 is the ratio the authors use on Llama-2
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from lrq.engine import ReconstructionMethod
+from lrq.config import setting
+from lrq.engine import ReconConfig, ReconstructionMethod, recon_presets
 from lrq.errors import UserError
 from lrq.flexround import FlexRoundLinear
 from lrq.learnable import LearnableQuantLinear
-from lrq.methods import Rule, register
+from lrq.methods import register
 
 
 def official_rank(cout: int, cin: int) -> int | None:
@@ -35,10 +38,11 @@ def official_rank(cout: int, cin: int) -> int | None:
 
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-RANK_RULES = ("official", "llama2-7b-like", "uniform", "fraction")
+RankRule = Literal["official", "llama2-7b-like", "uniform", "fraction"]
+RANK_RULES: tuple[str, ...] = RankRule.__args__
 
 
-def choose_rank(cout: int, cin: int, rule: str, rank: int, fraction: float, name: str | None = None) -> int | None:
+def choose_rank(cout: int, cin: int, rule: RankRule, rank: int, fraction: float, name: str | None = None) -> int | None:
     """The rank of linear `name` ([cout, cin]) under `rule`; None: a full FlexRound-style scaling matrix."""
     if rule == "official":
         return official_rank(cout, cin)
@@ -73,28 +77,34 @@ def lrq_param_count(cout: int, cin: int, rank: int, n_groups: int = 1) -> int:
     return rank * (cout + cin) + cout * n_groups + cout + cin
 
 
+@dataclass(frozen=True, eq=False)
+class LRQConfig(ReconConfig):
+    """LRQ's settings: the reconstruction settings and the rank of L @ U (module docstring: the rank rules)."""
+    rank_rule: RankRule = "fraction"
+    rank: int = setting(1024, lo=1)                          # the uniform rule's rank (capped at min(Cout, Cin))
+    rank_fraction: float = setting(0.25, lo=0, hi=1, lo_open=True)   # the fraction rule's r / min(Cout, Cin)
+
+
 @register
 class LRQ(ReconstructionMethod):
     name = "lrq"
     summary = "low-rank weight-scaling matrices (s1, L, U, r2, c2) trained by block reconstruction"
     # The authors' Llama-2 learning rates range 4e-4 .. 9e-4 (METHOD.md table).
-    defaults = ReconstructionMethod.preset_defaults(
-        quick_extra={"rank_rule": "fraction", "rank": 1024, "rank_fraction": 0.25},
-        paper_extra={"rank_rule": "official", "rank": 1024, "rank_fraction": 0.25})
     # the long preset: the structure the paper measured on Llama-2-7B (attention low rank, MLP full)
-    defaults["long"] = dict(defaults["long"], rank_rule="llama2-7b-like")
+    settings = LRQConfig
+    presets = recon_presets(LRQConfig, quick={"rank_rule": "fraction"}, paper={"rank_rule": "official"},
+                            long={"rank_rule": "llama2-7b-like"})
     # Llama-2-7B rows of the authors' table: (lr, s1 search) per scheme family.
     paper_table = {"w3": (6e-4, True), "w4": (9e-4, False), "w4a8": (5e-4, True), "w8a8": (5e-4, True)}
-    rules = ReconstructionMethod.rules | {"rank_rule": Rule(choices=RANK_RULES),
-                                          "rank": Rule(int, lo=1), "rank_fraction": Rule(float, lo=0, hi=1, lo_open=True)}
     quick_lr = {"w3": 1e-2, "w4": 1e-2, "w4a8": 1e-2, "w8a8": 1e-2 / 16}
     learnable_fraction = 0.6
     authors_amp = ("w4", "w4a8")   # the 7B W4A16 and W4A8 scripts: fp16 autocast + GradScaler
     compare_learnables_with = "flexround"   # the paper's point: far fewer learnable scales than FlexRound
 
-    def make_learnable(self, name, linear, scheme, scale, zero, config, generator, **kw) -> LearnableQuantLinear:
-        r = choose_rank(linear.out_features, linear.in_features, config["rank_rule"], int(config["rank"]),
-                        float(config["rank_fraction"]), name)
+    def make_learnable(self, name, linear, scheme, scale, zero, config: LRQConfig, generator, **kw
+                       ) -> LearnableQuantLinear:
+        r = choose_rank(linear.out_features, linear.in_features, config.rank_rule, config.rank,
+                        config.rank_fraction, name)
         if r is None:
             return FlexRoundLinear(linear, scheme, scale, zero, **kw)
         return LRQLinear(linear, scheme, scale, zero, rank=r, generator=generator, **kw)

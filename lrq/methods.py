@@ -11,14 +11,15 @@ package and the LRQ/FlexRound modules, so a new method is a new file, not a chan
 from __future__ import annotations
 
 import importlib
-import math
 import pkgutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
+from lrq.config import FALSE_WORDS, TRUE_WORDS, MethodConfig, parse  # noqa: F401  (the words: re-exported)
 from lrq.errors import UserError
 from lrq.schemes import Scheme
 
@@ -30,75 +31,6 @@ class Calibration:
     input_ids: torch.Tensor
     description: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What values a setting takes: a type (int, float, bool or str), a range, a set of words, and whether
-    'auto' (decided per scheme by `resolve`) is allowed. `Method.config` checks every setting against its
-    rule, so a bad --set value is exit 2 naming the setting and what it takes, before any work."""
-    kind: type = str
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False          # lo itself excluded
-    choices: tuple[str, ...] | None = None
-    auto: bool = False
-    label: str | None = None       # how to say what it takes, where the choices are many spellings of few values
-
-    def describe(self) -> str:
-        if self.label:
-            return self.label
-        if self.choices:
-            return "one of " + ", ".join(self.choices + (("auto",) if self.auto else ()))
-        what = {int: "an integer", float: "a number", bool: "true or false", str: "a word"}[self.kind]
-        if self.lo is not None and self.hi is not None:
-            what += f" in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
-        elif self.lo is not None:
-            what += f" {'>' if self.lo_open else '>='} {self.lo:g}"
-        return what + (" or auto" if self.auto else "")
-
-    def check(self, method: str, key: str, value: Any) -> Any:
-        """`value` (as given on the command line or in Python) converted to the setting's type, or UserError."""
-        if self.auto and isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        bad = UserError(f"{method}: --set {key}={value!r} is not valid: {key} takes {self.describe()}.")
-        if self.kind is bool:
-            if isinstance(value, bool):
-                return value
-            word = str(value).strip().lower()
-            if word in TRUE_WORDS + FALSE_WORDS:
-                return word in TRUE_WORDS
-            raise bad
-        if self.choices:
-            word = str(value).strip().lower()
-            if word not in self.choices:
-                raise bad
-            return word
-        if self.kind in (int, float):
-            if isinstance(value, bool):
-                raise bad
-            try:
-                num = float(value)
-            except (TypeError, ValueError):
-                raise bad from None
-            if not math.isfinite(num) or (self.kind is int and num != int(num)):
-                raise bad
-            if self.lo is not None and (num < self.lo or (self.lo_open and num == self.lo)):
-                raise bad
-            if self.hi is not None and num > self.hi:
-                raise bad
-            return int(num) if self.kind is int else num
-        return str(value)
-
-
-def rules_for(defaults: dict[str, dict[str, Any]]) -> dict[str, Rule]:
-    """A rule from each setting's default value where a method declares none: its type, nothing more."""
-    out = {}
-    for preset in defaults.values():
-        for k, v in preset.items():
-            if v is not None and k not in out:
-                out[k] = Rule(type(v) if type(v) in (int, float, bool) else str)
-    return out
 
 
 class Method:
@@ -113,27 +45,23 @@ class Method:
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""
-    # Settings by preset; every key can be overridden from the CLI (--set key=value) and is recorded.
-    defaults: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}, "paper": {}}
-    # What each setting takes (type, range, words); settings without a rule are checked by their default's type.
-    rules: ClassVar[dict[str, Rule]] = {}
-    # Settings that are not --set values (the preset is its own option, --preset).
-    fixed_settings: ClassVar[tuple[str, ...]] = ("preset",)
-    # Settings that choose how the same computation runs, not what it computes (e.g. torch.compile): recorded
-    # with every row like the others, but left out of the store key and the checkpoint identity, so turning
-    # one on or off reuses and resumes earlier results (as running on another device does).
-    execution_settings: ClassVar[tuple[str, ...]] = ()
-
-    # Settings added after results were stored, at the value that computes what those results computed: a
-    # setting at that value is left out of the identity, so the earlier results keep their keys.
-    neutral_settings: ClassVar[dict[str, Any]] = {}
+    # The method's settings (a MethodConfig dataclass beside its code) and its presets as instances of it; every
+    # setting but the fixed ones (the preset) can be overridden from the CLI (--set key=value) and is recorded.
+    settings: ClassVar[type[MethodConfig]] = MethodConfig
+    presets: ClassVar[dict[str, MethodConfig]] = {"quick": MethodConfig(), "paper": MethodConfig()}
+    # The version of what the method computes: bump it with any change that changes its numbers (a rank rule, a
+    # rounding, an initialisation). It is recorded in every row (`method_version`) and is part of every result's
+    # identity, so a result of another version is never reused as current (tests/test_method_versions.py pins
+    # each method's output on a tiny fixed model to its version). Version 1 is what every result stored before
+    # versions existed computed: it is left out of the identity, so those results keep their keys.
+    version: ClassVar[int] = 1
 
     @classmethod
-    def keyed_settings(cls, config: dict[str, Any]) -> dict[str, Any]:
-        """`config` without the execution settings (and the later settings at their neutral value): what a
-        result's identity (store key, checkpoint) hashes."""
-        return {k: v for k, v in config.items() if k not in cls.execution_settings
-                and not (k in cls.neutral_settings and v == cls.neutral_settings[k])}
+    def keyed_settings(cls, config: Mapping) -> dict[str, Any]:
+        """`config` (a config of this method or a stored dict of its settings) without the execution settings
+        (and the later settings at their neutral value): what a result's identity (store key, checkpoint) hashes."""
+        return cls.settings.keyed(config)
+
     # Calibration settings per preset that differ from the suite's (dataset, n_samples, seq_len, sampling).
     calib_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     # Coarse relative cost of one cell (1: no search, 5: a per-layer search, 10: block-wise training); parallel
@@ -184,42 +112,43 @@ class Method:
         """Bytes beyond the weights, activation streams and training state at the method's peak."""
         return 0
 
-    def resolve(self, scheme: Scheme, config: dict[str, Any]) -> dict[str, Any]:
+    def resolve(self, scheme: Scheme, config: MethodConfig) -> MethodConfig:
         """The configuration with every 'auto' decided for `scheme` (what `quantize` will use)."""
-        return dict(config)
+        return config
 
-    def config(self, preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The preset's settings with `overrides` applied, every value checked against its rule (exit 2 on a
-        bad one, before any work). A method without settings of its own for a preset takes its fallback's
-        (PRESET_FALLBACK: the long preset is the paper settings for methods that do not train)."""
-        preset_of = preset if preset in self.defaults else PRESET_FALLBACK.get(preset)
-        if preset_of not in self.defaults:
-            raise UserError(f"unknown preset {preset!r} for method {self.name}: choose from {', '.join(self.defaults)}.")
-        cfg = dict(self.defaults[preset_of])
-        rules = rules_for(self.defaults) | self.rules
-        for k, v in (overrides or {}).items():
-            if k not in cfg:
-                continue  # an override meant for another method
-            if k in self.fixed_settings:
-                raise UserError(f"{self.name}: {k} is not a --set value: choose it with --{k} "
-                                f"({', '.join(self.defaults)}).")
-            # the value is kept as the default's type makes it (what earlier releases stored and hashed, so their
-            # results are still found); the rule only refuses what cannot work
-            cfg[k] = _coerce(self.name, k, cfg[k], v)
-            if k in rules:
-                rules[k].check(self.name, k, cfg[k])
-        return cfg
+    def config(self, preset: str, overrides: Mapping[str, Any] | None = None) -> MethodConfig:
+        """The preset's settings with `overrides` parsed (lrq.config.parse: converted, checked, normalised once;
+        exit 2 on a bad value, before any work). A method without settings of its own for a preset takes its
+        fallback's (PRESET_FALLBACK: the long preset is the paper settings for methods that do not train)."""
+        preset_of = preset if preset in self.presets else PRESET_FALLBACK.get(preset)
+        if preset_of not in self.presets:
+            raise UserError(f"unknown preset {preset!r} for method {self.name}: choose from {', '.join(self.presets)}.")
+        return parse(self.presets[preset_of], overrides, self.name)
 
-    def check_calibration(self, config: dict[str, Any], n_samples: int, seq_len: int) -> None:
+    def typed(self, config: Mapping[str, Any], preset: str = "quick") -> MethodConfig:
+        """`config` as this method's config: itself where it is one, else parsed onto `preset` (a dict of settings
+        from Python, e.g. a stored row's)."""
+        if isinstance(config, self.settings):
+            return config
+        return self.config(config.get("preset", preset), config)   # parse skips the preset where it is the same
+
+    def check_calibration(self, config: MethodConfig, n_samples: int, seq_len: int) -> None:
         """Refuse (UserError) settings that cannot work with n_samples x seq_len calibration windows."""
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         """Whether the result depends on calibration data (it then becomes part of the cell's identity)."""
         return scheme.static_activations
 
-    def quantize(self, model: nn.Module, scheme: Scheme, config: dict[str, Any],
+    def quantize(self, model: nn.Module, scheme: Scheme, config: MethodConfig | Mapping[str, Any],
                  calib: Calibration | None) -> dict[str, Any]:
-        """Quantize `model` in place; return statistics worth storing (e.g. learnable-parameter counts)."""
+        """Quantize `model` in place; return statistics worth storing (e.g. learnable-parameter counts).
+        `config` is this method's config, or a mapping of settings parsed onto its preset here: the one place
+        a method's settings become typed before it computes (each method implements `_quantize`)."""
+        return self._quantize(model, scheme, self.typed(config), calib)
+
+    def _quantize(self, model: nn.Module, scheme: Scheme, config: MethodConfig,
+                  calib: Calibration | None) -> dict[str, Any]:
+        """The method itself, on a typed config."""
         raise NotImplementedError
 
 
@@ -236,29 +165,11 @@ def add_work(work: dict[str, tuple[float, float]], kind: str, calls: float, flop
     return work
 
 
-TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 PRESET_FALLBACK = {"long": "paper"}
 # calibration of a preset for every method that has none of its own for it (the long preset: the same windows
 # for LRQ, FlexRound, GPTQ and AWQ, so their cells compare on one calibration)
 PRESET_CALIB: dict[str, dict[str, Any]] = {"long": {"dataset": "c4", "n_samples": 128, "seq_len": 1024,
                                                     "sampling": "sequential"}}
-
-
-def _coerce(method: str, key: str, default: Any, value: Any) -> Any:
-    """Convert a --set value to the type of the setting's default (booleans need explicit words)."""
-    if default is None or isinstance(value, type(default)):
-        return value
-    if isinstance(default, bool):
-        word = str(value).strip().lower()
-        if word in TRUE_WORDS:
-            return True
-        if word in FALSE_WORDS:
-            return False
-        raise UserError(f"{method}: --set {key}={value!r} is not a boolean: use true or false.")
-    try:
-        return type(default)(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{method}: --set {key}={value!r} is not a valid {type(default).__name__}.") from None
 
 
 METHODS: dict[str, type[Method]] = {}
@@ -294,7 +205,8 @@ def check_settings(keys, methods: list[str]) -> None:
     import difflib
     known: dict[str, list[str]] = {}
     for m in methods:
-        for preset in method_class(m).defaults.values():
+        cls = method_class(m)
+        for preset in cls.presets.values():
             for k in preset:
                 if m not in known.setdefault(k, []):
                     known[k].append(m)

@@ -295,7 +295,7 @@ def test_every_baseline_runs_under_every_scheme(arch, method, scheme_name):
 def test_presets_and_overrides():
     for name in ("smoothquant", "gptq", "awq"):
         m = get_method(name)
-        assert set(m.defaults) == {"quick", "paper"}
+        assert set(m.presets) == {"quick", "paper"}
     assert get_method("smoothquant").config("quick", {"alpha": "0.8"})["alpha"] == 0.8
     assert get_method("gptq").config("paper") == {"damp": 0.01, "block_size": 128, "act_order": True, "bf16": True,
                                                   "batch_size": 8}

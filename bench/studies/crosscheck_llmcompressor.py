@@ -207,7 +207,7 @@ def collect(rows, pairs) -> list[dict[str, Any]]:
     out = []
     for variant, side, cell in pairs:
         entry: dict[str, Any] = {"variant": variant, "side": side, "method": cell.method_name,
-                                 "scheme": cell.scheme_name, "config": cell.config, "ppl": {}, "window_nll": {},
+                                 "scheme": cell.scheme_name, "config": dict(cell.config), "ppl": {}, "window_nll": {},
                                  "quant": {}, "stats": {}}
         for ds in cell.datasets:
             for r in by_key.get(cell.keys[ds], []):

@@ -191,7 +191,7 @@ def run(args) -> dict:
                     t0 = time.perf_counter()
                     with torch.enable_grad():
                         out = method._reconstruct_block(ctx, scheme, cfg, {}, args.calib_samples, args.seed)
-                    res["results"][f"{b}/{m}"] = {"block": b, "method": m, "resolved": cfg,
+                    res["results"][f"{b}/{m}"] = {"block": b, "method": m, "resolved": dict(cfg),
                                                   "n_learnable": out["n_learnable"], "curve": out["curve"],
                                                   "wall_s": time.perf_counter() - t0,
                                                   "provenance": res["provenance"]}
