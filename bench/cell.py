@@ -35,6 +35,7 @@ from bench.evals import PERPLEXITY
 from bench.measure import measure
 from bench.cache import cache_root
 from bench.models import load_model, model_fingerprint
+from bench.perplexity import VERSION as PPL_VERSION
 from bench.perplexity import NonFiniteResult, check_finite_perplexity, locate_nonfinite, perplexity
 from bench.provenance import git_revision, hardware, versions
 from bench.store import SCHEMA_VERSION, Row, unit_key
@@ -152,11 +153,19 @@ def resolve_calib(method: str, preset: str, given: dict[str, Any]) -> CalibSetti
     return CalibSettings(**base)
 
 
+def eval_versions() -> dict[str, int]:
+    """The version of each evaluation's code (perplexity, KL divergence, tasks), as every row records it."""
+    from bench import tasks as T
+    from bench.kl import SCHEMA
+    return {"perplexity": PPL_VERSION, "kl": SCHEMA, "tasks": T.VERSION}
+
+
 def _task_protocol(tasks: tuple[str, ...]) -> dict:
     from bench import tasks as T
     from lrq.precision import HEAD_PRECISION
     return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS, "head": HEAD_PRECISION}
-            | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in tasks else {}))
+            | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in tasks else {})
+            | ({"version": T.VERSION} if T.VERSION != 1 else {}))
 
 
 def settle(req: Request, bind_device: bool = True) -> Cell:
@@ -196,7 +205,8 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
         ident["calib"] = asdict(calib) | {"data": calib_data}
     data = {ds: D.data_fingerprint(ds, data_dir) for ds in req.datasets}
     keys = {"quant": unit_key(ident)}
-    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev)})
+    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev)}
+                              | ({"eval_version": PPL_VERSION} if PPL_VERSION != 1 else {}))
                  for ds in req.datasets})
     if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
         from bench.kl import APPROXIMATION, SCHEMA
@@ -318,6 +328,8 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
         "model": cell.model, "model_source": loaded.source, "model_note": loaded.note,
         "method": cell.method_name, "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
         "method_config": dict(cell.config), "method_resolved": dict(cell.resolved),
+        "method_version": None if cell.is_fp else type(cell.method).version,
+        "eval_versions": eval_versions(),
         "scheme_def": None if cell.is_fp else cell.scheme.to_dict(),
         "precision": cell.precision_info | {"used": cell.precision},
     }

@@ -13,6 +13,11 @@ from tqdm.auto import tqdm
 
 from lrq import progress
 
+#: The version of what this module computes (windows, NLL, the head's precision): bump it with any change that
+#: changes a perplexity, and every perplexity unit is computed again (a key of its own; version 1 is left out of
+#: the key, so the results stored before versions existed keep theirs). Rows record it (`eval_versions`).
+VERSION = 1
+
 
 def windows(ids: torch.Tensor, seq_len: int, include_partial: bool = False) -> list[torch.Tensor]:
     """Non-overlapping windows of `seq_len` tokens; the last partial one only when asked (and >= 2 tokens)."""

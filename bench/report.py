@@ -676,6 +676,7 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
     parts += [f"Precision of every number in this section: {precision_text(prec)}"
               + (f" ({'; '.join(sorted(md_text(w) for w in why if w))})" if any(why) else
                  " (stored before the precision was recorded: perplexity under bf16 autocast)") + ".", ""]
+    parts += older_versions(srows)
     stats = cell_stats(srows)
     parts += _leaderboard_sections(mdf, stats)
     ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
@@ -715,6 +716,41 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
 
 
 DETAILS = "## Details"
+
+
+def older_versions(rows: list[Row]) -> list[str]:
+    """A warning naming the cells computed by an older version of their method's or evaluation's code than this
+    checkout's (a row without a recorded version is version 1: stored before versions existed). Their numbers
+    are shown as they were measured, marked as older; a rerun computes them anew (another version is another
+    cell)."""
+    from bench.cell import eval_versions
+    from lrq.methods import method_class
+    now_eval = eval_versions()
+    older: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        cfg = r.config if isinstance(r.config, dict) else {}
+        what = set()
+        if r.method != "fp":
+            try:
+                current = method_class(r.method).version
+            except Exception:   # a name derived from a checkpoint (external:...), or a method no longer here
+                current = None
+            stored = cfg.get("method_version") or 1
+            if current is not None and stored != current:
+                what.add(f"{r.method} v{stored}, now v{current}")
+        for name, v in (cfg.get("eval_versions") or {"perplexity": 1, "tasks": 1}).items():
+            kind = "kl" if r.metric in ("kld", "top1_agree") else "tasks" if r.dataset in TASK_DATASETS \
+                else "perplexity" if r.metric == "ppl" else None
+            if name == kind and name in now_eval and v != now_eval[name]:
+                what.add(f"{name} v{v}, now v{now_eval[name]}")
+        if what:
+            older.setdefault((r.method, r.scheme), set()).update(what)
+    if not older:
+        return []
+    cells = "; ".join(f"{m} {s} ({', '.join(sorted(w))})" for (m, s), w in sorted(older.items()))
+    return [f"> **Older code versions:** {cells}. These numbers were computed by an earlier version of the code "
+            f"named, and are shown as measured then; `lrq-bench run` with the same options computes them with "
+            f"this version (another version is another cell).", ""]
 
 
 def terminal_summary(rows: list[Row], width: int = 120) -> str:

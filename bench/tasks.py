@@ -35,6 +35,9 @@ from bench.evals import ALL_TASKS, TASKS, ZERO_SHOT, ZEROSHOT_AVG  # noqa: F401 
 MAIN_METRIC = {name: t.main_metric for name, t in TASKS.items()}
 PREFIX = "lrqb_"
 MAX_LENGTH = 2048
+#: The version of how tasks are scored here (prompts, the lm-eval adapter, per-example scores): bump it with any
+#: change that changes an accuracy (a key of its own from 2 on, as bench.perplexity.VERSION).
+VERSION = 1
 BATCH_SIZE = 1
 ADD_BOS = False
 
