@@ -30,6 +30,7 @@ import torch
 
 import lrq
 from lrq import precision, progress
+from lrq.precision import Precision
 from bench import data as D
 from bench.evals import PERPLEXITY
 from bench.measure import measure
@@ -59,9 +60,10 @@ class CalibSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """How perplexity is measured. `autocast` is the evaluation's compute precision, "bf16" (bf16 autocast
-    over float32 weights) or "fp32" (the name is kept so that the store keys of bf16 results made before the
-    precision became a choice are unchanged); `settle` fills it in from the request's precision."""
+    """How perplexity is measured. `autocast` records the evaluation's compute precision in the unit keys,
+    "bf16" (bf16 autocast over float32 weights) or "fp32" (the name is kept so that the store keys of bf16
+    results made before the precision became a choice are unchanged): `settle` fills it in from the cell's
+    `Precision`, which is what the evaluation computes at; nothing reads this field to decide it."""
     seq_len: int = 2048
     include_partial: bool = False
     max_tokens: int | None = None
@@ -114,8 +116,7 @@ class Cell:
     identity: dict[str, Any]             # what the quantization unit's key hashes
     keys: dict[str, str]                 # unit -> store key
     checkpoint_dir: str | None           # where a resumable method keeps its per-block state
-    precision: str = "bf16"              # the precision this cell computes at ("bf16" or "fp32"), decided
-    precision_info: dict = field(default_factory=dict)   # asked, used, why (lrq.precision.describe)
+    precision: Precision                 # what this cell computes at, decided once (lrq.precision)
 
     @property
     def is_fp(self) -> bool:
@@ -189,7 +190,8 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     device = str(resolve_device(req.device)) if (bind_device or req.device != "auto") else "auto"
     # 'auto' is decided for the device the cell computes on (an unbound remote device: as this machine would)
     prec_device = None if device == "auto" else device
-    prec = precision.resolve(req.precision, prec_device)
+    decided = Precision.decide(req.precision, prec_device)
+    prec = decided.used
     ev = replace(req.eval, autocast=prec)
     # execution settings (torch.compile, ...) change how the cell runs, not what it computes: not in the key
     ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
@@ -226,8 +228,7 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
                 calib=calib, uses_calibration=uses_calibration, datasets=tuple(req.datasets), eval=ev,
                 tasks=tuple(req.tasks), task_limit=req.task_limit, seed=req.seed,
                 data_dir=None if data_dir is None else str(data_dir), device=device, data=data,
-                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt, precision=prec,
-                precision_info=precision.describe(req.precision, prec_device))
+                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt, precision=decided)
 
 
 def _enough_tokens(tokenizer, text: str, need: int) -> int:
@@ -331,7 +332,7 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
         "method_version": None if cell.is_fp else type(cell.method).version,
         "eval_versions": eval_versions(),
         "scheme_def": None if cell.is_fp else cell.scheme.to_dict(),
-        "precision": cell.precision_info | {"used": cell.precision},
+        "precision": cell.precision.info(),
     }
     device = cell.compute_device()
     if cell.is_fp:
@@ -390,9 +391,9 @@ def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> 
     refs = {}
     for ds in datasets:
         ids, _ = _eval_ids(cell, ds, tok, texts)
-        key = kl.reference_key(cell.model_id, ds, cell.data[ds], asdict(cell.eval), cell.precision)
+        key = kl.reference_key(cell.model_id, ds, cell.data[ds], asdict(cell.eval), cell.precision.used)
         refs[ds] = kl.ensure_reference(model, windows(ids, cell.eval.seq_len, cell.eval.include_partial), key,
-                                       autocast=cell.eval.autocast == "bf16")
+                                       precision=cell.precision)
     return refs
 
 
@@ -428,7 +429,7 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
         ids, text = _eval_ids(cell, ds, tok, texts)
         with measure() as em, progress.stage(ds):   # one pass: perplexity, and the KL divergence from FP
             res = perplexity(model, ids, cell.eval.seq_len, cell.eval.include_partial,
-                             autocast=cell.eval.autocast == "bf16", desc=f"{cell.method_name} {cell.scheme_name} {ds}",
+                             precision=cell.precision, desc=f"{cell.method_name} {cell.scheme_name} {ds}",
                              reference=refs.get(ds))
         check_finite_perplexity(model, ids, res, ds, cell.eval.seq_len, cell.eval.include_partial)
         ev = asdict(cell.eval) | {"source": text.source, "windows": res["windows"], "tokens": res["tokens"],
@@ -452,7 +453,7 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
         with measure() as tm, progress.stage("tasks"):
             res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit, precision=cell.precision)
         cfg = base_cfg | {"tasks": {"names": list(cell.tasks), "limit": cell.task_limit, "batch_size": T.BATCH_SIZE,
-                                    "precision": cell.precision,
+                                    "precision": cell.precision.used,
                                     "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS,
                                     "main_metric": T.MAIN_METRIC}
                           | ({"mmlu_protocol": f"{T.MMLU_SHOTS}-shot from the dev split, shots dropped last first "

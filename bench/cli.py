@@ -406,9 +406,9 @@ def cmd_run(args) -> int:
                                              if executor.jobs > 1 else ""))
     todo = missing_units(cells, store, args.force)
     n_todo = sum(bool(t) for t in todo.values())
-    info = cells[0].precision_info
+    prec = cells[0].precision
     print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells ({n_todo} to compute, {len(cells) - n_todo} "
-          f"already stored), {where}; precision {cells[0].precision} ({info.get('why')})", file=sys.stderr, flush=True)
+          f"already stored), {where}; precision {prec.used} ({prec.why})", file=sys.stderr, flush=True)
     estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
     outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate, carry=carry)
     wall = time.perf_counter() - t0
@@ -540,7 +540,7 @@ def _announce_estimate(args, cells, todo, executor, loaded):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(executor.threads if device == "cpu" else threads)   # as each worker will run
-        machine = P.load_or_measure_profile(device, precision=cells[0].precision, say=_say)
+        machine = P.load_or_measure_profile(device, precision=cells[0].precision.used, say=_say)
         shape = P.shape_from_config(args.model, loaded.model.config)
         est = P.estimate_run(shape, dict(enumerate(cells)), todo, machine)
     except UserError:
@@ -558,7 +558,7 @@ def _announce_estimate(args, cells, todo, executor, loaded):
     unpriced = f"; {len(est.unpriced)} cell(s) without a cost model not counted" if est.unpriced else ""
     from bench.provenance import cpu_label
     _say(f"estimate on this machine ({machine['hardware'].get('gpu') or cpu_label(machine['hardware'])}, "
-         f"{cells[0].precision}): {len(est.stages)} cells, {est.total / 3600:.2f} {unit}-hours of work, about "
+         f"{cells[0].precision.used}): {len(est.stages)} cells, {est.total / 3600:.2f} {unit}-hours of work, about "
          f"{P.fmt_duration(est.wall(workers))} wall on {workers} worker{'s' if workers > 1 else ''} (longest cell: "
          f"{cells[longest].method_name} {cells[longest].scheme_name}, {P.fmt_duration(est.seconds(longest))}"
          f"{unpriced}). `lrq-bench plan` itemizes it; Ctrl-C stops at once, and a rerun keeps what was stored.")
@@ -625,7 +625,7 @@ def _export_request(cell) -> dict:
     seed, precision asked and calibration."""
     return json.loads(dumps_json({"model": cell.model, "model_id": cell.model_id, "method": cell.method_name,
                                   "scheme": cell.scheme_name, "preset": cell.preset, "seed": cell.seed,
-                                  "method_config": dict(cell.config), "precision": cell.precision,
+                                  "method_config": dict(cell.config), "precision": cell.precision.used,
                                   "calibration": asdict(cell.calib) if cell.uses_calibration else None},
                                  sort_keys=True, default=str))
 

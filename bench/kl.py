@@ -139,18 +139,17 @@ def _head_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
 
 
 @torch.no_grad()
-def compute_reference(model: nn.Module, wins: list[torch.Tensor], autocast: bool, key: str = "") -> Reference:
+def compute_reference(model: nn.Module, wins: list[torch.Tensor], precision=None, key: str = "") -> Reference:
     """The FP model's final hidden states at every predicted position of `wins` (what its output head reads,
-    computed exactly as bench.perplexity computes them) and its output head."""
-    from contextlib import nullcontext
-
+    computed exactly as bench.perplexity computes them, at `precision`: lrq.precision, None for the one in
+    force) and its output head."""
     from bench.perplexity import final_hidden
+    from lrq import precision as P
     from lrq import progress
     device = next(model.parameters()).device
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     store_dtype = torch.float32   # the head reads the body's output in float32 (schema 3; bf16 before)
     hidden, offsets = [], [0]
-    with ctx:
+    with P.use(precision), P.autocast(device):
         for n, w in enumerate(wins):
             progress.update(f"FP reference window {n + 1}/{len(wins)}")
             h, _ = final_hidden(model, w)
@@ -218,7 +217,7 @@ def load_reference(path: Path, key: str) -> Reference | None:
     return Reference(hidden, head[0], head[1], offsets, key)
 
 
-def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autocast: bool) -> Reference:
+def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, precision=None) -> Reference:
     """The reference for `key`: loaded from the cache, else computed from `model` (the unquantized model) and
     stored. A file lock makes parallel workers compute it once."""
     from lrq.io import file_lock
@@ -230,7 +229,7 @@ def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, autoc
     with file_lock(path):
         ref = load_reference(path, key)   # another worker may have finished it meanwhile
         if ref is None:
-            ref = compute_reference(model, wins, autocast, key)
+            ref = compute_reference(model, wins, precision, key)
             save_reference(ref, path)
     return ref
 

@@ -300,7 +300,7 @@ class Carry:
                 continue
             atomic_write_bytes(dst / f"{name}.xz", lzma.compress(data, preset=6))
             hashes[name] = digest
-        label = {"cell": cell.label(), "precision": cell.precision, "preset": cell.preset}
+        label = {"cell": cell.label(), "precision": cell.precision.used, "preset": cell.preset}
         atomic_write_text(dst / _STATE, json.dumps(state | {"carried": hashes, "label": label}, allow_nan=False,
                                                    indent=1))
         self._mirrored[local.name] = done

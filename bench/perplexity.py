@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from itertools import chain
 
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from lrq import precision as P
 from lrq import progress
 
 #: The version of what this module computes (windows, NLL, the head's precision): bump it with any change that
@@ -84,9 +84,9 @@ def window_scores(model: nn.Module, window: torch.Tensor, score, chunk: int = 12
 
 
 def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include_partial: bool = False,
-               autocast: bool = True, desc: str = "perplexity", reference=None) -> dict:
-    """exp(mean over windows of each window's mean NLL); under bf16 autocast when `autocast` (the harness
-    passes the cell's precision, lrq.precision), else float32.
+               precision=None, desc: str = "perplexity", reference=None) -> dict:
+    """exp(mean over windows of each window's mean NLL), at `precision` (lrq.precision: a `Precision`, 'bf16',
+    'fp32' or 'auto'; None: the precision in force, which the harness sets to the cell's).
 
     `window_nll` holds every window's mean NLL (over `window_tokens` predicted tokens each), for paired
     comparisons of two models on the same windows; the results store keeps both with every perplexity.
@@ -99,9 +99,8 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
     if reference is not None and reference.n_windows != len(wins):
         raise ValueError(f"the KL reference holds {reference.n_windows} windows, the text {len(wins)}")
     device = next(model.parameters()).device
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     nlls, kls, top1, ties = [], [], [], 0
-    with ctx:
+    with P.use(precision), P.autocast(device):
         for k, w in enumerate(tqdm(wins, desc=desc, leave=False, unit="win")):
             progress.update(f"window {k + 1}/{len(wins)}", k / len(wins))
             if reference is None:

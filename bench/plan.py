@@ -552,8 +552,6 @@ def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
 
     from bench import kl
     from bench.perplexity import perplexity
-    from lrq import precision as P
-    bf16 = P.current("cpu") == "bf16"
     win = torch.randint(0, shape.vocab, (seq,), generator=torch.Generator().manual_seed(0))
 
     def model(layers):
@@ -568,13 +566,13 @@ def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
         fn()
         return time.perf_counter() - t
     one, many = model(1), model(blocks)
-    perplexity(one, win, seq, autocast=bf16, desc="probe")          # warm-up
-    t1 = timed(lambda: perplexity(one, win, seq, autocast=bf16, desc="probe"))
-    tn = timed(lambda: perplexity(many, win, seq, autocast=bf16, desc="probe"))
+    perplexity(one, win, seq, desc="probe")          # warm-up
+    t1 = timed(lambda: perplexity(one, win, seq, desc="probe"))
+    tn = timed(lambda: perplexity(many, win, seq, desc="probe"))
     block = max((tn - t1) / (blocks - 1), 1e-6)
     ref = {}
-    t_ref = timed(lambda: ref.setdefault("r", kl.compute_reference(one, [win], bf16)))
-    t_kl = timed(lambda: perplexity(one, win, seq, autocast=bf16, desc="probe", reference=ref["r"]))
+    t_ref = timed(lambda: ref.setdefault("r", kl.compute_reference(one, [win])))
+    t_kl = timed(lambda: perplexity(one, win, seq, desc="probe", reference=ref["r"]))
     return {"win_block_s": block, "win_rest_s": max(t1 - block, 0.0), "win_kl_s": max(t_kl - t1, 0.0),
             "ref_rest_s": max(t_ref - block, 0.0), "probe_s": {"ppl1": t1, f"ppl{blocks}": tn, "ref": t_ref,
                                                               "ppl1_kl": t_kl},

@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
+from lrq import precision as P
 from lrq import progress
 from lrq.errors import UserError
 
@@ -149,10 +149,11 @@ def write_tasks(folder: Path, data_dir: Path, names: list[str], tokenizer=None, 
 
 
 def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: int | None = None,
-                   precision: str = "fp32") -> dict[str, Any]:
+                   precision="fp32") -> dict[str, Any]:
     """{task: {metric: value, "n": examples}} plus "zeroshot_avg" when all seven zero-shot tasks ran.
-    `limit`: examples per task (MMLU: questions per subject). `precision`: "bf16" runs the model's forwards
-    under bf16 autocast (lm-eval's own `mixed_precision_dtype`), "fp32" in float32."""
+    `limit`: examples per task (MMLU: questions per subject). `precision` (lrq.precision: a `Precision`,
+    'bf16', 'fp32', 'auto'): bf16 runs the model's forwards under bf16 autocast (lm-eval's own
+    `mixed_precision_dtype` too), fp32 in float32."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -180,14 +181,14 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     # lm-eval opens an autocast region per forward; one region around them all keeps autocast's cache of
     # bf16 weight copies alive between requests (else every short request casts the whole model again:
     # 0.26 s instead of 0.12 s per 60-token forward of the default model, one AMX core)
-    outer = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    prec = P.Precision.decide(precision, device)
     try:
-        with tempfile.TemporaryDirectory() as tmp, outer, float32_head(model):
+        with tempfile.TemporaryDirectory() as tmp, P.use(prec), P.autocast(device), float32_head(model):
             run, mmlu_stats = write_tasks(Path(tmp), data_dir, names, tokenizer, limit)
             tm = TaskManager(include_path=tmp, include_defaults=False)
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=BATCH_SIZE, max_length=MAX_LENGTH,
                       device=device, add_bos_token=ADD_BOS,
-                      mixed_precision_dtype="bfloat16" if precision == "bf16" else None)
+                      mixed_precision_dtype="bfloat16" if prec.bf16 else None)
             mmlu = PREFIX + "mmlu"
             # mmlu.jsonl already holds the first `limit` questions of every subject: no global limit on it
             for tasks, lim in (([t for t in run if t != mmlu], limit), ([t for t in run if t == mmlu], None)):

@@ -64,7 +64,8 @@ def quantize(model, method, scheme, calibration=None, *, preset: str = "quick", 
     error with the valid names. device: where block-wise methods compute (default: where the model is;
     a CUDA device with the model on the CPU offloads one block at a time). checkpoint_dir: per-block
     checkpoints of the training methods (a rerun with the same arguments resumes at the next block).
-    precision: "auto" (bf16 where the device computes it natively, else fp32), "bf16" or "fp32": the compute
+    precision: "auto" (bf16 where the device computes it natively, else fp32), "bf16", "fp32", or an
+    lrq.precision.Precision already decided (what a settled cell carries): the compute
     precision of the method's forwards (calibration passes, block forwards, training where the preset does
     not fix fp32); see lrq.precision.
     config: the method's settings already parsed (an lrq.config.MethodConfig of the method, e.g.

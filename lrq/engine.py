@@ -373,8 +373,7 @@ class ReconstructionMethod(Method):
             ckpt = BlockCheckpoint(self.checkpoint_dir, self.checkpoint_identity(scheme, cfg, calib))
         # train_precision=authors: the block forwards (FP targets, the quantized chain) in fp16 as in the authors'
         # fp16 model; the training steps decide their own autocast (_reconstruct_block)
-        fp16 = (torch.autocast(self.compute_device(model).type, dtype=torch.float16) if authors
-                else contextlib.nullcontext())
+        fp16 = precision.authors_fp16(self.compute_device(model)) if authors else contextlib.nullcontext()
         with fp16:
             per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
                                     checkpoint=ckpt, restore=restore, device=self.device)
@@ -452,7 +451,7 @@ class ReconstructionMethod(Method):
             # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
             amp = cfg.train_precision == "authors" and _scheme_key(scheme) in self.authors_amp
             if cfg.train_precision == "authors":
-                autocast = torch.autocast(dev.type, dtype=torch.float16, enabled=amp)
+                autocast = precision.authors_fp16(dev, enabled=amp)
             else:
                 autocast = precision.autocast(dev, enabled=cfg.autocast)
             scaler = torch.amp.GradScaler(dev.type) if amp else None

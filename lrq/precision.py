@@ -12,10 +12,12 @@ than fp32; on a CPU without it (AMD Zen 3, AVX2 only) torch emulates bf16 and th
   is not capped below a bf16 ISA (`ONEDNN_MAX_CPU_ISA`); else fp32;
 - Arm CPU: bf16 when the `Features` line lists `bf16`; else fp32.
 
-`use(precision)` sets the precision for the code inside it (a context variable: per thread and task);
-`autocast(device, enabled)` is the one place that opens a bf16 autocast region, and opens none when the
-current precision is fp32 or the caller's own setting says fp32 (`enabled=False`: a preset that fixes
-fp32, such as the paper preset's block training).
+A run decides its precision once, as a `Precision` (what was asked, what is used, why `auto` chose it),
+when a cell is settled; the cell carries that object to its worker, which runs everything inside
+`use(cell.precision)`. `autocast(device, enabled)` is the one place that opens a bf16 autocast region: it
+opens one when the precision in force is bf16 and none when it is fp32 or the caller's own setting says fp32
+(`enabled=False`: a preset that fixes fp32, such as the paper preset's block training). Quantization,
+evaluation (perplexity, KL divergence, tasks) and the planner's probes all call it; none builds its own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import functools
 import os
 import platform
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +39,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 _BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512",
               "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT")
 
-_current: ContextVar[str | None] = ContextVar("lrq_precision", default=None)
+_current: ContextVar[str | Precision | None] = ContextVar("lrq_precision", default=None)
 
 
 def _cpu_flags() -> set[str]:
@@ -76,8 +79,11 @@ def cpu_bf16() -> dict:
     return info | {"native": native, "why": why}
 
 
-def resolve(precision: str | None = "auto", device: torch.device | str | None = None) -> str:
-    """'bf16' or 'fp32': `precision` as asked, 'auto' (or None) decided for `device` (default: the CPU)."""
+def resolve(precision: str | Precision | None = "auto", device: torch.device | str | None = None) -> str:
+    """'bf16' or 'fp32': `precision` as asked, 'auto' (or None) decided for `device` (default: the CPU); a
+    `Precision` already decided is what it says."""
+    if isinstance(precision, Precision):
+        return precision.used
     p = (precision or "auto").strip().lower()
     if p not in PRECISIONS:
         raise UserError(f"unknown precision {precision!r}: choose auto, bf16 or fp32 (--precision).")
@@ -89,15 +95,53 @@ def resolve(precision: str | None = "auto", device: torch.device | str | None = 
     return "bf16" if cpu_bf16()["native"] else "fp32"
 
 
-def describe(precision: str | None = "auto", device: torch.device | str | None = None) -> dict:
+@dataclass(frozen=True)
+class Precision:
+    """A precision decided once: `used` ('bf16' or 'fp32') is what every forward computes at, `asked` what the
+    user asked for ('auto', 'bf16', 'fp32'), `why` the reason, `native_bf16` whether this CPU computes bf16
+    natively (None on a CUDA device). Built by `decide`; a settled cell carries one to its worker."""
+    used: str
+    asked: str = "auto"
+    why: str = ""
+    native_bf16: bool | None = None
+
+    def __post_init__(self):
+        if self.used not in ("bf16", "fp32"):
+            raise ValueError(f"a decided precision is bf16 or fp32, not {self.used!r}")
+
+    @classmethod
+    def decide(cls, precision: str | Precision | None = "auto",
+               device: torch.device | str | None = None) -> Precision:
+        """`precision` ('auto', 'bf16', 'fp32'; None: 'auto') decided for `device` (default: the CPU)."""
+        if isinstance(precision, Precision):
+            return precision
+        used = resolve(precision, device)
+        asked = (precision or "auto").strip().lower()
+        kind = torch.device(device).type if device is not None else "cpu"
+        why = ("asked for explicitly" if asked != "auto" else
+               "bf16 on a CUDA device" if kind == "cuda" else cpu_bf16()["why"])
+        return cls(used, asked, why, None if kind == "cuda" else cpu_bf16()["native"])
+
+    @property
+    def bf16(self) -> bool:
+        return self.used == "bf16"
+
+    def info(self) -> dict:
+        """What a result records about its precision: asked, used, why (and, on a CPU, native_bf16)."""
+        return ({"asked": self.asked, "used": self.used, "why": self.why}
+                | ({} if self.native_bf16 is None else {"native_bf16": self.native_bf16}))
+
+    def autocast(self, device: torch.device | str, enabled: bool = True, cache_enabled: bool | None = None):
+        """A bf16 autocast region on `device` when this precision is bf16 and `enabled` (see `autocast`)."""
+        return autocast(device, enabled, cache_enabled, precision=self)
+
+    def __str__(self) -> str:
+        return self.used
+
+
+def describe(precision: str | Precision | None = "auto", device: torch.device | str | None = None) -> dict:
     """What a result records about its precision: asked, used, and why `auto` chose it."""
-    used = resolve(precision, device)
-    asked = (precision or "auto").strip().lower()
-    kind = torch.device(device).type if device is not None else "cpu"
-    why = ("asked for explicitly" if asked != "auto" else
-           "bf16 on a CUDA device" if kind == "cuda" else cpu_bf16()["why"])
-    return {"asked": asked, "used": used, "why": why} | ({} if kind == "cuda" else
-                                                        {"native_bf16": cpu_bf16()["native"]})
+    return Precision.decide(precision, device).info()
 
 
 def current(device: torch.device | str | None = None) -> str:
@@ -106,8 +150,9 @@ def current(device: torch.device | str | None = None) -> str:
 
 
 @contextlib.contextmanager
-def use(precision: str | None):
-    """Run the code inside at `precision` ('auto', 'bf16', 'fp32'; None leaves the enclosing one)."""
+def use(precision: str | Precision | None):
+    """Run the code inside at `precision` (a `Precision`, or 'auto', 'bf16', 'fp32'; None leaves the enclosing
+    one)."""
     if precision is None:
         yield
         return
@@ -119,13 +164,22 @@ def use(precision: str | None):
         _current.reset(token)
 
 
-def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bool | None = None):
-    """A bf16 autocast region on `device` when `enabled` and the current precision is bf16; else nothing."""
+def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bool | None = None,
+             precision: str | Precision | None = None):
+    """A bf16 autocast region on `device` when `enabled` and the precision (`precision`, else the one in force:
+    `use`) is bf16; else nothing. The one place a bf16 autocast region is opened."""
     kind = torch.device(device).type
-    if not enabled or current(kind) != "bf16":
+    used = current(kind) if precision is None else resolve(precision, kind)
+    if not enabled or used != "bf16":
         return contextlib.nullcontext()
     kw = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
     return torch.autocast(kind, dtype=torch.bfloat16, **kw)
+
+
+def authors_fp16(device: torch.device | str, enabled: bool = True):
+    """An fp16 autocast region on `device` when `enabled`: the authors' fp16 pipeline (LRQ/FlexRound's
+    `train_precision=authors`), a method's setting rather than the run's precision."""
+    return torch.autocast(torch.device(device).type, dtype=torch.float16, enabled=enabled)
 
 
 # Where logits are scored (perplexity, KL divergence, top-1 agreement, task accuracy) the output head runs in

@@ -45,17 +45,17 @@ def test_the_stored_reference_gives_the_exact_kl(tiny_model_dir, tmp_path, monke
         with ctx, torch.no_grad():
             exact = torch.cat([kl.kl_exact(torch.log_softmax(a, -1), torch.log_softmax(b, -1))[0]
                                for w in wins for (a, _), (b, _) in zip(_logit_chunks(fp, w), _logit_chunks(q, w))])
-        ref = kl.compute_reference(fp, wins, bf16, key=f"k{bf16}")
+        ref = kl.compute_reference(fp, wins, "bf16" if bf16 else "fp32", key=f"k{bf16}")
         path = tmp_path / f"ref{bf16}.safetensors"
         monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "kl-cache"))
         kl.save_reference(ref, path)
         back = kl.load_reference(path, f"k{bf16}")
         assert back is not None and kl.load_reference(path, "another key") is None
         assert back.hidden.dtype == torch.float32   # what the float32 head reads, under every precision
-        res = perplexity(q, ids, 128, autocast=bf16, reference=back)
+        res = perplexity(q, ids, 128, precision="bf16" if bf16 else "fp32", reference=back)
         assert exact.mean() > 0.01
         assert torch.allclose(res["token_kl"], exact, rtol=1e-5, atol=1e-6), float((res["token_kl"] - exact).abs().max())
-        self_kl = perplexity(fp, ids, 128, autocast=bf16, reference=back)
+        self_kl = perplexity(fp, ids, 128, precision="bf16" if bf16 else "fp32", reference=back)
         assert float(self_kl["token_kl"].abs().max()) < 1e-5 and bool(self_kl["token_top1"].all())
         # a damaged head file makes the reference absent (recomputed), never wrong
         hpath = next((tmp_path / "kl-cache" / "kl-reference").glob("head-*.safetensors"))

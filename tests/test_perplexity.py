@@ -31,7 +31,7 @@ def _hand_ppl(model, ids, seq_len, include_partial):
 def test_perplexity_equals_hand_computation(include_partial):
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (53,), generator=torch.Generator().manual_seed(3))
-    res = perplexity(model, ids, seq_len=16, include_partial=include_partial, autocast=False)
+    res = perplexity(model, ids, seq_len=16, include_partial=include_partial, precision="fp32")
     assert res["windows"] == (4 if include_partial else 3)
     assert res["ppl"] == pytest.approx(_hand_ppl(model, ids, 16, include_partial), rel=1e-4)
     assert len(res["window_nll"]) == res["windows"]  # per window, for paired comparisons
@@ -41,8 +41,8 @@ def test_perplexity_equals_hand_computation(include_partial):
 def test_bf16_autocast_is_close_to_fp32():
     model = tiny_model("qwen2")
     ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(4))
-    a = perplexity(model, ids, 32, autocast=False)["ppl"]
-    b = perplexity(model, ids, 32, autocast=True)["ppl"]
+    a = perplexity(model, ids, 32, precision="fp32")["ppl"]
+    b = perplexity(model, ids, 32, precision="bf16")["ppl"]
     assert b == pytest.approx(a, rel=0.05)
 
 

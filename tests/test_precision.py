@@ -76,6 +76,58 @@ def test_autocast_only_where_the_precision_and_the_caller_allow():
             pass
 
 
+def test_one_precision_object_decided_once_and_carried_by_the_cell(cpu, data_dir):
+    """A settled cell carries a `Precision` (what was asked, what is used, why); the worker receives the same
+    object (pickled), the row records its `info()`, and an explicit precision given to an evaluation wins over
+    the one in force, so nothing downstream decides it again."""
+    import pickle
+    cpu({"avx2", "fma", "f16c"}, capability="AVX2")            # AMD Zen 3: auto means fp32
+    cell = _cell("auto", data_dir=str(data_dir))
+    assert isinstance(cell.precision, precision.Precision)
+    assert cell.precision == precision.Precision("fp32", "auto", "the CPU has neither AVX512-BF16 nor AMX-BF16",
+                                                 False)
+    assert cell.precision.info() == precision.describe("auto") and cell.eval.autocast == "fp32"
+    assert pickle.loads(pickle.dumps(cell)).precision == cell.precision
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        precision.Precision("auto")                          # a decided precision names what is used
+    # the precision in force never overrides the one a caller passes, and the object opens its own region
+    from bench.perplexity import perplexity
+    model = _tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    fp32 = perplexity(model, ids, 32, precision=precision.Precision("fp32"))["nll"]
+    with precision.use("bf16"):
+        assert perplexity(model, ids, 32, precision="fp32")["nll"] == fp32
+        assert perplexity(model, ids, 32)["nll"] != fp32            # None: the precision in force (bf16)
+        with precision.Precision("fp32").autocast("cpu"):
+            assert (torch.randn(4, 8) @ torch.randn(8, 4)).dtype == torch.float32
+    with precision.Precision.decide("bf16").autocast("cpu"):
+        assert (torch.randn(4, 8) @ torch.randn(8, 4)).dtype == torch.bfloat16
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def test_every_autocast_region_is_opened_by_lrq_precision():
+    """The one autocast helper: no module of the suite (methods, evaluation, planner, studies) opens a torch
+    autocast region of its own; closing one (`enabled=False`, a float32 section) is allowed."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    opened = []
+    for path in sorted(p for d in ("lrq", "bench", "baselines") for p in (root / d).rglob("*.py")):
+        if path == root / "lrq" / "precision.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for call in re.findall(r"torch\.(?:cpu\.|cuda\.|amp\.)?autocast\([^)]*\)?", line):
+                if "enabled=False" not in call:
+                    opened.append(f"{path.relative_to(root)}:{n}: {call}")
+    assert not opened, "autocast regions opened outside lrq.precision.autocast / authors_fp16:\n" + "\n".join(opened)
+
+
 def _cell(prec, tmp_data=None, **kw):
     return settle(Request(model="smollm2-135m", method=kw.pop("method", "rtn"), scheme=kw.pop("scheme", "w3a16"),
                           datasets=("wikitext2",), eval=EvalSettings(2048, False, 8192), precision=prec, **kw))
@@ -93,7 +145,7 @@ def test_bf16_store_keys_are_those_of_earlier_releases_and_fp32_are_new(data_dir
             _cell("fp32", method=method, scheme=scheme, data_dir=str(data_dir))
         assert bf16.keys["quant"] == key[(method, scheme, "quant")]
         assert bf16.keys["wikitext2"] == key[(method, scheme, "wikitext2")]
-        assert bf16.precision == "bf16" and fp32.precision == "fp32" and fp32.eval.autocast == "fp32"
+        assert bf16.precision.used == "bf16" and fp32.precision.used == "fp32" and fp32.eval.autocast == "fp32"
         assert not set(bf16.keys.values()) & set(fp32.keys.values())
 
 

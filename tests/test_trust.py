@@ -122,7 +122,7 @@ def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tin
     fp = load_model(str(tiny_model_dir)).model
     ids = torch.randint(0, fp.config.vocab_size, (256,), generator=torch.Generator().manual_seed(0))
     wins = windows(ids, 128)
-    ref = kl.ensure_reference(fp, wins, "key-a", autocast=True)
+    ref = kl.ensure_reference(fp, wins, "key-a", precision="bf16")
     path = kl.reference_path("key-a")
     with safe_open(str(path), framework="pt") as f:
         meta, hidden = f.metadata(), f.get_tensor("hidden")
@@ -132,7 +132,7 @@ def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tin
     altered[3, :5] += 1.0
     save_file({"hidden": altered}, str(path), metadata=meta)
     assert kl.load_reference(path, "key-a") is None
-    again = kl.ensure_reference(fp, wins, "key-a", autocast=True)
+    again = kl.ensure_reference(fp, wins, "key-a", precision="bf16")
     assert torch.equal(again.hidden, ref.hidden)
     # leftovers of writers killed mid-write go; a temporary being written now stays
     folder = path.parent
@@ -143,7 +143,7 @@ def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tin
         os.utime(p, (t, t))
     fresh = folder / ".x.safetensors.zzzz.tmp"
     fresh.write_bytes(b"y")
-    kl.ensure_reference(fp, wins, "key-a", autocast=True)
+    kl.ensure_reference(fp, wins, "key-a", precision="bf16")
     assert not any(p.exists() for p in old) and fresh.exists()
     assert path.exists() and list(folder.glob("head-*.safetensors"))
 

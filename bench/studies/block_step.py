@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from lrq import precision as P
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.io import dumps_json
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     built = {v: build(blocks[args.block], v.split("+")[0], scheme, args.rank) for v in variants}
     calls = {v: (compiled_step(built[v][0], True, torch.device("cpu")) if v.endswith("+compile") else built[v][0])
              for v in variants}
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32)
+    autocast = P.autocast("cpu", precision="fp32" if args.fp32 else "bf16")
 
     def step(v):
         _, _, opt = built[v]

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lrq import precision as P
 from lrq.errors import UserError
 from lrq.io import dumps_json
 
@@ -135,8 +136,7 @@ def _warm_up(model: nn.Module, autocast: bool) -> None:
     """One short forward so neither timed side pays lazy library initialisation."""
     device = next(model.parameters()).device
     x = torch.arange(16, device=device).unsqueeze(0) % model.config.vocab_size
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
-    with torch.no_grad(), ctx:
+    with torch.no_grad(), P.use("bf16" if autocast else "fp32"), P.autocast(device):
         model(x)
 
 
@@ -148,7 +148,8 @@ def run_ours(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, autocast:
     from bench.perplexity import perplexity
     with _body_timer(model) as body:
         t0 = time.perf_counter()
-        res = perplexity(model, ids, seq_len=seq_len, include_partial=False, autocast=autocast, desc="ours")
+        res = perplexity(model, ids, seq_len=seq_len, include_partial=False,
+                         precision="bf16" if autocast else "fp32", desc="ours")
         wall = time.perf_counter() - t0
     scored = res["windows"] * (seq_len - 1)
     label = dtype_label or ("fp32 weights + bf16 autocast" if autocast else str(next(model.parameters()).dtype))

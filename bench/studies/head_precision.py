@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from lrq import precision as P
 
 
 def _scores(lp_chunks, lq_chunks, targets):
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     wins = windows(ids, 2048)
     hidden = {"fp": [], "q": []}
     targets = []
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), P.autocast("cpu", precision="bf16"):
         for w in wins:
             for name, m in (("fp", fp), ("q", q)):
                 h, t = final_hidden(m, w)
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             for h in hidden[name]:
                 if mode == "bf16":
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                    with P.autocast("cpu", precision="bf16"):
                         out.append(torch.log_softmax(heads[name](h).float(), -1))
                 else:
                     out.append(torch.log_softmax(head_logits(heads[name], h), -1))
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 for h in hidden["q"]:
                     if mode == "bf16":
-                        with torch.autocast("cpu", dtype=torch.bfloat16):
+                        with P.autocast("cpu", precision="bf16"):
                             heads["q"](h).float()
                     else:
                         head_logits(heads["q"], h)

@@ -44,8 +44,8 @@ def kl_top_k(lq: torch.Tensor, ref_idx: torch.Tensor, ref_lp: torch.Tensor) -> t
 def compare(fp, q, wins, ks, autocast: bool) -> dict:
     from bench.perplexity import _logit_chunks
     exact, approx = [], {k: [] for k in ks}
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
-    with ctx:
+    from lrq import precision as P
+    with P.use("bf16" if autocast else "fp32"), P.autocast("cpu"):
         for w in wins:
             for (lp_logits, _), (lq_logits, _) in zip(_logit_chunks(fp, w), _logit_chunks(q, w)):
                 lp, lq = torch.log_softmax(lp_logits, -1), torch.log_softmax(lq_logits, -1)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     prec = P.resolve("auto")
     bf16 = prec == "bf16"
     t = time.perf_counter()
-    ref = kl.compute_reference(fp, wins, bf16, "kl_approx")
+    ref = kl.compute_reference(fp, wins, prec, "kl_approx")
     ref_s = time.perf_counter() - t
     rows, cost = [], None
     for method, scheme in CELLS:
@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         lrq.quantize(q, method, scheme, calibration=calib, precision=prec)
         res = compare(fp, q, wins, ks, bf16)
         exact = res.pop("exact")
-        ours = perplexity(q, ids, 2048, autocast=bf16, desc="kl", reference=ref)["token_kl"].double()
+        ours = perplexity(q, ids, 2048, precision=prec, desc="kl", reference=ref)["token_kl"].double()
         res["harness"] = {"kld": float(ours.mean()), "rel_error_of_mean": float((ours.mean() - exact.mean()) / exact.mean()),
                           "max_abs_diff": float((ours - exact).abs().max())}
         if cost is None:   # the evaluation's cost, without and with the KL, on the first cell
-            plain = _median_time(lambda: perplexity(q, ids, 2048, autocast=bf16, desc="ppl"), args.reps)
-            with_kl = _median_time(lambda: perplexity(q, ids, 2048, autocast=bf16, desc="kl", reference=ref),
+            plain = _median_time(lambda: perplexity(q, ids, 2048, precision=prec, desc="ppl"), args.reps)
+            with_kl = _median_time(lambda: perplexity(q, ids, 2048, precision=prec, desc="kl", reference=ref),
                                    args.reps)
             cost = {"cell": f"{method} {scheme}", "eval_s": plain, "eval_with_kl_s": with_kl,
                     "reference_s": ref_s, "tokens": len(ids), "reps": args.reps}

@@ -47,12 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [float(x) for x in args.sizes.split(",")]
     tol = load_tolerances(None)
     prec = P.resolve("auto")
-    bf16 = prec == "bf16"
     loaded = load_model("smollm2-135m")
     fp, tok = loaded.model, loaded.tokenizer
     ids = D.tokenize(tok, D.eval_text("wikitext2", D.resolve_data_dir(args.data_dir)).text)[:8192]
     wins = windows(ids, 2048)
-    ref = kl.compute_reference(fp, wins, bf16)
+    ref = kl.compute_reference(fp, wins, prec)
     q = copy.deepcopy(fp)
     lrq.quantize(q, "rtn", args.scheme, precision=prec)
     layer = q.get_submodule(args.layer)
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     rms = float(w.pow(2).mean().sqrt())
 
     def evaluate() -> tuple[float, float]:
-        res = perplexity(q, ids, 2048, autocast=bf16, desc="kl gate", reference=ref)
+        res = perplexity(q, ids, 2048, precision=prec, desc="kl gate", reference=ref)
         return res["ppl"], kl.summary(res["token_kl"], res["token_top1"])["kld"]
 
     t0 = time.perf_counter()

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from lrq import precision as P
+
 EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TARGET = 1.15   # auto's evaluation throughput within this factor of the faster precision
 
@@ -47,11 +49,11 @@ def time_matmul(reps: int = 7) -> dict:
     out = {"fp32_ms": [], "bf16_ms": []}
     for _ in range(2):   # warm-up of both paths
         a @ b
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with P.autocast("cpu", precision="bf16"):
             a @ b
     for _ in range(reps):   # alternate: a burst of load hits both
         out["fp32_ms"].append(1e3 * _median_time(lambda: a @ b, 1))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with P.autocast("cpu", precision="bf16"):
             out["bf16_ms"].append(1e3 * _median_time(lambda: a @ b, 1))
     med = {k: statistics.median(v) for k, v in out.items()}
     return {"shape": "512 x 576 x 1536", "fp32_ms": med["fp32_ms"], "bf16_ms": med["bf16_ms"],
@@ -64,12 +66,12 @@ def time_eval(model, ids: torch.Tensor, windows: int, reps: int, seq_len: int = 
     tokens = {}
     secs = {"fp32": [], "bf16": []}
     with torch.no_grad():
-        perplexity(model, ids[:seq_len], seq_len, autocast=False, desc="warm-up")
-        perplexity(model, ids[:seq_len], seq_len, autocast=True, desc="warm-up")
+        perplexity(model, ids[:seq_len], seq_len, precision="fp32", desc="warm-up")
+        perplexity(model, ids[:seq_len], seq_len, precision="bf16", desc="warm-up")
         for _ in range(reps):
             for prec in ("fp32", "bf16"):
                 t = time.perf_counter()
-                res = perplexity(model, ids, seq_len, autocast=prec == "bf16", desc=prec)
+                res = perplexity(model, ids, seq_len, precision=prec, desc=prec)
                 secs[prec].append(time.perf_counter() - t)
                 tokens[prec] = res["tokens"]
     out = {}
@@ -84,7 +86,6 @@ def measure(windows: int, reps: int, threads: int, data_dir: str | None, seq_len
     from bench import data as D
     from bench.models import load_model
     from bench.provenance import git_revision, hardware, versions
-    from lrq import precision as P
     torch.set_num_threads(threads)
     loaded = load_model("smollm2-135m")
     text = D.eval_text("wikitext2", D.resolve_data_dir(data_dir))
