@@ -11,8 +11,16 @@ version fail; a bumped version without a new pin fails too. After a deliberate c
 
 The comparison tolerates what differs between CPUs (fp32 summation order, an occasional rounding flip at a
 grid boundary), not a change of method: the output's relative error against the full-precision model within
-2 %, and 32 logits within 2 % of the logits' scale. A change of method (AWQ without its clipping search, LRQ at another learning
-rate) moves these by far more (`test_a_changed_method_fails_its_pin`).
+2 %, and 32 logits within 2 % of the logits' scale. A change of method (AWQ without its clipping search, LRQ at
+another learning rate) moves these by far more (`test_a_changed_method_fails_its_pin`).
+
+AWQ is pinned by its relative error alone (`RELATIVE_ERROR_ONLY`): its scale and clipping searches take an
+argmin over candidates whose losses can tie to the last bits of float32, and CPUs with other float32 kernels
+break such a tie differently. Measured on the 2-core Intel Xeon (AMX) on 2026-12-03 against the pin made on an
+AMD EPYC Zen 3: every other method's 32 logits equal to the last digit; AWQ's relative error 0.4299 against the
+pinned 0.4259 (+0.9 %), its logits up to 0.21 apart (8 % of their scale); the same machine with AVX2 kernels
+(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) 0.4287 (+0.6 %), 0.18 apart. Its relative error still sees a
+change of method (clipping off: +12.5 %) but not one as small as a coarser scale grid (n_grid 10: -1.6 %).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ RUNS = {"rtn": ("w4a16", {}), "gptq": ("w4a16", {}), "awq": ("w3a16", {}), "smoo
         "flexround": ("w3a16", {"iters": 6, "heldout_samples": 2, "error_samples": 2}),
         "omniquant": ("w4a8", {"iters": 6, "heldout_samples": 2, "error_samples": 2})}
 TOL = 0.02
+#: methods whose argmin searches break float32 ties differently between CPUs: pinned by their relative error only
+RELATIVE_ERROR_ONLY = {"awq"}
 
 
 def _inputs():
@@ -96,6 +106,8 @@ def test_a_methods_output_matches_its_pinned_version(name):
     assert got["rel_error"] == pytest.approx(pin["rel_error"], rel=TOL), (
         f"{name} v{version} computes other numbers than its pin (relative output error {got['rel_error']:.5f}, "
         f"pinned {pin['rel_error']:.5f}): a change of the method's numbers needs a version bump")
+    if name in RELATIVE_ERROR_ONLY:
+        return
     worst = max(abs(a - b) for a, b in zip(got["logits"], pin["logits"]))
     assert worst <= TOL * pin["scale"], f"{name}: logits differ from the pin by {worst:.4f}"
 
@@ -109,8 +121,8 @@ def test_a_changed_method_fails_its_pin(name, change):
         pytest.fail(f"{name} has no setting {sorted(change)}: choose another change for this test")
     pin = _pins()["methods"][name]
     got = method_output(name, change)
-    moved = abs(got["rel_error"] - pin["rel_error"]) > TOL * pin["rel_error"] or \
-        max(abs(a - b) for a, b in zip(got["logits"], pin["logits"])) > TOL * pin["scale"]
+    moved = abs(got["rel_error"] - pin["rel_error"]) > TOL * pin["rel_error"] or (name not in RELATIVE_ERROR_ONLY and
+        max(abs(a - b) for a, b in zip(got["logits"], pin["logits"])) > TOL * pin["scale"])
     assert moved, f"{name} with {change} stays within the pin's tolerance: the pin cannot see a change"
 
 
