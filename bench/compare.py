@@ -155,35 +155,30 @@ def latest_rows(rows: list[Row]) -> dict[Key, Row]:
 
 
 def _samples(r: Row):
-    c = r.config or {}
-    if r.metric in ("kld", "top1_agree"):
-        return (c.get("kl") or {}).get("window_kld" if r.metric == "kld" else "window_top1")
-    return (c.get("eval") or {}).get("window_nll") if r.metric == "ppl" else c.get("per_example")
+    """The per-window / per-example values a row keeps, where its metric's declaration says (bench.evals)."""
+    from bench.evals import metric
+    return metric(r.metric).samples_of(r.config or {})
 
 
 def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> None:
     """Fill each diff's intervals and paired change from the rows' windows/examples (where stored)."""
-    from bench import stats as S
+    from bench.evals import metric
     for d in diffs:
         b, c = base.get(d.key), cur.get(d.key)
-        if d.key[5] == "ppl":
-            est, cmp, pct = S.ppl_estimate, S.paired_ppl, False
-        elif d.key[5] in ("acc", "acc_norm"):
-            est, cmp, pct = S.acc_estimate, S.paired_acc, True
-        elif d.key[5] in ("kld", "top1_agree"):
-            est, cmp, pct = S.mean_estimate, S.paired_mean, d.key[5] == "top1_agree"
-        else:
+        m = metric(d.key[5])
+        if m.interval is None or not m.applies_to(d.key[4]):
             continue
+        pct = m.comparison == "pt"
         f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.4g}")
         for row, attr in ((b, "base_ci"), (c, "cur_ci")):
             if row is not None and row.value is not None:
-                e = est(_samples(row), row.value)
+                e = m.estimate(_samples(row), row.value)
                 setattr(d, attr, f"{f(e.lo)}-{f(e.hi)}" if e.known else "?")
         if b is not None and c is not None:
-            p = cmp(_samples(c), _samples(b))
+            p = m.paired(_samples(c), _samples(b))
             if p is not None and p.lo is not None:
                 d.paired = (f"{100 * p.effect:+.1f} pt [{100 * p.lo:+.1f}, {100 * p.hi:+.1f}]" if pct else
-                            f"{p.effect:.4f}x [{p.lo:.4f}, {p.hi:.4f}]" if d.key[5] == "ppl" else
+                            f"{p.effect:.4f}x [{p.lo:.4f}, {p.hi:.4f}]" if m.comparison == "ratio" else
                             f"{p.effect:+.5f} [{p.lo:+.5f}, {p.hi:+.5f}]")
                 d.outside = p.separated
 

@@ -22,19 +22,65 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Metric:
-    """A stored metric: its name, how a report labels and formats it, and which way is better ("lower",
-    "higher"; None: shown, never ranked, and the gate holds it where it was)."""
+    """A stored metric, declared whole: its name, how a report labels and formats it, which way is better
+    ("lower", "higher"; None: shown, never ranked, and the gate holds it where it was), and its estimator:
+
+    - `samples`: where a row of it keeps the per-unit values it aggregates (a path into the row's config:
+      ("eval", "window_nll") is config["eval"]["window_nll"]); empty: none are kept;
+    - `interval`: how those values make its 95 % interval and how two cells compare paired on them
+      (bench.stats.ESTIMATORS: "ppl" exp(mean window NLL), ratio; "mean" a mean over windows, difference;
+      "acc" a share of examples, Wilson interval, difference in points); None: a number without interval;
+    - `scope`: the rows it is estimated for ("text": perplexity texts, "task": lm-eval tasks, None: any);
+    - `evaluation`: the evaluation whose code computes it (its version marks older results: "perplexity",
+      "kl", "tasks"; None: the method's own statistics).
+
+    The reports, the HTML page and `lrq-bench compare` read all of this from here and name no metric."""
     name: str
     label: str
     better: str | None = None
     fmt: str = "{:.4g}"
     unit: str = ""
     percent: bool = False       # a fraction shown in %
-    interval: str | None = None  # how its 95 % interval is formed (bench.stats): ppl, acc, mean
+    interval: str | None = None  # how its 95 % interval is formed (bench.stats.ESTIMATORS): ppl, mean, acc
+    samples: tuple[str, ...] = ()
+    scope: str | None = None
+    evaluation: str | None = None
+    summary: bool = False       # a column of the leaderboard's summary (per text where its scope is "text")
 
     @property
     def gate_direction(self) -> str:
         return self.better or "both"
+
+    @property
+    def ranked(self) -> bool:
+        """Ranked in the leaderboard's columns: it has an interval to separate a best and a direction."""
+        return self.interval is not None and self.better is not None
+
+    @property
+    def comparison(self) -> str:
+        """How a comparison of two cells on it reads: "ratio" (perplexities), "pt" (a share, in points) or
+        "diff" (a difference)."""
+        return "ratio" if self.interval == "ppl" else "pt" if self.percent else "diff"
+
+    def applies_to(self, dataset: str) -> bool:
+        return self.scope is None or (dataset in TASK_ROWS) == (self.scope == "task")
+
+    def samples_of(self, config) -> list | None:
+        """The per-unit values a row of this metric keeps (its windows' or examples' values), None if none."""
+        v = config if self.samples else None
+        for k in self.samples:
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+
+    def estimate(self, samples, value=None):
+        """Its value with the 95 % interval over `samples` (bench.stats.Estimate)."""
+        from bench import stats as S
+        return S.ESTIMATORS[self.interval].estimate(samples, value)
+
+    def paired(self, a, b):
+        """a against b, paired over the same windows / examples (bench.stats.Comparison), None if unknown."""
+        from bench import stats as S
+        return S.ESTIMATORS[self.interval].paired(a, b)
 
     def format(self, v) -> str:
         if v is None or v != v:
@@ -44,17 +90,27 @@ class Metric:
         return self.fmt.format(100 * v if self.percent else v)
 
 
+_TEXT, _TASK = {"scope": "text"}, {"scope": "task", "evaluation": "tasks"}
 _METRICS = (
-    Metric("ppl", "perplexity", "lower", "{:.2f}", interval="ppl"),
-    Metric("eval_tokens_per_s", "eval tokens/s", None, "{:.0f}", "tokens/s"),
-    Metric("kld", "KLD", "lower", "{:.4f}", "nats/token", interval="mean"),
-    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token"),
-    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token"),
-    Metric("top1_agree", "top-1 agreement", "higher", "{:.2f}", "%", percent=True, interval="mean"),
-    Metric("top1_ties", "top-1 ties", None, "{:.0f}", "positions"),
-    Metric("acc", "accuracy", "higher", "{:.1f}", "%", percent=True, interval="acc"),
-    Metric("acc_norm", "accuracy (length-normalized)", "higher", "{:.1f}", "%", percent=True, interval="acc"),
-    Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}"),
+    Metric("ppl", "perplexity", "lower", "{:.2f}", interval="ppl", samples=("eval", "window_nll"),
+           scope="text", evaluation="perplexity"),
+    Metric("eval_tokens_per_s", "eval tokens/s", None, "{:.0f}", "tokens/s", evaluation="perplexity"),
+    Metric("kld", "KLD", "lower", "{:.4f}", "nats/token", interval="mean", samples=("kl", "window_kld"),
+           **_TEXT, evaluation="kl"),
+    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token", evaluation="kl"),
+    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token", evaluation="kl"),
+    Metric("top1_agree", "top-1 agreement", "higher", "{:.2f}", "%", percent=True, interval="mean",
+           samples=("kl", "window_top1"), **_TEXT, evaluation="kl"),
+    Metric("top1_ties", "top-1 ties", None, "{:.0f}", "positions", evaluation="kl"),
+    Metric("acc", "accuracy", "higher", "{:.1f}", "%", percent=True, interval="acc", samples=("per_example",),
+           **_TASK),
+    Metric("acc_norm", "accuracy (length-normalized)", "higher", "{:.1f}", "%", percent=True, interval="acc",
+           samples=("per_example",), **_TASK),
+    Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}", evaluation="tasks"),
+    # derived in the reports from the per-example scores of a cell and of the FP cell (bench.report)
+    Metric("flips", "flips vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc"),
+    Metric("right_to_wrong", "right to wrong vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc"),
+    Metric("wrong_to_right", "wrong to right vs FP", None, "{:.1f}", "%", percent=True, interval="acc"),
     Metric("bits_per_weight", "bits/weight", None, "{:.3f}"),
     Metric("n_learnable", "learnable parameters", None, "{:,.0f}"),
     Metric("quant_time_s", "quant time (s)", "lower", "{:.1f}", "s"),
@@ -74,6 +130,19 @@ _METRICS = (
 )
 METRICS: dict[str, Metric] = {m.name: m for m in _METRICS}
 
+
+def declare_metric(m: Metric) -> Metric:
+    """Add a metric to the catalogue (a plug-in's, or a test's): every report, the HTML page and `compare`
+    show it, with its interval and paired comparisons where it declares an estimator."""
+    if m.interval is not None:
+        from bench import stats as S
+        if m.interval not in S.ESTIMATORS:
+            raise ValueError(f"metric {m.name}: unknown interval {m.interval!r} (bench.stats.ESTIMATORS: "
+                             f"{', '.join(S.ESTIMATORS)})")
+    METRICS[m.name] = m
+    return m
+
+
 # What the KL comparison with the FP model stores per perplexity text (bench.kl)
 KL_METRICS = ("kld", "kld_median", "kld_p99", "top1_agree")
 # Flips against the FP model per task (Dutta et al. 2024), derived in the reports from per-example scores
@@ -81,8 +150,9 @@ FLIP_KINDS = ("right_to_wrong", "wrong_to_right")
 
 
 def metric(name: str) -> Metric:
-    """The catalogue's metric, or a plain one for a metric only some method reports (its statistics)."""
-    return METRICS.get(name) or Metric(name, name)
+    """The catalogue's metric, or a plain one for a metric only some method reports (its statistics; a name
+    ending in _bytes is a size)."""
+    return METRICS.get(name) or Metric(name, name, fmt="bytes" if name.endswith("_bytes") else "{:.4g}")
 
 
 @dataclass(frozen=True)
@@ -161,6 +231,7 @@ MMLU_SUBJECTS = 57
 ZERO_SHOT = tuple(t for t, spec in TASKS.items() if spec.zero_shot)
 ALL_TASKS = tuple(TASKS)
 ZEROSHOT_AVG = "zeroshot_avg"       # the stored row of the seven zero-shot tasks' average
+ZEROSHOT_AVG_METRIC = "acc"         # ... and its metric: the mean of their main metrics (an estimator "avg")
 TASK_ROWS = ALL_TASKS + (ZEROSHOT_AVG,)
 
 
@@ -191,6 +262,16 @@ def summary_columns(present: set[tuple[str, str]]) -> list[Column]:
     cols += [Column(d, m, f"{label(d)} {METRICS[m].label}" + (" %" if METRICS[m].percent else ""),
                     METRICS[m].better) for d in texts for m in ("kld", "top1_agree")]
     cols += [Column(d, "ppl", f"{label(d)} ppl", "lower") for d in texts]
+    # any other metric declared as a summary column: per text, or for the row it is stored in
+    shown = {"kld", "top1_agree", "ppl"}
+    for m in METRICS.values():
+        if m.summary and m.name not in shown:
+            unit = " %" if m.percent else ""
+            if m.scope == "text":
+                cols += [Column(d, m.name, f"{label(d)} {m.label}{unit}", m.better) for d in texts]
+            else:
+                cols += [Column(d, m.name, f"{m.label}{unit}", m.better)
+                         for d in sorted({d for d, n in present if n == m.name})]
     cols += [Column("flips", "flips", "flips vs FP %", "lower"),
              Column(ZEROSHOT_AVG, "acc", "zero-shot avg %", "higher"), Column("mmlu", "acc", "MMLU %", "higher"),
              Column("lambada_openai", "acc", "LAMBADA %", "higher"),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from jinja2 import Environment, select_autoescape
 
+from bench import evals as E
 from bench.store import Row
 from lrq.io import dumps_json
 
@@ -38,15 +39,8 @@ def _prov(r: Row) -> str:
 
 
 def _fmt(metric: str, v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if metric.endswith("_bytes"):
-        return f"{v / 2**20:.0f} MiB"
-    if metric == "ppl":
-        return f"{v:.2f}"
-    if metric in ("bits_per_weight",):
-        return f"{v:.3f}"
-    return f"{v:.4g}"
+    """A value in its metric's format (the catalogue: bench.evals)."""
+    return E.metric(metric).format(v)
 
 
 def scheme_chart(points: list[tuple], schemes: list[tuple[str, float | None]], ylabel: str, logy: bool = True,

@@ -249,31 +249,24 @@ def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S
         if r.value is None:
             continue
         key, seed, cfg = (r.method, r.scheme), r.seed or 0, r.config or {}
-        if r.metric == "ppl" and r.dataset not in TASK_DATASETS:
-            w = (cfg.get("eval") or {}).get("window_nll")
-            cs = out[key].setdefault((r.dataset, "ppl"), S.CellStat("ppl"))
-            cs.seeds[seed] = S.ppl_estimate(w, r.value)
-            if w:
-                cs.samples[seed] = w
-        elif r.metric in ("kld", "top1_agree"):
-            w = (cfg.get("kl") or {}).get("window_kld" if r.metric == "kld" else "window_top1")
-            cs = out[key].setdefault((r.dataset, r.metric), S.CellStat("mean", metric=r.metric))
-            cs.seeds[seed] = S.mean_estimate(w, r.value)
-            if w:
-                cs.samples[seed] = w
-        elif r.dataset == E.ZEROSHOT_AVG and r.metric == "acc":
-            averages[(key, seed)] = r.value
-        elif r.dataset in TASK_DATASETS and r.metric in ("acc", "acc_norm"):
-            per = cfg.get("per_example")
-            cs = out[key].setdefault((r.dataset, r.metric), S.CellStat("acc"))
-            cs.seeds[seed] = S.acc_estimate(per, r.value)
-            if per:
-                cs.samples[seed] = per
-                if r.metric == MAIN_METRIC.get(r.dataset, "acc"):
-                    task_scores[(key, seed)][r.dataset] = per
+        m = E.METRICS.get(r.metric)
+        if m is None or m.interval is None or not m.applies_to(r.dataset):
+            continue
+        if r.dataset == E.ZEROSHOT_AVG:     # the average of the zero-shot tasks: estimated from theirs, below
+            if r.metric == E.ZEROSHOT_AVG_METRIC:
+                averages[(key, seed)] = r.value
+            continue
+        per = m.samples_of(cfg)
+        cs = out[key].setdefault((r.dataset, r.metric), S.CellStat(m.interval, metric=r.metric))
+        cs.seeds[seed] = m.estimate(per, r.value)
+        if per:
+            cs.samples[seed] = per
+            if r.dataset in E.TASKS and r.metric == MAIN_METRIC.get(r.dataset):
+                task_scores[(key, seed)][r.dataset] = per
     for (key, seed), value in averages.items():
         lists = [task_scores[(key, seed)].get(t) for t in ZERO_SHOT]
-        cs = out[key].setdefault((E.ZEROSHOT_AVG, "acc"), S.CellStat("avg"))
+        cs = out[key].setdefault((E.ZEROSHOT_AVG, E.ZEROSHOT_AVG_METRIC),
+                                 S.CellStat("avg", metric=E.ZEROSHOT_AVG_METRIC))
         if all(lists):
             cs.seeds[seed], cs.samples[seed] = S.avg_estimate(lists, value), lists
         else:
@@ -300,31 +293,24 @@ def _flip_stats(out: dict, task_scores: dict) -> None:
             r2w, w2r = S.flips(ref, q)
             per_task[task] = [a + b for a, b in zip(r2w, w2r)]
             for kind, v in (("flips", per_task[task]), ("right_to_wrong", r2w), ("wrong_to_right", w2r)):
-                cs = out[key].setdefault((task, kind), S.CellStat("acc", metric="flips"))
+                cs = out[key].setdefault((task, kind), S.CellStat(E.METRICS[kind].interval, metric=kind))
                 cs.seeds[seed], cs.samples[seed] = S.acc_estimate(v), v
         zs = [per_task[t] for t in E.ZERO_SHOT if t in per_task]
         if len(zs) == len(E.ZERO_SHOT):   # "zero-shot" only when the seven zero-shot tasks all ran
             pooled = [x for v in zs for x in v]   # every example of the seven, one Wilson interval over them
-            cs = out[key].setdefault(("flips", "flips"), S.CellStat("acc", metric="flips"))
+            cs = out[key].setdefault(("flips", "flips"), S.CellStat(E.METRICS["flips"].interval, metric="flips"))
             cs.seeds[seed], cs.samples[seed] = S.acc_estimate(pooled), pooled
 
 
 def _style(metric: str) -> str:
-    """How a comparison of two cells on `metric` reads: a ratio (perplexity), points (a share), a difference."""
-    if metric == "ppl":
-        return "ratio"
-    return "pt" if metric in ("acc", "acc_norm", "flips", "right_to_wrong", "wrong_to_right") or \
-        E.metric(metric).percent else "diff"
+    """How a comparison of two cells on `metric` reads (the catalogue's `Metric.comparison`): a ratio, points
+    (a share), a difference."""
+    return E.metric(metric).comparison
 
 
 def fmt_stat(cs: S.CellStat) -> str:
-    """`v (lo-hi)` for one seed, `v +-sd (k seeds)` for several; shares in %."""
-    if cs.kind == "ppl":
-        f = lambda v: f"{v:.2f}"  # noqa: E731
-    elif cs.kind == "mean" and not E.metric(cs.metric).percent:
-        f = lambda v: E.metric(cs.metric).format(v)  # noqa: E731
-    else:
-        f = lambda v: f"{100 * v:.1f}" if cs.metric != "top1_agree" else f"{100 * v:.2f}"  # noqa: E731
+    """`v (lo-hi)` for one seed, `v +-sd (k seeds)` for several; in the metric's format (shares in %)."""
+    f = E.metric(cs.metric).format
     if len(cs.seeds) > 1:
         return f"{f(cs.value)} +-{f(cs.seed_sd)} ({len(cs.seeds)} seeds)"
     e = cs.first()
@@ -366,7 +352,6 @@ def _why_unknown(r: S.Ranking) -> str:
     return "stored before per-window/per-example data were kept"
 
 
-RANKED = ("ppl", "acc", "acc_norm", "kld", "top1_agree", "flips")   # columns with intervals, ranked
 
 
 def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tuple[str, list[str]]:
@@ -376,7 +361,7 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
     keys = _order(keys)
     ranked, verdicts = {}, []
     for ds, metric, header, better in cols:
-        if better is None or metric not in RANKED:
+        if better is None or not E.metric(metric).ranked:
             continue
         column = {(k["method"], k["scheme"]): stats.get((k["method"], k["scheme"]), {}).get((ds, metric))
                   for _, k in keys.iterrows() if k["method"] != FP}
@@ -536,7 +521,7 @@ def _seeds_section(stats: dict) -> list[str]:
     for key in sorted(stats):
         for (ds, metric), cs in sorted(stats[key].items()):
             if len(cs.seeds) > 1:
-                per = "; ".join(f"seed {sd}: {fmt_stat(S.CellStat(cs.kind, {sd: e}))}" for sd, e in sorted(cs.seeds.items()))
+                per = "; ".join(f"seed {sd}: {fmt_stat(S.CellStat(cs.kind, {sd: e}, metric=cs.metric))}" for sd, e in sorted(cs.seeds.items()))
                 body.append([key[0], key[1], f"{ds} {metric}", fmt_stat(cs), per])
     if not body:
         return []
@@ -591,8 +576,7 @@ def _seed_rankings_section(stats: dict, seedless: set) -> list[str]:
     body = []
     for r in ranks:
         metric = r["column"][1]
-        f = ((lambda v: f"{v:.2f}") if metric == "ppl" else (lambda v: E.metric(metric).format(v))
-             if metric == "kld" else (lambda v: f"{100 * v:.1f}"))
+        f = E.metric(metric).format
         cells = []
         for m in r["order"]:
             v, sd, k = r["cells"][m]
@@ -683,10 +667,11 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
         d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
         if not d.startswith("speed_") and d not in TASK_DATASETS)
     parts += [DETAILS, ""]
-    if ppl_sets:
-        parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in ppl_sets] + [""]
+    with_ppl = [d for d in ppl_sets if d in set(mdf.loc[mdf["metric"] == "ppl", "dataset"])]
+    if with_ppl:
+        parts += ["### Perplexity protocol", ""] + [_ppl_protocol(mdf, d) for d in with_ppl] + [""]
     parts += _kl_section(mdf, stats, [d for d in ppl_sets if (d, "kld") in set(zip(mdf["dataset"], mdf["metric"]))])
-    parts += _paired_section(stats, ppl_sets)
+    parts += _paired_section(stats, with_ppl)
     parts += _seeds_section(stats)
     calibrated = {(r.method, r.scheme) for r in srows if (r.config or {}).get("calibration")}
     seedless = {(r.method, r.scheme) for r in srows} - calibrated
@@ -739,8 +724,7 @@ def older_versions(rows: list[Row]) -> list[str]:
             if current is not None and stored != current:
                 what.add(f"{r.method} v{stored}, now v{current}")
         for name, v in (cfg.get("eval_versions") or {"perplexity": 1, "tasks": 1}).items():
-            kind = "kl" if r.metric in ("kld", "top1_agree") else "tasks" if r.dataset in TASK_DATASETS \
-                else "perplexity" if r.metric == "ppl" else None
+            kind = "tasks" if r.dataset in TASK_DATASETS else E.metric(r.metric).evaluation
             if name == kind and name in now_eval and v != now_eval[name]:
                 what.add(f"{name} v{v}, now v{now_eval[name]}")
         if what:

@@ -220,12 +220,30 @@ def welch(a: list[float], b: list[float], ratio: bool) -> Comparison | None:
     return Comparison(d, d - h, d + h, 0.0, len(a) + len(b), "seeds (Welch)")
 
 
+@dataclass(frozen=True)
+class Estimator:
+    """How a metric's per-unit values make its 95 % interval (`estimate(samples, value)`) and a paired
+    comparison of two cells (`paired(a, b)`); `ratio`: a comparison is a ratio (else a difference). The
+    catalogue's metrics name one by `Metric.interval` (bench.evals)."""
+    estimate: object
+    paired: object
+    ratio: bool
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "ppl": Estimator(ppl_estimate, paired_ppl, True),       # window NLLs; perplexity = exp(mean)
+    "mean": Estimator(mean_estimate, paired_mean, False),   # a mean over windows (KLD, top-1 agreement)
+    "acc": Estimator(acc_estimate, paired_acc, False),      # per-example 0/1 scores (accuracy, flips)
+    "avg": Estimator(avg_estimate, paired_avg, False),      # several tasks' per-example scores (their average)
+}
+
+
 # ---- one leaderboard cell across seeds ---------------------------------------------------------------
 
 @dataclass
 class CellStat:
     """A (method, scheme) cell's value in one column: per seed the number and what it was measured on."""
-    kind: str                                                 # "ppl", "acc", "avg" or "mean"
+    kind: str                                                 # its estimator: a key of ESTIMATORS
     seeds: dict[int, Estimate] = field(default_factory=dict)
     samples: dict[int, object] = field(default_factory=dict)  # per seed: window NLLs / example scores / task lists
     metric: str = ""                                          # what it measures (bench.evals), for formatting
@@ -246,15 +264,14 @@ class CellStat:
 
 def compare(a: CellStat, b: CellStat) -> Comparison | None:
     """a against b: by seeds when both have several, else paired on a seed they share (the lowest)."""
-    ratio = a.kind == "ppl"
+    ratio = ESTIMATORS[a.kind].ratio
     if len(a.seeds) > 1 and len(b.seeds) > 1:
         return welch([e.value for e in a.seeds.values()], [e.value for e in b.seeds.values()], ratio)
     common = sorted(set(a.samples) & set(b.samples))
     if not common:
         return None
     s = common[0]
-    fn = {"ppl": paired_ppl, "acc": paired_acc, "avg": paired_avg, "mean": paired_mean}[a.kind]
-    return fn(a.samples[s], b.samples[s])
+    return ESTIMATORS[a.kind].paired(a.samples[s], b.samples[s])
 
 
 @dataclass
