@@ -1,6 +1,12 @@
-"""What it takes to add a metric: one declaration in the catalogue (bench/evals.py), plus the code that computes
-it (issue R, item 3). Added here at runtime, the new metric is estimated with its interval, ranked, compared
-paired and formatted by the Markdown leaderboard, the HTML page and `lrq-bench compare`, none of which names it.
+"""What it takes to add a metric, a scheme or a method (issue R): one declaration each, made here at runtime and
+found by the command line, the planner and the reports, none of which names it.
+
+- a metric: one `Metric` in the catalogue (bench/evals.py) plus the code that computes it; estimated with its
+  interval, ranked, compared paired and formatted by the Markdown leaderboard, the HTML page and `compare`;
+- a scheme: one `Scheme` (lrq.schemes.register_scheme);
+- a method: one registered `Method` subclass with its typed config class (lrq.methods.register);
+- a task: one `Task` in the catalogue (tests/test_kl.py::test_one_declaration_makes_a_task).
+An activation mode is still a string checked in each forward path (issue R, item 5): not declarable yet.
 """
 
 from __future__ import annotations
@@ -72,3 +78,74 @@ def test_compare_shows_a_declared_metric_with_its_interval(brier, tmp_path, caps
 def test_an_estimator_must_exist():
     with pytest.raises(ValueError, match="unknown interval"):
         E.declare_metric(E.Metric("odd", "odd", interval="bootstrap"))
+
+
+# ---- a scheme and a method: one declaration each, found by the command line, the planner and the reports -------
+
+def _run(tiny_model_dir, data_dir, tmp_path, methods: str, schemes: str) -> tuple[int, str]:
+    from bench.cli import main
+    out = tmp_path / "rep"
+    code = main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", methods,
+                 "--schemes", schemes, "--datasets", "wikitext2", "--data-dir", str(data_dir),
+                 "--results", str(tmp_path / "r.sqlite"), "--max-eval-tokens", "512", "--eval-seq-len", "256",
+                 "--calib-samples", "4", "--calib-seq-len", "64", "--jobs", "1", "--out", str(out)])
+    return code, (out / "leaderboard.md").read_text() if code == 0 else ""
+
+
+def test_one_declaration_makes_a_scheme(monkeypatch, tiny_model_dir, data_dir, tmp_path):
+    """A new scheme is one `Scheme` (lrq.schemes.register_scheme): every method quantizes under it, the planner
+    prices it and the leaderboard gives it a section with its description."""
+    from lrq import schemes as SC
+    SC.register_scheme(SC.Scheme("w5a16-g32", 5, 32, description="5-bit weights in groups of 32 columns"))
+    try:
+        code, md = _run(tiny_model_dir, data_dir, tmp_path, "rtn,gptq", "w5a16-g32")
+    finally:
+        del SC.SCHEMES["w5a16-g32"]
+    assert code == 0
+    assert "### Scheme w5a16-g32" in md and "5-bit weights in groups of 32 columns" in md
+    summary = md.split("### Summary", 1)[1].split("###", 1)[0]
+    assert "bits/weight" in summary.splitlines()[4]
+    rows = [line for line in summary.splitlines() if line.startswith(("| rtn ", "| gptq "))]
+    assert len(rows) == 2
+    assert {line.split("|")[2].strip() for line in rows} == {"w5a16-g32"}
+    bits = {float(line.split("|")[3]) for line in rows}
+    assert all(5.0 < b < 6.2 for b in bits), bits     # 5 bits plus a scale and zero point per 32 weights
+
+
+def test_one_declaration_makes_a_method(monkeypatch, tiny_model_dir, data_dir, tmp_path, capsys):
+    """A new method is one registered `Method` subclass with its config class (lrq.methods.register): the command
+    line accepts it, its settings are typed and checked, it has a store key of its own and a leaderboard row."""
+    from dataclasses import dataclass
+
+    from lrq import methods as M
+    from lrq.config import MethodConfig, setting
+    from lrq.quant import minmax_qparams
+    from lrq.quantize_model import replace_linears
+    monkeypatch.setattr(M, "METHODS", dict(M.load_methods()))
+
+    @dataclass(frozen=True)
+    class ShrunkConfig(MethodConfig):
+        shrink: float = setting(0.9, lo=0.5, hi=1.0)     # the fraction of each row's range kept
+
+    @M.register
+    class ShrunkRTN(M.Method):
+        name = "rtn-shrunk"
+        summary = "round-to-nearest on a shrunk min/max range"
+        settings = ShrunkConfig
+        presets = {"quick": ShrunkConfig(), "paper": ShrunkConfig()}
+
+        def _quantize(self, model, scheme, config, calib):
+            def qparams(name, w):
+                return minmax_qparams(w * config.shrink, scheme.w_bits, scheme.group_size)
+            replace_linears(model, scheme, qparams)
+            return {}
+
+    code, md = _run(tiny_model_dir, data_dir, tmp_path, "rtn,rtn-shrunk", "w4a16")
+    assert code == 0
+    assert any(line.startswith("| rtn-shrunk ") for line in md.splitlines())
+    from bench.cli import main
+    capsys.readouterr()
+    # its setting typed and checked: a value out of range is refused before any work, naming the setting
+    assert main(["run", "--methods", "rtn-shrunk", "--schemes", "w4a16", "--set", "shrink=2", "--model",
+                 str(tiny_model_dir), "--data-dir", str(data_dir), "--results", str(tmp_path / "x.sqlite")]) == 2
+    assert "shrink takes a number in [0.5, 1]" in capsys.readouterr().err
