@@ -11,7 +11,6 @@ package and the LRQ/FlexRound modules, so a new method is a new file, not a chan
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -183,18 +182,25 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
+ENTRY_POINTS = "lrq_bench.methods"   # the entry-point group of modules that register methods (pyproject.toml)
+
+
 def load_methods() -> dict[str, type[Method]]:
+    """Every registered method: the modules named by the installed packages' `lrq_bench.methods` entry points
+    (this project's: lrq.lrq, lrq.flexround and the baselines/ modules) are imported once, each registering
+    its methods. lrq/ imports nothing above itself: the baselines are found as any plug-in would be."""
     global _LOADED
     if not _LOADED:
-        import baselines
-        for info in pkgutil.iter_modules(baselines.__path__):
-            importlib.import_module(f"baselines.{info.name}")
-        for mod in ("lrq.lrq", "lrq.flexround"):
+        from importlib.metadata import entry_points
+        eps = sorted(entry_points(group=ENTRY_POINTS), key=lambda e: e.name)
+        if not eps:
+            raise UserError(f"no quantization methods are installed (no '{ENTRY_POINTS}' entry points): install "
+                            f"the project with `pip install -e .` (or `pip install .`), which declares them.")
+        for ep in eps:
             try:
-                importlib.import_module(mod)
-            except ModuleNotFoundError as e:
-                if e.name != mod:
-                    raise
+                importlib.import_module(ep.value.split(":")[0])
+            except ImportError as e:
+                raise UserError(f"the method plug-in {ep.name!r} ({ep.value}) cannot be imported: {e}") from e
         _LOADED = True
     return METHODS
 

@@ -1,4 +1,4 @@
-"""The package layout stays acyclic: no module of lrq/, baselines/ or bench/ imports itself back, counting
+"""The package layout stays acyclic and layered: no module of lrq/, baselines/ or bench/ imports itself back, counting
 imports inside functions (the lazy kind that hid the runner <-> executor and report <-> html_report circles)."""
 
 import ast
@@ -56,3 +56,33 @@ def test_no_import_cycle():
 def test_the_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The layers, lowest first: lrq (quantization: formats, kernels, block-wise methods), baselines (the other
+# methods, plug-ins registered through the `lrq_bench.methods` entry points), bench (the harness). An import
+# points down or sideways, never up. The baselines' remaining upward imports, each with its reason:
+UPWARD_ALLOWED = {
+    ("baselines.external", "bench.models"): "the reference check reads the harness's model identity "
+                                             "(model_fingerprint, source_folder) of the model a checkpoint is scored against",
+    ("baselines.llmc_worker", "bench.measure"): "a script run in llm-compressor's own environment, not a module "
+                                                 "of the method: it measures its run as the harness does",
+    ("baselines.llmc_worker", "bench.provenance"): "the same script records package versions as the harness does",
+}
+LAYER = {"lrq": 0, "baselines": 1, "bench": 2}
+
+
+def test_imports_point_one_way():
+    graph = _graph()
+    up = sorted((m, t) for m, targets in graph.items() for t in targets
+                if LAYER[t.split(".")[0]] > LAYER[m.split(".")[0]])
+    assert not [u for u in up if u[0].startswith("lrq")], f"lrq/ imports above itself: {up}"
+    assert set(up) <= set(UPWARD_ALLOWED), f"an import pointing up: {sorted(set(up) - set(UPWARD_ALLOWED))}"
+
+
+def test_methods_are_found_through_entry_points():
+    from importlib.metadata import entry_points
+
+    from lrq.methods import ENTRY_POINTS, load_methods
+    modules = {e.value for e in entry_points(group=ENTRY_POINTS)}
+    assert {"lrq.lrq", "lrq.flexround", "baselines.rtn", "baselines.gptq", "baselines.awq"} <= modules
+    assert {"lrq", "flexround", "rtn", "gptq", "awq", "smoothquant", "omniquant"} <= set(load_methods())
