@@ -28,7 +28,7 @@ from torch import nn
 from lrq.config import MethodConfig
 from lrq.errors import UserError
 from lrq.methods import Calibration, Method, register
-from lrq.schemes import SCHEMES, Scheme
+from lrq.schemes import SCHEMES, Scheme, activation_mode_for
 
 
 def quantization_config(folder: str | Path) -> dict | None:
@@ -105,8 +105,7 @@ def describe(folder: str | Path) -> dict:
     group = w.get("group_size") if w.get("strategy") == "group" else None
     if w.get("strategy") == "block":
         group = (w.get("block_structure") or [None, None])[1]
-    a_mode = None if not a else ("per_tensor_static" if a.get("strategy") == "tensor" and not a.get("dynamic")
-                                 else "per_token")
+    a_mode = None if not a else activation_mode_for(a.get("strategy"), bool(a.get("dynamic"))).name
     scheme = _scheme_for(bits, group, None if not a else int(a["num_bits"]), a_mode)
     fmt = "gptq" if qc["quant_method"] == "gptq" else qc.get("format") or groups_format(qc)
     producer = _producer(folder, qc)

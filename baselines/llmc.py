@@ -64,14 +64,7 @@ def scheme_to_llmc_args(scheme: Scheme) -> dict[str, Any]:
         weights.update(strategy="block", block_structure=[1, scheme.group_size])
     acts = None
     if scheme.a_bits is not None:
-        if scheme.a_mode == "per_tensor_static":
-            acts = {"num_bits": scheme.a_bits, "type": "int", "symmetric": False, "strategy": "tensor",
-                    "dynamic": False, "observer": "static_minmax"}
-        elif scheme.a_mode == "per_token":
-            acts = {"num_bits": scheme.a_bits, "type": "int", "symmetric": False, "strategy": "token",
-                    "dynamic": True}
-        else:
-            raise UserError(f"scheme {scheme.name}: activation mode {scheme.a_mode!r} has no llm-compressor mapping.")
+        acts = scheme.activations.llm_compressor(scheme.a_bits)
     return {"weights": weights, "input_activations": acts}
 
 

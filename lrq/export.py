@@ -33,7 +33,7 @@ from lrq.io import atomic_write, atomic_write_text
 from lrq.packed import PackedLinear, pack_model
 from lrq.packing import pack_bits, planar_to_stream, stream_to_planar, unpack_bits
 from lrq.qlinear import QuantLinear
-from lrq.schemes import SCHEMES, Scheme
+from lrq.schemes import SCHEMES, Scheme, activation_mode_for
 from lrq.io import dumps_json
 
 FORMAT = "pack-quantized"
@@ -45,9 +45,7 @@ def _quant_args(scheme: Scheme) -> dict:
                "group_size": scheme.group_size, "actorder": None, "observer": "minmax"}
     acts = None
     if scheme.a_bits is not None:
-        acts = {"num_bits": scheme.a_bits, "type": "int", "symmetric": False,
-                "strategy": "tensor" if scheme.static_activations else "token",
-                "dynamic": not scheme.static_activations, "observer": "minmax" if scheme.static_activations else None}
+        acts = scheme.activations.compressed_tensors(scheme.a_bits)
     # the format is also given per group: loaders otherwise infer one from the activation settings
     return {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None,
             "format": FORMAT}
@@ -165,7 +163,7 @@ def scheme_from_config(qc: dict) -> Scheme:
     for s in SCHEMES.values():
         if (s.w_bits, s.group_size) == (w["num_bits"], w.get("group_size") if w["strategy"] == "group" else None) \
                 and (s.a_bits is None) == (a is None) and s.kv_bits is None \
-                and (a is None or s.static_activations == (a["strategy"] == "tensor")):
+                and (a is None or s.activations == activation_mode_for(a.get("strategy"), bool(a.get("dynamic")))):
             return s
     raise UserError(f"no lrq-bench scheme matches this quantization config: {json.dumps(group)}")
 

@@ -85,8 +85,8 @@ class LearnableQuantLinear(nn.Module):
         s = self.scheme
         if not self.act_quant or s.a_bits is None:
             return x
-        if s.a_mode == "per_token":
-            return per_token_fake_quant(x, s.a_bits)
+        if not s.activations.static:
+            return s.activations.quantize(x, s.a_bits)
         return per_tensor_fake_quant(x, self.act_range[0], self.act_range[1], s.a_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ class PackedLinear(nn.Module):
                 y = F.linear(xd, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         else:
             if s.a_bits is not None:
-                x = per_token_fake_quant(x, s.a_bits)
+                x = s.activations.quantize(x, s.a_bits)
             if self._use_cpu_int4(x):   # bf16 on the CPU at decode sizes: torch's int4 GEMM (bf16 scales)
                 y = self._cpu_int4_mm(x)
             elif x.is_cuda:   # the fused dequantize-GEMM (lrq.kernels.wq_gemm), which dispatches large M itself

@@ -89,8 +89,8 @@ class QuantLinear(nn.Module):
         s = self.scheme
         if s.a_bits is None or not self.act_quant_enabled:
             return x
-        if s.a_mode == "per_token":
-            return per_token_fake_quant(x, s.a_bits)
+        if not s.activations.static:
+            return s.activations.quantize(x, s.a_bits)
         if self._observing:
             self._observe(x)
             return x

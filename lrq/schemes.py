@@ -5,9 +5,74 @@ A scheme says what is quantized and how; methods decide how the weight integers 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 from lrq.errors import UserError
+
+
+@dataclass(frozen=True)
+class ActivationMode:
+    """How a scheme quantizes the input activations of its linear layers, declared once: every linear module
+    (lrq.qlinear, lrq.learnable, lrq.packed), the export (compressed-tensors) and the llm-compressor adapter
+    dispatch on it.
+
+    `static`: one range per tensor, calibrated once on calibration data (lrq.calibration) and stored with the
+    layer; else `quantize(x, bits)` fake-quantizes each input from its own values. `strategy` is the name
+    compressed-tensors and llm-compressor give the granularity ("tensor", "token")."""
+    name: str
+    static: bool
+    strategy: str
+    dynamic_quant: Callable | None = field(default=None, compare=False, repr=False)   # (x, bits) -> x, dynamic
+    description: str = ""
+
+    def quantize(self, x, bits: int):
+        """A dynamic mode's fake quantization of `x` at `bits` (a static one's needs its calibrated range)."""
+        if self.static:
+            raise TypeError(f"activation mode {self.name} is static: its range is calibrated, not computed per input")
+        return self.dynamic_quant(x, bits)
+
+    def compressed_tensors(self, bits: int) -> dict:
+        """The compressed-tensors `input_activations` arguments of this mode."""
+        return {"num_bits": bits, "type": "int", "symmetric": False, "strategy": self.strategy,
+                "dynamic": not self.static, "observer": "minmax" if self.static else None}
+
+    def llm_compressor(self, bits: int) -> dict:
+        """llm-compressor's `input_activations` arguments of this mode (its static observer is static_minmax)."""
+        args = {"num_bits": bits, "type": "int", "symmetric": False, "strategy": self.strategy,
+                "dynamic": not self.static}
+        return args | ({"observer": "static_minmax"} if self.static else {})
+
+
+def _per_token(x, bits):
+    from lrq.quant import per_token_fake_quant
+    return per_token_fake_quant(x, bits)
+
+
+ACTIVATION_MODES: dict[str, ActivationMode] = {m.name: m for m in (
+    ActivationMode("per_token", False, "token", _per_token, "dynamic, one range per token"),
+    ActivationMode("per_tensor_static", True, "tensor", None, "static, one calibrated range per tensor"),
+)}
+
+
+def register_activation_mode(mode: ActivationMode) -> ActivationMode:
+    """Add an activation mode (a plug-in's, or a test's); a scheme may then name it."""
+    known = ACTIVATION_MODES.get(mode.name)
+    if known is not None and known != mode:
+        raise UserError(f"activation mode name {mode.name!r} is taken by another mode.")
+    if not mode.static and mode.dynamic_quant is None:
+        raise UserError(f"activation mode {mode.name!r}: a dynamic mode needs its dynamic_quant(x, bits).")
+    ACTIVATION_MODES[mode.name] = mode
+    return mode
+
+
+def activation_mode_for(strategy: str | None, dynamic: bool) -> ActivationMode:
+    """The mode of a checkpoint's compressed-tensors activation arguments (strategy, dynamic)."""
+    for m in ACTIVATION_MODES.values():
+        if m.strategy == strategy and m.static == (not dynamic):
+            return m
+    raise UserError(f"activations quantized with strategy {strategy!r} ({'dynamic' if dynamic else 'static'}) "
+                    f"match none of the suite's activation modes ({', '.join(ACTIVATION_MODES)}).")
 
 
 @dataclass(frozen=True)
@@ -16,17 +81,30 @@ class Scheme:
     w_bits: int
     group_size: int | None = None          # None = per output channel
     a_bits: int | None = None              # None = activations stay in floating point
-    a_mode: str | None = None              # "per_token" (dynamic) or "per_tensor_static"
+    a_mode: str | None = None              # the activation mode's name (ACTIVATION_MODES): per_token, ...
     kv_bits: int | None = None             # k_proj / v_proj outputs, per token (before RoPE)
     description: str = ""
+
+    def __post_init__(self):
+        if (self.a_bits is None) != (self.a_mode is None):
+            raise UserError(f"scheme {self.name}: activation bits and an activation mode go together "
+                            f"(a_bits={self.a_bits}, a_mode={self.a_mode!r}).")
+        if self.a_mode is not None and self.a_mode not in ACTIVATION_MODES:
+            raise UserError(f"scheme {self.name}: unknown activation mode {self.a_mode!r}: choose from "
+                            f"{', '.join(ACTIVATION_MODES)} (or register one: lrq.schemes.register_activation_mode).")
 
     @property
     def weight_only(self) -> bool:
         return self.a_bits is None
 
     @property
+    def activations(self) -> ActivationMode | None:
+        """The activation mode (None: activations stay in floating point)."""
+        return None if self.a_mode is None else ACTIVATION_MODES[self.a_mode]
+
+    @property
     def static_activations(self) -> bool:
-        return self.a_mode == "per_tensor_static"
+        return self.a_mode is not None and ACTIVATION_MODES[self.a_mode].static
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,7 +6,8 @@ found by the command line, the planner and the reports, none of which names it.
 - a scheme: one `Scheme` (lrq.schemes.register_scheme);
 - a method: one registered `Method` subclass with its typed config class (lrq.methods.register);
 - a task: one `Task` in the catalogue (tests/test_kl.py::test_one_declaration_makes_a_task).
-An activation mode is still a string checked in each forward path (issue R, item 5): not declarable yet.
+- an activation mode: one `ActivationMode` (lrq.schemes.register_activation_mode) and a scheme naming it; the
+  linear modules (fake-quantized, learnable, packed), the export and the llm-compressor adapter dispatch on it.
 """
 
 from __future__ import annotations
@@ -149,3 +150,64 @@ def test_one_declaration_makes_a_method(monkeypatch, tiny_model_dir, data_dir, t
     assert main(["run", "--methods", "rtn-shrunk", "--schemes", "w4a16", "--set", "shrink=2", "--model",
                  str(tiny_model_dir), "--data-dir", str(data_dir), "--results", str(tmp_path / "x.sqlite")]) == 2
     assert "shrink takes a number in [0.5, 1]" in capsys.readouterr().err
+
+
+def test_one_declaration_makes_an_activation_mode(tiny_model_dir, data_dir, tmp_path):
+    """A new activation mode (here: dynamic, one range per tensor from its own values) is one `ActivationMode`;
+    a scheme naming it quantizes with every method's linear modules, packs, exports as compressed-tensors
+    arguments and runs end to end."""
+    import torch
+
+    import lrq
+    from conftest import tiny_model
+    from lrq import schemes as SC
+    from lrq.export import _quant_args
+    from lrq.packed import PackedLinear
+    from lrq.quant import per_tensor_fake_quant, qparams_from_range
+
+    def per_tensor_dynamic(x, bits):
+        lo, hi = x.detach().float().amin().clamp(max=0), x.detach().float().amax().clamp(min=0)
+        return per_tensor_fake_quant(x, *qparams_from_range(lo, hi, bits), bits)
+    mode = SC.ActivationMode("per_tensor_dynamic", False, "tensor", per_tensor_dynamic, "dynamic, one per tensor")
+    SC.register_activation_mode(mode)
+    SC.register_scheme(SC.Scheme("w4a8-pt", 4, None, 8, "per_tensor_dynamic", description="4-bit weights, 8-bit "
+                                 "per-tensor dynamic activations"))
+    try:
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        outs, packed = {}, {}
+        for scheme in ("w4a8", "w4a8-pt"):
+            m = tiny_model("llama", layers=2)
+            lrq.quantize(m, "rtn", scheme)
+            with torch.no_grad():
+                outs[scheme] = m(ids).logits
+            lrq.pack(m)                       # the packed modules dispatch on the same mode
+            with torch.no_grad():
+                packed[scheme] = m(ids).logits
+        gap = lambda a, b: float((a - b).abs().max())  # noqa: E731
+        # the mode is applied: another output than per-token, and the packed model's is nearer its own
+        assert gap(outs["w4a8"], outs["w4a8-pt"]) > 0.01
+        assert gap(packed["w4a8-pt"], outs["w4a8-pt"]) < gap(packed["w4a8-pt"], outs["w4a8"])
+        # a packed layer computes exactly: its dequantized weight on the mode's quantized input
+        layer = next(mod for mod in m.modules() if isinstance(mod, PackedLinear))
+        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = torch.nn.functional.linear(per_tensor_dynamic(x, 8), layer.dequantized_weight(x.dtype))
+            assert torch.allclose(layer(x), want, atol=1e-5)
+        m = tiny_model("llama", layers=2)    # a learnable method's modules too (LRQ, a few steps)
+        lrq.quantize(m, "lrq", "w4a8-pt", calibration=torch.randint(0, 128, (4, 16)), iters=2, heldout_samples=0)
+        args = _quant_args(SC.get_scheme("w4a8-pt"))["input_activations"]
+        assert args["strategy"] == "tensor" and args["dynamic"] is True and args["observer"] is None
+        assert SC.activation_mode_for("tensor", True) is mode
+        code, md = _run(tiny_model_dir, data_dir, tmp_path, "rtn", "w4a8-pt")
+        assert code == 0 and "### Scheme w4a8-pt" in md
+    finally:
+        del SC.SCHEMES["w4a8-pt"], SC.ACTIVATION_MODES["per_tensor_dynamic"]
+
+
+def test_a_scheme_with_an_unknown_activation_mode_is_refused():
+    from lrq import schemes as SC
+    from lrq.errors import UserError
+    with pytest.raises(UserError, match="unknown activation mode 'per_channel'"):
+        SC.Scheme("w4a8-pc", 4, None, 8, "per_channel")
+    with pytest.raises(UserError, match="go together"):
+        SC.Scheme("w4a8-x", 4, None, 8)
