@@ -128,7 +128,17 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     imports the methods, so only when help is asked for)."""
     p = _Parser(prog="lrq-bench", description="Post-training quantization benchmark: LRQ, FlexRound and baselines.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run_parser(sub, with_lists)
+    _add_plan_parser(sub)
+    _add_export_parser(sub)
+    _add_compare_parser(sub)
+    _add_report_parser(sub)
+    _add_results_parser(sub)
+    return p
 
+
+def _add_run_parser(sub, with_lists: bool) -> None:
+    """The `run` subcommand's options."""
     r = sub.add_parser("run", help="quantize and evaluate every (method, scheme) cell",
                        epilog=_run_epilog() if with_lists else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--profile", default=None, help="bundle of defaults below: sweep (the default: every method x "
@@ -186,6 +196,9 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
                         "again), and keep it and the running cells' finished blocks (DIR/checkpoints/) up to date "
                         "as the run goes; commit DIR, and the same command on another machine continues")
 
+
+def _add_plan_parser(sub) -> None:
+    """The `plan` subcommand's options."""
     pl = sub.add_parser("plan", help="estimated time and memory of every cell from a model's shape (no weights)")
     pl.add_argument("--model", default="smollm2-135m",
                     help="built-in shape (llama-2-7b, llama-2-13b, llama-2-70b, smollm2-135m), config.json, folder or hub id")
@@ -210,6 +223,9 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     pl.add_argument("--remeasure", action="store_true", help="measure this machine's profile again")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
+
+def _add_export_parser(sub) -> None:
+    """The `export` subcommand's options."""
     ex = sub.add_parser("export", help="quantize with one method and scheme, save in the compressed-tensors "
                                        "pack-quantized layout")
     ex.add_argument("--model", default="smollm2-135m")
@@ -230,6 +246,9 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     ex.add_argument("--allow-ragged", action="store_true",
                     help="write a group size that does not divide every layer (only lrq-bench reads it back)")
 
+
+def _add_compare_parser(sub) -> None:
+    """The `compare` subcommand's options."""
     cmp_ = sub.add_parser("compare", help="regression gate: compare CURRENT results with BASELINE under tolerances")
     cmp_.add_argument("baseline", help="results store (.sqlite) or JSON export")
     cmp_.add_argument("current", help="results store (.sqlite) or JSON export")
@@ -237,11 +256,17 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     cmp_.add_argument("--allow-missing", action="store_true", help="a baseline cell absent now is not a failure")
     cmp_.add_argument("--all", action="store_true", help="list every compared value, not only changes")
 
+
+def _add_report_parser(sub) -> None:
+    """The `report` subcommand's options."""
     rep = sub.add_parser("report", help="write the Markdown leaderboard from the results store")
     rep.add_argument("--results", default=None)
     rep.add_argument("--out", default="lrq-bench-report", help="folder for leaderboard.md and leaderboard.html "
                      "(default: ./lrq-bench-report)")
 
+
+def _add_results_parser(sub) -> None:
+    """The `results` subcommand's options."""
     res = sub.add_parser("results", help="print stored results")
     res.add_argument("--results", default=None)
     res.add_argument("--format", default="table", choices=["table", "csv", "json"],
@@ -253,7 +278,6 @@ def build_parser(with_lists: bool = False) -> argparse.ArgumentParser:
     res.add_argument("--methods", dest="only_methods", default=None,
                      help="with --save: only these methods' units (comma-separated)")
     res.add_argument("--json", action="store_true", help="the same as --format json")
-    return p
 
 
 def _apply_profile(args):
@@ -301,11 +325,10 @@ def _calib_given(args) -> dict:
 
 
 def cmd_run(args) -> int:
-    from bench.cell import FP, EvalSettings, Request, check_sizes, resolve_calib, resolve_device, settle
+    from bench.cell import check_sizes, resolve_device
     from bench.data import check_available, resolve_data_dir
     from bench.executor import LocalExecutor
     from bench.profiles import resolve_jobs
-    from bench.html_report import write_report
     from bench.store import ResultStore
     from bench.sweep import missing_units, run_cells
     _check_lists(args)
@@ -324,6 +347,47 @@ def cmd_run(args) -> int:
         methods, schemes = _methods(args.methods), _schemes(args.schemes)
         user_overrides = _checked_overrides(args.set, methods)
     datasets = _datasets(args.datasets)
+    tasks = _check_run_args(args)
+    compute = resolve_device(args.device)
+    store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
+    carry = _open_sync(args.sync, store)
+    from bench.models import load_model
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
+    loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
+    if external:   # the checkpoint read whole against its reference before any work (exit 2 naming file and field)
+        from baselines.external import check_against_reference
+        check_against_reference(external["overrides"]["checkpoint"], loaded.model, args.model)
+
+    # explicit --set wins over the profile; a checkpoint read as it is takes none of the methods' settings
+    overrides = user_overrides if external else dict(prof.method_settings) | user_overrides
+    cells = _settle_cells(args, methods, schemes, datasets, tasks, overrides)
+    needed = set(datasets) | {c.calib.dataset for c in cells if c.uses_calibration}
+    check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
+    if tasks:
+        from bench.tasks import check_task_data
+        check_task_data(tasks, resolve_data_dir(args.data_dir))
+    check_sizes(cells, loaded.tokenizer)   # every text big enough for its windows: before any model work
+    if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
+        _check_cells_fit(args.model, cells, loaded, compute, executor.jobs)
+    t0 = time.perf_counter()
+    where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
+             f"{executor.jobs} at a time" + (f" ({executor.threads} thread{'s' if executor.threads > 1 else ''} each)"
+                                             if executor.jobs > 1 else ""))
+    todo = missing_units(cells, store, args.force)
+    n_todo = sum(bool(t) for t in todo.values())
+    prec = cells[0].precision
+    print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells ({n_todo} to compute, {len(cells) - n_todo} "
+          f"already stored), {where}; precision {prec.used} ({prec.why})", file=sys.stderr, flush=True)
+    estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
+    outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate, carry=carry)
+    return _finish_run(args, cells, store, outcomes, time.perf_counter() - t0)
+
+
+def _check_run_args(args) -> list[str]:
+    """`run`'s options checked before any work (exit 2 naming the option); returns the task names."""
+    from bench.data import resolve_data_dir
+    from bench.evals import ALL_TASKS
     if args.out:
         from bench.models import source_folder
         src, out = source_folder(args.model), Path(args.out).expanduser().resolve()
@@ -336,8 +400,6 @@ def cmd_run(args) -> int:
         if v is not None and v < 2:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
-    compute = resolve_device(args.device)
-    from bench.evals import ALL_TASKS
     tasks = _task_names(args.tasks)
     bad = [t for t in tasks if t not in ALL_TASKS]
     if bad:
@@ -346,27 +408,27 @@ def cmd_run(args) -> int:
         raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
     if args.task_limit is not None and args.task_limit < 1:
         raise UserError(f"--task-limit must be 0 (all) or at least 1, got {args.task_limit}.")
-    store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
-    carry = None
-    if args.sync:
-        from bench.ledger import Carry
-        carry = Carry(args.sync, store)
-        _check_writable(str(carry.folder), "the results file", "--sync")
-        added, present = carry.import_results()   # a damaged results file: exit 2 now, before any work
-        if added or present:
-            _say(f"{carry.file}: {added} unit(s) added to {store.path}, {present} already there; cells they "
-                 f"complete are not computed again")
+    return tasks
 
-    from bench.models import load_model
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
-    loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
-    if external:   # the checkpoint read whole against its reference before any work (exit 2 naming file and field)
-        from baselines.external import check_against_reference
-        check_against_reference(external["overrides"]["checkpoint"], loaded.model, args.model)
 
-    # explicit --set wins over the profile; a checkpoint read as it is takes none of the methods' settings
-    overrides = user_overrides if external else dict(prof.method_settings) | user_overrides
+def _open_sync(folder: str | None, store):
+    """`--sync DIR`: the results file's units imported into the store (exit 2 on a damaged file, before any
+    work), and the carry that keeps DIR up to date as the run goes; None without --sync."""
+    if not folder:
+        return None
+    from bench.ledger import Carry
+    carry = Carry(folder, store)
+    _check_writable(str(carry.folder), "the results file", "--sync")
+    added, present = carry.import_results()
+    if added or present:
+        _say(f"{carry.file}: {added} unit(s) added to {store.path}, {present} already there; cells they "
+             f"complete are not computed again")
+    return carry
+
+
+def _settle_cells(args, methods, schemes, datasets, tasks, overrides) -> list:
+    """Every (method, scheme) cell of the run settled, FP first, once per seed where calibration matters."""
+    from bench.cell import FP, EvalSettings, Request, resolve_calib, settle
     seeds = _seeds(args)
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
@@ -382,36 +444,27 @@ def cmd_run(args) -> int:
             if i and not cell.uses_calibration:
                 break   # nothing in this cell depends on the seed: one run says it all
             cells.append(cell)
-    needed = set(datasets) | {c.calib.dataset for c in cells if c.uses_calibration}
-    check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
-    if tasks:
-        from bench.tasks import check_task_data
-        check_task_data(tasks, resolve_data_dir(args.data_dir))
-    check_sizes(cells, loaded.tokenizer)   # every text big enough for its windows: before any model work
-    if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
-        from bench import plan as P
-        shape = P.shape_from_config(args.model, loaded.model.config)
-        dev = compute.type
-        dev_avail = None
-        if dev == "cuda":
-            import torch
-            dev_avail = torch.cuda.mem_get_info(compute)[1]
-        host_avail = P.host_memory_available() // executor.jobs
-        for c in cells:
-            if not c.is_fp:
-                P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
-    t0 = time.perf_counter()
-    where = (f"on Ray ({executor.address or 'a local cluster'})" if args.executor == "ray" else
-             f"{executor.jobs} at a time" + (f" ({executor.threads} thread{'s' if executor.threads > 1 else ''} each)"
-                                             if executor.jobs > 1 else ""))
-    todo = missing_units(cells, store, args.force)
-    n_todo = sum(bool(t) for t in todo.values())
-    prec = cells[0].precision
-    print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells ({n_todo} to compute, {len(cells) - n_todo} "
-          f"already stored), {where}; precision {prec.used} ({prec.why})", file=sys.stderr, flush=True)
-    estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
-    outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate, carry=carry)
-    wall = time.perf_counter() - t0
+    return cells
+
+
+def _check_cells_fit(model: str, cells, loaded, compute, jobs: int) -> None:
+    """Every cell fits this machine's memory with `jobs` of them at once (exit 2 before any work)."""
+    from bench import plan as P
+    shape = P.shape_from_config(model, loaded.model.config)
+    dev = compute.type
+    dev_avail = None
+    if dev == "cuda":
+        import torch
+        dev_avail = torch.cuda.mem_get_info(compute)[1]
+    host_avail = P.host_memory_available() // jobs
+    for c in cells:
+        if not c.is_fp:
+            P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
+
+
+def _finish_run(args, cells, store, outcomes, wall: float) -> int:
+    """The run's summary on the terminal, the leaderboard files (--out), the cell counts; exit 1 if one failed."""
+    from bench.html_report import write_report
     from bench.store import newest
     run_keys = {k for c in cells for k in c.keys.values()}   # the leaderboard of this run's own settings only
     rows = newest([r for r in store.rows() if r.unit_key in run_keys])
