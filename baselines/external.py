@@ -395,7 +395,7 @@ def check_against_reference(folder: str | Path, model: nn.Module, reference: str
     """Before any work: the checkpoint is not its own reference, it reads whole against the reference model
     (every check of `apply_checkpoint`), and the reference is the model it was quantized from, as far as the
     tensors they share say (the token embeddings, which no method of either side changes)."""
-    from bench.models import model_fingerprint, source_folder
+    from bench.common.models import model_fingerprint, source_folder
     folder = Path(folder).expanduser().resolve()
     src = source_folder(reference)
     if (src is not None and src.resolve() == folder) or model_fingerprint(reference) == model_fingerprint(str(folder)):

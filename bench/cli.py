@@ -35,7 +35,7 @@ def _unique(items) -> list:
 
 
 def _catalogue():
-    from bench import evals
+    from bench.evaluations import evals
     return evals
 
 
@@ -64,7 +64,7 @@ def _schemes(spec: str | None) -> list[str]:
 
 
 def _datasets(spec: str) -> list[str]:
-    from bench.evals import PERPLEXITY
+    from bench.evaluations.evals import PERPLEXITY
     names = [] if spec.strip().lower() == "none" else _unique(d.lower() for d in _csv(spec))
     for d in names:
         if d not in PERPLEXITY:
@@ -100,15 +100,15 @@ PRECISION_HELP = ("compute precision of every forward (evaluation, calibration p
 
 
 def _default_results() -> Path:
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     return cache_root() / "results.sqlite"
 
 
 def _run_epilog() -> str:
     """What `run --help` lists: the registered methods, schemes, profiles and built-in models (read from their
     registries, so the help never goes stale)."""
-    from bench.models import BUILTINS
-    from bench.profiles import PROFILES
+    from bench.common.models import BUILTINS
+    from bench.run.profiles import PROFILES
     from lrq.methods import load_methods
     from lrq.schemes import DEFAULT_SCHEMES, SCHEMES
     methods = load_methods()
@@ -143,7 +143,7 @@ def _add_run_parser(sub, with_lists: bool) -> None:
                        epilog=_run_epilog() if with_lists else None, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--profile", default=None, help="bundle of defaults below: sweep (the default: every method x "
                    "scheme, evaluation slices, tasks on 10 examples; within 2 hours on 2 CPU cores), first-look "
-                   "(RTN only, within 10 minutes) or full (whole texts, all tasks); see bench/profiles.py")
+                   "(RTN only, within 10 minutes) or full (whole texts, all tasks); see bench/run/profiles.py")
     r.add_argument("--model", default="smollm2-135m", help="built-in name, hub id, local folder or .gguf file; a "
                    "folder holding a checkpoint quantized elsewhere (compressed-tensors or GPTQ format) is scored as "
                    "one cell beside its reference model")
@@ -282,7 +282,7 @@ def _add_results_parser(sub) -> None:
 
 def _apply_profile(args):
     """Fill every option left unset (None) with the chosen run profile's value; returns the profile."""
-    from bench.profiles import DEFAULT_PROFILE, get_profile
+    from bench.run.profiles import DEFAULT_PROFILE, get_profile
     prof = get_profile(args.profile or DEFAULT_PROFILE).for_preset(getattr(args, "preset", "quick"))
     for name in ("methods", "schemes", "datasets", "max_eval_tokens", "calib_samples", "tasks", "task_limit", "jobs"):
         if getattr(args, name, None) is None and hasattr(args, name):
@@ -291,7 +291,7 @@ def _apply_profile(args):
 
 
 def _task_names(spec: str) -> list[str]:
-    from bench.evals import ALL_TASKS, ZERO_SHOT
+    from bench.evaluations.evals import ALL_TASKS, ZERO_SHOT
     return {"": [], "none": [], "zeroshot": list(ZERO_SHOT), "all": list(ALL_TASKS)}.get(spec, _csv(spec))
 
 
@@ -325,19 +325,19 @@ def _calib_given(args) -> dict:
 
 
 def cmd_run(args) -> int:
-    from bench.cell import check_sizes, resolve_device
-    from bench.data import check_available, resolve_data_dir
-    from bench.executor import LocalExecutor
-    from bench.profiles import resolve_jobs
-    from bench.store import ResultStore
-    from bench.sweep import missing_units, run_cells
+    from bench.run.cell import check_sizes, resolve_device
+    from bench.evaluations.data import check_available, resolve_data_dir
+    from bench.run.executor import LocalExecutor
+    from bench.run.profiles import resolve_jobs
+    from bench.common.store import ResultStore
+    from bench.run.sweep import missing_units, run_cells
     _check_lists(args)
     external = _external_checkpoint(args)   # --model a checkpoint quantized elsewhere: it is the one cell
     prof = _apply_profile(args)
     args.max_eval_tokens = args.max_eval_tokens or None    # 0: the whole text
     args.task_limit = args.task_limit if args.task_limit != 0 else None
     if args.executor == "ray":
-        from bench.executor import RayExecutor
+        from bench.run.executor import RayExecutor
         executor = RayExecutor(args.ray_address, retries=args.retries, cpus_per_cell=args.cpus_per_cell)
     else:
         executor = LocalExecutor(resolve_jobs(args.jobs))
@@ -351,7 +351,7 @@ def cmd_run(args) -> int:
     compute = resolve_device(args.device)
     store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
     carry = _open_sync(args.sync, store)
-    from bench.models import load_model
+    from bench.common.models import load_model
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
@@ -365,7 +365,7 @@ def cmd_run(args) -> int:
     needed = set(datasets) | {c.calib.dataset for c in cells if c.uses_calibration}
     check_available(sorted(needed), resolve_data_dir(args.data_dir))  # fail before any model work
     if tasks:
-        from bench.tasks import check_task_data
+        from bench.evaluations.tasks import check_task_data
         check_task_data(tasks, resolve_data_dir(args.data_dir))
     check_sizes(cells, loaded.tokenizer)   # every text big enough for its windows: before any model work
     if args.executor == "local":  # every cell must fit this machine (with --jobs of them at once)
@@ -386,10 +386,10 @@ def cmd_run(args) -> int:
 
 def _check_run_args(args) -> list[str]:
     """`run`'s options checked before any work (exit 2 naming the option); returns the task names."""
-    from bench.data import resolve_data_dir
-    from bench.evals import ALL_TASKS
+    from bench.evaluations.data import resolve_data_dir
+    from bench.evaluations.evals import ALL_TASKS
     if args.out:
-        from bench.models import source_folder
+        from bench.common.models import source_folder
         src, out = source_folder(args.model), Path(args.out).expanduser().resolve()
         if src is not None and (out == src.resolve() or src.resolve() in out.parents):
             raise UserError(f"--out {args.out!r} is inside the folder the model is read from ({src}): the "
@@ -416,7 +416,7 @@ def _open_sync(folder: str | None, store):
     work), and the carry that keeps DIR up to date as the run goes; None without --sync."""
     if not folder:
         return None
-    from bench.ledger import Carry
+    from bench.run.ledger import Carry
     carry = Carry(folder, store)
     _check_writable(str(carry.folder), "the results file", "--sync")
     added, present = carry.import_results()
@@ -428,7 +428,7 @@ def _open_sync(folder: str | None, store):
 
 def _settle_cells(args, methods, schemes, datasets, tasks, overrides) -> list:
     """Every (method, scheme) cell of the run settled, FP first, once per seed where calibration matters."""
-    from bench.cell import FP, EvalSettings, Request, resolve_calib, settle
+    from bench.run.cell import FP, EvalSettings, Request, resolve_calib, settle
     seeds = _seeds(args)
     common = dict(model=args.model, datasets=tuple(datasets), preset=args.preset, overrides=overrides,
                   eval=EvalSettings(args.eval_seq_len, args.include_partial, args.max_eval_tokens),
@@ -449,7 +449,7 @@ def _settle_cells(args, methods, schemes, datasets, tasks, overrides) -> list:
 
 def _check_cells_fit(model: str, cells, loaded, compute, jobs: int) -> None:
     """Every cell fits this machine's memory with `jobs` of them at once (exit 2 before any work)."""
-    from bench import plan as P
+    from bench.run import plan as P
     shape = P.shape_from_config(model, loaded.model.config)
     dev = compute.type
     dev_avail = None
@@ -464,12 +464,12 @@ def _check_cells_fit(model: str, cells, loaded, compute, jobs: int) -> None:
 
 def _finish_run(args, cells, store, outcomes, wall: float) -> int:
     """The run's summary on the terminal, the leaderboard files (--out), the cell counts; exit 1 if one failed."""
-    from bench.html_report import write_report
-    from bench.store import newest
+    from bench.reports.html_report import write_report
+    from bench.common.store import newest
     run_keys = {k for c in cells for k in c.keys.values()}   # the leaderboard of this run's own settings only
     rows = newest([r for r in store.rows() if r.unit_key in run_keys])
     _warn_unreadable(store)
-    from bench.report import terminal_summary
+    from bench.reports.report import terminal_summary
     print(terminal_summary(rows))
     if args.out:
         md = write_report(store, Path(args.out))
@@ -486,10 +486,10 @@ def _finish_run(args, cells, store, outcomes, wall: float) -> int:
 def cmd_plan(args) -> int:
     from tabulate import tabulate
 
-    from bench import plan as P
-    from bench.cell import resolve_calib
-    from bench.profiles import resolve_jobs
-    from bench.provenance import cpu_label
+    from bench.run import plan as P
+    from bench.run.cell import resolve_calib
+    from bench.run.profiles import resolve_jobs
+    from bench.common.provenance import cpu_label
 
     _check_lists(args)
     prof = _apply_profile(args)
@@ -504,7 +504,7 @@ def cmd_plan(args) -> int:
     if device == "cpu" and not args.machine_profile:
         import torch
 
-        from bench.executor import LocalExecutor
+        from bench.run.executor import LocalExecutor
         torch.set_num_threads(LocalExecutor(workers).threads)   # measure as each worker will run
     machine = P.load_or_measure_profile(device, args.machine_profile, args.remeasure, args.precision, say=_say)
     if args.save_profile:
@@ -569,7 +569,7 @@ def _external_checkpoint(args) -> dict | None:
                         f"floating-point model it was quantized from: pass it with --reference-model (a built-in "
                         f"name, folder or hub id), so the checkpoint is scored on that model's windows and compared "
                         f"with its cells.")
-    from bench.models import model_fingerprint
+    from bench.common.models import model_fingerprint
     folder = str(Path(args.model).expanduser().resolve())
     info["overrides"] = {"checkpoint": folder, "fingerprint": model_fingerprint(folder)}
     _say(f"{args.model}: a {info['format']} checkpoint ({info['bits']}-bit, "
@@ -584,7 +584,7 @@ def _announce_estimate(args, cells, todo, executor, loaded):
     """Print the planner's estimate of what the run is about to compute, on this machine at the run's precision
     (asking nothing: a user who sees '34 h' can stop at once). Returns the estimate (the progress bar weighs
     stages by it), or None where there is none (a Ray cluster; a planner failure, said in one line)."""
-    from bench import plan as P
+    from bench.run import plan as P
     if args.executor == "ray":
         _say("no time estimate for a Ray cluster (its nodes' speed is not known here).")
         return None
@@ -609,7 +609,7 @@ def _announce_estimate(args, cells, todo, executor, loaded):
     workers = executor.jobs
     longest = max(est.stages, key=est.seconds)
     unpriced = f"; {len(est.unpriced)} cell(s) without a cost model not counted" if est.unpriced else ""
-    from bench.provenance import cpu_label
+    from bench.common.provenance import cpu_label
     _say(f"estimate on this machine ({machine['hardware'].get('gpu') or cpu_label(machine['hardware'])}, "
          f"{cells[0].precision.used}): {len(est.stages)} cells, {est.total / 3600:.2f} {unit}-hours of work, about "
          f"{P.fmt_duration(est.wall(workers))} wall on {workers} worker{'s' if workers > 1 else ''} (longest cell: "
@@ -631,10 +631,10 @@ def torch_cuda() -> bool:
 
 
 def cmd_export(args) -> int:
-    from bench.cell import Request, quantize_cell, resolve_calib, settle
-    from bench.data import check_available, resolve_data_dir
+    from bench.run.cell import Request, quantize_cell, resolve_calib, settle
+    from bench.evaluations.data import check_available, resolve_data_dir
     import lrq
-    from bench.provenance import git_revision, versions
+    from bench.common.provenance import git_revision, versions
 
     (method,) = _methods(args.method)
     (scheme,) = _schemes(args.scheme)
@@ -644,7 +644,7 @@ def cmd_export(args) -> int:
                           seed=args.seed, data_dir=args.data_dir, precision=args.precision))
     target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite)   # before any work
     if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
-        from bench.plan import load_shape
+        from bench.run.plan import load_shape
         from lrq.export import group_fit_problem
         try:
             shape = load_shape(args.model)
@@ -703,8 +703,8 @@ def _check_export_target(out: str, model: str, request: dict | None = None, over
     as the built-in by every later run), never over a folder that holds something else (another model, any
     files) unless `overwrite`; an earlier export of the same request is replaced. Returns the target folder
     (not created: the export is moved there whole when it is done)."""
-    from bench.cache import cache_root
-    from bench.models import source_folder
+    from bench.common.cache import cache_root
+    from bench.common.models import source_folder
     src = source_folder(model)
     target = Path(out).expanduser().resolve()
     if src is not None and target == src.resolve():
@@ -753,14 +753,14 @@ def _install_folder(staging: Path, target: Path) -> None:
 
 
 def cmd_compare(args) -> int:
-    from bench.compare import gate
+    from bench.reports.compare import gate
     code, md = gate(args.baseline, args.current, args.tolerances, args.allow_missing, args.all)
     print(md)
     return code
 
 
 def _existing_store(results: str | None):
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     path = Path(results or _default_results())
     if not path.exists():
         raise UserError(f"results store {str(path)!r} does not exist: run `lrq-bench run` first or pass --results.")
@@ -774,7 +774,7 @@ def _warn_unreadable(store) -> None:
 
 
 def cmd_report(args) -> int:
-    from bench.html_report import write_report
+    from bench.reports.html_report import write_report
     store = _existing_store(args.results)
     out = write_report(store, Path(args.out))
     _warn_unreadable(store)
@@ -791,7 +791,7 @@ def cmd_results(args) -> int:
     rows = store.rows()
     _warn_unreadable(store)
     if args.save:
-        from bench import ledger
+        from bench.run import ledger
         methods = set(_csv(args.only_methods)) if args.only_methods else None
         keys = {r.unit_key for r in rows if (args.only_model is None or r.model == args.only_model)
                 and (methods is None or r.method in methods)}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.cli import main
-from bench.store import ResultStore
+from bench.common.store import ResultStore
 from conftest import ROOT, tiny_model
 
 QUICK = ["--profile", "full", "--tasks", "none", "--jobs", "1", "--datasets", "wikitext2", "--max-eval-tokens", "512",
@@ -61,7 +61,7 @@ def test_overwritten_weights_are_a_new_model(model_copy, data_dir, tmp_path, cap
 
 
 def test_unchanged_files_are_hashed_once(tmp_path, monkeypatch):
-    from bench import hashing
+    from bench.common import hashing
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "w.bin"
     f.write_bytes(os.urandom(1 << 20))
@@ -96,7 +96,7 @@ def test_nan_perplexity_fails_the_cell_and_is_not_cached(model_copy, data_dir, t
 
 
 def test_the_store_refuses_non_finite_values(tmp_path):
-    from bench.store import Row
+    from bench.common.store import Row
     store = ResultStore(tmp_path / "r.sqlite")
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="non-finite"):
@@ -183,7 +183,7 @@ def test_a_damaged_task_file_is_caught_before_any_model_work(tiny_model_dir, dat
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     """A small store with real rows (no model work: written directly)."""
-    from bench.store import Row
+    from bench.common.store import Row
     path = tmp_path_factory.mktemp("store") / "r.sqlite"
     store = ResultStore(path)
     for i in range(40):
@@ -264,7 +264,7 @@ def test_undecodable_rows_are_reported(stored, tmp_path, capsys):
 
 
 def test_results_into_a_closed_pipe_is_quiet(tmp_path):
-    from bench.store import Row
+    from bench.common.store import Row
     path = tmp_path / "big.sqlite"   # far more than a pipe's buffer, so the writer meets the closed pipe
     ResultStore(path).write_unit([Row("m", "rtn", "w4a16", "wikitext2", f"metric{i}", float(i),
                                       config={"pad": "x" * 500}) for i in range(2000)], "k")
@@ -336,7 +336,7 @@ def test_bare_pytest_collects_the_suite():
 
 
 def test_a_full_disk_is_said_as_such(tmp_path):
-    from bench.store import _reraise
+    from bench.common.store import _reraise
     from lrq.errors import UserError
     with pytest.raises(UserError, match="disk full: cannot write to the results store .* Free some space"):
         _reraise(tmp_path / "r.sqlite", sqlite3.OperationalError("database or disk is full"))

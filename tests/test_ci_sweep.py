@@ -42,7 +42,7 @@ def test_each_cpu_capability_and_precision_has_its_own_reference(tmp_path, monke
 
 
 def test_another_cpus_reference_gates_calibration_dependent_cells_loosely(tmp_path, capsys):
-    from bench.store import ResultStore, Row
+    from bench.common.store import ResultStore, Row
 
     def rows(fp, w8a8, kld=0.5, top1=0.58):
         cal = {"calibration": {"n_samples": 16}}
@@ -79,7 +79,7 @@ def test_the_committed_references_name_their_machine():
 def test_write_reference_then_gate_round_trips(tmp_path, monkeypatch, capsys):
     """--write-reference stores the gate-relevant rows of this machine's sweep (here: rows written by a stub
     sweep), and the gate then passes against that file and fails on a worse result."""
-    from bench.store import ResultStore, Row
+    from bench.common.store import ResultStore, Row
 
     def fake_sweep(results, data_dir, precision="auto", ppl=30.0):
         rows = [Row(model="smollm2-135m", method="rtn", scheme="w4a16-g128", dataset="wikitext2", metric="ppl",

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from bench.cli import main
-from bench.data import load_rows
-from bench.store import ResultStore
+from bench.evaluations.data import load_rows
+from bench.common.store import ResultStore
 from lrq.errors import UserError
 
 
@@ -109,8 +109,8 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
               if r.method == "rtn" and r.dataset == "wikitext2" and r.metric == "ppl"}
     best, worse = sorted(latest.values())
     # bold only when the paired comparison with the runner-up separates them; else both marked tied
-    from bench import stats as S
-    from bench.report import cell_stats
+    from bench.evaluations import stats as S
+    from bench.reports.report import cell_stats
     ranked = S.rank({k: v[("wikitext2", "ppl")] for k, v in cell_stats(ResultStore(results).rows(latest=True)).items()
                      if k[0] != "fp"}, True)
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in summary.splitlines()
@@ -130,7 +130,7 @@ def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, d
                                                                   monkeypatch):
     """Units are stored as they finish: a C4 evaluation that crashes loses neither the quantization unit
     nor the WikiText-2 result, and the rerun computes only what is missing."""
-    import bench.cell as runner
+    import bench.run.cell as runner
     results = tmp_path / "r.sqlite"
     args = ["run", "--profile", "full", "--tasks", "none", "--jobs", "1", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--no-fp",
             "--datasets", "wikitext2,c4", "--data-dir", str(data_dir), "--results", str(results),
@@ -214,7 +214,7 @@ def test_the_rough_edges_a_new_user_met(tiny_model_dir, data_dir, tmp_path, caps
     rows = list(csv.DictReader(io.StringIO(out)))
     assert code == 0 and {r["metric"] for r in rows} >= {"ppl", "kld", "bits_per_weight"}
     # an interrupted run: the quant unit of a cell stored, none of its evaluation
-    from bench.store import ResultStore, Row
+    from bench.common.store import ResultStore, Row
     prec = ResultStore(results).rows()[0].config["precision"]   # the run's own (bf16 or fp32, by the CPU)
     ResultStore(results).write_unit([Row(str(tiny_model_dir), "gptq", "w4a16", "quant", "bits_per_weight", 4.2,
                                          {"precision": prec})], "x")

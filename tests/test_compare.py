@@ -5,8 +5,8 @@ import json
 import pytest
 
 from bench.cli import main
-from bench.compare import compare, gate, load_tolerances
-from bench.store import Row
+from bench.reports.compare import compare, gate, load_tolerances
+from bench.common.store import Row
 
 TOL = {"ppl": {"direction": "lower", "rel": 0.01}, "acc": {"direction": "higher", "abs": 0.01},
        "bits_per_weight": {"direction": "both", "abs": 1e-9}}

@@ -45,7 +45,7 @@ def test_without_a_compiler_auto_runs_eagerly_and_on_is_refused(monkeypatch):
 
 
 def test_compile_is_recorded_but_not_part_of_the_store_key(tiny_model_dir, data_dir):
-    from bench.cell import CalibSettings, Request, settle
+    from bench.run.cell import CalibSettings, Request, settle
 
     def cell(**over):
         return settle(Request(model=str(tiny_model_dir), method="lrq", scheme="w4a16", datasets=("wikitext2",),

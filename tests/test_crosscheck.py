@@ -89,7 +89,7 @@ def test_adapters_are_external_methods():
     """Never in the default sweep, refused by the planner, a clear error without their environment."""
     import lrq
     from bench.cli import _methods
-    from bench.plan import SHAPES, plan_cells
+    from bench.run.plan import SHAPES, plan_cells
     from lrq.methods import Calibration, get_method
     assert {"llmc-gptq", "llmc-awq", "llmc-smoothquant"} <= set(lrq.list_methods())
     assert not any(m.startswith("llmc-") for m in _methods(None)) and _methods("llmc-gptq") == ["llmc-gptq"]
@@ -204,7 +204,7 @@ def test_study_end_to_end_with_the_reference_variant(tmp_path, data_dir, capsys)
     for r in report["rows"]:
         assert set(r["ppl"]) == {"wikitext2", "c4"} and all(v > 1 for v in r["ppl"].values())
         assert all(len(w) == 2 for w in r["window_nll"].values())     # 512 tokens in 256-token windows
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     stored = {(r.method, r.dataset) for r in ResultStore(results).rows() if r.metric == "ppl"}
     assert stored == {("fp", "wikitext2"), ("fp", "c4"), ("rtn", "wikitext2"), ("rtn", "c4")}
     assert "| rtn | w4a16-g128 | ours |" in (tmp_path / "rep" / "crosscheck_llmcompressor.md").read_text()

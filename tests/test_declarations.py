@@ -1,7 +1,7 @@
 """What it takes to add a metric, a scheme or a method (issue R): one declaration each, made here at runtime and
 found by the command line, the planner and the reports, none of which names it.
 
-- a metric: one `Metric` in the catalogue (bench/evals.py) plus the code that computes it; estimated with its
+- a metric: one `Metric` in the catalogue (bench/evaluations/evals.py) plus the code that computes it; estimated with its
   interval, ranked, compared paired and formatted by the Markdown leaderboard, the HTML page and `compare`;
 - a scheme: one `Scheme` (lrq.schemes.register_scheme);
 - a method: one registered `Method` subclass with its typed config class (lrq.methods.register);
@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from bench import evals as E
-from bench.store import Row
+from bench.evaluations import evals as E
+from bench.common.store import Row
 
 # a per-window metric of the perplexity texts, as a plug-in would declare it: the computing code would store each
 # window's value under config["eval"]["window_brier"] (here the rows are written by hand)
@@ -45,8 +45,8 @@ def _rows(shift: float = 0.0) -> list[Row]:
 
 
 def test_one_declaration_makes_a_metric(brier):
-    from bench import report as R
-    from bench.html_report import html_report
+    from bench.reports import report as R
+    from bench.reports.html_report import html_report
     stats = R.cell_stats(_rows())
     cs = stats[("rtn", "w4a16")][("wikitext2", "brier")]
     assert cs.kind == "mean" and cs.first().known and cs.first().lo < cs.value < cs.first().hi   # its interval

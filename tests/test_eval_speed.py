@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from bench.data import tokenize
+from bench.evaluations.data import tokenize
 from bench.studies.eval_speed import _detail, _fmt_table, measure
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.executor import LocalExecutor
-from bench.cell import FP, CalibSettings, EvalSettings, Request, execute, settle
-from bench.sweep import run_cells
-from bench.store import ResultStore
+from bench.run.executor import LocalExecutor
+from bench.run.cell import FP, CalibSettings, EvalSettings, Request, execute, settle
+from bench.run.sweep import run_cells
+from bench.common.store import ResultStore
 from lrq.errors import UserError
 
 
@@ -85,7 +85,7 @@ class _KillOnFirstUnit:
 
 
 def test_a_worker_that_dies_is_reported_and_the_other_cell_completes(tiny_model_dir, data_dir):
-    from bench.executor import Job
+    from bench.run.executor import Job
     # the whole WikiText-2 test text: the evaluation lasts long enough for the kill to land first
     cells = _cells(tiny_model_dir, data_dir, [("rtn", "w4a16"), ("rtn", "w3a16")], tokens=None)
     jobs = [Job(i, s, frozenset({"quant", "wikitext2"})) for i, s in enumerate(cells)]

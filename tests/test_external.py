@@ -11,7 +11,7 @@ import torch
 
 from baselines.external import apply_checkpoint, describe, quantization_config
 from bench.cli import main
-from bench.store import ResultStore
+from bench.common.store import ResultStore
 from conftest import tiny_model
 
 QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "1024",

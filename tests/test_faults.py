@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bench.cli import main
-from bench.store import ResultStore, Row
+from bench.common.store import ResultStore, Row
 from conftest import ROOT, tiny_model
 
 QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "512",
@@ -190,7 +190,7 @@ def test_a_damaged_checkpoint_is_reported_once_and_recomputed(damage, tmp_path, 
 def _cache_with_profiles(cache: Path) -> Path:
     """A fresh cache folder holding this machine's measured planner profiles (so that a subprocess run does not
     spend its first seconds measuring the machine again)."""
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     cache.mkdir(parents=True, exist_ok=True)
     for p in cache_root().glob("plan-profile-*.json"):
         shutil.copy(p, cache / p.name)
@@ -549,7 +549,7 @@ def test_no_nan_in_any_json_the_suite_writes(tiny_model_dir, data_dir, tmp_path,
 # ---- 17: a model rewritten in place is a new model -----------------------------------------------------------------
 
 def test_a_file_rewritten_in_place_with_its_mtime_restored_is_hashed_again(tmp_path, monkeypatch):
-    from bench import hashing
+    from bench.common import hashing
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hashing, "_MEMO", {})
     f = tmp_path / "model.safetensors"

@@ -123,8 +123,8 @@ def test_the_curve_does_not_change_training(tiny_model_dir, data_dir):
     import copy
     from types import SimpleNamespace
 
-    from bench.data import calibration_set
-    from bench.models import load_model
+    from bench.evaluations.data import calibration_set
+    from bench.common.models import load_model
     from lrq.arch import block_linears, decoder_blocks
     from lrq.blockwise import capture_block_inputs
     from lrq.methods import get_method

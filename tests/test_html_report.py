@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.html_report import html_report, scheme_chart
-from bench.store import ResultStore
+from bench.reports.html_report import html_report, scheme_chart
+from bench.common.store import ResultStore
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cell import Request, settle
+from bench.run.cell import Request, settle
 from lrq.errors import UserError
 from lrq.methods import get_method
 

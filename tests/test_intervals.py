@@ -1,4 +1,4 @@
-"""How sure the leaderboard is (bench.stats, the reports, the gate): intervals, paired comparisons, seeds,
+"""How sure the leaderboard is (bench.evaluations.stats, the reports, the gate): intervals, paired comparisons, seeds,
 and bold only on separated values."""
 
 import json
@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from bench import stats as S
+from bench.evaluations import stats as S
 from bench.cli import main
-from bench.report import cell_stats, markdown_report
-from bench.store import ResultStore, Row
+from bench.reports.report import cell_stats, markdown_report
+from bench.common.store import ResultStore, Row
 
 
 # ---- the statistics ----------------------------------------------------------------------------------------
@@ -82,9 +82,9 @@ def test_identical_methods_with_different_seeds_are_never_bold_against_each_othe
 def test_a_clearly_worse_cell_is_separated(data_dir):
     """On the default model, RTN w4a16-g128 against RTN with 3x widened ranges (a 3x coarser grid), both
     scored on the same 8 WikiText-2 windows: the plain RTN is bold, the widened one is not tied with it."""
-    from bench import data as D
-    from bench.models import load_model
-    from bench.perplexity import perplexity
+    from bench.evaluations import data as D
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import perplexity
     from lrq.methods import get_method
     from lrq.qlinear import QuantLinear
     from lrq.quant import minmax_qparams, quantize
@@ -120,7 +120,7 @@ def test_old_rows_without_windows_are_shown_with_unknown_intervals():
 
 def test_rankings_across_seeds_say_which_orders_hold_on_every_seed():
     """a beats b on every seed; b and c swap places between seeds; RTN (one seed) counts on every seed."""
-    from bench.report import seed_rankings
+    from bench.reports.report import seed_rankings
     base = [3.0, 3.1, 3.2, 3.3]
     shift = lambda d: [x + d for x in base]
     rows = [_cell("a", "w3a16", shift(d), seed=i) for i, d in enumerate((0.00, 0.01, 0.02))]

@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from bench import evals as E
-from bench import kl
+from bench.evaluations import evals as E
+from bench.evaluations import kl
 from bench.cli import main
-from bench.store import ResultStore
+from bench.common.store import ResultStore
 
 QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "1024",
          "--eval-seq-len", "256", "--jobs", "1"]
@@ -33,8 +33,8 @@ def test_the_stored_reference_gives_the_exact_kl(tiny_model_dir, tmp_path, monke
     import copy
 
     import lrq
-    from bench.models import load_model
-    from bench.perplexity import _logit_chunks, perplexity, windows
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import _logit_chunks, perplexity, windows
     fp = load_model(str(tiny_model_dir)).model
     q = copy.deepcopy(fp)
     lrq.quantize(q, "rtn", "w3a16")
@@ -70,8 +70,8 @@ def test_the_head_computes_in_float32_under_bf16_autocast_and_ties_are_counted(t
     projection of the body's output exactly (a bf16 head ties the top token where float32 does not)."""
     import torch.nn.functional as F
 
-    from bench.models import load_model
-    from bench.perplexity import _logit_chunks, final_hidden
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import _logit_chunks, final_hidden
     fp = load_model(str(tiny_model_dir)).model
     w = torch.randint(0, fp.config.vocab_size, (128,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -120,7 +120,7 @@ def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, da
     assert {r.scheme for r in after if r.metric == "kld"} == {"w4a16", "w3a16"}
     assert len(calls) == 1            # the cached reference was reused
     # the separation study pairs the two cells on every text, each metric paired over the same windows
-    from bench import stats
+    from bench.evaluations import stats
     from bench.studies import separation
     assert separation.main(["--results", str(results), "--out", str(tmp_path / "sep")]) == 0
     capsys.readouterr()
@@ -157,7 +157,7 @@ def test_the_leaderboard_is_led_by_kld_and_shows_flips(tiny_model_dir, data_dir,
 
 
 def test_flips_count_answers_that_changed():
-    from bench import stats as S
+    from bench.evaluations import stats as S
     fp = [1, 1, 0, 0, 1]
     q = [1, 0, 1, 0, 0]
     r2w, w2r = S.flips(fp, q)
@@ -165,7 +165,7 @@ def test_flips_count_answers_that_changed():
 
 
 def test_the_gate_tracks_kld_in_its_direction(tmp_path, capsys):
-    from bench.store import Row
+    from bench.common.store import Row
 
     def export(path, kld):
         path.write_text(json.dumps([Row("m", "rtn", "w4a16", "wikitext2", "kld", kld,
@@ -185,14 +185,14 @@ def test_the_gate_tracks_kld_in_its_direction(tmp_path, capsys):
 
 def test_one_declaration_makes_a_task(monkeypatch):
     """A new lm-eval task is one Task in the catalogue: the command line, the planner and the report know it."""
-    from bench import plan as P
+    from bench.run import plan as P
     from bench.cli import _task_names
     new = E.Task("sciq", "SciQ", "sciq/test.jsonl", {"output_type": "multiple_choice"}, "acc", 4, 80, 1000)
     monkeypatch.setattr(E, "TASKS", dict(E.TASKS, sciq=new))
     monkeypatch.setattr(E, "ALL_TASKS", tuple(E.TASKS))
     assert "sciq" in _task_names("all")
     assert P.task_requests("sciq", 10) == (40, 80)
-    from bench.tasks import task_specs
+    from bench.evaluations.tasks import task_specs
     assert task_specs(__import__("pathlib").Path("/d"))["sciq"]["dataset_kwargs"]["data_files"]["test"] == "/d/sciq/test.jsonl"
 
 
@@ -208,7 +208,7 @@ def test_every_catalogue_metric_formats_and_has_a_direction():
 def test_kld_chart_points_are_identifiable_and_schemes_order_by_bits():
     import re
 
-    from bench.html_report import log_ticks, scheme_chart, scheme_order
+    from bench.reports.html_report import log_ticks, scheme_chart, scheme_order
     pts = [("rtn", "w3a16", 0.5, 0.4, 0.6), ("gptq", "w3a16", 0.3, 0.25, 0.35), ("rtn", "w3a16-g128", 0.2, 0.15, 0.25),
            ("rtn", "w4a16", 0.1, 0.08, 0.12), ("awq", "w4a16", 0.09, 0.07, 0.11), ("rtn", "w4a8", 0.12, 0.1, 0.14),
            ("awq", "w4a8", 0.11, 0.09, 0.13), ("rtn", "w8a8", 0.01, 0.005, 0.015)]

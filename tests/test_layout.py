@@ -49,7 +49,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = _graph()
-    assert len(graph) > 50 and "bench.cell" in graph and "lrq.engine" in graph["lrq.lrq"]
+    assert len(graph) > 50 and "bench.run.cell" in graph and "lrq.engine" in graph["lrq.lrq"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
@@ -62,11 +62,11 @@ def test_the_check_finds_a_cycle():
 # methods, plug-ins registered through the `lrq_bench.methods` entry points), bench (the harness). An import
 # points down or sideways, never up. The baselines' remaining upward imports, each with its reason:
 UPWARD_ALLOWED = {
-    ("baselines.external", "bench.models"): "the reference check reads the harness's model identity "
+    ("baselines.external", "bench.common.models"): "the reference check reads the harness's model identity "
                                              "(model_fingerprint, source_folder) of the model a checkpoint is scored against",
-    ("baselines.llmc_worker", "bench.measure"): "a script run in llm-compressor's own environment, not a module "
+    ("baselines.llmc_worker", "bench.common.measure"): "a script run in llm-compressor's own environment, not a module "
                                                  "of the method: it measures its run as the harness does",
-    ("baselines.llmc_worker", "bench.provenance"): "the same script records package versions as the harness does",
+    ("baselines.llmc_worker", "bench.common.provenance"): "the same script records package versions as the harness does",
 }
 LAYER = {"lrq": 0, "baselines": 1, "bench": 2}
 
@@ -86,3 +86,25 @@ def test_methods_are_found_through_entry_points():
     modules = {e.value for e in entry_points(group=ENTRY_POINTS)}
     assert {"lrq.lrq", "lrq.flexround", "baselines.rtn", "baselines.gptq", "baselines.awq"} <= modules
     assert {"lrq", "flexround", "rtn", "gptq", "awq", "smoothquant", "omniquant"} <= set(load_methods())
+
+
+# bench/ in sub-packages by stage of the pipeline it runs (settle a cell -> execute it -> store units -> report),
+# lowest first; a stage imports only its own and lower ones, and none imports the command line or the studies
+STAGES = ("bench.common", "bench.evaluations", "bench.run", "bench.reports")
+
+
+def _stage(module: str) -> int | None:
+    return next((i for i, s in enumerate(STAGES) if module == s or module.startswith(s + ".")), None)
+
+
+def test_bench_stages_import_downward_only():
+    graph = _graph()
+    assert {s for s in STAGES} <= set(graph), "the stage sub-packages exist"
+    flat = [m for m in graph if m.count(".") == 1 and m.startswith("bench.") and m not in STAGES
+            and m not in ("bench.cli", "bench.studies", "bench.benchmarks")]
+    assert not flat, f"modules of bench/ outside a stage: {flat}"
+    wrong = sorted((m, t) for m, ts in graph.items() for t in ts
+                   if _stage(m) is not None and ((_stage(t) is not None and _stage(t) > _stage(m))
+                                                 or t.startswith(("bench.cli", "bench.studies"))))
+    assert not wrong, f"a stage importing a later one (or the CLI, the studies): {wrong}"
+    assert _stage("bench.run.cell") == 2 and _stage("bench.cli") is None

@@ -1,4 +1,4 @@
-"""Long runs carried between machines (bench/ledger.py): the results file, checkpoints without their streams,
+"""Long runs carried between machines (bench/run/ledger.py): the results file, checkpoints without their streams,
 and `run --sync DIR` continuing on a machine whose cache is gone."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import ledger
+from bench.run import ledger
 from bench.cli import main
-from bench.store import ResultStore, Row
+from bench.common.store import ResultStore, Row
 from conftest import ROOT, tiny_model
 from lrq.errors import UserError
 
@@ -168,7 +168,7 @@ def _env(cache: Path) -> dict:
 def _copy_profiles(cache: Path) -> Path:
     import shutil
 
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     cache.mkdir(parents=True, exist_ok=True)
     for p in cache_root().glob("plan-profile-*.json"):
         shutil.copy(p, cache / p.name)
@@ -229,12 +229,12 @@ def test_a_preset_keeps_its_steps_and_calibration_under_the_default_profile(pres
                                                                             data_dir, tmp_path, monkeypatch):
     """The sweep profile sizes the quick preset (20 steps, 32 windows); `--preset long` used to get them too,
     silently, and a '1,000-step' cell trained 20 steps per block."""
-    import bench.sweep
+    import bench.run.sweep
 
     def capture(cells, *a, **k):
         raise _Captured(cells)
 
-    monkeypatch.setattr(bench.sweep, "run_cells", capture)
+    monkeypatch.setattr(bench.run.sweep, "run_cells", capture)
     monkeypatch.setattr("bench.cli._announce_estimate", lambda *a, **k: None)
     with pytest.raises(_Captured) as got:
         main(["run", "--preset", preset, "--model", str(tiny_model_dir), "--methods", "lrq", "--schemes", "w3a16",

@@ -293,7 +293,7 @@ def test_the_long_preset_resolves_to_its_sizes_for_every_method():
     """--preset long: 1,000 steps at batch 2 with 16 held-out windows, the authors' settings otherwise; LRQ at
     the llama2-7b-like rank; one calibration (128 x 1,024 C4 tokens in order) for LRQ, FlexRound, GPTQ and AWQ;
     a method without a long preset takes its paper settings."""
-    from bench.cell import resolve_calib
+    from bench.run.cell import resolve_calib
     from lrq.methods import method_class
     for name in ("lrq", "flexround"):
         cfg = method_class(name)().config("long")

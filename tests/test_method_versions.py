@@ -130,9 +130,9 @@ def test_a_version_bump_is_another_cell_and_older_rows_are_marked(monkeypatch):
     """A method at version 2 gets other store keys and checkpoint folder than at version 1 (the results of
     version 1 are never returned as its results); each row records the version; a report of rows stored by
     version 1 says they are older, and names the cell."""
-    from bench.cell import Request, eval_versions, settle
-    from bench.report import markdown_report
-    from bench.store import Row
+    from bench.run.cell import Request, eval_versions, settle
+    from bench.reports.report import markdown_report
+    from bench.common.store import Row
     from lrq.methods import method_class
     req = Request(model="smollm2-135m", method="gptq", scheme="w4a16", preset="quick", overrides={}, tasks=(),
                   precision="fp32", device="cpu")
@@ -153,7 +153,7 @@ def test_a_version_bump_is_another_cell_and_older_rows_are_marked(monkeypatch):
 
 def test_every_row_records_the_code_versions(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     from bench.cli import main
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     store = tmp_path / "r.sqlite"
     assert main(["run", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--tasks", "none",
@@ -168,7 +168,7 @@ def test_every_row_records_the_code_versions(tiny_model_dir, data_dir, tmp_path,
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/test_method_versions.py --write   (after bumping a method's version)")
-    from bench.provenance import git_revision
+    from bench.common.provenance import git_revision
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     pins = {"written_at": git_revision(), "methods": {n: method_output(n) for n in sorted(RUNS)}}
     PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")

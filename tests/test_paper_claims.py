@@ -7,7 +7,7 @@ import pytest
 
 
 def _claims_store(path, lrq_held, fr_held, lrq_ppl_shift):
-    from bench.store import ResultStore, Row
+    from bench.common.store import ResultStore, Row
     store = ResultStore(path)
     base = [2.0, 2.2, 2.1, 2.3, 2.05, 2.15]
     regime = {"method_resolved": {"iters": 20, "batch_size": 1, "heldout_samples": 8, "preset": "quick",
@@ -21,7 +21,7 @@ def _claims_store(path, lrq_held, fr_held, lrq_ppl_shift):
                             regime | {"eval": {"window_nll": w}}, seed=0))
         if held is not None:
             from bench.studies.paper_claims import param_counts
-            from bench.plan import SHAPES
+            from bench.run.plan import SHAPES
             n = param_counts(SHAPES["smollm2-135m"], "fraction")[m]
             be = [{"calib_before": 10.0, "calib_after": 5.0 + 0.1 * i, "heldout_before": 11.0,
                    "heldout_after": held + 0.1 * i} for i in range(6)]
@@ -122,7 +122,7 @@ def test_the_figure2_study_joins_the_page(tmp_path, lrq_held, verdict):
 
 def _rank_store(path, shifts: dict):
     """LRQ w4a16 cells that differ only in rank ({(rule, value): per-window NLL shift}); one ran compiled."""
-    from bench.store import ResultStore, Row
+    from bench.common.store import ResultStore, Row
     store = ResultStore(path)
     base = [2.0, 2.2, 2.1, 2.3, 2.05, 2.15]
     for i, ((rule, v), shift) in enumerate(shifts.items()):
@@ -154,7 +154,7 @@ def test_rank_claim_pairs_each_rank_with_the_highest(tmp_path):
     assert "20 steps/block" in rank["regime"]
     assert "rank sweep" in (tmp_path / "out" / "claims.md").read_text()
 
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     from bench.studies.paper_claims import claim_rank
     _rank_store(tmp_path / "tie.sqlite", {("uniform", 8): 0.0, ("uniform", 576): 0.0})
     rank = claim_rank(ResultStore(tmp_path / "tie.sqlite").rows())
@@ -164,8 +164,8 @@ def test_rank_claim_pairs_each_rank_with_the_highest(tmp_path):
 def _long_folder(path, lrq_kld_shift):
     """A long run's committed folder: LRQ, FlexRound and GPTQ at w3a16, per-window NLLs and KL means."""
     import hashlib
-    from bench import ledger
-    from bench.store import Row
+    from bench.run import ledger
+    from bench.common.store import Row
     hexkey = lambda name: hashlib.sha256(name.encode()).hexdigest()  # noqa: E731   (unit keys are hexadecimal)
     base = [2.0, 2.2, 2.1, 2.3, 2.05, 2.15]
     kld = [0.40, 0.45, 0.42, 0.47, 0.41, 0.44]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bench.perplexity import perplexity, windows
+from bench.evaluations.perplexity import perplexity, windows
 from conftest import tiny_model
 
 

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from bench import plan as P
+from bench.run import plan as P
 from bench.cli import main
-from bench.store import ResultStore
+from bench.common.store import ResultStore
 from lrq.errors import UserError
 from lrq.methods import Calibration, get_method
 from lrq.schemes import get_scheme
@@ -102,7 +102,7 @@ def test_long_training_is_priced_from_a_step_measured_at_the_cells_shape(tmp_pat
     """A cell with MEASURE_TRAINING_FROM_STEPS training steps or more is priced from its own step, measured on one
     random block of the model's widths at the cell's batch and window (cached): the FLOP-scaled eager profile
     priced the long preset's compiled steps 3x too slow."""
-    from bench import plan as P
+    from bench.run import plan as P
     from lrq.methods import get_method
     from lrq.schemes import get_scheme
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))
@@ -133,7 +133,7 @@ def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir
     """`plan` and the estimate `run` prints come from one function (`P.price`): for the same options on an empty
     store they agree to the second, and both count the KL pass (the FP reference over each text once, and the
     float32 head for the FP logits in every quantized cell's pass)."""
-    from bench.cell import EvalSettings, Request, resolve_calib, settle
+    from bench.run.cell import EvalSettings, Request, resolve_calib, settle
     kinds = {k: {"per_call_s": 1e-3, "flops_per_s": 1e9} for k in
              ("fwd", "walk", "rtn", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq")}
     prof = {"kinds": kinds, "device": "cuda", "hardware": {"gpu": "test"}, "threads": 1, "precision": "bf16"}
@@ -196,7 +196,7 @@ def test_text_passes_are_priced_from_a_window_measured_at_the_models_shape(tmp_p
 def test_the_training_probe_never_writes_into_a_cells_checkpoints(tmp_path, monkeypatch):
     """The probe that prices a long cell's step trains a random block: with the cell's method instance it wrote
     a block 0 of that random model into the cell's (committed) checkpoint folder (seen on 2026-12-02)."""
-    from bench import plan as P
+    from bench.run import plan as P
     from lrq.methods import get_method
     from lrq.schemes import get_scheme
     monkeypatch.setattr(P, "_PROBE_STEPS", (1, 2))

@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from bench import plan as P
-from bench.cell import EvalSettings, Request, settle
+from bench.run import plan as P
+from bench.run.cell import EvalSettings, Request, settle
 from bench.cli import main
-from bench.store import ResultStore
+from bench.common.store import ResultStore
 from lrq import precision, progress
 from lrq.errors import UserError
 
@@ -91,7 +91,7 @@ def test_one_precision_object_decided_once_and_carried_by_the_cell(cpu, data_dir
     with pytest.raises(ValueError, match="bf16 or fp32"):
         precision.Precision("auto")                          # a decided precision names what is used
     # the precision in force never overrides the one a caller passes, and the object opens its own region
-    from bench.perplexity import perplexity
+    from bench.evaluations.perplexity import perplexity
     model = _tiny_llama()
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
     fp32 = perplexity(model, ids, 32, precision=precision.Precision("fp32"))["nll"]
@@ -193,12 +193,12 @@ def test_every_forward_of_a_quantization_runs_at_the_precision(prec, expected):
 
 
 def test_stages_and_steps_are_reported_inside_a_cell(tiny_model_dir, data_dir, tmp_path, monkeypatch):
-    from bench.cell import execute
+    from bench.run.cell import execute
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))   # no checkpoint of an earlier run to resume
     events = []
     cell = settle(Request(model=str(tiny_model_dir), method="lrq", scheme="w4a16", datasets=("wikitext2",),
                           overrides={"iters": 3, "heldout_samples": 1, "error_samples": 1},
-                          calib=__import__("bench.cell", fromlist=["CalibSettings"]).CalibSettings("c4", 4, 64),
+                          calib=__import__("bench.run.cell", fromlist=["CalibSettings"]).CalibSettings("c4", 4, 64),
                           eval=EvalSettings(256, False, 1024), data_dir=str(data_dir)))
     old = progress.INTERVAL
     progress.INTERVAL = 0.0      # every report, for the test
@@ -218,7 +218,7 @@ def test_stages_and_steps_are_reported_inside_a_cell(tiny_model_dir, data_dir, t
 def test_the_board_moves_with_stages_weighted_by_the_estimate():
     from types import SimpleNamespace
 
-    from bench.executor import Job, ProgressBoard
+    from bench.run.executor import Job, ProgressBoard
     cell = lambda m: SimpleNamespace(method_name=m, scheme_name="w4a16")  # noqa: E731
     jobs = [Job(0, cell("lrq"), frozenset({"quant", "wikitext2"})), Job(1, cell("rtn"), frozenset({"quant"}))]
     board = ProgressBoard(jobs, {0: {"quant": 90.0, "wikitext2": 10.0}, 1: {"quant": 100.0}})

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from bench.cli import main
-from bench.executor import LocalExecutor, RayExecutor
-from bench.cell import FP
-from bench.sweep import run_cells
-from bench.store import ResultStore
+from bench.run.executor import LocalExecutor, RayExecutor
+from bench.run.cell import FP
+from bench.run.sweep import run_cells
+from bench.common.store import ResultStore
 from test_executor import CELLS, _cells, _values
 
 ray = pytest.importorskip("ray")   # a dev dependency: present wherever the suite is meant to run

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.cell import FP, CalibSettings, EvalSettings, Request, execute, settle
+from bench.run.cell import FP, CalibSettings, EvalSettings, Request, execute, settle
 
 pytestmark = pytest.mark.slow
 

@@ -164,7 +164,7 @@ def test_non_finite_weights_take_the_exhaustive_path():
 def test_identical_on_default_model_weights():
     """Rows of the default model's q/k/down projections (first, middle, last block), bits 3, 4 and 8,
     per channel and in groups of 128 (k_proj's 576 columns end in a ragged group of 64)."""
-    from bench.models import load_model
+    from bench.common.models import load_model
 
     model = load_model().model
     before = torch.get_num_threads()

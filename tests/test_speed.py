@@ -5,7 +5,7 @@ import json
 import torch
 
 from bench.studies import speed
-from bench.store import ResultStore
+from bench.common.store import ResultStore
 
 
 def test_layer_latency_rows_and_store(tmp_path):
@@ -35,7 +35,7 @@ def test_cli_writes_json(tmp_path, monkeypatch):
 
 
 def test_report_shows_speed_sections(tmp_path):
-    from bench.report import markdown_report
+    from bench.reports.report import markdown_report
     rows = speed.layer_latency({"tiny 48x64": (48, 64)}, [2], schemes=("w4a16",))
     speed._store(rows, "layers", str(tmp_path / "r.sqlite"), "tiny")
     e2e = [{"scheme": "bf16", "prefill_tokens": 8, "prefill_tok_s": 100.0, "decode_tokens": 4, "decode_tok_s": 5.0,

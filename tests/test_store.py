@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from bench.store import ResultStore, Row, unit_key
+from bench.common.store import ResultStore, Row, unit_key
 
 
 def _rows(n=3, method="rtn", value=1.0):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import csv
 
-from bench.task_docs import mmlu_prompt
-from bench.tasks import evaluate_tasks
+from bench.evaluations.task_docs import mmlu_prompt
+from bench.evaluations.tasks import evaluate_tasks
 
 
 def _rows(data_dir, subject="abstract_algebra"):
@@ -50,7 +50,7 @@ def test_mmlu_drops_shots_last_first_until_the_prompt_fits(data_dir):
 
 
 def test_mmlu_through_lm_eval_on_the_tiny_model(tiny_model_dir, data_dir):
-    from bench.models import load_model
+    from bench.common.models import load_model
     loaded = load_model(str(tiny_model_dir))
     res = evaluate_tasks(loaded.model, loaded.tokenizer, ["mmlu", "boolq"], data_dir, limit=2)
     m = res["mmlu"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import kl
+from bench.evaluations import kl
 from bench.cli import main
 
 
@@ -36,7 +36,7 @@ def _export(model, out, capsys, data_dir, *extra, method="rtn", scheme="w4a16"):
 
 def test_export_refuses_the_cache_and_the_builtin_copy_is_verified(tiny_model_dir, data_dir, tmp_path, monkeypatch,
                                                                  capsys):
-    from bench import models
+    from bench.common import models
     cache = tmp_path / "cache"
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(cache))
     builtin = cache / "models" / "smollm2-135m"
@@ -114,8 +114,8 @@ def test_a_failed_export_leaves_no_folder(tiny_model_dir, data_dir, tmp_path, ca
 # ---- 4 and 5: the FP reference is verified; stale temporaries are removed ---------------------------------------
 
 def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tiny_model_dir, tmp_path, monkeypatch):
-    from bench.models import load_model
-    from bench.perplexity import windows
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import windows
     from safetensors import safe_open
     from safetensors.torch import save_file
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
@@ -151,7 +151,7 @@ def test_an_altered_fp_reference_is_recomputed_and_stale_temporaries_removed(tin
 # ---- 12 and 16: a model's identity is the files it is read from, and only those ----------------------------
 
 def test_a_model_is_fingerprinted_by_the_files_it_is_read_from(tiny_model_dir, tmp_path, data_dir, capsys):
-    from bench.models import model_fingerprint
+    from bench.common.models import model_fingerprint
     folder = tmp_path / "m"
     shutil.copytree(tiny_model_dir, folder)
     before = model_fingerprint(str(folder))
@@ -171,7 +171,7 @@ def test_a_model_is_fingerprinted_by_the_files_it_is_read_from(tiny_model_dir, t
 def test_a_store_of_another_schema_is_refused(tmp_path):
     import sqlite3
 
-    from bench.store import ResultStore, Row
+    from bench.common.store import ResultStore, Row
     from lrq.errors import UserError
     path = tmp_path / "r.sqlite"
     ResultStore(path).write_unit([Row("m", "rtn", "w4a16", "wikitext2", "ppl", 1.0)], "k")
@@ -190,8 +190,8 @@ def test_a_store_of_another_schema_is_refused(tmp_path):
 # ---- 20: stored strings never become Markdown structure ---------------------------------------------------------
 
 def test_newlines_and_links_in_stored_strings_stay_text():
-    from bench.report import markdown_report
-    from bench.store import Row
+    from bench.reports.report import markdown_report
+    from bench.common.store import Row
     evil = "m\n# Injected heading\n| a | b |\n[click](http://example.invalid)"
     md = markdown_report([Row(evil, "rtn", "w4a16", "wikitext2", "ppl", 12.0, config={"model_note": "x\n## note"})])
     lines = md.splitlines()
@@ -206,7 +206,7 @@ def test_lock_files_are_removed_when_released_or_stale(tmp_path):
     import subprocess
     import sys
 
-    from bench.sweep import CellLock, remove_stale_locks
+    from bench.run.sweep import CellLock, remove_stale_locks
     store = tmp_path / "r.sqlite"
     lock = CellLock(store, "a" * 40)
     assert lock.acquire() and lock.path.exists()
@@ -215,7 +215,7 @@ def test_lock_files_are_removed_when_released_or_stale(tmp_path):
     assert not lock.path.exists()
     # a holder killed with SIGKILL leaves its file behind; the next run removes it, never a live holder's
     code = (f"import sys, os, signal; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); "
-            f"from bench.sweep import CellLock; from pathlib import Path; "
+            f"from bench.run.sweep import CellLock; from pathlib import Path; "
             f"assert CellLock(Path({str(store)!r}), 'b' * 40).acquire(); os.kill(os.getpid(), signal.SIGKILL)")
     subprocess.run([sys.executable, "-c", code])
     stale = Path(f"{store}.locks") / ("b" * 32 + ".lock")
@@ -316,7 +316,7 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused_before_any_work(
                            "--data-dir", str(data_dir), "--results", str(results)], capsys)
     assert code == 2, (case, err[-600:])
     assert "Traceback" not in err and __import__("re").search(match, err), (case, err[-600:])
-    assert not results.exists() or not __import__("bench.store").store.ResultStore(results).rows()
+    assert not results.exists() or not __import__("bench.common.store").store.ResultStore(results).rows()
 
 
 def test_damaged_weight_files_and_wrong_references_are_refused(exported, tiny_model_dir, data_dir, tmp_path, capsys,
@@ -350,7 +350,7 @@ def test_damaged_weight_files_and_wrong_references_are_refused(exported, tiny_mo
 # ---- 18: the gate's inputs are of the types it reads, and an empty comparison never passes --------------------
 
 def _json_rows(path: Path, **changes) -> Path:
-    from bench.store import Row
+    from bench.common.store import Row
     row = Row("m", "rtn", "w4a16", "wikitext2", "ppl", 20.0, config={"eval": {"window_nll": [3.0, 3.1]}}, seed=0,
               run_id="r1", created_at="2026-12-02T00:00:00+00:00").__dict__
     rows = [dict(row, **changes)]
@@ -388,8 +388,8 @@ def test_compare_refuses_duplicates_and_an_empty_comparison(tmp_path, capsys):
 # ---- 13: two checkpoints of one derived name stay two cells --------------------------------------------------
 
 def test_two_checkpoints_with_one_derived_name_stay_apart(tmp_path):
-    from bench.report import markdown_report
-    from bench.store import ResultStore, Row
+    from bench.reports.report import markdown_report
+    from bench.common.store import ResultStore, Row
     store = ResultStore(tmp_path / "r.sqlite")
     for i, (fp, ppl) in enumerate((("folder:sha256:aaaa1111bbbb", 30.0), ("folder:sha256:cccc2222dddd", 45.0))):
         store.write_unit([Row("m", "external:llmc-gptq-w4g64", "w4a16-g64", "wikitext2", "ppl", ppl,
@@ -404,7 +404,7 @@ def test_two_checkpoints_with_one_derived_name_stay_apart(tmp_path):
 
 def test_a_w8a8_checkpoint_is_scored_from_its_stored_activation_scales(tiny_model_dir, data_dir, tmp_path, capsys,
                                                                        monkeypatch):
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     results = tmp_path / "r.sqlite"
     common = [*RUN, "--data-dir", str(data_dir), "--results", str(results)]
@@ -440,8 +440,8 @@ def test_an_act_order_checkpoint_is_refused_as_unsupported(exported, tiny_model_
 # ---- 17: cells evaluated under different settings are never one table ----------------------------------------
 
 def test_cells_evaluated_under_different_settings_are_separate_sections():
-    from bench.report import markdown_report, sections
-    from bench.store import Row
+    from bench.reports.report import markdown_report, sections
+    from bench.common.store import Row
 
     def cell(method, tokens, ppl):
         ev = {"seq_len": 2048, "max_tokens": tokens, "include_partial": False, "window_nll": [2.0, 2.1]}

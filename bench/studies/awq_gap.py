@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cells(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(side, settled cell): llm-compressor's AWQ, each variant of ours, optionally FP."""
-    from bench.cell import FP, CalibSettings, EvalSettings, Request, settle
+    from bench.run.cell import FP, CalibSettings, EvalSettings, Request, settle
     base = crosscheck_variants(n_samples=args.calib_samples)["awq"]
     common = dict(model=args.model, datasets=tuple(args.dataset_list), data_dir=args.data_dir,
                   calib=CalibSettings("c4", args.calib_samples, args.calib_seq_len, "random"),
@@ -140,11 +140,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.executor import LocalExecutor
-    from bench.cache import cache_root
-    from bench.provenance import git_revision, hardware, versions
-    from bench.store import ResultStore
-    from bench.sweep import run_cells
+    from bench.run.executor import LocalExecutor
+    from bench.common.cache import cache_root
+    from bench.common.provenance import git_revision, hardware, versions
+    from bench.common.store import ResultStore
+    from bench.run.sweep import run_cells
     from lrq.io import atomic_write_text
     sides = cells(args)
     store = ResultStore(args.results or cache_root() / "crosscheck.sqlite", check=True)

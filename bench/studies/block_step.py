@@ -101,8 +101,8 @@ def build(block0, method: str, scheme, rank: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from bench.models import load_model
-    from bench.provenance import git_revision, hardware, versions
+    from bench.common.models import load_model
+    from bench.common.provenance import git_revision, hardware, versions
     from lrq.arch import decoder_blocks
     from lrq.blockwise import capture_block_inputs
     from lrq.engine import block_loss, compiled_step

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="ct_check.json")
     args = ap.parse_args(argv)
 
-    from bench import data as D
-    from bench.models import load_model
+    from bench.evaluations import data as D
+    from bench.common.models import load_model
     from lrq.errors import UserError
     from lrq.export import save_compressed
     from lrq.methods import get_method, load_methods

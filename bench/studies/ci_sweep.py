@@ -46,7 +46,7 @@ CROSS_CPU_TOP1_ABS = 0.03
 def identity_of(path: Path) -> dict | None:
     """(cpu, native_bf16, torch_cpu_capability, precision) of a reference file, from its rows; None when its rows
     disagree or name no CPU."""
-    from bench.store import config_precision
+    from bench.common.store import config_precision
     rows = json.loads(path.read_text())
     ids = {(r.get("hardware", {}).get("cpu"), r.get("hardware", {}).get("native_bf16"),
             r.get("hardware", {}).get("torch_cpu_capability"), config_precision(r.get("config"))) for r in rows}
@@ -59,7 +59,7 @@ def identity_of(path: Path) -> dict | None:
 def this_machine(precision: str | None = None) -> dict:
     """What this machine's sweep is identified by: its CPU model, native bf16, torch's CPU capability and the
     precision it runs at (`auto`: the one lrq.precision picks)."""
-    from bench.provenance import hardware
+    from bench.common.provenance import hardware
     from lrq import precision as P
     hw = hardware()
     return {"cpu": str(hw["cpu"]), "native_bf16": bool(hw.get("native_bf16")),
@@ -133,7 +133,7 @@ def run_sweep(results: str, data_dir: str | None, precision: str = "auto") -> in
 
 def export(results: str, out: str | Path) -> None:
     """The sweep's gate-relevant rows as JSON (what the reference holds)."""
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     rows = [r for r in ResultStore(results).rows(latest=True)
             if r.dataset in STABLE_DATASETS and r.metric in STABLE_METRICS]
     Path(out).write_text(dumps_json([asdict(r) for r in rows], indent=1, sort_keys=True, default=str) + "\n")
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f" (none measured on a machine like this one, {describe(me)}: "
                                       f"calibration-dependent cells are gated at {CROSS_CPU_REL:.0%} for another "
                                       f"CPU's rounding, the others strictly; write one with --write-reference)"))
-    from bench.compare import gate
+    from bench.reports.compare import gate
     with tempfile.TemporaryDirectory() as tmp:
         ref = current_reference(ref, Path(tmp))
         if matched:
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bf16_head(row: dict) -> bool:
     """A row measured before the output head computed in float32: a bf16 cell whose evaluation settings do not
-    name the head's precision (bench.cell.EvalSettings.head)."""
+    name the head's precision (bench.run.cell.EvalSettings.head)."""
     cfg = row.get("config") or {}
     ev = cfg.get("eval") if isinstance(cfg.get("eval"), dict) else {}
     prec = (cfg.get("precision") or {}).get("used") if isinstance(cfg.get("precision"), dict) else None
@@ -205,8 +205,8 @@ def cross_cpu_gate(ref: Path, results: str) -> int:
     """The gate against another CPU's reference: strict for calibration-free cells, CROSS_CPU_REL on the
     perplexity and KLD of calibration-dependent ones and CROSS_CPU_TOP1_ABS on their top-1 agreement (their
     bits, learnable counts stay strict)."""
-    from bench.compare import DEFAULT_TOLERANCES, gate, load_tolerances
-    from bench.store import ResultStore
+    from bench.reports.compare import DEFAULT_TOLERANCES, gate, load_tolerances
+    from bench.common.store import ResultStore
     base = json.loads(ref.read_text())
     cur = [asdict(r) for r in ResultStore(results, readonly=True).rows(latest=True)
            if r.dataset in STABLE_DATASETS and r.metric in STABLE_METRICS]

@@ -8,7 +8,7 @@ Each comparison is two cells of the results store with the same model, scheme, c
 same seeded draw of C4) and evaluation windows: ours (`gptq`, `awq`, `smoothquant` with the overrides that
 match llm-compressor's settings where we have them) and llm-compressor's through its adapter method
 (`llmc-gptq`, `llmc-awq`, `llmc-smoothquant`: baselines/llmc.py runs it in its own environment and loads
-its export back). The cells run through the harness (bench.sweep: stored as they finish, reused on a
+its export back). The cells run through the harness (bench.run.sweep: stored as they finish, reused on a
 rerun), so they are reported and gated like any other; this study only chooses the pairs and writes
 the side-by-side report (`--out`: Markdown and JSON) with every known difference between the two setups
 and, because both perplexities come from the same windows, the paired ratio ours / theirs with its 95 %
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cells(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
     """(variant, side, settled cell) for every comparison asked, the FP reference first."""
-    from bench.cell import FP, CalibSettings, EvalSettings, Request, settle
+    from bench.run.cell import FP, CalibSettings, EvalSettings, Request, settle
     calib = CalibSettings("c4", args.calib_samples, args.calib_seq_len, "random")
     common = dict(model=args.model, datasets=tuple(args.dataset_list), calib=calib, seed=args.seed,
                   eval=EvalSettings(args.eval_seq_len, False, args.max_eval_tokens or None), data_dir=args.data_dir)
@@ -271,11 +271,11 @@ def markdown(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from bench.executor import LocalExecutor
-    from bench.cache import cache_root
-    from bench.provenance import git_revision, hardware, versions
-    from bench.store import ResultStore
-    from bench.sweep import run_cells
+    from bench.run.executor import LocalExecutor
+    from bench.common.cache import cache_root
+    from bench.common.provenance import git_revision, hardware, versions
+    from bench.common.store import ResultStore
+    from bench.run.sweep import run_cells
     from lrq.io import atomic_write_text
     pairs = cells(args)
     store = ResultStore(args.results or cache_root() / "crosscheck.sqlite", check=True)

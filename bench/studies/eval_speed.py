@@ -4,7 +4,7 @@
 
 One process, one model, the same WikiText-2 test text, three timed runs back to back:
 
-  1. ours, bf16      bench.perplexity.perplexity on a bf16 copy of the model, autocast off
+  1. ours, bf16      bench.evaluations.perplexity.perplexity on a bf16 copy of the model, autocast off
   2. lm-eval, bf16   lm_eval.simple_evaluate(HFLM(<the same bf16 copy>, batch 1, max_length 2048)) on a
                      loglikelihood_rolling task (the lm-eval `wikitext` task, read from the local
                      wikitext_document_level.test.jsonl through a YAML written to a temporary folder)
@@ -144,8 +144,8 @@ def _warm_up(model: nn.Module, autocast: bool) -> None:
 
 def run_ours(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, autocast: bool = False,
              dtype_label: str | None = None) -> SideResult:
-    """Time bench.perplexity.perplexity on `ids` (whole windows only)."""
-    from bench.perplexity import perplexity
+    """Time bench.evaluations.perplexity.perplexity on `ids` (whole windows only)."""
+    from bench.evaluations.perplexity import perplexity
     with _body_timer(model) as body:
         t0 = time.perf_counter()
         res = perplexity(model, ids, seq_len=seq_len, include_partial=False,
@@ -325,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
-        from bench.data import eval_text, resolve_data_dir, tokenize
-        from bench.models import load_model
-        from bench.provenance import git_revision, hardware, versions
+        from bench.evaluations.data import eval_text, resolve_data_dir, tokenize
+        from bench.common.models import load_model
+        from bench.common.provenance import git_revision, hardware, versions
 
         if args.threads:
             torch.set_num_threads(args.threads)

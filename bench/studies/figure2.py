@@ -113,9 +113,9 @@ def _calibration_file(path: str, n: int, seq: int):
 
 
 def run(args) -> dict:
-    from bench.data import calibration_set, resolve_data_dir
-    from bench.models import load_model
-    from bench.provenance import git_revision, hardware, versions
+    from bench.evaluations.data import calibration_set, resolve_data_dir
+    from bench.common.models import load_model
+    from bench.common.provenance import git_revision, hardware, versions
     from lrq.arch import decoder_blocks
     from lrq.blockwise import capture_block_inputs
     from lrq.methods import get_method
@@ -282,7 +282,7 @@ def summary(res: dict) -> list[dict]:
     """Per block: each method's final calibration and held-out errors (with 95 % intervals across windows
     where the windows were kept), and LRQ / FlexRound at the end: the ratio of the means, and the geometric
     mean of the per-window ratios on the same windows with its interval."""
-    from bench import stats as S
+    from bench.evaluations import stats as S
     rows = []
     by_block: dict = {}
     for r in res["results"].values():
@@ -310,7 +310,7 @@ def summary(res: dict) -> list[dict]:
 
 def _where(res: dict, result: dict) -> str:
     """A result's wall time and the machine it was measured on (its own provenance, else its run's)."""
-    from bench.provenance import cpu_label
+    from bench.common.provenance import cpu_label
     prov = result.get("provenance") or res["provenance"]
     wall = result.get("wall_s")
     return (f"{wall:,.0f} s, " if wall else "") + f"{cpu_label(prov['hardware'])}, {prov['threads']} thread(s), " \
@@ -318,7 +318,7 @@ def _where(res: dict, result: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    from bench import stats as S
+    from bench.evaluations import stats as S
     c = res["config"]
     s = c["settings"]
     rows = summary(res)
@@ -364,7 +364,7 @@ def markdown(res: dict) -> str:
 
 def charts(res: dict) -> list[dict]:
     """One SVG per block: calibration and held-out error of every method over the training steps."""
-    from bench.html_report import lines_svg
+    from bench.reports.html_report import lines_svg
     charts = []
     by_block: dict = {}
     for r in res["results"].values():

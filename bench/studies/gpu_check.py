@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.estimate:
         return estimate(None if args.out == "gpu_check.json" else args.out)
-    from bench.provenance import git_revision, hardware, versions
+    from bench.common.provenance import git_revision, hardware, versions
     from bench.studies.speed import median_ms
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     elif time.time() > deadline - 40:
         stage("plan_profile", t, skipped="budget")
     else:
-        from bench.plan import measure_profile
+        from bench.run.plan import measure_profile
         prof = measure_profile(device)
         out.with_name("plan-profile-gpu.json").write_text(dumps_json(prof, indent=1, default=str))
         stage("plan_profile", t, file=str(out.with_name("plan-profile-gpu.json")))

@@ -53,8 +53,8 @@ def pack(out: Path = CARRY, data_dir: str | None = None) -> dict:
     """The two parcels (module docstring); returns what they hold."""
     from safetensors.torch import save_file
 
-    from bench.data import calibration_set, resolve_data_dir
-    from bench.models import BUILTINS, _find_builtin_gguf, load_model
+    from bench.evaluations.data import calibration_set, resolve_data_dir
+    from bench.common.models import BUILTINS, _find_builtin_gguf, load_model
     gguf = _find_builtin_gguf(BUILTINS["smollm2-135m"])
     a, b = out / "part-a", out / "part-b"
     for d in (a, b):

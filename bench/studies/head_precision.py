@@ -25,7 +25,7 @@ from lrq import precision as P
 
 
 def _scores(lp_chunks, lq_chunks, targets):
-    from bench import kl as K
+    from bench.evaluations import kl as K
     kls, agree, ties_fp, ties_q, nll = [], [], 0, 0, 0.0
     for lp, lq, t in zip(lp_chunks, lq_chunks, targets):
         k, a, _ = K.kl_exact(lp, lq)
@@ -50,10 +50,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     import lrq
-    from bench import data as D
-    from bench.models import load_model
-    from bench.perplexity import final_hidden, windows
-    from bench.provenance import git_revision, hardware, versions
+    from bench.evaluations import data as D
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import final_hidden, windows
+    from bench.common.provenance import git_revision, hardware, versions
     from lrq.io import atomic_write_text, dumps_json
     from lrq.precision import head_logits
     loaded = load_model("smollm2-135m")

@@ -1,4 +1,4 @@
-"""The KL reference (bench.kl: the FP model's final hidden states and output head, the FP logits recomputed
+"""The KL reference (bench.evaluations.kl: the FP model's final hidden states and output head, the FP logits recomputed
 at scoring time) against the exact KL divergence computed from both models side by side, on real cells of the
 default model; beside it the top-k summary that was rejected for it (the FP model's k most likely tokens'
 log-probabilities plus the tail's mass), and what the KL costs the evaluation.
@@ -8,7 +8,7 @@ log-probabilities plus the tail's mass), and what the KL costs the evaluation.
 For each cell (RTN at every standard scheme, GPTQ w4a16-g128 with 32 x 512 C4 calibration tokens) the FP
 model and the quantized copy run side by side on the first `--windows` WikiText-2 windows of 2048 tokens at
 the machine's precision (lrq.precision auto); at every position the exact KL(P_fp || P_q) over all 49,152
-tokens. Against it: the harness's own pass (bench.perplexity with the stored reference: the relative error of
+tokens. Against it: the harness's own pass (bench.evaluations.perplexity with the stored reference: the relative error of
 the mean and the largest per-position difference) and the top-k + tail summary for each k (a lower bound by
 the log-sum inequality). The cost: the evaluation of the quantized model without and with the KL (median of
 `--reps` timings each, one thread) and the reference's computation.
@@ -42,7 +42,7 @@ def kl_top_k(lq: torch.Tensor, ref_idx: torch.Tensor, ref_lp: torch.Tensor) -> t
 
 @torch.no_grad()
 def compare(fp, q, wins, ks, autocast: bool) -> dict:
-    from bench.perplexity import _logit_chunks
+    from bench.evaluations.perplexity import _logit_chunks
     exact, approx = [], {k: [] for k in ks}
     from lrq import precision as P
     with P.use("bf16" if autocast else "fp32"), P.autocast("cpu"):
@@ -72,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None)
     args = ap.parse_args(argv)
     import lrq
-    from bench import data as D
-    from bench import kl
-    from bench.models import load_model
-    from bench.perplexity import perplexity, windows
-    from bench.provenance import git_revision, hardware, versions
+    from bench.evaluations import data as D
+    from bench.evaluations import kl
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import perplexity, windows
+    from bench.common.provenance import git_revision, hardware, versions
     from bench.studies.precision import _median_time
     from lrq import precision as P
     torch.set_num_threads(1)

@@ -36,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     import copy
 
     import lrq
-    from bench import data as D
-    from bench import kl
-    from bench.compare import load_tolerances
-    from bench.models import load_model
-    from bench.perplexity import perplexity, windows
-    from bench.provenance import git_revision, hardware, versions
+    from bench.evaluations import data as D
+    from bench.evaluations import kl
+    from bench.reports.compare import load_tolerances
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import perplexity, windows
+    from bench.common.provenance import git_revision, hardware, versions
     from lrq import precision as P
     from lrq.qlinear import QuantLinear
     sizes = [float(x) for x in args.sizes.split(",")]

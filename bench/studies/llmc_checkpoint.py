@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
     from baselines.llmc import llmc_python
-    from bench.data import calibration_set, resolve_data_dir
-    from bench.models import load_model
+    from bench.evaluations.data import calibration_set, resolve_data_dir
+    from bench.common.models import load_model
     py = llmc_python(args.venv)
     loaded = load_model("smollm2-135m")
     calib = calibration_set(loaded.tokenizer, resolve_data_dir(args.data_dir), "c4", 32, 512, seed=0)

@@ -36,7 +36,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from bench import stats as S
+from bench.evaluations import stats as S
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.io import dumps_json
@@ -89,7 +89,7 @@ def param_counts(shape, rule: str, rank: int = 1024, fraction: float = 0.25, gro
 
 
 def claim_params(shape, rows) -> dict:
-    from bench.plan import SHAPES
+    from bench.run.plan import SHAPES
     from lrq.schemes import get_scheme
     lines, verdicts = [], []
     for sh in (shape, SHAPES["llama-2-7b"]):
@@ -256,7 +256,7 @@ def claim_schemes(rows, baselines: tuple[str, ...] = BASELINES, metrics: tuple[s
     baseline) and, where `metrics` names it, the KL-divergence difference (LRQ minus the baseline) on both
     texts. "holds" needs every comparison separated in LRQ's favour; one separated against it is "does not
     hold". `tag` names the regime in the claim's title (e.g. "long preset")."""
-    from bench.report import cell_stats
+    from bench.reports.report import cell_stats
     stats = cell_stats(rows)
     regimes = {}
     for r in rows:
@@ -320,7 +320,7 @@ def _names(methods) -> str:
 def claim_long(path: str, model: str) -> list[dict]:
     """The scheme rows of a long run's committed results file (`lrq-bench run --preset long --sync DIR`):
     LRQ against FlexRound, GPTQ and AWQ, perplexity and KL divergence paired over the same windows."""
-    from bench import ledger
+    from bench.run import ledger
     f = ledger.results_file(path)
     if not f.is_file():
         raise UserError(f"--long {path!r}: no results file {f} there; give a folder written by "
@@ -351,7 +351,7 @@ def _rank_label(setting: tuple) -> str:
 def claim_rank(all_rows) -> dict:
     """LRQ cells that differ only in their rank setting: each one's perplexity with its interval and its
     paired ratio to the cell with the most learnables (the highest rank)."""
-    from bench.report import cell_stats, fmt_stat
+    from bench.reports.report import cell_stats, fmt_stat
     from lrq.methods import method_class
     keyed = method_class("lrq").keyed_settings        # without how a cell ran (torch.compile)
     groups: dict = defaultdict(lambda: defaultdict(dict))   # (scheme, other settings) -> rank -> rows
@@ -408,9 +408,9 @@ def claim_rank(all_rows) -> dict:
 
 def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: list[str] = (),
           long: list[str] = ()) -> dict:
-    from bench.plan import load_shape
-    from bench.provenance import git_revision
-    from bench.store import ResultStore
+    from bench.run.plan import load_shape
+    from bench.common.provenance import git_revision
+    from bench.common.store import ResultStore
     if not Path(store_path).exists():
         raise UserError(f"--results {store_path!r} does not exist: give a results store written by lrq-bench run.")
     store = ResultStore(store_path)
@@ -440,7 +440,7 @@ def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: lis
 def rebuild(claims_json: str, figure2: list[str] = (), long: list[str] = (), model: str | None = None) -> dict:
     """An earlier claims.json re-rendered: its rows as they were measured, the Figure-2 study rows and curves
     rebuilt from the --figure2 folders (their source), one number per row, stores named without paths."""
-    from bench.provenance import git_revision
+    from bench.common.provenance import git_revision
     path = Path(claims_json)
     if not path.is_file():
         raise UserError(f"--from-json {claims_json!r} does not exist: give a claims.json written by this study.")

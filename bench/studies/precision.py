@@ -6,7 +6,7 @@
 Times, in one process and alternating the two precisions so that load bursts hit both alike:
   1. one matmul 512 x 576 x 1536 (a SmolLM2 MLP projection of 512 tokens), float32 vs under bf16 autocast;
   2. evaluation as `lrq-bench run` does it: the default model's perplexity on 2048-token WikiText-2 windows
-     (bench.perplexity.perplexity), float32 weights with autocast off vs on; tokens per second.
+     (bench.evaluations.perplexity.perplexity), float32 weights with autocast off vs on; tokens per second.
 and reports which precision `auto` (lrq.precision) chooses and how far its evaluation throughput is from
 the faster of the two (target: within 1.15x).
 
@@ -61,7 +61,7 @@ def time_matmul(reps: int = 7) -> dict:
 
 
 def time_eval(model, ids: torch.Tensor, windows: int, reps: int, seq_len: int = 2048) -> dict:
-    from bench.perplexity import perplexity
+    from bench.evaluations.perplexity import perplexity
     ids = ids[: windows * seq_len]
     tokens = {}
     secs = {"fp32": [], "bf16": []}
@@ -83,9 +83,9 @@ def time_eval(model, ids: torch.Tensor, windows: int, reps: int, seq_len: int = 
 
 
 def measure(windows: int, reps: int, threads: int, data_dir: str | None, seq_len: int = 2048) -> dict:
-    from bench import data as D
-    from bench.models import load_model
-    from bench.provenance import git_revision, hardware, versions
+    from bench.evaluations import data as D
+    from bench.common.models import load_model
+    from bench.common.provenance import git_revision, hardware, versions
     torch.set_num_threads(threads)
     loaded = load_model("smollm2-135m")
     text = D.eval_text("wikitext2", D.resolve_data_dir(data_dir))

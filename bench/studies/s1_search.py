@@ -119,7 +119,7 @@ def load_weight(args) -> torch.Tensor:
     if args.smoke:
         g = torch.Generator().manual_seed(0)
         return torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g)
-    from bench.models import load_model
+    from bench.common.models import load_model
     model = load_model(args.model).model
     try:
         return model.get_submodule(args.weight).weight.detach().float().clone()
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from bench.provenance import git_revision, hardware, versions
+    from bench.common.provenance import git_revision, hardware, versions
     impls = {name: IMPLS[name] for name in args.impls}
     if args.against:
         name, fn = search_at_revision(args.against)

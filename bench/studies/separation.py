@@ -4,7 +4,7 @@ agreement, from a results store.
     python -m bench.studies.separation --results STORE [--same-scheme] [--out reports/kl]
 
 For every pair of quantized cells of one model scored on the same windows of a text (same seed, same
-evaluation settings and precision), the paired comparison of each metric (bench.stats: perplexity as the
+evaluation settings and precision), the paired comparison of each metric (bench.evaluations.stats: perplexity as the
 ratio exp(mean of per-window NLL differences), KLD and top-1 agreement as the mean per-window difference,
 each with its t interval over windows) and whether its 95 % interval excludes no difference. Reports, per
 text and metric, the pairs separated and the median relative half-width: for perplexity the half-width of the
@@ -24,7 +24,7 @@ import time
 
 def cells(results: str, methods: set[str] | None = None) -> dict:
     """{(model, seed, precision, text): {(method, scheme): {"nll": [...], "kld": [...], "top1": [...]}}}."""
-    from bench.store import ResultStore
+    from bench.common.store import ResultStore
     out: dict = {}
     for r in ResultStore(results, readonly=True).rows(latest=True):
         if r.method == "fp" or r.metric not in ("ppl", "kld", "top1_agree") or (methods and r.method not in methods):
@@ -40,7 +40,7 @@ def cells(results: str, methods: set[str] | None = None) -> dict:
 
 
 def study(results: str, same_scheme: bool, methods: set[str] | None = None) -> dict:
-    from bench import stats
+    from bench.evaluations import stats
     texts = {}
     for (model, seed, prec, text), group in sorted(cells(results, methods).items(), key=lambda kv: str(kv[0])):
         res = {m: {"pairs": 0, "separated": 0, "half_widths": []} for m in ("ppl", "kld", "top1")}
@@ -71,7 +71,7 @@ def study(results: str, same_scheme: bool, methods: set[str] | None = None) -> d
 def render(doc: dict) -> str:
     lines = ["# What separates cells: paired perplexity, KL divergence and top-1 agreement", "",
              f"Store `{doc['store_name']}`, {'same-scheme pairs' if doc['same_scheme'] else 'all pairs'} of "
-             f"quantized cells{' of ' + doc['methods'] if doc.get('methods') else ''}; 95 % paired t intervals over windows (bench.stats); measured {doc['measured_at']}.",
+             f"quantized cells{' of ' + doc['methods'] if doc.get('methods') else ''}; 95 % paired t intervals over windows (bench.evaluations.stats); measured {doc['measured_at']}.",
              "", "| text | cells | windows | metric | pairs | separated | median relative half-width |",
              "|---|---|---|---|---|---|---|"]
     names = {"ppl": "perplexity (ratio)", "kld": "KLD (difference / mean KLD)",

@@ -108,8 +108,8 @@ def e2e_isolated(schemes: list[str], prefill: int, decode: int, data_dir: str | 
 @torch.no_grad()
 def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, model_name: str,
         with_bf16: bool = True) -> list[dict]:
-    from bench import data as D
-    from bench.models import load_model
+    from bench.evaluations import data as D
+    from bench.common.models import load_model
     from lrq.methods import get_method, load_methods
     from lrq.packed import pack_model
     from lrq.schemes import get_scheme
@@ -127,7 +127,7 @@ def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, mod
             sizes = pack_model(model)
         else:
             sizes = {"linear_bytes_bf16": 0, "linear_bytes_packed": 0}
-        from bench.measure import measure
+        from bench.common.measure import measure
         ids = torch.randint(100, 1000, (1, prefill), generator=torch.Generator().manual_seed(0))
         model(ids[:, :16])  # warm-up
         with measure() as mp:
@@ -150,14 +150,14 @@ def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, mod
 
 
 def _provenance() -> dict:
-    from bench.provenance import git_revision, hardware, versions
+    from bench.common.provenance import git_revision, hardware, versions
     return {"hardware": hardware(), "versions": versions(), "git_rev": git_revision(),
             "threads": torch.get_num_threads()}
 
 
 def _store(rows: list[dict], kind: str, results: str, model: str) -> None:
-    from bench.provenance import git_revision, hardware, versions
-    from bench.store import ResultStore, Row, unit_key
+    from bench.common.provenance import git_revision, hardware, versions
+    from bench.common.store import ResultStore, Row, unit_key
     store = ResultStore(results)
     metrics = {"layers": ("ms", "speedup_vs_bf16", "weight_bytes"),
                "e2e": ("prefill_tok_s", "decode_tok_s", "model_bytes", "peak_rss_bytes")}[kind]

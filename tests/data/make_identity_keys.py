@@ -1,5 +1,5 @@
 """Writes identity_keys.json: the store keys, identities, declared and resolved settings, and the settings part
-of the block-checkpoint identity that `bench.cell.settle` gave a matrix of requests at f10fffb, the last revision
+of the block-checkpoint identity that `bench.run.cell.settle` gave a matrix of requests at f10fffb, the last revision
 before typed method configs (issue R).
 
 tests/test_identity_keys.py settles the same requests with today's code and asserts the same keys, so a results
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.cell import Request  # noqa: E402
+from bench.run.cell import Request  # noqa: E402
 
 OVERRIDES = {
     "lrq": [{}, {"iters": "20", "heldout_samples": "8", "error_samples": "8"}, {"rank_rule": "uniform", "rank": "64"},
@@ -60,7 +60,7 @@ def record(req, cell) -> dict:
 
 
 if __name__ == "__main__":
-    from bench.cell import settle
+    from bench.run.cell import settle
     rows = [record(r, settle(r)) for r in requests()]
     path = Path(__file__).with_name("identity_keys.json")
     path.write_text("{\"revision\": \"f10fffb\", \"cells\": [\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]}\n")

@@ -133,8 +133,8 @@ class CellPlan:
 
 
 def task_requests(task: str, task_limit: int | None) -> tuple[int, int]:
-    """(model forwards, tokens per forward) of a task: the catalogue's (bench.evals)."""
-    from bench.evals import task_requests as requests
+    """(model forwards, tokens per forward) of a task: the catalogue's (bench.evaluations.evals)."""
+    from bench.evaluations.evals import task_requests as requests
     return requests(task, task_limit)
 
 
@@ -365,7 +365,7 @@ def _measure(device: str, widths: tuple[int, int] | None, n: int, seq: int, iter
         a = max(a, 0.0)
         inv_rate = max((t2 - a * c2) / f2, 1e-15)
         kinds[k] = {"per_call_s": a, "flops_per_s": 1.0 / inv_rate, "points": pts}
-    from bench.provenance import hardware, versions
+    from bench.common.provenance import hardware, versions
     return {"device": device, "hardware": hardware(), "versions": versions(), "kinds": kinds,
             "threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -374,8 +374,8 @@ def profile_path(device: str, precision: str = "auto") -> Path:
     """The cached profile of this machine (hardware, torch, threads) at `precision`."""
     import hashlib
 
-    from bench.cache import cache_root
-    from bench.provenance import hardware
+    from bench.common.cache import cache_root
+    from bench.common.provenance import hardware
     from lrq import precision as P
     key = hashlib.sha256(json.dumps([device, hardware(), torch.__version__, torch.get_num_threads(),
                                      P.resolve(precision, device)],
@@ -447,13 +447,13 @@ def _say_stderr(line: str) -> None:
 
 
 def _probe_cache() -> Path:
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     return cache_root() / "plan-training-steps.json"
 
 
 def _machine_key() -> dict:
     """What a probe measured here depends on besides its shape: the precision, threads, torch and the CPU."""
-    from bench.provenance import hardware
+    from bench.common.provenance import hardware
     from lrq import precision as P
     hw = hardware()
     return {"precision": P.current("cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -546,12 +546,12 @@ def _eval_probe_key(shape: ModelShape, seq: int) -> dict:
 def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
     """Seconds per scored window of `seq` tokens on random models of `shape` (1 and `blocks` blocks, the real
     vocabulary and output head), through the harness's own perplexity pass at the current precision: per block,
-    the rest (embedding, float32 head, NLL), what the KL divergence from a reference adds (bench.kl), and the
+    the rest (embedding, float32 head, NLL), what the KL divergence from a reference adds (bench.evaluations.kl), and the
     reference's own pass beyond its blocks. About 20 s for SmolLM2's shape on one core."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench import kl
-    from bench.perplexity import perplexity
+    from bench.evaluations import kl
+    from bench.evaluations.perplexity import perplexity
     win = torch.randint(0, shape.vocab, (seq,), generator=torch.Generator().manual_seed(0))
 
     def model(layers):
@@ -665,7 +665,7 @@ def plan_cells(shape: ModelShape, methods: list[str], schemes: list[str], profil
 
 def eval_tokens_for(datasets, max_tokens: int | None) -> dict[str, int]:
     """Tokens scored per dataset at `--max-eval-tokens` (None: the whole text, as the catalogue sizes it)."""
-    from bench.evals import PERPLEXITY
+    from bench.evaluations.evals import PERPLEXITY
     full = {d: PERPLEXITY[d].full_tokens if d in PERPLEXITY else 300_000 for d in datasets}
     return {d: min(max_tokens or full[d], full[d]) for d in datasets}
 
@@ -713,7 +713,7 @@ class Priced:
 def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEstimate:
     """Seconds per stage of every cell: the method's work, every text's pass (perplexity and KL together: the
     FP logits recomputed from the stored hidden states by the output head, in float32), the tasks, and the FP
-    reference pass over a text, once per run, in the stage of the first cell that needs it (bench.kl)."""
+    reference pass over a text, once per run, in the stage of the first cell that needs it (bench.evaluations.kl)."""
     from lrq.methods import add_work
     stages: dict[int, dict[str, float]] = {}
     unpriced = []
@@ -751,7 +751,7 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
 
 
 def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict) -> RunEstimate:
-    """The planner's estimate of a run about to start: for each settled cell (bench.cell.Cell) the stages its
+    """The planner's estimate of a run about to start: for each settled cell (bench.run.cell.Cell) the stages its
     missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
     "quant" stage always counts; a perplexity or task stage only when that unit is missing."""
     specs = {}

@@ -8,7 +8,7 @@ metric, seed), newest row per key. Tolerances come from a TOML file (reports/tol
     rel = 0.01              # allowed worsening, relative to the baseline value ...
     abs = 0.0               # ... or absolute, whichever is larger
 
-Which way is worse comes from the catalogue (bench.evals: lower for perplexity and KLD, higher for accuracy
+Which way is worse comes from the catalogue (bench.evaluations.evals: lower for perplexity and KLD, higher for accuracy
 and top-1 agreement, "both" for what must not move, such as bits per weight); a `direction` key is needed only
 for a metric the catalogue does not know (a method's own statistic), and must agree with it otherwise.
 
@@ -32,7 +32,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.store import ResultStore, Row, row_key
+from bench.common.store import ResultStore, Row, row_key
 from lrq.errors import UserError
 
 def _default_tolerances() -> Path:
@@ -44,9 +44,9 @@ def _default_tolerances() -> Path:
 DEFAULT_TOLERANCES = _default_tolerances()
 
 def known_metrics() -> set[str]:
-    """Metrics the suite stores (bench.evals): a tolerance may name one of these or any metric present in the
+    """Metrics the suite stores (bench.evaluations.evals): a tolerance may name one of these or any metric present in the
     compared results (a method's own statistics); anything else is a typo."""
-    from bench.evals import METRICS
+    from bench.evaluations.evals import METRICS
     return set(METRICS)
 Key = tuple[str, str, str, str, str, str, int]   # model, method, scheme, precision, dataset, metric, seed
 
@@ -58,7 +58,7 @@ class Diff:
     cur: float | None
     status: str          # ok, regressed, improved, missing, new, untracked
     allowed: float | None = None
-    base_ci: str = ""    # the values' 95 % intervals and the paired change (bench.stats), where known
+    base_ci: str = ""    # the values' 95 % intervals and the paired change (bench.evaluations.stats), where known
     cur_ci: str = ""
     paired: str = ""
     outside: bool | None = None
@@ -97,7 +97,7 @@ def load_rows(path: str | Path) -> list[Row]:
                                 + "); a results export has model, method, scheme, dataset, metric and value per row.")
         rows = [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
         check_rows(rows, str(p))
-        from bench.store import distinct_checkpoint_names
+        from bench.common.store import distinct_checkpoint_names
         return distinct_checkpoint_names(rows)
     store = ResultStore(p, check=True, readonly=True)
     rows = store.rows(latest=True)
@@ -147,7 +147,7 @@ def latest(rows: list[Row]) -> dict[Key, float | None]:
 
 
 def latest_rows(rows: list[Row]) -> dict[Key, Row]:
-    """The newest row per key (bench.store.row_key: a bf16 and an fp32 result are different cells)."""
+    """The newest row per key (bench.common.store.row_key: a bf16 and an fp32 result are different cells)."""
     out: dict[Key, Row] = {}
     for r in rows:   # oldest first: later rows win
         out[row_key(r)] = r
@@ -155,14 +155,14 @@ def latest_rows(rows: list[Row]) -> dict[Key, Row]:
 
 
 def _samples(r: Row):
-    """The per-window / per-example values a row keeps, where its metric's declaration says (bench.evals)."""
-    from bench.evals import metric
+    """The per-window / per-example values a row keeps, where its metric's declaration says (bench.evaluations.evals)."""
+    from bench.evaluations.evals import metric
     return metric(r.metric).samples_of(r.config or {})
 
 
 def annotate(diffs: list[Diff], base: dict[Key, Row], cur: dict[Key, Row]) -> None:
     """Fill each diff's intervals and paired change from the rows' windows/examples (where stored)."""
-    from bench.evals import metric
+    from bench.evaluations.evals import metric
     for d in diffs:
         b, c = base.get(d.key), cur.get(d.key)
         m = metric(d.key[5])
@@ -215,12 +215,12 @@ def load_tolerances(path: str | Path | None) -> dict[str, dict]:
         if unknown:
             raise UserError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}: use rel and abs (and direction "
                             f"for a metric the catalogue does not know).")
-        from bench.evals import METRICS
+        from bench.evaluations.evals import METRICS
         if name in METRICS:
             catalogue = METRICS[name].gate_direction
             if t.get("direction", catalogue) != catalogue:
                 raise UserError(f"{where}.direction = {t.get('direction')!r}, but {name} is {catalogue} is better "
-                                f"(bench.evals): leave direction out.")
+                                f"(bench.evaluations.evals): leave direction out.")
             t = tol[name] = dict(t, direction=catalogue)
         elif t.get("direction", "lower") not in ("lower", "higher", "both"):
             raise UserError(f"{where}.direction = {t.get('direction')!r}: use lower, higher or both.")

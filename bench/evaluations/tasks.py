@@ -1,7 +1,7 @@
 """Task accuracy through lm-eval, offline: task definitions generated from the data folder.
 
 The task YAMLs mirror lm-eval's stock definitions (prompts, choices, metrics) but read the files in the
-data folder in place (`dataset_path: json`), with document mapping in bench/task_docs.py. The quantized
+data folder in place (`dataset_path: json`), with document mapping in bench/evaluations/task_docs.py. The quantized
 model object itself is handed to lm-eval (HFLM(pretrained=<model>)), so what is scored is exactly what
 was quantized. Fixed and recorded: no BOS token is added (lm-eval's default for these models), batch
 size 1 (scores move with padding), max length 2048.
@@ -29,14 +29,14 @@ from lrq import precision as P
 from lrq import progress
 from lrq.errors import UserError
 
-from bench.evals import ALL_TASKS, TASKS, ZERO_SHOT, ZEROSHOT_AVG  # noqa: F401 (the catalogue's task names)
+from bench.evaluations.evals import ALL_TASKS, TASKS, ZERO_SHOT, ZEROSHOT_AVG  # noqa: F401 (the catalogue's task names)
 
 # the metric the LRQ paper reports per task (acc_norm where lm-eval has it, as its tables do)
 MAIN_METRIC = {name: t.main_metric for name, t in TASKS.items()}
 PREFIX = "lrqb_"
 MAX_LENGTH = 2048
 #: The version of how tasks are scored here (prompts, the lm-eval adapter, per-example scores): bump it with any
-#: change that changes an accuracy (a key of its own from 2 on, as bench.perplexity.VERSION).
+#: change that changes an accuracy (a key of its own from 2 on, as bench.evaluations.perplexity.VERSION).
 VERSION = 1
 BATCH_SIZE = 1
 ADD_BOS = False
@@ -51,10 +51,10 @@ def _json_task(name: str, path: Path, **spec) -> dict:
 
 
 def task_specs(data_dir: Path) -> dict[str, dict]:
-    """lm-eval task definitions of the catalogue's tasks (bench.evals.TASKS) reading the data folder in place."""
+    """lm-eval task definitions of the catalogue's tasks (bench.evaluations.evals.TASKS) reading the data folder in place."""
     import copy
 
-    from bench import evals
+    from bench.evaluations import evals
     return {name: _json_task(name, data_dir / t.file, **copy.deepcopy(t.lm_eval)) for name, t in evals.TASKS.items()
             if t.file}
 
@@ -65,7 +65,7 @@ def write_mmlu(folder: Path, data_dir: Path, tokenizer, limit: int | None) -> tu
     import csv
     import json
 
-    from bench.task_docs import mmlu_prompt
+    from bench.evaluations.task_docs import mmlu_prompt
     tests = sorted((data_dir / "mmlu" / "test").glob("*_test.csv"))
     shots_used = []
     with open(folder / "mmlu.jsonl", "w") as out:
@@ -92,7 +92,7 @@ def write_mmlu(folder: Path, data_dir: Path, tokenizer, limit: int | None) -> tu
 
 
 MMLU_SHOTS = 5
-UTILS = '''from bench.task_docs import arc, boolq, hellaswag, piqa  # noqa: F401
+UTILS = '''from bench.evaluations.task_docs import arc, boolq, hellaswag, piqa  # noqa: F401
 from lm_eval.tasks.winogrande.preprocess_winogrande import (doc_to_choice as wino_choice,  # noqa: F401
     doc_to_target as wino_target, doc_to_text as wino_text)
 '''
@@ -109,7 +109,7 @@ def _fn_representer(dumper, data):
 def check_task_data(names: list[str], data_dir: Path | None) -> None:
     """Every file the tasks read exists and matches the data folder's SHA256SUMS (hashed once per file
     version); bad input otherwise, before any model work."""
-    from bench.data import verify_file
+    from bench.evaluations.data import verify_file
     if data_dir is None:
         raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
     missing = [FILES[n] for n in names if n in FILES and not (data_dir / FILES[n]).is_file()]
@@ -170,7 +170,7 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
     # ties. The head computes in float32 (lrq.precision.float32_head), as for perplexity and the KL divergence.
     from lrq.precision import float32_head
     # progress: lm-eval scores one request per forward at batch size 1; the catalogue knows about how many
-    from bench.evals import task_requests
+    from bench.evaluations.evals import task_requests
     expected = sum(task_requests(t, limit)[0] for t in names)
     calls = [0]
 

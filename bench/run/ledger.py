@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.store import ResultStore, Row
+from bench.common.store import ResultStore, Row
 from lrq.blockwise import BlockCheckpoint
 from lrq.errors import UserError
 from lrq.io import atomic_write, atomic_write_text, dumps_json
@@ -172,7 +172,7 @@ def save(store: ResultStore, path: str | Path, keys: set[str] | None = None) -> 
 def _locked(path: str | Path):
     """An exclusive lock on the results file for a read-modify-write, its lock file kept in the cache (not beside
     the file, which is committed)."""
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     from lrq.io import file_lock
     digest = hashlib.sha256(str(results_file(path).resolve()).encode()).hexdigest()[:24]
     return file_lock(cache_root() / "locks" / f"results-{digest}")

@@ -2,7 +2,7 @@
 first), then the details (perplexity protocol, paired comparisons with FP and RTN, seeds, quantization
 cost, block reconstruction errors, accuracy per task, speed).
 
-Every perplexity and accuracy is shown with its 95 % interval (bench.stats); a column's best quantized
+Every perplexity and accuracy is shown with its 95 % interval (bench.evaluations.stats); a column's best quantized
 value is bold only when its paired comparison with the runner-up excludes no difference, otherwise the
 tied leaders are marked ~ and a line under the table says so."""
 
@@ -16,9 +16,9 @@ import html
 from collections import defaultdict
 from dataclasses import replace
 
-from bench import evals as E
-from bench import stats as S
-from bench.store import Row
+from bench.evaluations import evals as E
+from bench.evaluations import stats as S
+from bench.common.store import Row
 from lrq.schemes import SCHEMES
 
 FP = "fp"
@@ -178,7 +178,7 @@ def _param_ratio(recon: pd.DataFrame) -> list[str]:
 def _task_section(mdf: pd.DataFrame, stats: dict) -> list[str]:
     """Accuracy per lm-eval task (the paper's metric per task), the zero-shot average, MMLU, each with its
     95 % interval; the best quantized value of a column bold only when separated from the runner-up."""
-    from bench.tasks import ALL_TASKS, MAIN_METRIC
+    from bench.evaluations.tasks import ALL_TASKS, MAIN_METRIC
     sub = mdf[mdf["dataset"].isin(TASK_DATASETS)]
     if sub.empty:
         return []
@@ -229,7 +229,7 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
 
 
 def _leaderboard_cols(mdf: pd.DataFrame, stats: dict | None = None) -> list[tuple[str, str, str, str | None]]:
-    """The summary's columns (bench.evals.summary_columns) as (dataset, metric, header, "low"/"high"/None)."""
+    """The summary's columns (bench.evaluations.evals.summary_columns) as (dataset, metric, header, "low"/"high"/None)."""
     present = set(zip(mdf["dataset"], mdf["metric"]))
     present |= {col for cols in (stats or {}).values() for col in cols}      # derived columns: flips
     better = {"lower": "low", "higher": "high", None: None}
@@ -241,7 +241,7 @@ def cell_stats(rows: list[Row]) -> dict[tuple[str, str], dict[tuple[str, str], S
     per-window NLLs / KL means / per-example scores it came from (none for rows stored before they were
     kept); and, where the FP cell has per-example scores on the same examples, the flips against it
     (column ("flips", "flips"), and per task (task, "flips"))."""
-    from bench.tasks import MAIN_METRIC, ZERO_SHOT
+    from bench.evaluations.tasks import MAIN_METRIC, ZERO_SHOT
     out: dict = defaultdict(dict)
     task_scores: dict = defaultdict(dict)
     averages = {}
@@ -480,7 +480,7 @@ def _kl_section(mdf: pd.DataFrame, stats: dict, datasets: list[str]) -> list[str
 def _flips_section(stats: dict) -> list[str]:
     """Flips against the FP model per task: the share of examples whose answer changed, right to wrong and
     wrong to right apart, with Wilson intervals."""
-    from bench.tasks import MAIN_METRIC
+    from bench.evaluations.tasks import MAIN_METRIC
     tasks = [t for t in E.ALL_TASKS if any((t, "flips") in v for v in stats.values())]
     if not tasks:
         return []
@@ -650,7 +650,7 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
     parts: list[str] = []
     notes = {r["config"].get("model_note") for _, r in mdf.iterrows() if r["config"].get("model_note")}
     parts += [f"> {n}" for n in sorted(notes)] + ([""] if notes else [])
-    from bench.provenance import cpu_label
+    from bench.common.provenance import cpu_label
     machines = sorted({md_text(cpu_label(r.hardware)) for r in srows if isinstance(r.hardware, dict)
                        and r.hardware.get("cpu") and not r.hardware.get("gpu")}
                       | {md_text(r.hardware["gpu"]) for r in srows if isinstance(r.hardware, dict) and r.hardware.get("gpu")})
@@ -708,7 +708,7 @@ def older_versions(rows: list[Row]) -> list[str]:
     checkout's (a row without a recorded version is version 1: stored before versions existed). Their numbers
     are shown as they were measured, marked as older; a rerun computes them anew (another version is another
     cell)."""
-    from bench.cell import eval_versions
+    from bench.run.cell import eval_versions
     from lrq.methods import method_class
     now_eval = eval_versions()
     older: dict[tuple[str, str], set[str]] = {}

@@ -33,7 +33,7 @@ def versions() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def git_revision() -> str:
     """HEAD of the checkout this package runs from, with '+dirty' when it has uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()

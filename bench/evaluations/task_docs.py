@@ -1,4 +1,4 @@
-"""Document preprocessing for the offline lm-eval tasks (bench/tasks.py writes YAMLs that call these).
+"""Document preprocessing for the offline lm-eval tasks (bench/evaluations/tasks.py writes YAMLs that call these).
 
 Each function maps the data folder's own format (../shared/data/SOURCES.md, "Field names") onto the
 fields lm-eval's stock task definitions use, so prompts, choices and metrics are lm-eval's.

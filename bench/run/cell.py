@@ -31,15 +31,15 @@ import torch
 import lrq
 from lrq import precision, progress
 from lrq.precision import Precision
-from bench import data as D
-from bench.evals import PERPLEXITY
-from bench.measure import measure
-from bench.cache import cache_root
-from bench.models import load_model, model_fingerprint
-from bench.perplexity import VERSION as PPL_VERSION
-from bench.perplexity import NonFiniteResult, check_finite_perplexity, locate_nonfinite, perplexity
-from bench.provenance import git_revision, hardware, versions
-from bench.store import SCHEMA_VERSION, Row, unit_key
+from bench.evaluations import data as D
+from bench.evaluations.evals import PERPLEXITY
+from bench.common.measure import measure
+from bench.common.cache import cache_root
+from bench.common.models import load_model, model_fingerprint
+from bench.evaluations.perplexity import VERSION as PPL_VERSION
+from bench.evaluations.perplexity import NonFiniteResult, check_finite_perplexity, locate_nonfinite, perplexity
+from bench.common.provenance import git_revision, hardware, versions
+from bench.common.store import SCHEMA_VERSION, Row, unit_key
 from lrq.errors import UserError
 from lrq.methods import Method, method_class
 from lrq.quantize_model import model_bits_per_weight
@@ -84,7 +84,7 @@ class Request:
     eval: EvalSettings = field(default_factory=EvalSettings)
     seed: int = 0
     data_dir: str | None = None
-    tasks: tuple[str, ...] = ()          # lm-eval tasks (bench/tasks.py), one "tasks" unit
+    tasks: tuple[str, ...] = ()          # lm-eval tasks (bench/evaluations/tasks.py), one "tasks" unit
     task_limit: int | None = None        # examples per task (None: all)
     device: str = "auto"                 # where to compute: auto (CUDA when present), cpu, cuda[:i]
     precision: str = "auto"              # compute precision of every forward: auto, bf16, fp32 (lrq.precision)
@@ -94,7 +94,7 @@ class Request:
 class Cell:
     """A settled request (see the module docstring). Immutable: built once by `settle`."""
     model: str
-    model_id: str                        # the model's content identity (bench.models.model_fingerprint)
+    model_id: str                        # the model's content identity (bench.common.models.model_fingerprint)
     method_name: str
     method: Method | None                # the configured instance; None for the FP reference
     scheme_name: str
@@ -156,13 +156,13 @@ def resolve_calib(method: str, preset: str, given: dict[str, Any]) -> CalibSetti
 
 def eval_versions() -> dict[str, int]:
     """The version of each evaluation's code (perplexity, KL divergence, tasks), as every row records it."""
-    from bench import tasks as T
-    from bench.kl import SCHEMA
+    from bench.evaluations import tasks as T
+    from bench.evaluations.kl import SCHEMA
     return {"perplexity": PPL_VERSION, "kl": SCHEMA, "tasks": T.VERSION}
 
 
 def _task_protocol(tasks: tuple[str, ...]) -> dict:
-    from bench import tasks as T
+    from bench.evaluations import tasks as T
     from lrq.precision import HEAD_PRECISION
     return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS, "head": HEAD_PRECISION}
             | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in tasks else {})
@@ -211,7 +211,7 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
                               | ({"eval_version": PPL_VERSION} if PPL_VERSION != 1 else {}))
                  for ds in req.datasets})
     if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
-        from bench.kl import APPROXIMATION, SCHEMA
+        from bench.evaluations.kl import APPROXIMATION, SCHEMA
         keys.update({kl_unit(ds): unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev),
                                                      "kl": {"schema": SCHEMA, "approximation": APPROXIMATION}})
                      for ds in req.datasets})
@@ -385,9 +385,9 @@ def _eval_ids(cell: Cell, ds: str, tok, cache: dict) -> tuple[torch.Tensor, D.Te
 
 def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> dict:
     """The FP model's KL reference of every text in `datasets` (its final hidden states and output head),
-    loaded or computed now from the unquantized `model` (bench.kl)."""
-    from bench import kl
-    from bench.perplexity import windows
+    loaded or computed now from the unquantized `model` (bench.evaluations.kl)."""
+    from bench.evaluations import kl
+    from bench.evaluations.perplexity import windows
     refs = {}
     for ds in datasets:
         ids, _ = _eval_ids(cell, ds, tok, texts)
@@ -446,7 +446,7 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
             if emit is not None:
                 emit(kl_unit(ds), out[kl_unit(ds)])
     if "tasks" in todo and cell.tasks:
-        from bench import tasks as T
+        from bench.evaluations import tasks as T
         if data_dir is None:
             raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
         _check_finite_logits(model, tok)
@@ -477,7 +477,7 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
 def _kl_rows(cell: Cell, ds: str, res: dict, ref, cfg: dict, em) -> list[Row]:
     """The KL unit of a text: mean, median and 99th-percentile KL and top-1 agreement, each window's mean
     KL and agreement kept for intervals and paired comparisons."""
-    from bench import kl
+    from bench.evaluations import kl
     values = kl.summary(res["token_kl"], res["token_top1"], res.get("top1_ties"))
     bad = [k for k, v in values.items() if not math.isfinite(v)]
     if bad:

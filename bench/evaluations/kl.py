@@ -71,7 +71,7 @@ class Reference:
         return self._heads[key]
 
     def scorer(self, w: int):
-        """score(lq, start): KL and top-1 agreement of window w's positions start.. (bench.perplexity calls it
+        """score(lq, start): KL and top-1 agreement of window w's positions start.. (bench.evaluations.perplexity calls it
         chunk by chunk, under the evaluation's autocast, with the quantized model's log-probabilities `lq`
         [c, vocab]): the FP logits recomputed from the stored hidden states, as the FP pass computed them."""
         a = self.offsets[w]
@@ -93,12 +93,12 @@ def reference_key(model_id: str, dataset: str, data: str, eval_settings: dict, p
 
 
 def reference_path(key: str) -> Path:
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     return cache_root() / "kl-reference" / f"{key[:32]}.safetensors"
 
 
 def head_path(head_key: str) -> Path:
-    from bench.cache import cache_root
+    from bench.common.cache import cache_root
     return cache_root() / "kl-reference" / f"head-{head_key[:32]}.safetensors"
 
 
@@ -141,9 +141,9 @@ def _head_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
 @torch.no_grad()
 def compute_reference(model: nn.Module, wins: list[torch.Tensor], precision=None, key: str = "") -> Reference:
     """The FP model's final hidden states at every predicted position of `wins` (what its output head reads,
-    computed exactly as bench.perplexity computes them, at `precision`: lrq.precision, None for the one in
+    computed exactly as bench.evaluations.perplexity computes them, at `precision`: lrq.precision, None for the one in
     force) and its output head."""
-    from bench.perplexity import final_hidden
+    from bench.evaluations.perplexity import final_hidden
     from lrq import precision as P
     from lrq import progress
     device = next(model.parameters()).device

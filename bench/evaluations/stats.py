@@ -1,6 +1,6 @@
 """How sure each number is: intervals, paired comparisons, seeds, and when a best value may be called best.
 
-Every perplexity unit keeps its windows' mean NLLs and every accuracy its examples' 0/1 scores (bench.cell),
+Every perplexity unit keeps its windows' mean NLLs and every accuracy its examples' 0/1 scores (bench.run.cell),
 so each number comes with an interval and any two cells evaluated on the same text compare *paired*:
 
 - perplexity: exp(mean NLL) with the 95 % interval exp(mean +- t s / sqrt(n)) over its n windows
@@ -224,7 +224,7 @@ def welch(a: list[float], b: list[float], ratio: bool) -> Comparison | None:
 class Estimator:
     """How a metric's per-unit values make its 95 % interval (`estimate(samples, value)`) and a paired
     comparison of two cells (`paired(a, b)`); `ratio`: a comparison is a ratio (else a difference). The
-    catalogue's metrics name one by `Metric.interval` (bench.evals)."""
+    catalogue's metrics name one by `Metric.interval` (bench.evaluations.evals)."""
     estimate: object
     paired: object
     ratio: bool
@@ -246,7 +246,7 @@ class CellStat:
     kind: str                                                 # its estimator: a key of ESTIMATORS
     seeds: dict[int, Estimate] = field(default_factory=dict)
     samples: dict[int, object] = field(default_factory=dict)  # per seed: window NLLs / example scores / task lists
-    metric: str = ""                                          # what it measures (bench.evals), for formatting
+    metric: str = ""                                          # what it measures (bench.evaluations.evals), for formatting
 
     @property
     def value(self) -> float:

@@ -86,7 +86,7 @@ def resolve_jobs(value: str | int) -> int:
         return n
     import torch
 
-    from bench.executor import available_cpus
+    from bench.run.executor import available_cpus
     if torch.cuda.is_available():
         return 1
     return 2 if available_cpus() >= 2 else 1

@@ -3,15 +3,15 @@ declared once.
 
 Everything that needs to know what an evaluation is reads it here: the command line's choices and help, the
 planner's costs, the cell's units and store keys, the Markdown and HTML reports (labels, formats, which way is
-better, the summary's columns), the intervals (bench.stats), the regression gate's directions and the CI
+better, the summary's columns), the intervals (bench.evaluations.stats), the regression gate's directions and the CI
 sweep. A new lm-eval task is one `Task` below; a new metric is one `Metric` plus the code that computes it.
 
 Three kinds of evaluation:
-- `Perplexity`: a text cut into windows, perplexity = exp(mean window NLL) (bench.perplexity), read by its
-  `TextReader` (bench.data) from the data folder or the hub;
-- KL divergence from the FP model on the same windows (bench.kl): every perplexity text carries it
+- `Perplexity`: a text cut into windows, perplexity = exp(mean window NLL) (bench.evaluations.perplexity), read by its
+  `TextReader` (bench.evaluations.data) from the data folder or the hub;
+- KL divergence from the FP model on the same windows (bench.evaluations.kl): every perplexity text carries it
   (`KL_METRICS`, stored as their own unit so earlier perplexities stay valid);
-- `Task`: an lm-eval task scored per example (bench.tasks), with its planner cost.
+- `Task`: an lm-eval task scored per example (bench.evaluations.tasks), with its planner cost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Metric:
     - `samples`: where a row of it keeps the per-unit values it aggregates (a path into the row's config:
       ("eval", "window_nll") is config["eval"]["window_nll"]); empty: none are kept;
     - `interval`: how those values make its 95 % interval and how two cells compare paired on them
-      (bench.stats.ESTIMATORS: "ppl" exp(mean window NLL), ratio; "mean" a mean over windows, difference;
+      (bench.evaluations.stats.ESTIMATORS: "ppl" exp(mean window NLL), ratio; "mean" a mean over windows, difference;
       "acc" a share of examples, Wilson interval, difference in points); None: a number without interval;
     - `scope`: the rows it is estimated for ("text": perplexity texts, "task": lm-eval tasks, None: any);
     - `evaluation`: the evaluation whose code computes it (its version marks older results: "perplexity",
@@ -41,7 +41,7 @@ class Metric:
     fmt: str = "{:.4g}"
     unit: str = ""
     percent: bool = False       # a fraction shown in %
-    interval: str | None = None  # how its 95 % interval is formed (bench.stats.ESTIMATORS): ppl, mean, acc
+    interval: str | None = None  # how its 95 % interval is formed (bench.evaluations.stats.ESTIMATORS): ppl, mean, acc
     samples: tuple[str, ...] = ()
     scope: str | None = None
     evaluation: str | None = None
@@ -73,13 +73,13 @@ class Metric:
         return v
 
     def estimate(self, samples, value=None):
-        """Its value with the 95 % interval over `samples` (bench.stats.Estimate)."""
-        from bench import stats as S
+        """Its value with the 95 % interval over `samples` (bench.evaluations.stats.Estimate)."""
+        from bench.evaluations import stats as S
         return S.ESTIMATORS[self.interval].estimate(samples, value)
 
     def paired(self, a, b):
-        """a against b, paired over the same windows / examples (bench.stats.Comparison), None if unknown."""
-        from bench import stats as S
+        """a against b, paired over the same windows / examples (bench.evaluations.stats.Comparison), None if unknown."""
+        from bench.evaluations import stats as S
         return S.ESTIMATORS[self.interval].paired(a, b)
 
     def format(self, v) -> str:
@@ -107,7 +107,7 @@ _METRICS = (
     Metric("acc_norm", "accuracy (length-normalized)", "higher", "{:.1f}", "%", percent=True, interval="acc",
            samples=("per_example",), **_TASK),
     Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}", evaluation="tasks"),
-    # derived in the reports from the per-example scores of a cell and of the FP cell (bench.report)
+    # derived in the reports from the per-example scores of a cell and of the FP cell (bench.reports.report)
     Metric("flips", "flips vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc"),
     Metric("right_to_wrong", "right to wrong vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc"),
     Metric("wrong_to_right", "wrong to right vs FP", None, "{:.1f}", "%", percent=True, interval="acc"),
@@ -135,15 +135,15 @@ def declare_metric(m: Metric) -> Metric:
     """Add a metric to the catalogue (a plug-in's, or a test's): every report, the HTML page and `compare`
     show it, with its interval and paired comparisons where it declares an estimator."""
     if m.interval is not None:
-        from bench import stats as S
+        from bench.evaluations import stats as S
         if m.interval not in S.ESTIMATORS:
-            raise ValueError(f"metric {m.name}: unknown interval {m.interval!r} (bench.stats.ESTIMATORS: "
+            raise ValueError(f"metric {m.name}: unknown interval {m.interval!r} (bench.evaluations.stats.ESTIMATORS: "
                              f"{', '.join(S.ESTIMATORS)})")
     METRICS[m.name] = m
     return m
 
 
-# What the KL comparison with the FP model stores per perplexity text (bench.kl)
+# What the KL comparison with the FP model stores per perplexity text (bench.evaluations.kl)
 KL_METRICS = ("kld", "kld_median", "kld_p99", "top1_agree")
 # Flips against the FP model per task (Dutta et al. 2024), derived in the reports from per-example scores
 FLIP_KINDS = ("right_to_wrong", "wrong_to_right")
@@ -157,12 +157,12 @@ def metric(name: str) -> Metric:
 
 @dataclass(frozen=True)
 class Perplexity:
-    """A perplexity text: `file` in the data folder (bench.data reads it with its reader), the tokens its
+    """A perplexity text: `file` in the data folder (bench.evaluations.data reads it with its reader), the tokens its
     protocol keeps (`token_cap`, None: all), and about how many tokens the whole text has (the planner)."""
     name: str
     label: str
     file: str
-    reader: str                 # bench.data.READERS key
+    reader: str                 # bench.evaluations.data.READERS key
     token_cap: int | None = None
     full_tokens: int = 300_000
     metrics: tuple[str, ...] = ("ppl", "eval_tokens_per_s")
@@ -223,7 +223,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
         "doc_to_target": "{{' '+text.split(' ')[-1]}}",
         "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
                         *_ACC]}, "acc", 1, 90, 5153, zero_shot=False),
-    # MMLU's prompts are built here (bench.tasks.write_mmlu, 5 shots from the dev split): no file of its own
+    # MMLU's prompts are built here (bench.evaluations.tasks.write_mmlu, 5 shots from the dev split): no file of its own
     Task("mmlu", "MMLU", None, {}, "acc", 4, 700, 14042, zero_shot=False),
 )}
 MMLU_SUBJECTS = 57

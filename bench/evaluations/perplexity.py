@@ -68,7 +68,7 @@ def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 128) -> floa
 @torch.no_grad()
 def window_scores(model: nn.Module, window: torch.Tensor, score, chunk: int = 128
                   ) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """The window's mean NLL and, from `score(lq, start)` (bench.kl.Reference.scorer: the KL(P_fp || P_q) and
+    """The window's mean NLL and, from `score(lq, start)` (bench.evaluations.kl.Reference.scorer: the KL(P_fp || P_q) and
     top-1 agreement of the positions start.. given the quantized model's log-probabilities `lq` [c, vocab]),
     every position's KL and whether the top-1 tokens agree: one pass, one log-softmax per chunk."""
     total, n, kls, top1, ties = 0.0, 0, [], [], 0
@@ -90,7 +90,7 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, include
 
     `window_nll` holds every window's mean NLL (over `window_tokens` predicted tokens each), for paired
     comparisons of two models on the same windows; the results store keeps both with every perplexity.
-    With `reference` (bench.kl.Reference: what the FP model's logits on these windows are computed from) the same
+    With `reference` (bench.evaluations.kl.Reference: what the FP model's logits on these windows are computed from) the same
     pass also measures the KL divergence from the FP model: `token_kl` and `token_top1` for every position,
     `window_kld` and `window_top1` per window."""
     wins = windows(ids, seq_len, include_partial)

@@ -1,8 +1,8 @@
 """Running many cells: what is missing from the store, which executor runs it, where each unit goes.
 
-`run_cells` takes settled cells (bench.cell), skips those whose every unit is stored, hands the rest to
-an executor (bench.executor: in this process, worker processes, or Ray) together with the function that
-runs one cell (`bench.cell.execute`), and writes each unit atomically the moment it arrives: a crash in
+`run_cells` takes settled cells (bench.run.cell), skips those whose every unit is stored, hands the rest to
+an executor (bench.run.executor: in this process, worker processes, or Ray) together with the function that
+runs one cell (`bench.run.cell.execute`), and writes each unit atomically the moment it arrives: a crash in
 hour three loses nothing already measured, and a rerun computes only what is missing.
 
 Several runs may share one store (two terminals, two users). Before a cell starts, the run claims it with
@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cell import Cell, execute
-from bench.executor import Job, LocalExecutor
-from bench.store import ResultStore, Row
+from bench.run.cell import Cell, execute
+from bench.run.executor import Job, LocalExecutor
+from bench.common.store import ResultStore, Row
 
 log = logging.getLogger("lrq_bench")
 
@@ -124,7 +124,7 @@ class StoreSink:
 
     def __init__(self, store: ResultStore, run_id: str, force: bool = False, carry=None):
         self.store, self.run_id, self.force = store, run_id, force
-        self.carry = carry   # bench.ledger.Carry (run --sync): results file and carried checkpoints
+        self.carry = carry   # bench.run.ledger.Carry (run --sync): results file and carried checkpoints
         self.outcomes: dict[int, CellOutcome] = {}
         self.locks: dict[int, CellLock] = {}
 
@@ -197,8 +197,8 @@ def run_cells(cells: list[Cell], store: ResultStore, force: bool = False, execut
               estimate=None, carry=None) -> list[CellOutcome]:
     """Run every cell not already in the store (on `executor`, default: in this process, one by one);
     a failing cell is reported and the others go on. Returns one outcome per cell, in order.
-    `estimate` (bench.plan.RunEstimate, by cell index): weighs the progress bar's stages. `carry`
-    (bench.ledger.Carry): also keep the run's results file and carried checkpoints up to date."""
+    `estimate` (bench.run.plan.RunEstimate, by cell index): weighs the progress bar's stages. `carry`
+    (bench.run.ledger.Carry): also keep the run's results file and carried checkpoints up to date."""
     executor = executor or LocalExecutor(jobs=1)
     remove_stale_locks(store.path)
     sink = StoreSink(store, uuid.uuid4().hex[:12], force, carry)
