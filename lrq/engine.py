@@ -243,7 +243,7 @@ class ReconstructionMethod(Method):
             raise UserError(f"{self.name}: heldout_samples ({n_held}) must be smaller than the calibration set "
                             f"({n_samples} windows): lower --set heldout_samples or raise --calib-samples.")
 
-    # ---- cost (bench.plan) ------------------------------------------------------------------------
+    # ---- cost (bench.run.plan) ------------------------------------------------------------------------
     def work(self, shape, scheme: Scheme | None, cfg: ReconConfig, n: int, seq: int) -> dict[str, tuple[float, float]]:
         """The block walk (both calibration chains and the block errors) and `iters` training steps per block
         (forward + backward ~ 3 forwards of a batch); W8A8's static ranges (twice with a SmoothQuant step)."""

@@ -92,10 +92,10 @@ class Method:
     def compute_device(self, model: nn.Module) -> torch.device:
         return self.device if self.device is not None else next(model.parameters()).device
 
-    # ---- what the planner needs (bench.plan): no method names there -----------------------------------
+    # ---- what the planner needs (bench.run.plan): no method names there -----------------------------------
     def work(self, shape, scheme: Scheme | None, cfg: dict[str, Any], n: int, seq: int
              ) -> dict[str, tuple[float, float]]:
-        """(calls, flops) per kind of work to quantize a model of `shape` (bench.plan.ModelShape) with n x seq
+        """(calls, flops) per kind of work to quantize a model of `shape` (bench.run.plan.ModelShape) with n x seq
         calibration tokens. Kinds are timed by the planner's machine profile: "fwd" (whole-model forwards)
         and the kinds `profile` measures. The default: the static activation ranges of W8A8, if any."""
         return static_range_work(shape, scheme, n, seq)
