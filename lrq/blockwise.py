@@ -79,30 +79,58 @@ class _Stop(Exception):
 
 
 class _Catcher(nn.Module):
-    def __init__(self, block: nn.Module, sink: list, kwargs_sink: dict):
+    """In place of the first block: keeps its input hidden states and stops the forward there."""
+    def __init__(self, block: nn.Module, sink: list):
         super().__init__()
-        self.block, self.sink, self.kwargs_sink = block, sink, kwargs_sink
+        self.block, self.sink = block, sink
 
     def forward(self, hidden_states, *args, **kwargs):
         self.sink.append(hidden_states.detach().float().cpu())
-        if not self.kwargs_sink:
-            self.kwargs_sink.update(kwargs)
         raise _Stop
 
 
-def block_kwargs_for(kwargs: dict, device: torch.device) -> dict:
-    """Keyword arguments a decoder block is called with (rotary embeddings, mask), minus the KV cache."""
+class _Recorder(nn.Module):
+    """In place of a block for one forward: keeps the keyword arguments the model calls this block with (its
+    own layer's rotary embeddings and attention mask), then runs the block; the last one stops the forward."""
+    def __init__(self, block: nn.Module, sink: list, last: bool):
+        super().__init__()
+        self.block, self.sink, self.last = block, sink, last
+        if hasattr(block, "attention_type"):      # read by some models' forward to choose the layer's mask
+            self.attention_type = block.attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink.append(kwargs)
+        if self.last:
+            raise _Stop
+        return self.block(hidden_states, *args, **kwargs)
+
+
+def block_kwargs_for(kwargs: dict, device: torch.device, memo: dict | None = None) -> dict:
+    """Keyword arguments a decoder block is called with (rotary embeddings, mask), minus the KV cache. `memo`
+    (id -> moved tensor) keeps tensors that several layers share shared after the move."""
+    memo = {} if memo is None else memo
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = (t, t.to(device))     # the source kept alive: its id stays unique meanwhile
+        return memo[id(t)][1]
     out = {}
     for k, v in kwargs.items():
         if k in ("cache", "past_key_values", "past_key_value", "use_cache"):
             continue
         if isinstance(v, torch.Tensor):
-            v = v.to(device)
+            v = move(v)
         elif isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v):
-            v = tuple(t.to(device) for t in v)
+            v = tuple(move(t) for t in v)
         out[k] = v
     out["use_cache"] = False
     return out
+
+
+def layer_kwargs_for(per_layer: list[dict], device: torch.device) -> list[dict]:
+    """Every layer's keyword arguments on `device`, tensors shared between layers moved once."""
+    memo: dict = {}
+    return [block_kwargs_for(kw, device, memo) for kw in per_layer]
 
 
 def new_buffer(n: int, seq: int, hidden: int, ram_budget: int, streams: int = 2) -> ActivationBuffer:
@@ -114,14 +142,31 @@ def new_buffer(n: int, seq: int, hidden: int, ram_budget: int, streams: int = 2)
 
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor, ram_budget: int = DEFAULT_RAM_BUDGET
-                         ) -> tuple[ActivationBuffer, dict]:
-    """Inputs to the first decoder block for every calibration window, and the block's call kwargs."""
+                         ) -> tuple[ActivationBuffer, list[dict]]:
+    """Inputs to the first decoder block for every calibration window, and every block's own call kwargs
+    (list index = block index): layers differ in them where a model mixes sliding-window and full-attention
+    layers (their masks) or rotary bases (Gemma 3), so each block is replayed with what the model gives it.
+    The kwargs come from one forward of the first window through every block but the last."""
     layers = decoder_blocks(model)
     device = next(model.parameters()).device
     n, seq = input_ids.shape
     buf = new_buffer(n, seq, model.config.hidden_size, ram_budget)
-    first, sink, kw = layers[0], [], {}
-    layers[0] = _Catcher(first, sink, kw)
+    per_layer: list[dict] = []
+    originals = list(layers)
+    for i, block in enumerate(originals):
+        layers[i] = _Recorder(block, per_layer, last=i == len(originals) - 1)
+    try:
+        try:
+            model(input_ids[:1].to(device), use_cache=False)
+        except _Stop:
+            pass
+    finally:
+        for i, block in enumerate(originals):
+            layers[i] = block
+    if len(per_layer) != len(originals):
+        raise RuntimeError(f"the model called {len(per_layer)} of its {len(originals)} decoder blocks")
+    sink: list = []
+    layers[0] = _Catcher(originals[0], sink)
     try:
         for i in range(n):
             try:
@@ -130,8 +175,8 @@ def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor, ram_budget: 
                 pass
             buf.data[i] = sink.pop()[0]
     finally:
-        layers[0] = first
-    return buf, block_kwargs_for(kw, device)
+        layers[0] = originals[0]
+    return buf, layer_kwargs_for(per_layer, device)
 
 
 @torch.no_grad()
@@ -278,7 +323,7 @@ class BlockCheckpoint:
 
 def replay_streams(layers, states: list[dict], restore: Callable[[int, nn.Module, dict], None],
                    q_in: ActivationBuffer, fp_in: ActivationBuffer | None, fp_out: ActivationBuffer | None,
-                   kwargs: dict, batch_size: int, device: torch.device | None):
+                   kwargs: list[dict], batch_size: int, device: torch.device | None):
     """The calibration streams entering block len(states), recomputed from the captured block inputs and the
     finished blocks' states, with the walk's own operations in the walk's order: the FP stream through each FP
     block (before it is restored), the quantized stream through each restored block. Deterministic kernels on
@@ -293,10 +338,10 @@ def replay_streams(layers, states: list[dict], restore: Callable[[int, nn.Module
         if device is not None and home != device:
             block.to(device)
         if fp_in is not None:
-            run_block(block, fp_in, kwargs, fp_out, batch_size)
+            run_block(block, fp_in, kwargs[i], fp_out, batch_size)
             fp_in, fp_out = fp_out, fp_in
         restore(i, block, state)
-        run_block(layers[i], q_in, kwargs, q_in, batch_size)
+        run_block(layers[i], q_in, kwargs[i], q_in, batch_size)
         if device is not None and home != device:
             layers[i].to(home)
     return fp_in, fp_out
@@ -319,7 +364,7 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
     q_in, kwargs = capture_block_inputs(model, input_ids, ram_budget)
     device = torch.device(device) if device is not None else None
     if device is not None:
-        kwargs = block_kwargs_for(kwargs, device)
+        kwargs = layer_kwargs_for(kwargs, device)
     fp_in = None
     if need_targets:
         fp_in = new_buffer(*q_in.shape, ram_budget)
@@ -359,11 +404,11 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
             if device is not None and home != device:
                 block.to(device)
             if need_targets:
-                run_block(block, fp_in, kwargs, fp_out, batch_size)
-            ctx = BlockContext(i, len(layers), block, q_in, fp_out, kwargs)
+                run_block(block, fp_in, kwargs[i], fp_out, batch_size)
+            ctx = BlockContext(i, len(layers), block, q_in, fp_out, kwargs[i])
             process(ctx)
             all_stats.append(ctx.stats)
-            run_block(layers[i], q_in, kwargs, q_in, batch_size)  # quantized chain advances in place
+            run_block(layers[i], q_in, kwargs[i], q_in, batch_size)  # quantized chain advances in place
             if device is not None and home != device:
                 layers[i].to(home)   # offload: the device holds one block at a time
             ctx.stats["block_s"] = time.perf_counter() - t0

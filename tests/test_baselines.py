@@ -94,7 +94,8 @@ def test_awq_folding_keeps_fp_logits(arch):
 def test_awq_scale_is_never_worse_than_no_scaling(arch, pair, scheme_name):
     scheme = get_scheme(scheme_name)
     model = tiny_model(arch, hidden=192)
-    inputs, kwargs = capture_block_inputs(model, _ids())
+    inputs, per_layer = capture_block_inputs(model, _ids())
+    kwargs = per_layer[0]
     block = decoder_blocks(model)[0]
     before = _weights(block)
     cap = capture(block, inputs.data, kwargs, [INSPECT[pair]], 8)[INSPECT[pair]]
@@ -124,7 +125,8 @@ def test_awq_grids():
         grid_ratios(1, "closed")
     scheme = get_scheme("w3a16")
     model = tiny_model("llama", hidden=192)
-    inputs, kwargs = capture_block_inputs(model, _ids())
+    inputs, per_layer = capture_block_inputs(model, _ids())
+    kwargs = per_layer[0]
     block = decoder_blocks(model)[0]
     cap = capture(block, inputs.data, kwargs, [INSPECT["gate_up"]], 8)[INSPECT["gate_up"]]
     res = search_scale(block, "gate_up", cap, scheme, n_grid=5, grid="closed")

@@ -132,7 +132,8 @@ def test_the_curve_does_not_change_training(tiny_model_dir, data_dir):
 
     loaded = load_model(str(tiny_model_dir))
     calib = calibration_set(loaded.tokenizer, data_dir, "c4", 6, 32, sampling="sequential")
-    buf, kw = capture_block_inputs(loaded.model, calib.input_ids)
+    buf, per_layer = capture_block_inputs(loaded.model, calib.input_ids)
+    kw = per_layer[0]
     x = buf.data[:].clone()
     block = decoder_blocks(loaded.model)[0]
     with torch.no_grad():

@@ -118,10 +118,10 @@ def main(argv=None) -> int:
     buf, kw = capture_block_inputs(model, ids)
     x = buf.data[:].clone()
     with torch.no_grad():
-        for b in blocks[:args.block]:
-            o = b(x, **kw)
+        for i, b in enumerate(blocks[:args.block]):
+            o = b(x, **kw[i])
             x = o[0] if isinstance(o, tuple) else o
-        o = blocks[args.block](x, **kw)
+        o = blocks[args.block](x, **kw[args.block])
         y = (o[0] if isinstance(o, tuple) else o).clone()
     scheme = get_scheme(args.scheme)
     variants = [PLAIN, *METHODS, *(f"{m}+compile" for m in (PLAIN, *METHODS) if args.compile)]
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         _, _, opt = built[v]
         t0 = time.perf_counter()
         with torch.enable_grad(), autocast:
-            out = calls[v](x, **kw)
+            out = calls[v](x, **kw[args.block])
             out = out[0] if isinstance(out, tuple) else out
             loss = block_loss(out, y)
         loss.item()

@@ -174,7 +174,7 @@ def run(args) -> dict:
         for i in range(max(chosen) + 1):
             y = torch.empty_like(x)
             for a in range(0, len(x), 8):
-                o = blocks[i](x[a:a + 8], **kw)
+                o = blocks[i](x[a:a + 8], **kw[i])
                 y[a:a + 8] = o[0] if isinstance(o, tuple) else o
             if i in chosen and any(b == i for b, _ in todo):
                 for b, m in [t for t in todo if t[0] == i]:
@@ -187,7 +187,7 @@ def run(args) -> dict:
                     cfg = method.resolve(scheme, method.config("paper", settings))
                     ctx = SimpleNamespace(index=i, n_blocks=len(blocks), block=copy.deepcopy(blocks[i]),
                                           q_inputs=SimpleNamespace(data=x), fp_targets=SimpleNamespace(data=y),
-                                          kwargs=kw, stats={})
+                                          kwargs=kw[i], stats={})
                     t0 = time.perf_counter()
                     with torch.enable_grad():
                         out = method._reconstruct_block(ctx, scheme, cfg, {}, args.calib_samples, args.seed)
