@@ -47,7 +47,7 @@ from lrq.qlinear import QuantLinear
 from lrq.quant import (group_min_max, per_tensor_fake_quant, per_token_fake_quant,
                        qparams_from_range, round_ste)
 from lrq.schemes import Scheme
-from lrq.smooth import PAIRS, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
+from lrq.smooth import exact_pairs, PAIRS, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
 
 LET_PAIRS: tuple[str, ...] = ("qkv", "gate_up", "vo")
 
@@ -286,9 +286,14 @@ class OmniQuant(ReconstructionMethod):
         if cfg.let != "on":
             return None
         block = ctx.block
+        # the LET folds into norms and linears: only where that is exact in this block, checked before training
+        pairs, errors = exact_pairs(block, LET_PAIRS, ctx.q_inputs.data[:1], ctx.kwargs, "omniquant (LET)",
+                                    ctx.index)
+        ctx.stats["fold_check_max_error"] = max(errors[p] for p in pairs)
+        ctx.stats["fold_pairs_skipped"] = float(len(LET_PAIRS) - len(pairs))
         acts = observe_inputs(block, block_linears(block), ctx.q_inputs.data[:n_train], ctx.kwargs)
         log_scales = {}
-        for pair in LET_PAIRS:
+        for pair in pairs:
             a = to_producer_space(block, pair, acts[PAIRS[pair][1][0]][0], "amax")
             s = smoothing_scales(a, consumer_weight_absmax(block, pair), cfg.let_alpha)
             log_scales[pair] = torch.log(s)

@@ -105,6 +105,80 @@ def fold_scales(block: nn.Module, pair: str, s: torch.Tensor) -> None:
         m.weight.mul_(s_in.view(1, -1).to(m.weight.dtype))
 
 
+#: the most a folded scale may change a floating-point block's output (max |difference| / max |output|, float32):
+#: an exact fold changes it by rounding only (about 1e-7); a fold into a norm that is not y = weight * normalised(x)
+#: (Gemma's (1 + weight)) or into a producer its consumers do not read changes it by far more
+FOLD_TOLERANCE = 1e-4
+
+
+@torch.no_grad()
+def fold_error(block: nn.Module, pair: str, x: torch.Tensor, kwargs: dict) -> float:
+    """How much folding a random positive scale (0.5-2) for `pair` changes the floating-point block's output on
+    the hidden states `x` (relative to the output's largest value): the numerical check that the fold is exact
+    in this block, whatever its architecture. The block itself is left as it was."""
+    import copy
+    producer = block.get_submodule(PAIRS[pair][0])
+    n = producer.weight.shape[0]
+    s = torch.empty(n).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(0))
+    probe = copy.deepcopy(block).float()
+    ref_block = copy.deepcopy(block).float()
+    fold_scales(probe, pair, s)
+    dev = next(block.parameters()).device
+    with torch.autocast(dev.type, enabled=False):
+        xs = x.to(dev).float()
+        out = [m(xs, **kwargs) for m in (ref_block, probe)]
+    ref, got = [o[0] if isinstance(o, tuple) else o for o in out]
+    return float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+
+
+def exact_pairs(block: nn.Module, pairs: Sequence[str], x: torch.Tensor, kwargs: dict, method: str,
+                index: int | None = None) -> tuple[list[str], dict[str, float]]:
+    """The pairs whose fold is exact in this block (fold_error within FOLD_TOLERANCE), and every pair's error.
+    A method folds only those; the others are left unscaled (a warning names them). None exact is a UserError:
+    the method would do nothing of its own, and a fold that changed the floating-point model would make every
+    number after it wrong (never stored)."""
+    errors = {p: fold_error(block, p, x, kwargs) for p in pairs}
+    ok = [p for p in pairs if errors[p] <= FOLD_TOLERANCE]
+    bad = {p: e for p, e in errors.items() if p not in ok}
+    where = f"block {index}" if index is not None else "a block"
+    text = "; ".join(f"pair {p} (scales divided out of {PAIRS[p][0]}, into {', '.join(PAIRS[p][1])}): the FP "
+                     f"output changes by {e:.3g} of its largest value" for p, e in bad.items())
+    if bad and not ok:
+        raise UserError(f"{method}: folding its scales would change the floating-point model in {where} ({text}; "
+                        f"an exact fold changes it by less than {FOLD_TOLERANCE:g}). This architecture's norms or "
+                        f"layer order do not match the fold's assumption (y = weight * normalised(x), read directly "
+                        f"by the consumers). Quantize it with a method that folds nothing (rtn, gptq, lrq and "
+                        f"flexround at weight-only schemes), or name pairs that fold exactly (--set pairs=...). "
+                        f"Nothing was stored.")
+    if bad:
+        import logging
+        logging.getLogger("lrq").warning("%s: %s: not folded, the fold is not exact here (%s); folded: %s",
+                                         method, where, text, ", ".join(ok))
+    return ok, errors
+
+
+@torch.no_grad()
+def check_model_folds(model: nn.Module, pairs: Sequence[str], input_ids: torch.Tensor, method: str,
+                      tokens: int = 16) -> tuple[list[str], float]:
+    """`exact_pairs` on every block of the model, with each block's own arguments and its real inputs on the
+    first `tokens` tokens of the first calibration window: the pairs exact in every block, and the largest
+    error among them."""
+    from lrq.blockwise import capture_block_inputs
+    buf, per_layer = capture_block_inputs(model, input_ids[:1, :tokens])
+    x = buf.data[:].clone()
+    device = next(model.parameters()).device
+    ok, errors = list(pairs), []
+    for i, block in enumerate(decoder_blocks(model)):
+        xi = x.to(device)
+        ok_i, err = exact_pairs(block, ok, xi, per_layer[i], method, i)
+        ok = [p for p in ok if p in ok_i]
+        errors += [err[p] for p in ok]
+        with torch.autocast(device.type, enabled=False):
+            o = block(xi.float(), **per_layer[i])
+        x = (o[0] if isinstance(o, tuple) else o).cpu()
+    return ok, max(errors, default=0.0)
+
+
 def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
     """s_j = max|X_j|^alpha / max|W_j|^(1-alpha); 1 where a channel never fires or has no weight."""
     a, w = act_absmax.float(), weight_absmax.float().to(act_absmax.device)
@@ -166,4 +240,7 @@ def smooth_model(model: nn.Module, input_ids: torch.Tensor, alpha: float,
 
     Leaves nn.Linear modules in place (the FP function is unchanged); any method quantizes afterwards.
     """
-    return apply_smoothing(model, activation_absmax(model, input_ids), alpha, parse_pairs(pairs))
+    asked = parse_pairs(pairs)
+    pairs, worst = check_model_folds(model, asked, input_ids, "smoothing")   # exact folds only, checked first
+    stats = apply_smoothing(model, activation_absmax(model, input_ids), alpha, pairs)
+    return stats | {"fold_check_max_error": worst, "fold_pairs_skipped": float(len(asked) - len(pairs))}

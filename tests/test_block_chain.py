@@ -73,3 +73,49 @@ def test_the_block_by_block_chain_is_the_models_own(kind, layers_differ):
         assert max(drift) > 1e-3, f"{kind}: layer 0's arguments would have served every block"
     else:
         assert max(drift) < 1e-5
+
+
+# ---- folds (issue U, item 3): only where exact, refused where a method would fold nothing ------------------
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding", "gemma3"])
+def test_every_fold_is_checked_exact_before_a_method_folds(kind):
+    """SmoothQuant, AWQ, OmniQuant's LET and the W8A8 smoothing of LRQ/FlexRound fold scales into the producing
+    norm or linear. On Llama and Qwen2 blocks every pair folds exactly (the folded FP block's output within
+    rounding). On Gemma 3 the norms compute (1 + weight) * normalised(x): the norm pairs (qkv, gate_up) do not
+    fold, the linear pairs (vo, up_down) do. A method folds only the exact pairs (AWQ, OmniQuant's LET keep vo /
+    up_down, the stats count the pairs skipped), and one left with none (SmoothQuant and the W8A8 smoothing use
+    the norm pairs only) refuses before any quantization instead of storing a broken model's numbers."""
+    import lrq
+    from lrq.arch import decoder_blocks
+    from lrq.errors import UserError
+    from lrq.smooth import FOLD_TOLERANCE, PAIRS, check_model_folds, fold_error
+    ids = torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    ok, worst = check_model_folds(_model(kind), list(PAIRS), ids, "test")
+    assert worst < FOLD_TOLERANCE / 10
+    if kind != "gemma3":
+        assert ok == list(PAIRS)
+        _, stats = lrq.quantize(_model(kind), "smoothquant", "w8a8", calibration=ids)
+        assert stats["fold_pairs_skipped"] == 0
+        for method, scheme in (("awq", "w4a16"), ("omniquant", "w4a8"), ("lrq", "w8a8")):
+            extra = {"iters": 2, "heldout_samples": 0} if method != "awq" else {}
+            lrq.quantize(_model(kind), method, scheme, calibration=ids, **extra)
+        return
+    assert ok == ["vo", "up_down"]
+    m = _model(kind)
+    buf, per_layer = capture_block_inputs(m, ids[:1, :16])
+    assert fold_error(decoder_blocks(m)[0], "qkv", buf.data[:1], per_layer[0]) > 0.1   # far from exact
+    for method, scheme, extra in (("smoothquant", "w8a8", {}), ("lrq", "w8a8", {"iters": 2, "heldout_samples": 0})):
+        with pytest.raises(UserError, match="would change the floating-point model.*Nothing was stored"):
+            lrq.quantize(_model(kind), method, scheme, calibration=ids, **extra)
+    # AWQ and OmniQuant fold their linear pairs only: the FP function is kept, and AWQ's output is as close to
+    # FP as RTN's (before the check, folding into Gemma's norms gave AWQ 130,844 perplexity on gemma3-270m)
+    probe = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    rel = {}
+    for method in ("rtn", "awq"):
+        fp, q = _model(kind), _model(kind)
+        lrq.quantize(q, method, "w4a16", calibration=ids)
+        with torch.no_grad():
+            ref, out = fp(probe).logits, q(probe).logits
+        rel[method] = float((out - ref).norm() / ref.norm())
+    assert rel["awq"] < 1.2 * rel["rtn"], rel
+    lrq.quantize(_model(kind), "omniquant", "w4a8", calibration=ids, iters=2, heldout_samples=0)
