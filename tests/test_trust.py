@@ -316,7 +316,7 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused_before_any_work(
                            "--data-dir", str(data_dir), "--results", str(results)], capsys)
     assert code == 2, (case, err[-600:])
     assert "Traceback" not in err and __import__("re").search(match, err), (case, err[-600:])
-    assert not results.exists() or not __import__("bench.common.store").store.ResultStore(results).rows()
+    assert not results.exists() or not __import__("bench.common.store", fromlist=["ResultStore"]).ResultStore(results).rows()
 
 
 def test_damaged_weight_files_and_wrong_references_are_refused(exported, tiny_model_dir, data_dir, tmp_path, capsys,
