@@ -62,7 +62,7 @@ from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
 from lrq.quantize_model import quant_linear_for
 from lrq.schemes import Scheme
-from lrq.smooth import exact_pairs, PAIRS, consumers, fold_scales, to_consumer_space, to_producer_space
+from lrq.smooth import PAIRS, exact_pairs, fold_stats, consumers, fold_scales, to_consumer_space, to_producer_space
 
 # pair -> module whose output measures the scale's effect (its input is the pair's shared input)
 INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
@@ -246,8 +246,7 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
     # only folds exact in this block (its architecture), checked on its first input window before any search
     asked = pairs
     pairs, errors = exact_pairs(block, asked, inputs[:1], kwargs, "awq")
-    stats["fold_check_max_error"] = max(errors[p] for p in pairs)
-    stats["fold_pairs_skipped"] = float(len(asked) - len(pairs))
+    stats.update(fold_stats(asked, pairs, errors))
     caps = capture(block, inputs, kwargs, [INSPECT[p] for p in pairs], bs, bf16)
     found = {p: search_scale(block, p, caps[INSPECT[p]], scheme, config.n_grid, bs,
                              bf16 and scheme.w_bits <= 4, config.search_tokens, config.grid)

@@ -47,7 +47,7 @@ from lrq.qlinear import QuantLinear
 from lrq.quant import (group_min_max, per_tensor_fake_quant, per_token_fake_quant,
                        qparams_from_range, round_ste)
 from lrq.schemes import Scheme
-from lrq.smooth import exact_pairs, PAIRS, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
+from lrq.smooth import PAIRS, exact_pairs, fold_stats, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
 
 LET_PAIRS: tuple[str, ...] = ("qkv", "gate_up", "vo")
 
@@ -289,8 +289,7 @@ class OmniQuant(ReconstructionMethod):
         # the LET folds into norms and linears: only where that is exact in this block, checked before training
         pairs, errors = exact_pairs(block, LET_PAIRS, ctx.q_inputs.data[:1], ctx.kwargs, "omniquant (LET)",
                                     ctx.index)
-        ctx.stats["fold_check_max_error"] = max(errors[p] for p in pairs)
-        ctx.stats["fold_pairs_skipped"] = float(len(LET_PAIRS) - len(pairs))
+        ctx.stats.update(fold_stats(LET_PAIRS, pairs, errors))
         acts = observe_inputs(block, block_linears(block), ctx.q_inputs.data[:n_train], ctx.kwargs)
         log_scales = {}
         for pair in pairs:

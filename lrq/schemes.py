@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from lrq.errors import UserError
+from lrq.quant import per_token_fake_quant
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,8 @@ class ActivationMode:
         return args | ({"observer": "static_minmax"} if self.static else {})
 
 
-def _per_token(x, bits):
-    from lrq.quant import per_token_fake_quant
-    return per_token_fake_quant(x, bits)
-
-
 ACTIVATION_MODES: dict[str, ActivationMode] = {m.name: m for m in (
-    ActivationMode("per_token", False, "token", _per_token, "dynamic, one range per token"),
+    ActivationMode("per_token", False, "token", per_token_fake_quant, "dynamic, one range per token"),
     ActivationMode("per_tensor_static", True, "tensor", None, "static, one calibrated range per tensor"),
 )}
 

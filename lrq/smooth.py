@@ -111,23 +111,35 @@ def fold_scales(block: nn.Module, pair: str, s: torch.Tensor) -> None:
 FOLD_TOLERANCE = 1e-4
 
 
-@torch.no_grad()
-def fold_error(block: nn.Module, pair: str, x: torch.Tensor, kwargs: dict) -> float:
-    """How much folding a random positive scale (0.5-2) for `pair` changes the floating-point block's output on
-    the hidden states `x` (relative to the output's largest value): the numerical check that the fold is exact
-    in this block, whatever its architecture. The block itself is left as it was."""
+def _float_block(block: nn.Module) -> nn.Module:
+    """The block itself when it computes in float32, else a float32 copy (the fold check's arithmetic)."""
     import copy
-    producer = block.get_submodule(PAIRS[pair][0])
-    n = producer.weight.shape[0]
-    s = torch.empty(n).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(0))
-    probe = copy.deepcopy(block).float()
-    ref_block = copy.deepcopy(block).float()
-    fold_scales(probe, pair, s)
+    return block if all(p.dtype == torch.float32 for p in block.parameters()) else copy.deepcopy(block).float()
+
+
+def _output(block: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     dev = next(block.parameters()).device
     with torch.autocast(dev.type, enabled=False):
-        xs = x.to(dev).float()
-        out = [m(xs, **kwargs) for m in (ref_block, probe)]
-    ref, got = [o[0] if isinstance(o, tuple) else o for o in out]
+        o = block(x.to(dev).float(), **kwargs)
+    return o[0] if isinstance(o, tuple) else o
+
+
+@torch.no_grad()
+def fold_error(block: nn.Module, pair: str, x: torch.Tensor, kwargs: dict,
+               ref: torch.Tensor | None = None) -> float:
+    """How much folding a random positive scale (0.5-2) for `pair` changes the floating-point block's output on
+    the hidden states `x` (relative to the output's largest value), in float32: the numerical check that the
+    fold is exact in this block, whatever its architecture. `ref`: the block's own output on `x` in float32,
+    when the caller has it already. The block itself is left as it was."""
+    import copy
+    base = _float_block(block)
+    if ref is None:
+        ref = _output(base, x, kwargs)
+    n = block.get_submodule(PAIRS[pair][0]).weight.shape[0]
+    s = torch.empty(n).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(0))
+    probe = copy.deepcopy(base)
+    fold_scales(probe, pair, s)
+    got = _output(probe, x, kwargs)
     return float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
 
 
@@ -137,7 +149,9 @@ def exact_pairs(block: nn.Module, pairs: Sequence[str], x: torch.Tensor, kwargs:
     A method folds only those; the others are left unscaled (a warning names them). None exact is a UserError:
     the method would do nothing of its own, and a fold that changed the floating-point model would make every
     number after it wrong (never stored)."""
-    errors = {p: fold_error(block, p, x, kwargs) for p in pairs}
+    base = _float_block(block)
+    ref = _output(base, x, kwargs)          # the block's own output, once for every pair
+    errors = {p: fold_error(base, p, x, kwargs, ref) for p in pairs}
     ok = [p for p in pairs if errors[p] <= FOLD_TOLERANCE]
     bad = {p: e for p, e in errors.items() if p not in ok}
     where = f"block {index}" if index is not None else "a block"
@@ -157,26 +171,29 @@ def exact_pairs(block: nn.Module, pairs: Sequence[str], x: torch.Tensor, kwargs:
     return ok, errors
 
 
+def fold_stats(asked: Sequence[str], ok: Sequence[str], errors: dict[str, float]) -> dict[str, float]:
+    """What a folding method records about the check: the largest error among the pairs it folded, and how many
+    of the pairs it was asked for it left unfolded."""
+    return {"fold_check_max_error": max((errors[p] for p in ok), default=0.0),
+            "fold_pairs_skipped": float(len(asked) - len(ok))}
+
+
 @torch.no_grad()
 def check_model_folds(model: nn.Module, pairs: Sequence[str], input_ids: torch.Tensor, method: str,
                       tokens: int = 16) -> tuple[list[str], float]:
     """`exact_pairs` on every block of the model, with each block's own arguments and its real inputs on the
     first `tokens` tokens of the first calibration window: the pairs exact in every block, and the largest
     error among them."""
-    from lrq.blockwise import capture_block_inputs
+    from lrq.blockwise import capture_block_inputs, run_block
     buf, per_layer = capture_block_inputs(model, input_ids[:1, :tokens])
     x = buf.data[:].clone()
-    device = next(model.parameters()).device
-    ok, errors = list(pairs), []
+    ok, worst = list(pairs), {}
     for i, block in enumerate(decoder_blocks(model)):
-        xi = x.to(device)
-        ok_i, err = exact_pairs(block, ok, xi, per_layer[i], method, i)
+        ok_i, err = exact_pairs(block, ok, x, per_layer[i], method, i)
         ok = [p for p in ok if p in ok_i]
-        errors += [err[p] for p in ok]
-        with torch.autocast(device.type, enabled=False):
-            o = block(xi.float(), **per_layer[i])
-        x = (o[0] if isinstance(o, tuple) else o).cpu()
-    return ok, max(errors, default=0.0)
+        worst = {p: max(worst.get(p, 0.0), err[p]) for p in ok}
+        x = run_block(block, x, per_layer[i])
+    return ok, fold_stats(pairs, ok, worst)["fold_check_max_error"]
 
 
 def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -242,5 +259,5 @@ def smooth_model(model: nn.Module, input_ids: torch.Tensor, alpha: float,
     """
     asked = parse_pairs(pairs)
     pairs, worst = check_model_folds(model, asked, input_ids, "smoothing")   # exact folds only, checked first
-    stats = apply_smoothing(model, activation_absmax(model, input_ids), alpha, pairs)
-    return stats | {"fold_check_max_error": worst, "fold_pairs_skipped": float(len(asked) - len(pairs))}
+    return (apply_smoothing(model, activation_absmax(model, input_ids), alpha, pairs)
+            | fold_stats(asked, pairs, {p: worst for p in pairs}))
