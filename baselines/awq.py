@@ -5,7 +5,7 @@ s_j > 1 (and the input by 1/s_j, folded into the preceding op) shrinks that chan
 error. Per decoder block, for every group of linears that share an input:
     qkv      input_layernorm          -> q/k/v,    objective: self_attn output
     vo       v_proj rows              -> o_proj,   objective: o_proj output
-    gate_up  post_attention_layernorm -> gate/up,  objective: mlp output
+    gate_up  post_attention_layernorm -> gate/up,  objective: mlp output (Gemma: pre_feedforward_layernorm)
     up_down  up_proj rows             -> down_proj, objective: down_proj output
 search s = mean|x|^ratio over a grid of `n_grid` ratios in [0, 1), normalised by sqrt(max(s) min(s)),
 quantize W diag(s) round-to-nearest on the scheme's grid, and keep the ratio whose inspected output is
@@ -62,7 +62,7 @@ from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
 from lrq.quantize_model import quant_linear_for
 from lrq.schemes import Scheme
-from lrq.smooth import PAIRS, exact_pairs, fold_stats, consumers, fold_scales, to_consumer_space, to_producer_space
+from lrq.smooth import PAIRS, exact_pairs, fold_stats, merge_fold_stats, consumers, fold_scales, to_consumer_space, to_producer_space
 
 # pair -> module whose output measures the scale's effect (its input is the pair's shared input)
 INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
@@ -338,7 +338,7 @@ class AWQ(Method):
         gains = [g for s in per_block for g in s["loss_vs_rtn"]]
         stats: dict[str, Any] = {"awq_mean_ratio": sum(ratios) / len(ratios),
                                  "awq_mean_loss_vs_rtn": sum(gains) / len(gains),
-                                 "awq_samples": int(ids.shape[0])}
+                                 "awq_samples": int(ids.shape[0])} | merge_fold_stats(per_block)
         if config.clip:
             stats["awq_mean_clip_shrink"] = sum(s["clip_shrink"] for s in per_block) / len(per_block)
         if scheme.static_activations:

@@ -10,7 +10,7 @@ Two kinds of learnables, trained block by block against the FP block's output (l
 * LET, learnable equivalent transformation: per-channel scales s on the input of a group of linears,
   W' = W diag(s), x' = x / s, folded into the producer after training, so the deployed model is an
   ordinary quantized model. Pairs as the authors' Llama code: qkv (input_layernorm -> q, k, v),
-  gate_up (post_attention_layernorm -> gate, up) and vo (v_proj rows -> o_proj columns, mapped across
+  gate_up (post_attention_layernorm, Gemma's pre_feedforward_layernorm -> gate, up) and vo (v_proj rows -> o_proj columns, mapped across
   grouped-query heads). Initialised from SmoothQuant's s = max|X|^alpha / max|W|^(1-alpha) (alpha 0.5).
 
 Deviations from the authors' code, each deliberate and recorded with the result:
@@ -47,7 +47,7 @@ from lrq.qlinear import QuantLinear
 from lrq.quant import (group_min_max, per_tensor_fake_quant, per_token_fake_quant,
                        qparams_from_range, round_ste)
 from lrq.schemes import Scheme
-from lrq.smooth import PAIRS, exact_pairs, fold_stats, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
+from lrq.smooth import PAIRS, divide_norm, exact_pairs, producer_name, fold_stats, consumer_weight_absmax, smoothing_scales, to_consumer_space, to_producer_space
 
 LET_PAIRS: tuple[str, ...] = ("qkv", "gate_up", "vo")
 
@@ -160,7 +160,7 @@ class LET(nn.Module):
 
     def out_scale(self, name: str) -> Callable[[], torch.Tensor] | None:
         for pair in self.log_s:
-            if PAIRS[pair][0] == name:
+            if producer_name(self._block[0], pair) == name:
                 return lambda pair=pair: torch.exp(self.log_s[pair])
         return None
 
@@ -168,23 +168,20 @@ class LET(nn.Module):
         """Put the norm producers' division in place (linear producers divide inside their module)."""
         block = self._block[0]
         for pair in self.log_s:
-            producer = PAIRS[pair][0]
-            if not isinstance(block.get_submodule(producer), nn.Linear):
-                set_submodule(block, producer, ScaledNorm(block.get_submodule(producer), self.log_s[pair]))
+            name = producer_name(block, pair)
+            if not isinstance(block.get_submodule(name), nn.Linear):
+                set_submodule(block, name, ScaledNorm(block.get_submodule(name), self.log_s[pair]))
 
     @torch.no_grad()
     def fold(self) -> None:
         """Fold the trained scales into the norms and remove the wrappers."""
         block = self._block[0]
         for pair in self.log_s:
-            producer = PAIRS[pair][0]
-            m = block.get_submodule(producer)
+            name = producer_name(block, pair)
+            m = block.get_submodule(name)
             if isinstance(m, ScaledNorm):
-                s = torch.exp(self.log_s[pair]).to(m.norm.weight.dtype)
-                m.norm.weight.div_(s)
-                if getattr(m.norm, "bias", None) is not None:
-                    m.norm.bias.div_(s)
-                set_submodule(block, producer, m.norm)
+                divide_norm(m.norm, torch.exp(self.log_s[pair]))
+                set_submodule(block, name, m.norm)
 
 
 @torch.no_grad()

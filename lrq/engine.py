@@ -351,10 +351,11 @@ class ReconstructionMethod(Method):
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.half().to(p.dtype))
+        smoothing: dict[str, Any] = {}
         if scheme.static_activations and self.upfront_static_ranges:
             if cfg.smooth_alpha > 0:
                 from lrq.smooth import smooth_model
-                smooth_model(model, ids[:n_train], alpha=cfg.smooth_alpha)
+                smoothing = smooth_model(model, ids[:n_train], alpha=cfg.smooth_alpha)
             ranges = observe_input_ranges(model, ids[:n_train])
             act_qparams = {k: qparams_from_range(lo.clamp(max=0), hi.clamp(min=0), scheme.a_bits)
                            for k, (lo, hi) in ranges.items()}
@@ -397,7 +398,8 @@ class ReconstructionMethod(Method):
         }
         for k in ("calib_before", "calib_after", "heldout_before", "heldout_after"):
             stats[f"mean_block_{k}"] = sum(b[k] for b in per_block) / len(per_block)
-        return stats
+        from lrq.smooth import merge_fold_stats
+        return stats | smoothing | merge_fold_stats(per_block)   # the W8A8 smoothing's / OmniQuant LET's checks
 
     def _reconstruct_block(self, ctx: BlockContext, scheme: Scheme, cfg: ReconConfig, act_qparams: dict, n_train: int,
                            seed: int) -> dict:

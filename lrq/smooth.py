@@ -13,7 +13,12 @@ Pairs (producer -> consumers) within a Llama/Qwen2 decoder block:
     gate_up  post_attention_layernorm -> gate_proj, up_proj
     vo       v_proj (output rows)     -> o_proj
     up_down  up_proj (output rows)    -> down_proj
-SmoothQuant's own default is the two norm pairs. With grouped-query attention, o_proj input channel
+SmoothQuant's own default is the two norm pairs. Other decoders differ in two ways, both handled here:
+- the norm gate/up read: Gemma 2/3 put post_attention_layernorm on the attention output before the residual
+  add, and the MLP reads pre_feedforward_layernorm (`producer_name` picks the norm the block has);
+- the norm's formula: y = (offset + weight) * normalised(x), offset 0 for Llama, 1 for Gemma. It is measured
+  on the module itself (`norm_offset`), and dividing its outputs by s sets weight <- (offset + weight)/s - offset.
+Every fold is checked numerically on the real block before a method folds (`exact_pairs`). With grouped-query attention, o_proj input channel
 (h, d) of query head h reads v_proj output channel (h // rep, d), rep = query heads per KV head; a scale
 for the vo pair therefore lives on v_proj's outputs and is repeated across the rep query heads for o_proj.
 """
@@ -47,6 +52,66 @@ def parse_pairs(pairs: str | Iterable[str]) -> tuple[str, ...]:
         raise UserError(f"unknown smoothing pair(s) {', '.join(unknown)}: choose from {', '.join(PAIRS)} "
                         f"(e.g. --set pairs=qkv,gate_up).")
     return tuple(p for p in PAIRS if p in names)
+
+
+#: the norm a pair's consumers read when the block has it, in place of PAIRS' default producer
+ALT_PRODUCERS: dict[str, tuple[str, ...]] = {"gate_up": ("pre_feedforward_layernorm",)}
+
+
+def producer_name(block: nn.Module, pair: str) -> str:
+    """The producer of `pair` in this block: Gemma 2/3's MLP reads pre_feedforward_layernorm, Llama's
+    post_attention_layernorm."""
+    for name in ALT_PRODUCERS.get(pair, ()):
+        try:
+            block.get_submodule(name)
+            return name
+        except AttributeError:
+            continue
+    return PAIRS[pair][0]
+
+
+def producer(block: nn.Module, pair: str) -> nn.Module:
+    return block.get_submodule(producer_name(block, pair))
+
+
+@torch.no_grad()
+def norm_offset(norm: nn.Module) -> float:
+    """c in y = (c + weight) * normalised(x) (+ bias), measured on the module: 0 for Llama's RMSNorm and
+    LayerNorm, 1 for Gemma's. The norm's output with its weight set to zeros and to ones (bias zeroed), on a
+    fixed random input: y0 = c n, y1 = (c + 1) n. A norm whose output is not of that form (not affine in its
+    weight) is a UserError naming it; the weight and bias are restored whatever happens."""
+    w = norm.weight
+    bias = getattr(norm, "bias", None)
+    saved = w.detach().clone(), (bias.detach().clone() if bias is not None else None)
+    x = torch.randn(1, 4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    try:
+        if bias is not None:
+            bias.zero_()
+        w.zero_()
+        y0 = norm(x).float()
+        w.fill_(1.0)
+        y1 = norm(x).float()
+    finally:
+        w.copy_(saved[0])
+        if bias is not None:
+            bias.copy_(saved[1])
+    n = y1 - y0
+    c = float((y0 * n).sum() / (n * n).sum().clamp(min=1e-30))
+    if (y0 - c * n).abs().max() > 1e-3 * n.abs().max().clamp(min=1e-30):
+        raise UserError(f"{type(norm).__name__}: its output is not (c + weight) * normalised(x), so scales cannot be "
+                        f"folded into it; quantize with a method that folds nothing (rtn, gptq, lrq and flexround at "
+                        f"weight-only schemes).")
+    return round(c, 6)
+
+
+@torch.no_grad()
+def divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    """Divide a norm's outputs by s in its parameters: weight <- (c + weight)/s - c, bias <- bias/s."""
+    c = norm_offset(norm)
+    w = norm.weight
+    w.copy_(((w.float() + c) / s.float().to(w.device) - c).to(w.dtype))
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.div_(s.to(norm.bias.device, norm.bias.dtype))
 
 
 def consumers(block: nn.Module, pair: str) -> list[nn.Module]:
@@ -92,22 +157,22 @@ def consumer_weight_absmax(block: nn.Module, pair: str) -> torch.Tensor:
 @torch.no_grad()
 def fold_scales(block: nn.Module, pair: str, s: torch.Tensor) -> None:
     """Divide the producer's outputs by s and multiply the consumers' input columns by s (FP output unchanged)."""
-    producer = block.get_submodule(PAIRS[pair][0])
-    s = s.detach().float().to(producer.weight.device)
-    if isinstance(producer, nn.Linear):
-        producer.weight.div_(s.view(-1, 1).to(producer.weight.dtype))
-    else:  # a norm: y = weight * normalised(x) (+ bias)
-        producer.weight.div_(s.to(producer.weight.dtype))
-    if getattr(producer, "bias", None) is not None:
-        producer.bias.div_(s.to(producer.bias.dtype))
+    prod = producer(block, pair)
+    s = s.detach().float().to(prod.weight.device)
+    if isinstance(prod, nn.Linear):
+        prod.weight.div_(s.view(-1, 1).to(prod.weight.dtype))
+        if prod.bias is not None:
+            prod.bias.div_(s.to(prod.bias.dtype))
+    else:  # a norm: y = (c + weight) * normalised(x) (+ bias)
+        divide_norm(prod, s)
     s_in = to_consumer_space(block, pair, s)
     for m in consumers(block, pair):
         m.weight.mul_(s_in.view(1, -1).to(m.weight.dtype))
 
 
 #: the most a folded scale may change a floating-point block's output (max |difference| / max |output|, float32):
-#: an exact fold changes it by rounding only (about 1e-7); a fold into a norm that is not y = weight * normalised(x)
-#: (Gemma's (1 + weight)) or into a producer its consumers do not read changes it by far more
+#: an exact fold changes it by rounding only (about 1e-7); a fold into a norm whose formula was misread or into a
+#: producer its consumers do not read changes it by far more
 FOLD_TOLERANCE = 1e-4
 
 
@@ -135,7 +200,7 @@ def fold_error(block: nn.Module, pair: str, x: torch.Tensor, kwargs: dict,
     base = _float_block(block)
     if ref is None:
         ref = _output(base, x, kwargs)
-    n = block.get_submodule(PAIRS[pair][0]).weight.shape[0]
+    n = producer(block, pair).weight.shape[0]
     s = torch.empty(n).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(0))
     probe = copy.deepcopy(base)
     fold_scales(probe, pair, s)
@@ -155,13 +220,13 @@ def exact_pairs(block: nn.Module, pairs: Sequence[str], x: torch.Tensor, kwargs:
     ok = [p for p in pairs if errors[p] <= FOLD_TOLERANCE]
     bad = {p: e for p, e in errors.items() if p not in ok}
     where = f"block {index}" if index is not None else "a block"
-    text = "; ".join(f"pair {p} (scales divided out of {PAIRS[p][0]}, into {', '.join(PAIRS[p][1])}): the FP "
+    text = "; ".join(f"pair {p} (scales divided out of {producer_name(block, p)}, into {', '.join(PAIRS[p][1])}): the FP "
                      f"output changes by {e:.3g} of its largest value" for p, e in bad.items())
     if bad and not ok:
         raise UserError(f"{method}: folding its scales would change the floating-point model in {where} ({text}; "
                         f"an exact fold changes it by less than {FOLD_TOLERANCE:g}). This architecture's norms or "
-                        f"layer order do not match the fold's assumption (y = weight * normalised(x), read directly "
-                        f"by the consumers). Quantize it with a method that folds nothing (rtn, gptq, lrq and "
+                        f"layer order do not match the fold's assumption (y = (c + weight) * normalised(x), read "
+                        f"directly by the consumers). Quantize it with a method that folds nothing (rtn, gptq, lrq and "
                         f"flexround at weight-only schemes), or name pairs that fold exactly (--set pairs=...). "
                         f"Nothing was stored.")
     if bad:
@@ -176,6 +241,16 @@ def fold_stats(asked: Sequence[str], ok: Sequence[str], errors: dict[str, float]
     of the pairs it was asked for it left unfolded."""
     return {"fold_check_max_error": max((errors[p] for p in ok), default=0.0),
             "fold_pairs_skipped": float(len(asked) - len(ok))}
+
+
+def merge_fold_stats(per_block: Sequence[dict]) -> dict[str, float]:
+    """A model's fold figures from its blocks' (`fold_stats`): the largest error folded anywhere, the most pairs
+    skipped in a block; empty when no block recorded any."""
+    got = [b for b in per_block if "fold_check_max_error" in b]
+    if not got:
+        return {}
+    return {"fold_check_max_error": max(b["fold_check_max_error"] for b in got),
+            "fold_pairs_skipped": max(b["fold_pairs_skipped"] for b in got)}
 
 
 @torch.no_grad()
