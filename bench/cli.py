@@ -545,6 +545,8 @@ def cmd_plan(args) -> int:
     print(f"\nFP reference evaluation: {P.fmt_hours(fp_s)}. Total: {total / 3600:.2f} {unit}-hours; "
           f"wall time on {workers} {'device' if unit == 'GPU' else 'worker'}{'s' if workers > 1 else ''}: "
           f"{P.fmt_hours(wall)} (longest cells first).")
+    if shape.rough:
+        print(f"Rough: {shape.rough}.")
     if load:
         print(f"Note: {load}.")
     return 0
@@ -615,6 +617,8 @@ def _announce_estimate(args, cells, todo, executor, loaded):
          f"{P.fmt_duration(est.wall(workers))} wall on {workers} worker{'s' if workers > 1 else ''} (longest cell: "
          f"{cells[longest].method_name} {cells[longest].scheme_name}, {P.fmt_duration(est.seconds(longest))}"
          f"{unpriced}). `lrq-bench plan` itemizes it; Ctrl-C stops at once, and a rerun keeps what was stored.")
+    if shape.rough:
+        _say(f"the estimate is rough: {shape.rough}.")
     load = P.load_note(workers, executor.threads) if device == "cpu" else None
     if load:
         _say(load + ".")

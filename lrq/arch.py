@@ -17,7 +17,7 @@ LINEAR_NAMES: tuple[str, ...] = (
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
 )
 KV_LINEARS = ("self_attn.k_proj", "self_attn.v_proj")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 
 def _get(module: nn.Module, path: str) -> nn.Module | None:

@@ -211,12 +211,14 @@ def test_compare_exits_2_on_an_unreadable_baseline(content, message, stored, tmp
     assert code == 2 and message in err
 
 
-def test_plan_refuses_an_unsupported_architecture(tmp_path, capsys):
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
-        {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257}))
-    code, _, err = _run(["plan", "--model", str(tmp_path / "gpt2")], capsys)
-    assert code == 2 and "model type 'gpt2' is not supported by the planner" in err and "Traceback" not in err
+def test_plan_refuses_a_config_that_is_not_a_decoder(tmp_path, capsys):
+    """An architecture the planner has not seen gets a rough estimate (tests/test_plan.py); a config without a
+    decoder's widths at all is refused with what it lacks."""
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({"model_type": "vit", "image_size": 224}))
+    code, _, err = _run(["plan", "--model", str(tmp_path / "vit")], capsys)
+    assert code == 2 and "not a decoder the planner can price" in err and "hidden_size" in err
+    assert "Traceback" not in err
 
 
 def test_unwritable_out_fails_before_any_cell_runs(tiny_model_dir, data_dir, tmp_path, capsys):

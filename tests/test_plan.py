@@ -24,7 +24,41 @@ def test_llama_shapes_have_their_published_parameter_counts():
     assert P.SHAPES["llama-2-7b"].params() == pytest.approx(6.74e9, rel=0.01)
     assert P.SHAPES["llama-2-13b"].params() == pytest.approx(13.0e9, rel=0.01)
     assert P.SHAPES["llama-2-70b"].params() == pytest.approx(69.0e9, rel=0.01)
-    assert P.SHAPES["smollm2-135m"].params() == pytest.approx(162.8e6, rel=0.01)  # untied head counted twice
+    assert P.SHAPES["smollm2-135m"].params() == pytest.approx(134.5e6, rel=0.01)  # tied head: one matrix
+
+
+GEMMA3_270M = {"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+               "tie_word_embeddings": True, "sliding_window": 512, "hidden_activation": "gelu_pytorch_tanh",
+               "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3}
+
+
+def test_any_decoder_is_priced_from_its_config():
+    """Gemma 3 270M's config (as transformers converts its GGUF): head_dim 256 (not 640 / 4), the tied head
+    counted once, 15 of 18 layers attending through a 512-token window; its parameter count is the converted
+    model's (268,098,176 with the norms: 18 x 4 norms + q/k norms, which the planner leaves out)."""
+    s = P.shape_from_config("gemma3-270m", GEMMA3_270M)
+    assert (s.head_dim, s.tied, s.sliding_layers, s.sliding_window, s.rough) == (256, True, 15, 512, "")
+    assert s.linears()[0] == (640, 1024) and s.linears()[3] == (1024, 640)
+    assert s.params() == pytest.approx(268.1e6, rel=0.001)
+    # a sliding window makes long windows cheaper per block than full attention, never dearer
+    full = P.shape_from_config("full", GEMMA3_270M | {"layer_types": ["full_attention"] * 18})
+    assert s.block_fwd_flops(2048, 2048) < full.block_fwd_flops(2048, 2048)
+    assert s.block_fwd_flops(256, 256) == full.block_fwd_flops(256, 256)   # windows shorter than the window
+    # nested as in a multimodal config
+    assert P.shape_from_config("nested", {"model_type": "gemma3", "text_config": GEMMA3_270M}).head_dim == 256
+
+
+def test_an_unseen_architecture_gets_a_rough_estimate_not_a_refusal(tmp_path):
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+            "activation_function": "gelu_new", "tie_word_embeddings": True}
+    s = P.shape_from_config("gpt2", gpt2)
+    assert (s.hidden, s.layers, s.heads, s.intermediate) == (768, 12, 12, 3072)
+    assert "not one whose block the planner knows" in s.rough and "4 x hidden assumed" in s.rough
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    assert main(["plan", "--model", str(tmp_path), "--methods", "rtn", "--schemes", "w4a16"]) == 0
+    with pytest.raises(UserError, match="not a decoder the planner can price"):
+        P.shape_from_config("vision", {"model_type": "vit", "image_size": 224})
 
 
 def test_shape_from_a_config_folder(tiny_model_dir):

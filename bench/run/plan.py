@@ -34,8 +34,17 @@ from lrq.errors import UserError
 from lrq.io import dumps_json
 
 
+#: model types whose decoder block the planner's cost model describes as it is (the others are priced as the
+#: same widths in that form, and their estimate is labelled rough)
+KNOWN_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+
+
 @dataclass(frozen=True)
 class ModelShape:
+    """A decoder's shape, from its config alone: widths, heads and head_dim (which Gemma sets apart from
+    hidden / heads), vocabulary, whether the output head is the embedding (tied: one matrix), the MLP kind
+    (gated: gate, up, down; plain: up, down) and the attention kind of each layer (a sliding window attends to
+    at most `sliding_window` tokens)."""
     name: str
     hidden: int
     intermediate: int
@@ -43,57 +52,125 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
+    head_dim_: int | None = None          # None: hidden // heads
+    tied: bool = False
+    mlp: str = "gated"
+    sliding_window: int | None = None
+    sliding_layers: int = 0               # how many of the layers attend through the window
+    model_type: str | None = None
+    rough: str = ""                       # why the estimate is rough ("" when the block is one the model knows)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_ or self.hidden // self.heads
 
     def linears(self) -> list[tuple[int, int]]:
-        """(in, out) of the seven linears of a block."""
-        h, i, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
-        return [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+        """(in, out) of the block's linears: q, k, v, o, then gate, up, down (gated) or up, down (plain)."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = [(h, i), (h, i), (i, h)] if self.mlp == "gated" else [(h, i), (i, h)]
+        return [(h, q), (h, kv), (h, kv), (q, h), *mlp]
 
     def block_params(self) -> int:
         return sum(a * b for a, b in self.linears())
 
     def params(self) -> int:
-        return self.layers * (self.block_params() + 2 * self.hidden) + 2 * self.vocab * self.hidden
+        return self.layers * (self.block_params() + 2 * self.hidden) + (1 if self.tied else 2) * self.vocab * self.hidden
+
+    def _attention_flops(self, tokens: float, seq: int, window: int | None) -> float:
+        """QK^T and AV of one layer on `tokens` tokens in causal windows of `seq`: 4 x heads x head_dim x the mean
+        number of keys a query sees (seq / 2 in full causal attention, about the window when it is shorter)."""
+        if window and window < seq:
+            keys = window - window * (window - 1) / (2.0 * seq)
+        else:
+            keys = (seq + 1) / 2.0
+        return 4.0 * self.heads * self.head_dim * keys * tokens
 
     def block_fwd_flops(self, tokens: float, seq: int) -> float:
-        """Matmuls of one block on `tokens` tokens in windows of `seq` (attention: QK^T and AV, causal)."""
-        return 2.0 * self.block_params() * tokens + 2.0 * self.hidden * seq * tokens
+        """Matmuls of the model's mean block on `tokens` tokens in windows of `seq` (its sliding-window layers
+        attend to fewer keys than its full-attention ones)."""
+        full = self.layers - self.sliding_layers
+        attn = (full * self._attention_flops(tokens, seq, None)
+                + self.sliding_layers * self._attention_flops(tokens, seq, self.sliding_window)) / self.layers
+        return 2.0 * self.block_params() * tokens + attn
 
     def model_fwd_flops(self, tokens: float, seq: int) -> float:
         return self.layers * self.block_fwd_flops(tokens, seq) + 2.0 * self.hidden * self.vocab * tokens
 
+    def probe_shape(self) -> list[int]:
+        """The widths a measured probe is keyed by (head_dim only where it is not hidden / heads, so keys made
+        before it was recorded still hold)."""
+        base = [self.hidden, self.intermediate, self.heads, self.kv_heads]
+        return base + ([self.head_dim] if self.head_dim_ and self.head_dim_ != self.hidden // self.heads else [])
 
-# Shapes written here (a config is a handful of numbers): Llama-2's published configurations.
+
+# Shapes written here (a config is a handful of numbers): Llama-2's published configurations; the built-in models'.
 SHAPES: dict[str, ModelShape] = {
-    "llama-2-7b": ModelShape("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
-    "llama-2-13b": ModelShape("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
-    "llama-2-70b": ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
-    "smollm2-135m": ModelShape("smollm2-135m", 576, 1536, 30, 9, 3, 49152),
+    "llama-2-7b": ModelShape("llama-2-7b", 4096, 11008, 32, 32, 32, 32000, model_type="llama"),
+    "llama-2-13b": ModelShape("llama-2-13b", 5120, 13824, 40, 40, 40, 32000, model_type="llama"),
+    "llama-2-70b": ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 32000, model_type="llama"),
+    "smollm2-135m": ModelShape("smollm2-135m", 576, 1536, 30, 9, 3, 49152, 64, tied=True, model_type="llama"),
 }
+
+#: where other families keep the numbers the planner needs (first present wins)
+_ALIASES = {"hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+            "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+            "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+            "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "hidden_dim"),
+            "vocab": ("vocab_size", "n_vocab", "padded_vocab_size")}
+_GATED_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "geglu", "swiglu")
 
 
 def shape_from_config(name: str, cfg: Any) -> ModelShape:
-    """The shape of a Llama/Mistral/Qwen2-style config; anything else is refused (UserError), since the cost
-    and memory model is written for those blocks."""
-    from lrq.arch import SUPPORTED_MODEL_TYPES
-    get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-    model_type = get("model_type")
-    heads = get("num_attention_heads")
-    fields = {"hidden_size": get("hidden_size"), "intermediate_size": get("intermediate_size"),
-              "num_hidden_layers": get("num_hidden_layers"), "num_attention_heads": heads,
-              "vocab_size": get("vocab_size")}
-    bad = [k for k, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
-    if (model_type is not None and model_type not in SUPPORTED_MODEL_TYPES) or bad:
-        raise UserError(f"{name}: model type {model_type!r} is not supported by the planner"
-                        + (f" (its config has no usable {', '.join(bad)})" if bad else "")
-                        + f": it prices Llama/Mistral/Qwen2-style decoders ({', '.join(SUPPORTED_MODEL_TYPES)}); "
-                        f"give one of {', '.join(SHAPES)}, or such a model's config.json, folder or hub id.")
-    return ModelShape(name, fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"], heads,
-                      get("num_key_value_heads") or heads, fields["vocab_size"])
+    """The shape of any decoder from its config: layers, widths, heads, head_dim, vocabulary, tied head, MLP kind
+    and attention kind of each layer. A model type whose block the cost model does not know (`KNOWN_BLOCKS`) is
+    priced from the same numbers as a Llama-style block and labelled rough; only a config without the widths
+    at all (not a decoder's) is refused."""
+    if not isinstance(cfg, dict):
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg)
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and not any(k in cfg for k in _ALIASES["hidden"]):
+        cfg = text | {"model_type": text.get("model_type") or cfg.get("model_type"),
+                      "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+
+    def num(field: str) -> int | None:
+        for k in _ALIASES[field]:
+            v = cfg.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+    model_type = cfg.get("model_type")
+    hidden, layers, heads, vocab = num("hidden"), num("layers"), num("heads"), num("vocab")
+    missing = [f for f, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                              ("vocab_size", vocab)) if v is None]
+    if missing:
+        raise UserError(f"{name}: its configuration (model type {model_type!r}) has no usable {', '.join(missing)}, "
+                        f"so it is not a decoder the planner can price: give a causal LM's config.json, folder or "
+                        f"hub id, or one of {', '.join(SHAPES)}.")
+    rough = []
+    intermediate = num("intermediate")
+    if intermediate is None:
+        intermediate = 4 * hidden
+        rough.append("no intermediate_size in the config: 4 x hidden assumed")
+    kv = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads
+    head_dim = cfg.get("head_dim") if isinstance(cfg.get("head_dim"), int) and cfg.get("head_dim") > 0 else None
+    act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or cfg.get("activation_function") or "silu")
+    mlp = "gated" if model_type in KNOWN_BLOCKS or act in _GATED_ACTS else "plain"
+    window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        sliding = sum(t == "sliding_attention" for t in types)
+    elif window and (cfg.get("use_sliding_window", model_type == "mistral")):
+        sliding = max(0, layers - int(cfg.get("max_window_layers") or 0)) if model_type in ("qwen2", "qwen3") else layers
+    else:
+        sliding = 0
+    if model_type not in KNOWN_BLOCKS:
+        rough.insert(0, f"model type {model_type!r} is not one whose block the planner knows "
+                        f"({', '.join(KNOWN_BLOCKS)}): priced as a {mlp} Llama-style block of the same widths")
+    return ModelShape(name, hidden, intermediate, layers, heads, int(kv), vocab, head_dim,
+                      tied=bool(cfg.get("tie_word_embeddings", False)), mlp=mlp,
+                      sliding_window=window if sliding else None, sliding_layers=sliding if window else 0,
+                      model_type=model_type, rough="; ".join(rough))
 
 
 def load_shape(spec: str) -> ModelShape:
@@ -463,8 +540,7 @@ def _machine_key() -> dict:
 def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
     keep = {k: resolved.get(k) for k in ("batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank",
                                           "rank_fraction", "s1_init", "search_grid", "recon_act_quant", "let")}
-    return {"method": method.name, "scheme": scheme.name, "shape": [shape.hidden, shape.intermediate, shape.heads,
-                                                                   shape.kv_heads],
+    return {"method": method.name, "scheme": scheme.name, "shape": shape.probe_shape(),
             "settings": keep} | _machine_key()
 
 
@@ -481,7 +557,7 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     torch.manual_seed(0)
     mc = LlamaConfig(vocab_size=256, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                      num_hidden_layers=1, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                     max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
+                     head_dim=shape.head_dim, max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
     model0 = LlamaForCausalLM(mc).eval()
     bs = int(cfg.get("batch_size", 1))
     n = 2 * bs + 1
@@ -539,7 +615,7 @@ MEASURE_EVAL_MIN_PARAMS = 20_000_000
 
 
 def _eval_probe_key(shape: ModelShape, seq: int) -> dict:
-    return {"probe": "eval", "shape": [shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.vocab],
+    return {"probe": "eval", "shape": shape.probe_shape() + [shape.vocab],
             "seq": int(seq)} | _machine_key()
 
 
@@ -558,7 +634,7 @@ def _measure_eval(shape: ModelShape, seq: int, blocks: int = 4) -> dict:
         torch.manual_seed(0)
         mc = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
+                         head_dim=shape.head_dim, max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
         return LlamaForCausalLM(mc).eval()
 
     def timed(fn) -> float:
