@@ -38,6 +38,7 @@ def test_any_decoder_is_priced_from_its_config():
     counted once, 15 of 18 layers attending through a 512-token window; its parameter count is the converted
     model's (268,098,176 with the norms: 18 x 4 norms + q/k norms, which the planner leaves out)."""
     s = P.shape_from_config("gemma3-270m", GEMMA3_270M)
+    assert s == P.SHAPES["gemma3-270m"]     # the built-in's shape is its config's
     assert (s.head_dim, s.tied, s.sliding_layers, s.sliding_window, s.rough) == (256, True, 15, 512, "")
     assert s.linears()[0] == (640, 1024) and s.linears()[3] == (1024, 640)
     assert s.params() == pytest.approx(268.1e6, rel=0.001)

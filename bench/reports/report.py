@@ -605,8 +605,10 @@ def _seed_rankings_section(stats: dict, seedless: set) -> list[str]:
 def _ppl_protocol(mdf: pd.DataFrame, ds: str) -> str:
     ev = mdf[(mdf["dataset"] == ds) & (mdf["metric"] == "ppl")].iloc[-1]["config"].get("eval", {})
     n = ev.get('windows', '?')
-    return (f"- {ds}: {n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens "
-            f"({ev.get('tokens', '?')} tokens, last partial window "
+    start = ("each starting with the model's BOS token, then the next tokens of the text" if ev.get("bos") else
+             "cut from the text's token stream, no BOS")
+    return (f"- {ds}: {n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens {start} "
+            f"({ev.get('tokens', '?')} tokens in all, last partial window "
             f"{'included' if ev.get('include_partial') else 'dropped'}, "
             f"{PRECISION_TEXT.get(ev.get('autocast'), ev.get('autocast', '?'))}), exp(mean window NLL).")
 

@@ -69,6 +69,15 @@ class EvalSettings:
     max_tokens: int | None = None
     autocast: str = "bf16"
     head: str = "fp32"        # the output head's precision where logits are scored (lrq.precision.HEAD_PRECISION)
+    bos: bool = False         # every window starts with the model's BOS (the model's protocol: `settle` decides)
+
+    def key(self) -> dict:
+        """The settings as unit keys hold them: `bos` only where it is set, so the keys of models without BOS
+        (every result stored before the protocol was recorded) are unchanged."""
+        d = asdict(self)
+        if not d["bos"]:
+            del d["bos"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -161,10 +170,10 @@ def eval_versions() -> dict[str, int]:
     return {"perplexity": PPL_VERSION, "kl": SCHEMA, "tasks": T.VERSION}
 
 
-def _task_protocol(tasks: tuple[str, ...]) -> dict:
+def _task_protocol(tasks: tuple[str, ...], bos: bool = False) -> dict:
     from bench.evaluations import tasks as T
     from lrq.precision import HEAD_PRECISION
-    return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS, "head": HEAD_PRECISION}
+    return ({"batch_size": T.BATCH_SIZE, "max_length": T.MAX_LENGTH, "add_bos": T.ADD_BOS or bos, "head": HEAD_PRECISION}
             | ({"mmlu": f"{T.MMLU_SHOTS}-shot, shots dropped last first"} if "mmlu" in tasks else {})
             | ({"version": T.VERSION} if T.VERSION != 1 else {}))
 
@@ -192,7 +201,8 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     prec_device = None if device == "auto" else device
     decided = Precision.decide(req.precision, prec_device)
     prec = decided.used
-    ev = replace(req.eval, autocast=prec)
+    from bench.common.models import model_bos
+    ev = replace(req.eval, autocast=prec, bos=model_bos(req.model))
     # execution settings (torch.compile, ...) change how the cell runs, not what it computes: not in the key
     ident: dict[str, Any] = {"schema": SCHEMA_VERSION, "model": model_fingerprint(req.model), "method": method_name,
                              "scheme": scheme_name, "config": {} if is_fp else cls.keyed_settings(config),
@@ -204,15 +214,15 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
     calib_data = None
     if uses_calibration:
         calib_data = D.data_fingerprint(calib.dataset, data_dir)
-        ident["calib"] = asdict(calib) | {"data": calib_data}
+        ident["calib"] = asdict(calib) | {"data": calib_data} | ({"bos": True} if ev.bos else {})
     data = {ds: D.data_fingerprint(ds, data_dir) for ds in req.datasets}
     keys = {"quant": unit_key(ident)}
-    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev)}
+    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": ev.key()}
                               | ({"eval_version": PPL_VERSION} if PPL_VERSION != 1 else {}))
                  for ds in req.datasets})
     if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
         from bench.evaluations.kl import APPROXIMATION, SCHEMA
-        keys.update({kl_unit(ds): unit_key(ident | {"dataset": ds, "data": data[ds], "eval": asdict(ev),
+        keys.update({kl_unit(ds): unit_key(ident | {"dataset": ds, "data": data[ds], "eval": ev.key(),
                                                      "kl": {"schema": SCHEMA, "approximation": APPROXIMATION}})
                      for ds in req.datasets})
     if req.tasks:
@@ -220,7 +230,7 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
         # protocol now names it, so those earlier results (a float32 score of a bf16 cell) are not reused
         keys["tasks"] = unit_key(ident | {"tasks": sorted(req.tasks), "limit": req.task_limit,
                                           "data": D.data_fingerprint("wikitext2", data_dir),
-                                          "protocol": _task_protocol(req.tasks) | {"precision": prec}})
+                                          "protocol": _task_protocol(req.tasks, ev.bos) | {"precision": prec}})
     ckpt = None if is_fp or not cls.checkpoints else str(cache_root() / "checkpoints" / keys["quant"][:24])
     method = None if is_fp else cls(device=None if device == "auto" else device, checkpoint_dir=ckpt)
     return Cell(model=req.model, model_id=ident["model"], method_name=method_name, method=method,
@@ -347,7 +357,7 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
     if cell.uses_calibration:
         data_dir = None if cell.data_dir is None else Path(cell.data_dir)
         calib = D.calibration_set(tok, data_dir, cell.calib.dataset, cell.calib.n_samples, cell.calib.seq_len,
-                                  cell.seed, cell.calib.sampling)
+                                  cell.seed, cell.calib.sampling, bos=cell.eval.bos)
         base_cfg["calibration"] = calib.description
     with measure() as qm:
         # the settings parsed once when the cell was settled, typed: never parsed again here
@@ -378,6 +388,8 @@ def _eval_ids(cell: Cell, ds: str, tok, cache: dict) -> tuple[torch.Tensor, D.Te
     if ds not in cache:
         text = D.eval_text(ds, None if cell.data_dir is None else Path(cell.data_dir))
         ids = D.tokenize(tok, text.text)
+        if cell.eval.bos:   # the model's protocol: every window starts with BOS (the caps count BOS positions)
+            ids = D.with_bos(ids, cell.eval.seq_len, tok.bos_token_id)
         caps = [c for c in (D.eval_token_cap(ds), cell.eval.max_tokens) if c]
         cache[ds] = (ids[:min(caps)] if caps else ids), text
     return cache[ds]
@@ -391,7 +403,7 @@ def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> 
     refs = {}
     for ds in datasets:
         ids, _ = _eval_ids(cell, ds, tok, texts)
-        key = kl.reference_key(cell.model_id, ds, cell.data[ds], asdict(cell.eval), cell.precision.used)
+        key = kl.reference_key(cell.model_id, ds, cell.data[ds], cell.eval.key(), cell.precision.used)
         refs[ds] = kl.ensure_reference(model, windows(ids, cell.eval.seq_len, cell.eval.include_partial), key,
                                        precision=cell.precision)
     return refs
@@ -451,10 +463,11 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
             raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
         _check_finite_logits(model, tok)
         with measure() as tm, progress.stage("tasks"):
-            res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit, precision=cell.precision)
+            res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit, precision=cell.precision,
+                                   add_bos=T.ADD_BOS or cell.eval.bos)
         cfg = base_cfg | {"tasks": {"names": list(cell.tasks), "limit": cell.task_limit, "batch_size": T.BATCH_SIZE,
                                     "precision": cell.precision.used,
-                                    "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS,
+                                    "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS or cell.eval.bos,
                                     "main_metric": T.MAIN_METRIC}
                           | ({"mmlu_protocol": f"{T.MMLU_SHOTS}-shot from the dev split, shots dropped last first "
                                                f"while the prompt exceeds {T.MAX_LENGTH} tokens; limit = questions "

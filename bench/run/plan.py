@@ -110,6 +110,9 @@ SHAPES: dict[str, ModelShape] = {
     "llama-2-13b": ModelShape("llama-2-13b", 5120, 13824, 40, 40, 40, 32000, model_type="llama"),
     "llama-2-70b": ModelShape("llama-2-70b", 8192, 28672, 80, 64, 8, 32000, model_type="llama"),
     "smollm2-135m": ModelShape("smollm2-135m", 576, 1536, 30, 9, 3, 49152, 64, tied=True, model_type="llama"),
+    # 15 of its 18 layers attend through a 512-token window (5 sliding, then 1 full, three times)
+    "gemma3-270m": ModelShape("gemma3-270m", 640, 2048, 18, 4, 1, 262144, 256, tied=True, sliding_window=512,
+                              sliding_layers=15, model_type="gemma3_text"),
 }
 
 #: where other families keep the numbers the planner needs (first present wins)
