@@ -25,7 +25,11 @@ torch.set_num_threads(1)
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, layers: int = 2):
-    from transformers import LlamaConfig, Qwen2Config
+    """Tiny random configs: llama; qwen2 (q/k/v biases); mistral with an 8-token sliding window; gemma3 with
+    its first layer sliding (8 tokens, rotary base 1e4) and the others full (1e6), q/k norms, pre/post
+    feed-forward norms, (1 + weight) RMSNorm, GeGLU, head_dim 32 apart from hidden / heads, tied and scaled
+    embeddings."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 32,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, tie_word_embeddings=False)
@@ -33,6 +37,11 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, la
         return LlamaConfig(**common)
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=8)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**(common | {"tie_word_embeddings": True}), head_dim=32, sliding_window=8,
+                                layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
     raise ValueError(arch)
 
 

@@ -57,10 +57,13 @@ def test_the_stored_reference_gives_the_exact_kl(tiny_model_dir, tmp_path, monke
         assert torch.allclose(res["token_kl"], exact, rtol=1e-5, atol=1e-6), float((res["token_kl"] - exact).abs().max())
         self_kl = perplexity(fp, ids, 128, precision="bf16" if bf16 else "fp32", reference=back)
         assert float(self_kl["token_kl"].abs().max()) < 1e-5 and bool(self_kl["token_top1"].all())
-        # a damaged head file makes the reference absent (recomputed), never wrong
+        # one copy of the head for every reference of the model in this process
+        assert kl.load_reference(path, f"k{bf16}").weight is back.weight
+        # a damaged head file makes the reference absent in a new process (recomputed), never wrong
         hpath = next((tmp_path / "kl-cache" / "kl-reference").glob("head-*.safetensors"))
         good = hpath.read_bytes()
         hpath.write_bytes(good[:100])
+        monkeypatch.setattr(kl, "_HEADS", {})
         assert kl.load_reference(path, f"k{bf16}") is None
         hpath.write_bytes(good)
 
