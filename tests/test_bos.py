@@ -2,7 +2,7 @@
 
 Gemma's tokenizer starts every text with <bos>, and the model depends on it (gemma3-270m's first WikiText-2
 window: perplexity 16.19 without BOS, 11.87 with). SmolLM2's does not. lrq-bench reads the protocol from the
-model's own tokenizer (`bench.evaluations.data.default_bos`; a built-in declares it): where it adds BOS,
+model's own tokenizer (`bench.common.models.default_bos`; a built-in declares it): where it adds BOS,
 every perplexity window, KL reference window, calibration window and task request starts with it; where it
 does not, the token stream is cut as before and every unit key is the one stored before the protocol
 existed."""
@@ -41,11 +41,11 @@ def test_windows_start_with_bos_and_lose_no_token():
 
 def test_the_protocol_is_read_from_the_tokenizer(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
-    from bench.common.models import BUILTINS, model_bos
+    from bench.common.models import BUILTINS, default_bos, model_bos
     plain = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     bos_dir = _bos_tokenizer_dir(tiny_model_dir, tmp_path / "bos")
     with_bos = AutoTokenizer.from_pretrained(str(bos_dir))
-    assert D.default_bos(plain) is None and D.default_bos(with_bos) == with_bos.bos_token_id
+    assert default_bos(plain) is None and default_bos(with_bos) == with_bos.bos_token_id
     assert model_bos(str(tiny_model_dir)) is False and model_bos(str(bos_dir)) is True
     assert BUILTINS["smollm2-135m"].bos is False
     calib = D.calibration_set(with_bos, D.resolve_data_dir(None), "c4", 4, 64, bos=True)

