@@ -168,7 +168,7 @@ def save_reference(ref: Reference, path: Path) -> None:
     from lrq.io import atomic_write
     hkey = _head_key(ref.weight, ref.bias)
     hpath = head_path(hkey)
-    if _load_head(hpath, hkey) is None:
+    if not _head_file_holds(hpath, hkey):   # on disk, whatever this process holds: the next process reads it
         tensors = {"weight": ref.weight.contiguous()} | ({} if ref.bias is None else {"bias": ref.bias.contiguous()})
         atomic_write(hpath, lambda p: save_file(tensors, str(p), metadata={"key": hkey}))
     held = _HEADS.setdefault(hkey, (ref.weight, ref.bias))   # the other texts' references share this copy
@@ -181,6 +181,16 @@ def save_reference(ref: Reference, path: Path) -> None:
 #: the heads this process holds, by key: every text's reference of one model shares one copy (Gemma 3's
 #: 262,144 x 640 head is 671 MB in float32; a copy per text and per load held three)
 _HEADS: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _head_file_holds(path: Path, hkey: str) -> bool:
+    """Whether the head file at `path` is there and names key `hkey` (its contents are checked when loaded)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("key") == hkey
+    except Exception:  # noqa: BLE001 - absent or unreadable: written again
+        return False
 
 
 def _load_head(path: Path, hkey: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
