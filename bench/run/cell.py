@@ -462,12 +462,13 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
         if data_dir is None:
             raise UserError("task accuracy reads the data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
         _check_finite_logits(model, tok)
+        add_bos = T.ADD_BOS or cell.eval.bos     # the model's protocol (as `_task_protocol` keys it)
         with measure() as tm, progress.stage("tasks"):
             res = T.evaluate_tasks(model, tok, list(cell.tasks), data_dir, cell.task_limit, precision=cell.precision,
-                                   add_bos=T.ADD_BOS or cell.eval.bos)
+                                   add_bos=add_bos)
         cfg = base_cfg | {"tasks": {"names": list(cell.tasks), "limit": cell.task_limit, "batch_size": T.BATCH_SIZE,
                                     "precision": cell.precision.used,
-                                    "max_length": T.MAX_LENGTH, "add_bos_token": T.ADD_BOS or cell.eval.bos,
+                                    "max_length": T.MAX_LENGTH, "add_bos_token": add_bos,
                                     "main_metric": T.MAIN_METRIC}
                           | ({"mmlu_protocol": f"{T.MMLU_SHOTS}-shot from the dev split, shots dropped last first "
                                                f"while the prompt exceeds {T.MAX_LENGTH} tokens; limit = questions "
