@@ -54,7 +54,7 @@ def test_an_unseen_architecture_gets_a_rough_estimate_not_a_refusal(tmp_path):
     gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
             "activation_function": "gelu_new", "tie_word_embeddings": True}
     s = P.shape_from_config("gpt2", gpt2)
-    assert (s.hidden, s.layers, s.heads, s.intermediate) == (768, 12, 12, 3072)
+    assert (s.hidden, s.layers, s.heads, s.intermediate, s.mlp) == (768, 12, 12, 3072, "plain")   # fc, proj
     assert "not one whose block the planner knows" in s.rough and "4 x hidden assumed" in s.rough
     (tmp_path / "config.json").write_text(json.dumps(gpt2))
     assert main(["plan", "--model", str(tmp_path), "--methods", "rtn", "--schemes", "w4a16"]) == 0

@@ -121,7 +121,8 @@ _ALIASES = {"hidden": ("hidden_size", "n_embd", "d_model", "dim"),
             "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
             "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "hidden_dim"),
             "vocab": ("vocab_size", "n_vocab", "padded_vocab_size")}
-_GATED_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "geglu", "swiglu")
+#: activations of gated MLPs (SwiGLU, GeGLU) in families the planner does not know; GPT-2's gelu_new is a plain MLP's
+_GATED_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "geglu", "swiglu")
 
 
 def shape_from_config(name: str, cfg: Any) -> ModelShape:
