@@ -170,7 +170,8 @@ def scheme_from_config(qc: dict) -> Scheme:
 
 @torch.no_grad()
 def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
-    """Rebuild the model from save_compressed's folder with PackedLinear modules (identical logits)."""
+    """Rebuild the model from save_compressed's folder with PackedLinear modules, scales and biases at the precision
+    the file holds: the logits of the model that was exported (on the CPU; the GPU kernels read fp16 scales)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(path)
@@ -189,13 +190,18 @@ def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     for i, name, lin in list(iter_linears(model)):
         prefix = f"model.layers.{i}.{name}"
         out_f, in_f = (int(v) for v in tensors.pop(f"{prefix}.weight_shape"))
-        m = PackedLinear(in_f, out_f, f"{prefix}.bias" in tensors, scheme, quantize_output=name in KV_LINEARS)
+        scale = tensors.pop(f"{prefix}.weight_scale")
+        bias = tensors.pop(f"{prefix}.bias", None)
+        # the scales and bias at the precision they were saved in (float32 from a quantized model, fp16 from an
+        # already packed one): the loaded model then computes what the exported one did, as transformers' load does
+        m = PackedLinear(in_f, out_f, bias is not None, scheme, quantize_output=name in KV_LINEARS,
+                         scale_dtype=scale.dtype, bias_dtype=bias.dtype if bias is not None else torch.float16)
         m.weight_packed.copy_(stream_to_planar(tensors.pop(f"{prefix}.weight_packed"), scheme.w_bits, in_f))
-        m.scale.copy_(tensors.pop(f"{prefix}.weight_scale"))
+        m.scale.copy_(scale)
         zp = tensors.pop(f"{prefix}.weight_zero_point")
         m.zero.copy_(unpack_bits(zp.t().contiguous(), scheme.w_bits, out_f).t())
         if m.bias is not None:
-            m.bias.copy_(tensors.pop(f"{prefix}.bias"))
+            m.bias.copy_(bias)
         if scheme.static_activations:
             m.act_scale.copy_(tensors.pop(f"{prefix}.input_scale").reshape(()))
             m.act_zero.copy_(tensors.pop(f"{prefix}.input_zero_point").reshape(()).float() + 128)

@@ -3,7 +3,7 @@
 `PackedLinear` holds what a deployment holds: weights densely bit-packed into int32 words in the
 planar layout (lrq.packing.pack_planar; 4-bit = 8 per word, 8-bit = 4 per word, both exactly
 compressed-tensors' stream; 3-bit = a 2-bit plane of 16 per word and a 1-bit plane of 32 per word, which
-the exporter turns back into the stream), fp16 scales and uint8
+the exporter turns back into the stream), fp16 scales (a checkpoint read back keeps its own) and uint8
 zero points per row or group, the static activation range (w8a8) and the scheme. `pack_model` swaps
 every QuantLinear (whatever method chose its integers: RTN, GPTQ, AWQ, OmniQuant, LRQ and FlexRound
 alike, since their scales are folded) for a PackedLinear, and the weight memory really falls.
@@ -61,7 +61,11 @@ def int_mm_ok() -> bool:
 
 class PackedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Scheme,
-                 quantize_output: bool = False):
+                 quantize_output: bool = False, scale_dtype: torch.dtype = torch.float16,
+                 bias_dtype: torch.dtype = torch.float16):
+        """`scale_dtype`/`bias_dtype`: fp16 when packing a quantized model (the deployment format, what the GPU
+        kernels read); a checkpoint read back (lrq.export.load_compressed) keeps the precision it was saved in, so
+        the loaded model computes what the exported one did (and what transformers' load of the same file does)."""
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.bits, self.group_size = scheme.w_bits, scheme.group_size
@@ -69,9 +73,9 @@ class PackedLinear(nn.Module):
         # the planar layout (lrq.packing.pack_planar): compressed-tensors' stream itself at 2, 4 and 8 bits
         self.register_buffer("weight_packed", torch.zeros(out_features, planar_words(in_features, self.bits),
                                                           dtype=torch.int32))
-        self.register_buffer("scale", torch.ones(out_features, ng, dtype=torch.float16))
+        self.register_buffer("scale", torch.ones(out_features, ng, dtype=scale_dtype))
         self.register_buffer("zero", torch.zeros(out_features, ng, dtype=torch.uint8))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16) if bias else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype) if bias else None)
         static = scheme.static_activations
         self.register_buffer("act_scale", torch.ones((), dtype=torch.float32) if static else None)
         self.register_buffer("act_zero", torch.zeros((), dtype=torch.float32) if static else None)
@@ -79,6 +83,7 @@ class PackedLinear(nn.Module):
         self.use_int_mm = True
         self.use_cpu_int4 = True          # torch's CPU int4 GEMM for small M (built on first use)
         self._cpu_int4: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._scale16: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @classmethod
     @torch.no_grad()
@@ -128,18 +133,30 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def kernel_scale(self) -> torch.Tensor:
+        """The scales as the GPU kernels read them: fp16, the one pointer type their configurations are compiled
+        and checked for (lrq.kernels.aot). A model whose scales are float32 (a checkpoint saved with float32
+        scales and read back) computes with an fp16 copy on the GPU, made once per device; on the CPU it
+        computes with its own scales."""
+        if self.scale.dtype == torch.float16:
+            return self.scale
+        key = (self.scale.data_ptr(), self.scale._version)   # remade whenever the scales move or change
+        if self._scale16 is None or self._scale16[0] != key:
+            self._scale16 = (key, self.scale.to(torch.float16))
+        return self._scale16[1]
+
     def _int8_gpu(self, x: torch.Tensor) -> torch.Tensor:
         from lrq.kernels.int8_gemm import int8_matmul, weight_sums
         if getattr(self, "_wsum", None) is None or self._wsum.device != x.device:
             self._wsum = weight_sums(self.weight_packed, self.zero, self.bits, self.in_features)
         static = (self.act_scale, self.act_zero) if self.scheme.static_activations else None
-        return int8_matmul(x, self.weight_packed, self.scale, self.zero, self.bits, self.in_features, self.bias,
+        return int8_matmul(x, self.weight_packed, self.kernel_scale(), self.zero, self.bits, self.in_features, self.bias,
                            static, self._wsum)
 
     CPU_INT4_MAX_M = 64   # beyond this, dequantize + BLAS is faster on the CPU
 
     def _apply(self, fn, *args, **kwargs):
-        self._cpu_int4 = None   # rebuilt on the new device/dtype when needed
+        self._cpu_int4 = self._scale16 = None   # rebuilt on the new device/dtype when needed
         return super()._apply(fn, *args, **kwargs)
 
     # Shapes each fast path takes (anything else runs the general path: dequantize + BLAS):
@@ -200,7 +217,7 @@ class PackedLinear(nn.Module):
                 y = self._cpu_int4_mm(x)
             elif x.is_cuda:   # the fused dequantize-GEMM (lrq.kernels.wq_gemm), which dispatches large M itself
                 from lrq.kernels.wq_gemm import wq_matmul
-                y = wq_matmul(x, self.weight_packed, self.scale, self.zero, self.bits, self.group_size,
+                y = wq_matmul(x, self.weight_packed, self.kernel_scale(), self.zero, self.bits, self.group_size,
                               self.in_features, self.bias)
             else:
                 y = F.linear(x, self.dequantized_weight(x.dtype),

@@ -141,3 +141,23 @@ def test_cpu_int4_kernel_path_matches(scheme_name, cin):
         ref = p(x).float()
     torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.02)
     assert not p._use_cpu_int4(torch.randn(100, cin, dtype=torch.bfloat16))   # large M: dequantize + BLAS
+
+
+def test_the_kernels_read_fp16_scales_whatever_precision_the_module_keeps():
+    """A PackedLinear holds its scales at the precision it was given (fp16 when packed, float32 when a float32
+    checkpoint is read back); the GPU kernels are compiled and checked for fp16 scale pointers only, so they get
+    an fp16 copy, made once and remade when the scales change."""
+    s = get_scheme("w4a16-g128")
+    m16 = PackedLinear(256, 64, False, s)
+    assert m16.scale.dtype == torch.float16 and m16.kernel_scale() is m16.scale
+    m32 = PackedLinear(256, 64, True, s, scale_dtype=torch.float32, bias_dtype=torch.float32)
+    assert m32.scale.dtype == torch.float32 and m32.bias.dtype == torch.float32
+    m32.scale.copy_(torch.rand(64, 2) + 0.5)
+    k = m32.kernel_scale()
+    assert k.dtype == torch.float16 and torch.equal(k, m32.scale.half()) and m32.kernel_scale() is k
+    m32.scale.mul_(2)                                   # changed in place: the copy follows
+    assert torch.equal(m32.kernel_scale(), m32.scale.half())
+    # on the CPU the module computes with its own float32 scales
+    x = torch.randn(3, 256)
+    w = m32.dequantized_weight(torch.float32)
+    torch.testing.assert_close(m32(x), x @ w.t() + m32.bias, rtol=0, atol=1e-5)
