@@ -235,3 +235,56 @@ def test_kld_chart_points_are_identifiable_and_schemes_order_by_bits():
     assert log_ticks(13.5, 20) == [14, 16, 18, 20]
     assert scheme_order(["w8a8", "w4a16", "w3a16-g128", "w4a8", "w3a16", "w4a16-g128"]) == \
         ["w3a16", "w3a16-g128", "w4a8", "w4a16", "w4a16-g128", "w8a8"]
+
+
+def test_one_copy_of_the_head_the_model_own_and_a_changed_head_is_never_scored(tiny_model_dir, tmp_path, monkeypatch):
+    """The reference is made from the model's own head tensor (no clone); before scoring, attach_head points every
+    reference at the quantized model's head where it is the FP head bit for bit (the copy read from the file is
+    dropped), and a head changed in memory after the reference was made is read again from its checked file, or
+    refused when that file is gone: the KL is never computed from a wrong FP distribution."""
+    import copy
+
+    import lrq
+    from bench.common.models import load_model
+    from bench.evaluations.perplexity import perplexity, windows
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "kl-cache"))
+    monkeypatch.setattr(kl, "_HEADS", {})
+    fp = load_model(str(tiny_model_dir)).model
+    ids = torch.randint(0, fp.config.vocab_size, (512,), generator=torch.Generator().manual_seed(0))
+    wins = windows(ids, 128)
+    ref = kl.compute_reference(fp, wins, "fp32", key="k")
+    assert ref.weight is fp.get_output_embeddings().weight.detach() or \
+        ref.weight.data_ptr() == fp.get_output_embeddings().weight.data_ptr()       # no copy made
+    path = tmp_path / "ref.safetensors"
+    kl.save_reference(ref, path)
+    q = copy.deepcopy(fp)
+    lrq.quantize(q, "rtn", "w3a16")
+    exact = perplexity(q, ids, 128, precision="fp32", reference=ref)["token_kl"]
+    # another process: the reference's head read from its file, then the quantized model's own head attached
+    monkeypatch.setattr(kl, "_HEADS", {})
+    back = kl.load_reference(path, "k")
+    q_head = q.get_output_embeddings().weight
+    assert back.weight.data_ptr() != q_head.data_ptr()
+    kl.attach_head([back], q)
+    assert back.weight.data_ptr() == q_head.data_ptr() and kl._HEADS[back.head_key][0] is back.weight
+    assert torch.equal(perplexity(q, ids, 128, precision="fp32", reference=back)["token_kl"], exact)
+    # the model's head changed in memory after the reference shared it: read again from the file, exact KL
+    original = q_head.detach().clone()
+    with torch.no_grad():
+        q_head.mul_(1.5)
+    kl.attach_head([back], q)
+    assert back.weight.data_ptr() != q_head.data_ptr()
+    assert torch.equal(back.weight, original)
+    with torch.no_grad():
+        q_head.copy_(original)
+    assert torch.equal(perplexity(q, ids, 128, precision="fp32", reference=back)["token_kl"], exact)
+    # ... and refused where the file is gone
+    kl.attach_head([back], q)
+    assert back.weight.data_ptr() == q_head.data_ptr()
+    with torch.no_grad():
+        q_head.mul_(1.5)
+    for f in (tmp_path / "kl-cache" / "kl-reference").glob("head-*.safetensors"):
+        f.unlink()
+    import pytest
+    with pytest.raises(RuntimeError, match="changed in memory"):
+        kl.attach_head([back], q)

@@ -13,8 +13,11 @@ scoring time the FP logits are recomputed chunk by chunk with the same operation
 same precision as the FP pass that stored them, so the FP log-probabilities, hence the KL, are exact
 (bench/studies/kl_approx.py measures it), at one head projection and one log-softmax per chunk beside the
 quantized model's own: 38 MB per 16,384 tokens and 113 MB per model for the head, instead of 1.6 GB per text.
-A process holds one copy of a model's head for all its texts' references (`_HEADS`): Gemma 3's 262,144 x 640
-head is 671 MB in float32.
+A process holds one copy of a model's head for all its texts' references (`_HEADS`), and no copy of its own
+where the model's head is that head bit for bit: the reference is computed from the model's own head tensor
+(no clone) and, before scoring, `attach_head` points every reference at the quantized model's head (no method
+changes the head) once its SHA-256 still matches the reference's, so a cell holds one copy of a 262,144 x 640
+head (Gemma 3: 671 MB in float32) where it held two (three before one copy served every text).
 
 Top-1 agreement: the quantized model's most likely token is the FP model's.
 
@@ -58,6 +61,7 @@ class Reference:
     bias: torch.Tensor | None
     offsets: list[int]
     key: str
+    head_key: str = ""    # SHA-256 of the head (bench.evaluations.kl._head_key), set once it is stored or loaded
     _heads: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -66,6 +70,8 @@ class Reference:
 
     def _head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head in float32 on `device` (moved once, not at every chunk)."""
+        if self.weight.device == torch.device(device) and self.weight.dtype == torch.float32:
+            return self.weight, self.bias     # the head itself (attach_head may re-point it): no copy
         key = str(device)
         if key not in self._heads:
             self._heads[key] = (self.weight.to(device, torch.float32),
@@ -158,8 +164,10 @@ def compute_reference(model: nn.Module, wins: list[torch.Tensor], precision=None
             hidden.append(h.to(store_dtype).cpu())   # what the float32 head reads (lrq.precision.head_logits)
             offsets.append(offsets[-1] + len(w) - 1)
     head = model.get_output_embeddings()
-    bias = None if getattr(head, "bias", None) is None else head.bias.detach().float().cpu().clone()
-    return Reference(torch.cat(hidden), head.weight.detach().float().cpu().clone(), bias, offsets, key)
+    # the model's own head tensor where it is float32 on the CPU (no second copy: `attach_head` checks it is
+    # unchanged before anything is scored with it), else a float32 CPU copy
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach().float().cpu()
+    return Reference(torch.cat(hidden), head.weight.detach().float().cpu(), bias, offsets, key)
 
 
 def save_reference(ref: Reference, path: Path) -> None:
@@ -173,6 +181,7 @@ def save_reference(ref: Reference, path: Path) -> None:
         atomic_write(hpath, lambda p: save_file(tensors, str(p), metadata={"key": hkey}))
     held = _HEADS.setdefault(hkey, (ref.weight, ref.bias))   # the other texts' references share this copy
     ref.weight, ref.bias = held
+    ref.head_key = hkey
     meta = {"offsets": json.dumps(ref.offsets), "key": ref.key, "head": hkey, "schema": str(SCHEMA),
             "hidden_sha256": _tensor_sha256(ref.hidden)}
     atomic_write(path, lambda p: save_file({"hidden": ref.hidden.contiguous()}, str(p), metadata=meta))
@@ -241,7 +250,43 @@ def load_reference(path: Path, key: str) -> Reference | None:
     head = _load_head(head_path(hkey), hkey)
     if head is None or len(offsets) < 2 or offsets[-1] != hidden.shape[0]:
         return None
-    return Reference(hidden, head[0], head[1], offsets, key)
+    return Reference(hidden, head[0], head[1], offsets, key, head_key=hkey)
+
+
+def attach_head(refs, model: nn.Module) -> None:
+    """Before scoring: every reference of `refs` reads the FP head it was computed with, checked, and the process
+    keeps one copy of it. Where the model's own output head (the quantized model's: no method changes it) equals
+    the reference's bit for bit, the references read the model's tensor and the process drops its other copy; the
+    head scored with must match the SHA-256 the reference recorded (a head changed in memory since the reference
+    was made, by anything, is read again from its checked file), so a stored KL is never computed from a wrong
+    FP distribution."""
+    head = model.get_output_embeddings()
+    w = head.weight.detach()
+    b = None if getattr(head, "bias", None) is None else head.bias.detach()
+    checked: dict[int, bool] = {}
+
+    def intact(weight, bias, hkey) -> bool:
+        if id(weight) not in checked:
+            checked[id(weight)] = _head_key(weight, bias) == hkey
+        return checked[id(weight)]
+    for ref in refs:
+        if not ref.head_key:
+            continue
+        usable = w.dtype == torch.float32 and w.device.type == "cpu" and w.shape == ref.weight.shape \
+            and (b is None) == (ref.bias is None) and (b is None or b.dtype == torch.float32)
+        if usable and ref.weight is not w and torch.equal(ref.weight, w) and (b is None or torch.equal(ref.bias, b)) \
+                and intact(ref.weight, ref.bias, ref.head_key):
+            ref.weight, ref.bias = w, b
+            _HEADS[ref.head_key] = (w, b)    # the copy read from the file is freed with its last reference
+            checked[id(w)] = True
+        if not intact(ref.weight, ref.bias, ref.head_key):
+            _HEADS.pop(ref.head_key, None)
+            again = _load_head(head_path(ref.head_key), ref.head_key)
+            if again is None:
+                raise RuntimeError(f"the FP output head of KL reference {ref.key[:16]} changed in memory after the "
+                                   f"reference was made and its file {head_path(ref.head_key)} is gone or altered: "
+                                   f"no KL is scored (rerun: the reference is computed again)")
+            ref.weight, ref.bias = again
 
 
 def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, precision=None) -> Reference:

@@ -419,6 +419,9 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
         refs.update(_kl_references(cell, kl_todo, model, tok, texts))
     with progress.stage("quant"):
         model, tok, base_cfg, stats, qm = quantize_cell(cell, references if kl_todo else None)
+    if refs:   # one copy of the FP head in the process: the model's own where it is unchanged (checked)
+        from bench.evaluations import kl
+        kl.attach_head(refs.values(), model)
     out: dict[str, list[Row]] = {}
     if "quant" in todo:
         cfg = dict(base_cfg)
