@@ -23,6 +23,8 @@ import logging
 import math
 import os
 import shutil
+import statistics
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -383,6 +385,10 @@ class ReconstructionMethod(Method):
             # wall time of every block, including blocks finished by an interrupted earlier run
             "blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
             "resumed_blocks": sum(bool(b.get("restored")) for b in per_block),
+            # the training loops alone, and the median step (blocks trained by this run; earlier results lack them)
+            "train_time_s": sum(b.get("train_s", 0.0) for b in per_block),
+            "step_s_median": (statistics.median(b["step_s"] for b in per_block if b.get("step_s") is not None)
+                              if any(b.get("step_s") is not None for b in per_block) else None),
             # blocks whose training steps ran under torch.compile (earlier results may lack the field)
             "compiled_blocks": sum(bool(b.get("compiled")) for b in per_block),
             # why compile=on ran eagerly from some block on (check_compiled_step), or None
@@ -473,6 +479,10 @@ class ReconstructionMethod(Method):
             if self.curve_every:
                 with _frozen(block, learn):
                     curve = [_curve_point(0, math.nan, block, (xe, ye), (xh, yh), kw)]
+            # wall time of every step (the first includes a compiled step's first call): what the planner's
+            # probe prices (bench.run.plan._measure_training) and what a cell's stats report beside it
+            step_times: list[float] = []
+            t_loop = t_step = time.perf_counter()
             for step in bar:
                 if pos + bs > n_train:
                     order, pos = torch.randperm(n_train, generator=gen), 0
@@ -508,7 +518,12 @@ class ReconstructionMethod(Method):
                 if self.curve_every and ((step + 1) % self.curve_every == 0 or step == iters - 1):
                     with _frozen(block, learn):
                         curve.append(_curve_point(step + 1, loss_val, block, (xe, ye), (xh, yh), kw))
+                now = time.perf_counter()
+                step_times.append(now - t_step)
+                t_step = now
             out["final_loss"] = loss_val
+            out["train_s"] = time.perf_counter() - t_loop
+            out["step_s"] = statistics.median(step_times[1:] or step_times)
             if scaler is not None:
                 out["amp_skipped_steps"] = skipped
             if self.curve_every:

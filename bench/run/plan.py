@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -514,12 +515,16 @@ def _load_or_measure(p: Path, device: str, remeasure: bool, precision: str, say)
 # the model's own widths, where a CPU runs several times more FLOP/s: on a Zen 4 the profile priced a long LRQ
 # cell at 13.9 h against about 4.5 h measured (reports/long-smollm2-135m/). A cell with this many training steps
 # (blocks x steps per block) or more has its step measured instead: the method's own quantize on one random
-# block of the model's widths, at the cell's batch, window length, compilation and precision, at two step counts
-# (their difference is the step; the rest, the per-block overhead: compilation, its check, s1 initialisation,
-# error measurements). Cached per machine; about a minute per method and shape the first time.
+# block of the model's widths, at the cell's batch, window length, compilation and precision. The engine times
+# every step (lrq.engine: `step_s_median`, `train_time_s`), so the step is the median of the probe's own steps
+# after the first, and the rest of the block's time (compilation, its check, s1 initialisation, error
+# measurements) its per-block overhead. (Until 2026-12-04 the step was the difference of two whole quantize
+# calls of 2 and 8 steps divided by 6: the per-block overhead's noise, seconds, swamped six steps of a fraction
+# of a second, and on an AMX Xeon it priced FlexRound's step at 0.048 s against about 0.24 s in its real blocks.)
+# Cached per machine; about a minute per method and shape the first time.
 MEASURE_TRAINING_FROM_STEPS = 5000
 MEASURE_TRAINING_MAX_BLOCK_PARAMS = 50_000_000
-_PROBE_STEPS = (2, 8)
+_PROBE_STEPS = (2, 16)     # the discarded warm-up run's steps, the measured run's steps
 
 
 def _say_stderr(line: str) -> None:
@@ -545,7 +550,7 @@ def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
     keep = {k: resolved.get(k) for k in ("batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank",
                                           "rank_fraction", "s1_init", "search_grid", "recon_act_quant", "let")}
     return {"method": method.name, "scheme": scheme.name, "shape": shape.probe_shape(),
-            "settings": keep} | _machine_key()
+            "settings": keep, "probe": 2} | _machine_key()   # 2: the median of timed steps (1: two runs' difference)
 
 
 def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, compiled: bool) -> dict:
@@ -567,20 +572,23 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     n = 2 * bs + 1
     ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(0))
     calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
-    times = []
+    times, measured = [], {}
     # the first run compiles from cold (and warms torch's caches): discarded, as a real cell pays that once while
     # its later blocks compile warm
-    for steps in (_PROBE_STEPS[0], *_PROBE_STEPS):
+    for steps in _PROBE_STEPS:
         c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
         c |= {"iters": steps, "heldout_samples": 1, "error_samples": 1, "compile": "on" if compiled else "off"}
         model = copy.deepcopy(model0)
         t = time.perf_counter()
-        method.quantize(model, scheme, method.config(cfg.get("preset", "quick"), c), calib)
+        measured = method.quantize(model, scheme, method.config(cfg.get("preset", "quick"), c), calib) or {}
         times.append(time.perf_counter() - t)
-    warm, t1, t2 = times
-    step = max((t2 - t1) / (_PROBE_STEPS[1] - _PROBE_STEPS[0]), 1e-6)
-    return {"step_s": step, "block_s": max(t1 - _PROBE_STEPS[0] * step, 0.0), "probe_s": times,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    total = times[-1]
+    step = measured.get("step_s_median")
+    if not step or not math.isfinite(step):   # a method that does not time its steps: the whole run per step
+        step = total / _PROBE_STEPS[-1]
+    step = max(float(step), 1e-6)
+    return {"step_s": step, "block_s": max(total - _PROBE_STEPS[-1] * step, 0.0), "probe_s": times,
+            "train_s": measured.get("train_time_s"), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict,
