@@ -519,8 +519,9 @@ def _load_or_measure(p: Path, device: str, remeasure: bool, precision: str, say)
 # every step (lrq.engine: `step_s_median`, `train_time_s`), so the step is the median of the probe's own steps
 # after the first, and the rest of the block's time (compilation, its check, s1 initialisation, error
 # measurements) its per-block overhead. (Until 2026-12-04 the step was the difference of two whole quantize
-# calls of 2 and 8 steps divided by 6: the per-block overhead's noise, seconds, swamped six steps of a fraction
-# of a second, and on an AMX Xeon it priced FlexRound's step at 0.048 s against about 0.24 s in its real blocks.)
+# calls of 2 and 8 steps divided by 6, where seconds of per-block overhead stand beside six steps of a fraction of
+# a second; on an AMX Xeon it priced FlexRound's step at 0.048 s against about 0.24 s in its real blocks, likely
+# for that reason, not verified there.)
 # Cached per machine; about a minute per method and shape the first time.
 MEASURE_TRAINING_FROM_STEPS = 5000
 MEASURE_TRAINING_MAX_BLOCK_PARAMS = 50_000_000
