@@ -60,7 +60,7 @@ from lrq.config import MethodConfig, setting
 from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import expand_groups, fake_quant, group_min_max, minmax_qparams, n_groups
-from lrq.quantize_model import quant_linear_for
+from lrq.quantize_model import quant_linear_for, quantized_block_restorer
 from lrq.schemes import Scheme
 from lrq.smooth import PAIRS, exact_pairs, fold_stats, merge_fold_stats, consumers, fold_scales, to_consumer_space, to_producer_space
 
@@ -286,6 +286,7 @@ class AWQ(Method):
     presets = {"quick": AWQConfig(n_samples=32, search_tokens=4096), "paper": AWQConfig()}
     cost_rank = 5
     blockwise = True
+    checkpoints = True    # resumes at its next block (a long cell is hours on a CPU)
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
@@ -326,8 +327,12 @@ class AWQ(Method):
         ids = calib.input_ids[:config.n_samples]
         # The chain advances under the same autocast as the block forwards (and as evaluation).
         with precision.autocast(device_type, enabled=config.bf16):
+            # a checkpointed block is the scaled FP block (float chain) or its quantized form, as `process` left it
+            restore = ((lambda i, block, state: block.load_state_dict(state)) if float_chain
+                       else quantized_block_restorer(scheme, act_quant_enabled=False))
             per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=config.batch_size,
-                                    desc=f"awq {scheme.name}", device=self.device)
+                                    desc=f"awq {scheme.name}", device=self.device,
+                                    checkpoint=self.block_checkpoint(scheme, config, calib), restore=restore)
         if float_chain:
             for block in decoder_blocks(model):
                 to_quant_linears(block)

@@ -54,7 +54,7 @@ from lrq.config import MethodConfig, setting
 from lrq.methods import Calibration, Method, add_work, register
 from lrq.qlinear import QuantLinear
 from lrq.quant import fake_quant, minmax_qparams, n_groups, single_cpu_thread
-from lrq.quantize_model import quant_linear_for
+from lrq.quantize_model import quant_linear_for, quantized_block_restorer
 from lrq.schemes import Scheme
 
 # Linears sharing one input, in the order a block computes them (true-sequential GPTQ).
@@ -210,6 +210,7 @@ class GPTQ(Method):
     presets = {"quick": GPTQConfig(), "paper": GPTQConfig()}
     cost_rank = 5
     blockwise = True
+    checkpoints = True    # resumes at its next block (a long cell is hours on a CPU)
 
     def needs_calibration(self, scheme: Scheme) -> bool:
         return True
@@ -261,7 +262,9 @@ class GPTQ(Method):
         # The quantized chain advances under the same autocast as the Hessian forwards (and as evaluation).
         with precision.autocast(device_type, enabled=bf16):
             per_block = walk_blocks(model, calib.input_ids, process, need_targets=False, batch_size=batch_size,
-                                    desc=f"gptq {scheme.name}", device=self.device)
+                                    desc=f"gptq {scheme.name}", device=self.device,
+                                    checkpoint=self.block_checkpoint(scheme, config, calib),
+                                    restore=quantized_block_restorer(scheme, act_quant_enabled=False))
         for m in decoder_blocks(model).modules():
             if isinstance(m, QuantLinear):
                 m.act_quant_enabled = True

@@ -341,6 +341,9 @@ def replay_streams(layers, states: list[dict], restore: Callable[[int, nn.Module
             run_block(block, fp_in, kwargs[i], fp_out, batch_size)
             fp_in, fp_out = fp_out, fp_in
         restore(i, block, state)
+        # a restore that loads weights into the block's own parameters (AWQ's scaled FP block) must not be read
+        # through autocast's cached low-precision copies of the old values (made while the inputs were captured)
+        torch.clear_autocast_cache()
         run_block(layers[i], q_in, kwargs[i], q_in, batch_size)
         if device is not None and home != device:
             layers[i].to(home)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lrq.arch import KV_LINEARS, iter_linears, set_submodule, decoder_blocks
+from lrq.arch import KV_LINEARS, block_linears, decoder_blocks, iter_linears, set_submodule
 from lrq.qlinear import QuantLinear
 from lrq.schemes import Scheme
 
@@ -19,6 +19,20 @@ def quant_linear_for(linear: nn.Linear, name: str, scheme: Scheme, scale: torch.
                      weight: torch.Tensor | None = None) -> QuantLinear:
     return QuantLinear.from_linear(linear, scheme, scale, zero, weight=weight,
                                    quantize_output=name in KV_LINEARS)
+
+
+def quantized_block_restorer(scheme: Scheme, act_quant_enabled: bool = True):
+    """`restore(index, block, state)` for lrq.blockwise.walk_blocks: turn a block's linears into QuantLinears of
+    `scheme` and load a checkpointed block state into it (the quantized block the method had made;
+    `act_quant_enabled` as the method's walk left it, so recomputed streams are the walk's own)."""
+    def restore(i: int, block: nn.Module, state: dict) -> None:
+        for name, lin in block_linears(block).items():
+            q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme,
+                            quantize_output=name in KV_LINEARS)
+            q.act_quant_enabled = act_quant_enabled
+            set_submodule(block, name, q)
+        block.load_state_dict(state)
+    return restore
 
 
 @torch.no_grad()

@@ -34,12 +34,17 @@ def _tensors(model):
 
 # ---- a checkpoint without its streams resumes to exactly the uninterrupted result ---------------------------
 
-@pytest.mark.parametrize("method,scheme", [("lrq", "w3a16"), ("flexround", "w4a8"), ("omniquant", "w4a8")])
+@pytest.mark.parametrize("method,scheme", [("lrq", "w3a16"), ("flexround", "w4a8"), ("omniquant", "w4a8"),
+                                           ("gptq", "w3a16"), ("gptq", "w8a8"), ("awq", "w4a8"), ("awq", "w3a16-float")])
 def test_a_checkpoint_without_streams_resumes_to_the_uninterrupted_result(method, scheme, tmp_path, monkeypatch):
+    """LRQ, FlexRound, OmniQuant and (since 2026-12-04) GPTQ and AWQ, whose long cells are hours on a CPU: killed
+    after block 1, their carried blocks resume to the uninterrupted result bit for bit (AWQ with both chains)."""
     from lrq import blockwise
     from lrq.methods import get_method
     from lrq.schemes import get_scheme
-    cfg = {"iters": 4, "heldout_samples": 2}
+    cfg = {"iters": 4, "heldout_samples": 2} if method in ("lrq", "flexround", "omniquant") else {}
+    if scheme.endswith("-float"):
+        scheme, cfg = scheme[:-len("-float")], {"chain": "float"}
     m = get_method(method)
     full = tiny_model("llama", layers=3)
     m.quantize(full, get_scheme(scheme), m.config("quick", cfg), _calib())
@@ -74,9 +79,13 @@ def test_a_checkpoint_without_streams_resumes_to_the_uninterrupted_result(method
 
     monkeypatch.setattr(blockwise, "replay_streams", spy)
     resumed = tiny_model("llama", layers=3)
+    restored = []
+    real_completed = blockwise.BlockCheckpoint.completed
+    monkeypatch.setattr(blockwise.BlockCheckpoint, "completed",
+                        lambda self: restored.append(real_completed(self)) or restored[-1])
     stats = m2.quantize(resumed, get_scheme(scheme), m2.config("quick", cfg), _calib())
     assert replayed, "the walk did not recompute the missing streams"
-    assert stats["resumed_blocks"] == 2
+    assert restored == [2] and stats.get("resumed_blocks", 2) == 2
     # the recomputed streams are the ones the interrupted walk saved, bit for bit
     assert torch.equal(replayed["q"], saved[1]["q"])
     assert (replayed["fp"] is None) == (saved[1]["fp"] is None)
