@@ -53,7 +53,7 @@ from torch import nn
 
 from lrq import precision
 from lrq.arch import block_linears, decoder_blocks, set_submodule
-from lrq.blockwise import BlockContext, run_block, walk_blocks
+from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
 from lrq.errors import UserError
 from lrq.config import MethodConfig, setting
@@ -332,7 +332,7 @@ class AWQ(Method):
                        else quantized_block_restorer(scheme, act_quant_enabled=False))
             per_block = walk_blocks(model, ids, process, need_targets=False, batch_size=config.batch_size,
                                     desc=f"awq {scheme.name}", device=self.device,
-                                    checkpoint=self.block_checkpoint(scheme, config, calib), restore=restore)
+                                    checkpoint=method_checkpoint(self, scheme, config, calib), restore=restore)
         if float_chain:
             for block in decoder_blocks(model):
                 to_quant_linears(block)

@@ -48,7 +48,7 @@ from torch import nn
 
 from lrq import precision
 from lrq.arch import decoder_blocks, set_submodule
-from lrq.blockwise import BlockContext, run_block, walk_blocks
+from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks
 from lrq.calibration import calibrate_static_activations
 from lrq.config import MethodConfig, setting
 from lrq.methods import Calibration, Method, add_work, register
@@ -263,7 +263,7 @@ class GPTQ(Method):
         with precision.autocast(device_type, enabled=bf16):
             per_block = walk_blocks(model, calib.input_ids, process, need_targets=False, batch_size=batch_size,
                                     desc=f"gptq {scheme.name}", device=self.device,
-                                    checkpoint=self.block_checkpoint(scheme, config, calib),
+                                    checkpoint=method_checkpoint(self, scheme, config, calib),
                                     restore=quantized_block_restorer(scheme, act_quant_enabled=False))
         for m in decoder_blocks(model).modules():
             if isinstance(m, QuantLinear):

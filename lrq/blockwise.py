@@ -321,6 +321,20 @@ class BlockCheckpoint:
         return self._load_tensors(self._block_name(index))
 
 
+def method_checkpoint(method, scheme, config, calib) -> BlockCheckpoint | None:
+    """The per-block checkpoint of one quantize call of `method` (an lrq.methods.Method) in its `checkpoint_dir`,
+    or None without one. Its identity names the method, its version, the scheme, the keyed settings of `config`
+    and the calibration windows, so a checkpoint of another configuration is never resumed. (LRQ, FlexRound and
+    OmniQuant name theirs in lrq.engine, unchanged since their checkpoints were first carried between machines.)"""
+    if method.checkpoint_dir is None:
+        return None
+    import hashlib
+    ident = {"m": method.name, "v": method.version, "s": scheme.name, "c": method.keyed_settings(config),
+             "calib": calib.description}
+    return BlockCheckpoint(method.checkpoint_dir,
+                           hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest())
+
+
 def replay_streams(layers, states: list[dict], restore: Callable[[int, nn.Module, dict], None],
                    q_in: ActivationBuffer, fp_in: ActivationBuffer | None, fp_out: ActivationBuffer | None,
                    kwargs: list[dict], batch_size: int, device: torch.device | None):

@@ -85,22 +85,6 @@ class Method:
         self.device = torch.device(device) if isinstance(device, str) else device
         self.checkpoint_dir = checkpoint_dir if self.checkpoints else None
 
-    def block_checkpoint(self, scheme: Scheme, config: Mapping, calib: "Calibration"):
-        """This quantize call's per-block checkpoint (lrq.blockwise.BlockCheckpoint) in `checkpoint_dir`, or None
-        without one. Its identity names the method, its version, the scheme, the keyed settings and the calibration
-        windows, so a checkpoint of another configuration is never resumed. (LRQ, FlexRound and OmniQuant name
-        theirs in lrq.engine, unchanged since their checkpoints were first carried between machines.)"""
-        if self.checkpoint_dir is None:
-            return None
-        import hashlib
-        import json
-
-        from lrq.blockwise import BlockCheckpoint
-        ident = {"m": self.name, "v": self.version, "s": scheme.name, "c": self.keyed_settings(config),
-                 "calib": calib.description}
-        return BlockCheckpoint(self.checkpoint_dir,
-                               hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest())
-
     def display_name(self, config: dict[str, Any]) -> str:
         """The method's name in results (a method reading a checkpoint names it after the checkpoint)."""
         return self.name
