@@ -41,8 +41,8 @@ from lrq.errors import UserError
 from lrq.learnable import LearnableQuantLinear
 from lrq.config import MethodConfig, setting
 from lrq.methods import Calibration, Method, add_work, static_range_work
-from lrq.qlinear import QuantLinear
 from lrq.quant import minmax_qparams, qparams_from_range, search_qparams
+from lrq.quantize_model import quantized_block_restorer
 from lrq.schemes import Scheme
 
 log = logging.getLogger(__name__)
@@ -365,11 +365,7 @@ class ReconstructionMethod(Method):
         def process(ctx: BlockContext) -> None:
             ctx.stats.update(self._reconstruct_block(ctx, scheme, cfg, act_qparams, n_train, seed))
 
-        def restore(i: int, block: nn.Module, state: dict) -> None:
-            for name, lin in block_linears(block).items():
-                set_submodule(block, name, QuantLinear(lin.in_features, lin.out_features, lin.bias is not None,
-                                                       scheme, quantize_output=name in KV_LINEARS))
-            block.load_state_dict(state)
+        restore = quantized_block_restorer(scheme)
 
         ckpt = None
         if self.checkpoint_dir is not None:
