@@ -38,6 +38,7 @@ from lrq.arch import KV_LINEARS, block_linears, set_submodule
 from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
 from lrq.calibration import observe_input_ranges
 from lrq.errors import UserError
+from lrq.io import atomic_write
 from lrq.learnable import LearnableQuantLinear
 from lrq.config import MethodConfig, setting
 from lrq.methods import Calibration, Method, add_work, static_range_work
@@ -229,6 +230,13 @@ class ReconstructionMethod(Method):
     # held-out error windows is measured (frozen, no gradient, no random numbers: training is unchanged) and
     # kept as the block's "curve" (bench/studies/figure2.py sets it on its method object).
     curve_every: int = 0
+    # Not a setting: a file where the training of the block in progress is saved at every curve point (its
+    # learnables, Adam's, the schedule's and the GradScaler's state, the batch order, the random generator, the
+    # curve and step times so far), and from which the same block resumes exactly where an earlier process
+    # stopped; `train_state_key` names the run the file must belong to (another key: trained from the start).
+    # bench/studies/figure2.py sets both: one of its (block, method)s is an hour of a CPU core.
+    train_state_path: str | os.PathLike | None = None
+    train_state_key: str = ""
     checkpoints: ClassVar[bool] = True
     blockwise: ClassVar[bool] = True
 
@@ -449,7 +457,6 @@ class ReconstructionMethod(Method):
                      if cfg.lr_schedule == "cosine" else None)
             order = torch.randperm(n_train, generator=gen)
             pos = 0
-            bar = tqdm(range(iters), desc=f"block {i + 1}/{ctx.n_blocks}", leave=False)
             dev = next(block.parameters()).device    # the walk put the block on the compute device
             # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16; with
             # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
@@ -460,6 +467,7 @@ class ReconstructionMethod(Method):
                 autocast = precision.autocast(dev, enabled=cfg.autocast)
             scaler = torch.amp.GradScaler(dev.type) if amp else None
             skipped = 0
+            saved = self._load_train_state(i, iters, params)
             fwd = compiled_step(block, cfg.compile is True and not self._compile_refused, dev)
             if fwd is not block:
                 why = check_compiled_step(fwd, block, params, xt[:bs].to(dev), yt[:bs].to(dev), kw, autocast)
@@ -472,12 +480,32 @@ class ReconstructionMethod(Method):
             if self._compile_refused:
                 out["compile_refused"] = self._compile_refused
             loss_val = math.nan
-            if self.curve_every:
-                with _frozen(block, learn):
-                    curve = [_curve_point(0, math.nan, block, (xe, ye), (xh, yh), kw)]
             # wall time of every step (the first includes a compiled step's first call): what the planner's
             # probe prices (bench.run.plan._measure_training) and what a cell's stats report beside it
             step_times: list[float] = []
+            first, train_before = 0, 0.0
+            if saved is not None:   # continue an interrupted training exactly where its last save left it
+                with torch.no_grad():
+                    for p, t in zip(params, saved["params"]):
+                        p.copy_(t)
+                opt.load_state_dict(saved["opt"])
+                if sched is not None:
+                    sched.load_state_dict(saved["sched"])
+                if scaler is not None:
+                    scaler.load_state_dict(saved["scaler"])
+                gen.set_state(saved["gen"])
+                order, pos, first = saved["order"], saved["pos"], saved["step"]
+                loss_val, skipped, step_times = saved["loss"], saved["skipped"], list(saved["step_times"])
+                train_before = saved["train_s"]
+                curve = list(saved["curve"])
+                out["resumed"] = list(saved.get("resumed", [])) + [{"step": first, "train_s_before": train_before}]
+                log.info("block %d: training resumed at step %d of %d from %s", i, first, iters,
+                         self.train_state_path)
+            elif self.curve_every:
+                with _frozen(block, learn):
+                    curve = [_curve_point(0, math.nan, block, (xe, ye), (xh, yh), kw)]
+            bar = tqdm(range(first, iters), desc=f"block {i + 1}/{ctx.n_blocks}", initial=first, total=iters,
+                       leave=False)
             t_loop = t_step = time.perf_counter()
             for step in bar:
                 if pos + bs > n_train:
@@ -517,8 +545,18 @@ class ReconstructionMethod(Method):
                 now = time.perf_counter()
                 step_times.append(now - t_step)
                 t_step = now
+                if self.train_state_path and self.curve_every and (step + 1) % self.curve_every == 0 \
+                        and step < iters - 1:
+                    self._save_train_state({
+                        "key": self.train_state_key, "block": i, "iters": iters, "step": step + 1,
+                        "params": [p.detach().clone() for p in params], "opt": opt.state_dict(),
+                        "sched": sched.state_dict() if sched is not None else None,
+                        "scaler": scaler.state_dict() if scaler is not None else None,
+                        "gen": gen.get_state(), "order": order, "pos": pos, "loss": loss_val,
+                        "skipped": skipped, "step_times": step_times, "curve": curve,
+                        "train_s": train_before + now - t_loop, "resumed": out.get("resumed", [])})
             out["final_loss"] = loss_val
-            out["train_s"] = time.perf_counter() - t_loop
+            out["train_s"] = train_before + time.perf_counter() - t_loop
             out["step_s"] = statistics.median(step_times[1:] or step_times)
             if scaler is not None:
                 out["amp_skipped_steps"] = skipped
@@ -532,6 +570,33 @@ class ReconstructionMethod(Method):
         out["calib_after"] = block_error(block, xe, ye, kw)
         out["heldout_after"] = block_error(block, xh, yh, kw)
         return out
+
+    def _load_train_state(self, block: int, iters: int, params: list[nn.Parameter]) -> dict | None:
+        """The saved training of this block (see `train_state_path`), or None where there is none, or where
+        the file belongs to another run, block, step count or set of learnables (then it is trained anew)."""
+        path = self.train_state_path
+        if not path or not os.path.exists(path):
+            return None
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:   # a torn or foreign file: the run goes on from the start, never from garbage
+            log.warning("block %d: the saved training state %s cannot be read (%s); training from step 0",
+                        block, path, e)
+            return None
+        why = None
+        if saved.get("key") != self.train_state_key or saved.get("block") != block or saved.get("iters") != iters:
+            why = (f"it belongs to block {saved.get('block')} of {saved.get('iters')} steps under another key"
+                   if saved.get("key") != self.train_state_key else
+                   f"it belongs to block {saved.get('block')} of {saved.get('iters')} steps")
+        elif [tuple(t.shape) for t in saved["params"]] != [tuple(p.shape) for p in params]:
+            why = "its learnables have other shapes"
+        if why:
+            log.warning("block %d: not resuming from %s: %s; training from step 0", block, path, why)
+            return None
+        return saved
+
+    def _save_train_state(self, state: dict) -> None:
+        atomic_write(self.train_state_path, lambda tmp: torch.save(state, tmp), fsync=False)
 
 
 class _frozen:

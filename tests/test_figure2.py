@@ -153,3 +153,97 @@ def test_the_curve_does_not_change_training(tiny_model_dir, data_dir):
     assert all(torch.equal(weights[0][n][k], weights[1][n][k]) for n in weights[0] for k in (0, 1))
     # and training did move the weights (0 steps: round to nearest)
     assert not all(torch.equal(weights[0][n][0], weights[2][n][0]) for n in weights[0])
+
+
+@pytest.mark.parametrize("method,extra", [("lrq", {}), ("flexround", {"train_precision": "authors"})])
+def test_training_resumes_mid_block_exactly(tiny_model_dir, data_dir, tmp_path, monkeypatch, method, extra):
+    """A block's training stopped between two curve points and continued by another process (a new method
+    object, the saved state file) ends bitwise where the uninterrupted training ends: weights, scales and
+    curve (Adam, the cosine schedule, the GradScaler, the batch order and the generator all resume)."""
+    import copy
+    from types import SimpleNamespace
+
+    from bench.evaluations.data import calibration_set
+    from bench.common.models import load_model
+    from lrq.arch import block_linears, decoder_blocks
+    from lrq.blockwise import capture_block_inputs
+    from lrq.engine import ReconstructionMethod
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+
+    loaded = load_model(str(tiny_model_dir))
+    calib = calibration_set(loaded.tokenizer, data_dir, "c4", 8, 32, sampling="sequential")
+    buf, per_layer = capture_block_inputs(loaded.model, calib.input_ids)
+    kw, x = per_layer[1], buf.data[:].clone()
+    block = decoder_blocks(loaded.model)[1]
+    with torch.no_grad():
+        y = block(x, **kw)
+        y = y[0] if isinstance(y, tuple) else y
+    scheme = get_scheme("w4a16")
+    state = tmp_path / "state.pt"
+
+    def train(key="run", stop_after=None):
+        m = get_method(method)
+        m.curve_every, m.train_state_path, m.train_state_key = 2, state, key
+        cfg = m.resolve(scheme, m.config("paper", {"iters": "7", "batch_size": "2", "error_samples": "2",
+                                                   "lr": "0.01", "compile": "off", **extra}))
+        ctx = SimpleNamespace(index=1, n_blocks=2, block=copy.deepcopy(block), q_inputs=SimpleNamespace(data=x),
+                              fp_targets=SimpleNamespace(data=y), kwargs=kw, stats={})
+        out = m._reconstruct_block(ctx, scheme, cfg, {}, 6, 0)
+        return out, {n: (q.qweight.clone(), q.scale.clone()) for n, q in block_linears(ctx.block).items()}
+
+    whole, w_whole = train(key="whole")
+    state.unlink()                                     # the uninterrupted run leaves its last save (step 6)
+    saves = []
+    real_save = ReconstructionMethod._save_train_state
+
+    def save_then_stop(self, st):
+        real_save(self, st)
+        saves.append(st["step"])
+        if st["step"] == 4:
+            raise KeyboardInterrupt                    # the process is stopped after the save at step 4
+    monkeypatch.setattr(ReconstructionMethod, "_save_train_state", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train()
+    monkeypatch.setattr(ReconstructionMethod, "_save_train_state", real_save)
+    assert saves == [2, 4] and state.exists()
+    resumed, w_resumed = train()
+    assert [r["step"] for r in resumed["resumed"]] == [4] and "resumed" not in whole
+    assert [p["step"] for p in resumed["curve"]] == [0, 2, 4, 6, 7]
+    same = lambda a, b: json.dumps(a) == json.dumps(b)     # noqa: E731  (step 0's loss is NaN: != itself)
+    assert same(resumed["curve"], whole["curve"]) and resumed["final_loss"] == whole["final_loss"]
+    for n in w_whole:
+        assert torch.equal(w_whole[n][0], w_resumed[n][0]) and torch.equal(w_whole[n][1], w_resumed[n][1])
+    assert resumed["train_s"] >= resumed["resumed"][0]["train_s_before"] > 0
+    # a state saved under another key (another configuration) is never resumed from: trained from step 0
+    assert state.exists()
+    other, w_other = train(key="another")
+    assert "resumed" not in other and same(other["curve"], whole["curve"])
+
+
+def test_figure2_resumes_the_block_in_training(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """The study stopped mid-(block, method) resumes there on a rerun, says so, and removes its state file."""
+    from lrq.engine import ReconstructionMethod
+    one = ARGS.copy()
+    one[one.index("--blocks") + 1] = "first"
+    base = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--methods", "lrq",
+            "--state-dir", str(tmp_path / "state")] + one
+    assert main(base + ["--out", str(tmp_path / "whole")]) == 0
+    assert list((tmp_path / "state").iterdir()) == []
+    real_save = ReconstructionMethod._save_train_state
+
+    def save_then_stop(self, st):
+        real_save(self, st)
+        if st["step"] == 4:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(ReconstructionMethod, "_save_train_state", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        main(base + ["--out", str(tmp_path / "cut")])
+    assert len(list((tmp_path / "state").iterdir())) == 1
+    monkeypatch.setattr(ReconstructionMethod, "_save_train_state", real_save)
+    assert main(base + ["--out", str(tmp_path / "cut")]) == 0
+    whole = json.loads((tmp_path / "whole" / "figure2.json").read_text())["results"]["0/lrq"]
+    cut = json.loads((tmp_path / "cut" / "figure2.json").read_text())["results"]["0/lrq"]
+    assert cut["curve"] == whole["curve"] and cut["resumed_at_steps"] == [4] and "resumed_at_steps" not in whole
+    assert list((tmp_path / "state").iterdir()) == []
+    assert "resumed at step 4" in (tmp_path / "cut" / "figure2.md").read_text()

@@ -14,7 +14,8 @@ quantity, on the first `--error-samples` training windows and on the held-out wi
 The default model's C4 pool holds 418 windows of 1,024 tokens beside the evaluation documents: the
 default is 384 training + 32 held-out windows (the paper: 512 training windows). Results are written
 after every (block, method) to `--out`/figure2.json, with the configuration, and a rerun with the same
-configuration resumes where it stopped; figure2.md and figure2.html hold the table and the curves.
+configuration resumes where it stopped: at the next (block, method), and within the one that was training at
+its last `--every` step (its state is saved in `--state-dir`, the cache by default, and removed when done); figure2.md and figure2.html hold the table and the curves.
 Every point keeps each window's own error: the table gives 95 % intervals across windows, and LRQ /
 FlexRound is the geometric mean of the per-window ratios on the same held-out windows, with its interval.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -61,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "with input_ids [n, seq]; bench/studies/gpu_stage.py pack writes one) instead of the data folder")
     p.add_argument("--budget-s", type=float, default=0, help="start no (block, method) that would end after this "
                    "many seconds (judged by the last one's time); 0: no limit")
+    p.add_argument("--state-dir", default=None, help="where the (block, method) in training is saved every --every "
+                   "steps, to resume there after an interruption (default: the cache, figure2-state/)")
     p.add_argument("--out", default="reports/figure2")
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="join the results of runs made apart (e.g. one per method) into --out, and render")
@@ -114,6 +118,7 @@ def _calibration_file(path: str, n: int, seq: int):
 
 def run(args) -> dict:
     from bench.evaluations.data import calibration_set, resolve_data_dir
+    from bench.common.cache import cache_root
     from bench.common.models import load_model
     from bench.common.provenance import git_revision, hardware, versions
     from lrq.arch import decoder_blocks
@@ -162,6 +167,8 @@ def run(args) -> dict:
     todo = [(b, m) for b in chosen for m in methods if f"{b}/{m}" not in res["results"]]
     if not todo:
         return res
+    state_dir = Path(args.state_dir) if args.state_dir else cache_root() / "figure2-state"
+    state_dir.mkdir(parents=True, exist_ok=True)
     started, last = time.monotonic(), 0.0
 
     def out_of_time() -> bool:
@@ -185,17 +192,26 @@ def run(args) -> dict:
                     method = objs[m]
                     method.curve_every = args.every
                     cfg = method.resolve(scheme, method.config("paper", settings))
+                    key = hashlib.sha256(dumps_json([strip(res["config"]), b, m, dict(cfg)],
+                                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
+                    method.train_state_path = state_dir / f"{key}.pt"
+                    method.train_state_key = key
                     ctx = SimpleNamespace(index=i, n_blocks=len(blocks), block=copy.deepcopy(blocks[i]),
                                           q_inputs=SimpleNamespace(data=x), fp_targets=SimpleNamespace(data=y),
                                           kwargs=kw[i], stats={})
                     t0 = time.perf_counter()
                     with torch.enable_grad():
                         out = method._reconstruct_block(ctx, scheme, cfg, {}, args.calib_samples, args.seed)
+                    # the wall time of the training's earlier processes, if it resumed, is counted too
+                    earlier = out["resumed"][-1]["train_s_before"] if out.get("resumed") else 0.0
                     res["results"][f"{b}/{m}"] = {"block": b, "method": m, "resolved": dict(cfg),
                                                   "n_learnable": out["n_learnable"], "curve": out["curve"],
-                                                  "wall_s": time.perf_counter() - t0,
+                                                  "wall_s": earlier + time.perf_counter() - t0,
                                                   "provenance": res["provenance"]}
+                    if out.get("resumed"):
+                        res["results"][f"{b}/{m}"]["resumed_at_steps"] = [r["step"] for r in out["resumed"]]
                     atomic_write_text(path, dumps_json(res, indent=1, default=str))
+                    method.train_state_path.unlink(missing_ok=True)
                     last = time.perf_counter() - t0
                     print(f"block {b} {m}: {len(out['curve'])} points, {last:.0f} s", flush=True)
             x = y
@@ -313,8 +329,9 @@ def _where(res: dict, result: dict) -> str:
     from bench.common.provenance import cpu_label
     prov = result.get("provenance") or res["provenance"]
     wall = result.get("wall_s")
+    resumed = result.get("resumed_at_steps")
     return (f"{wall:,.0f} s, " if wall else "") + f"{cpu_label(prov['hardware'])}, {prov['threads']} thread(s), " \
-        f"{prov['git'][:12]}"
+        f"{prov['git'][:12]}" + (f", resumed at step {', '.join(map(str, resumed))}" if resumed else "")
 
 
 def markdown(res: dict) -> str:
