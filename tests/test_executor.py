@@ -141,6 +141,23 @@ def test_first_look_profile_runs_every_scheme_with_tasks_in_workers(tiny_model_d
     w8a8 = next(r for r in rows if r.scheme == "w8a8" and r.metric == "ppl")
     assert w8a8.config["calibration"]["n_samples"] == 32   # the profile's calibration size
     assert (tmp_path / "rep" / "leaderboard.md").is_file() and (tmp_path / "rep" / "leaderboard.html").is_file()
+    # every stage's price, as announced, is stored with the stage's result, beside the time it took
+    from bench.reports.report import planned_vs_measured
+    planned = [r for r in rows if r.metric == "planned_time_s"]
+    assert {(r.method, r.scheme, r.config["planned"]["stage"]) for r in planned} == {
+        (m, s, st) for m, s in cells for st in ("quant", "wikitext2", "c4", "tasks")}
+    assert all(r.config["planned"]["workers"] == 2 and r.config["planned"]["machine"] for r in planned)
+    assert all(r.value > 0 for r in planned if r.method != FP or r.config["planned"]["stage"] != "quant")
+    pv = planned_vs_measured(rows)
+    assert len(pv) == len(planned) == 16
+    for p in pv:
+        if p["method"] == FP and p["stage"] == "quant":
+            assert p["measured_s"] is None          # the FP reference quantizes nothing: no time to compare
+        else:
+            assert p["measured_s"] > 0 and p["ratio"] == pytest.approx(p["measured_s"] / p["planned_s"])
+    md = (tmp_path / "rep" / "leaderboard.md").read_text()
+    assert "### Planned and measured time" in md and "stages within 25 % of their estimate" in md
+    assert "| tasks " not in md.split("### Planned and measured time")[0]   # a price alone is not a text
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")

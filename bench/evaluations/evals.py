@@ -117,6 +117,8 @@ _METRICS = (
     Metric("quant_peak_rss_bytes", "quant peak RSS", None, "bytes"),
     Metric("quant_peak_cuda_bytes", "quant peak CUDA memory", None, "bytes"),
     Metric("blocks_time_s", "blocks time (s)", None, "{:.1f}", "s"),
+    # the planner's price of the unit's stage, stored with it by the run that announced it (bench.run.sweep)
+    Metric("planned_time_s", "planned time (s)", None, "{:.1f}", "s"),
     Metric("resumed_blocks", "resumed blocks", None, "{:.0f}"),
     Metric("compiled_blocks", "compiled blocks", None, "{:.0f}"),
     Metric("mean_block_calib_before", "block error, calibration, before", "lower"),

@@ -13,6 +13,7 @@ import pandas as pd
 from tabulate import tabulate
 
 import html
+import statistics
 from collections import defaultdict
 from dataclasses import replace
 
@@ -665,9 +666,9 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
     parts += older_versions(srows)
     stats = cell_stats(srows)
     parts += _leaderboard_sections(mdf, stats)
-    ppl_sets = [d for d in ("wikitext2", "c4") if d in set(mdf["dataset"])] + sorted(
-        d for d in set(mdf["dataset"]) - {"wikitext2", "c4", "quant"}
-        if not d.startswith("speed_") and d not in TASK_DATASETS)
+    measured = set(mdf.loc[mdf["metric"] != "planned_time_s", "dataset"])   # a price alone is no text
+    ppl_sets = [d for d in ("wikitext2", "c4") if d in measured] + sorted(
+        d for d in measured - {"wikitext2", "c4", "quant"} if not d.startswith("speed_") and d not in TASK_DATASETS)
     parts += [DETAILS, ""]
     with_ppl = [d for d in ppl_sets if d in set(mdf.loc[mdf["metric"] == "ppl", "dataset"])]
     if with_ppl:
@@ -684,6 +685,7 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
                   "every block's time, including blocks an interrupted earlier run finished (resumed_blocks).",
                   "", dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "blocks_time_s",
                                                    "resumed_blocks", "quant_peak_rss_bytes"]), ""]
+    parts += planned_section(srows)
     recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(RECON_METRICS)]
     if not recon.empty:
         parts += ["### Block reconstruction (LRQ paper, Figure 2)", "",
@@ -703,6 +705,66 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
 
 
 DETAILS = "## Details"
+
+
+def planned_vs_measured(rows: list[Row]) -> list[dict]:
+    """Every stage a run priced before computing it (its `planned_time_s` row, bench.run.sweep.planned_rows)
+    beside the wall time its unit took (the wall_s of the unit's other rows), in the rows' order."""
+    walls: dict[str, float] = {}
+    resumed: dict[str, float] = {}
+    for r in rows:
+        if r.metric != "planned_time_s" and r.wall_s is not None and r.unit_key:
+            walls.setdefault(r.unit_key, float(r.wall_s))
+        if r.metric == "resumed_blocks" and r.value:
+            resumed[r.unit_key] = r.value
+    out = []
+    for r in rows:
+        if r.metric != "planned_time_s" or r.value is None:
+            continue
+        plan = (r.config or {}).get("planned") or {}
+        wall = walls.get(r.unit_key)
+        out.append({"method": r.method, "scheme": r.scheme, "stage": plan.get("stage", r.dataset),
+                    "planned_s": float(r.value), "measured_s": wall,
+                    "ratio": wall / r.value if wall is not None and r.value > 0 else None,
+                    "workers": plan.get("workers"), "machine": plan.get("machine"),
+                    "resumed_blocks": resumed.get(r.unit_key)})
+    return out
+
+
+def planned_section(rows: list[Row]) -> list[str]:
+    """The planner's price of each stage beside the time it took, with the share within 25 %."""
+    from bench.run.plan import fmt_duration
+    items = planned_vs_measured(rows)
+    if not items:
+        return []
+    order = {"quant": 0, "tasks": 2}
+    items.sort(key=lambda it: (it["method"] != "fp", it["method"], it["scheme"], order.get(it["stage"], 1)))
+    dur = lambda x: f"{x:.2g} s" if x < 10 else fmt_duration(x)    # noqa: E731
+    body, ratios = [], []
+    for it in items:
+        ratio = it["ratio"]
+        if ratio is not None and not it["resumed_blocks"]:
+            ratios.append(ratio)
+        body.append([it["method"], it["scheme"], it["stage"], dur(it["planned_s"]),
+                     "-" if it["measured_s"] is None else dur(it["measured_s"]),
+                     "-" if ratio is None else f"{ratio:.2f}"
+                     + (f" (resumed: {it['resumed_blocks']:.0f} blocks came from an earlier run)"
+                        if it["resumed_blocks"] else ""),
+                     it["workers"] or "-", md_text(it["machine"] or "-")])
+    within = sum(0.8 <= x <= 1.25 for x in ratios)
+    median = statistics.median(ratios) if ratios else None
+    head = ("The planner's estimate of each stage, announced before the run computed it and stored with its "
+            "result, beside the wall time the stage took (measured / planned: above 1, slower than planned). Wall "
+            "time also counts the time other processes held the cores: with several workers or other work on the "
+            "machine, expect ratios above 1. Not priced: process start-up, model loading and lm-eval's set-up, "
+            "which dominate stages of seconds (a small model's). The quantization stage of the first cell that "
+            "needs a text's KL reference is priced with that reference's FP pass, which costs nothing where it is "
+            "cached.")
+    summary = (f"{within} of {len(ratios)} stages within 25 % of their estimate (measured / planned between 0.8 "
+               f"and 1.25); median ratio {median:.2f}." if ratios else "")
+    return (["### Planned and measured time", "", head, ""] + ([summary, ""] if summary else [])
+            + [tabulate(body, headers=["method", "scheme", "stage", "planned", "measured", "measured / planned",
+                                       "workers", "planned on"], tablefmt="github", disable_numparse=True), ""])
 
 
 def older_versions(rows: list[Row]) -> list[str]:

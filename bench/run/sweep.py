@@ -122,9 +122,11 @@ class StoreSink:
     before it starts (`claim`: "run", "wait" while another run holds it, "skip" when nothing is missing any
     more)."""
 
-    def __init__(self, store: ResultStore, run_id: str, force: bool = False, carry=None):
-        self.store, self.run_id, self.force = store, run_id, force
+    def __init__(self, store: ResultStore, run_id: str, force: bool = False, carry=None, estimate=None,
+                 workers: int = 1):
+        self.store, self.run_id, self.force, self.workers = store, run_id, force, workers
         self.carry = carry   # bench.run.ledger.Carry (run --sync): results file and carried checkpoints
+        self.estimate = estimate   # bench.run.plan.RunEstimate: each unit stores its stage's price beside it
         self.outcomes: dict[int, CellOutcome] = {}
         self.locks: dict[int, CellLock] = {}
 
@@ -153,7 +155,8 @@ class StoreSink:
             lock.release()
 
     def unit(self, job: Job, unit: str, rows: list[Row]) -> None:
-        self.store.write_unit(rows, job.cell.keys[unit], self.run_id)
+        planned = planned_rows(self.estimate, job, unit, rows, self.workers)
+        self.store.write_unit(rows + planned, job.cell.keys[unit], self.run_id)
         if self.carry is not None:
             self.carry.unit_stored()
 
@@ -187,6 +190,36 @@ def cost_rank(cell: Cell) -> int:
     return cell.method.cost_rank + (1 if cell.uses_calibration else 0)
 
 
+#: the metric of the planner's price of a unit's stage, stored in the unit beside what was measured (its rows'
+#: wall_s), so that every result says how far the estimate the run announced was from the time it took
+PLANNED = "planned_time_s"
+
+
+def unit_stage(unit: str) -> str:
+    """The planner's stage a unit is computed in (bench.run.plan.stage_work): a text's perplexity and its KL
+    divergence from FP are one pass (stage <text>); the quantization and the tasks are their own stages."""
+    return unit.split(":", 1)[0]
+
+
+def planned_rows(estimate, job: Job, unit: str, rows: list[Row], workers: int = 1) -> list[Row]:
+    """The row that stores the price of `unit`'s stage (`PLANNED`) with it, or none: where the run had no
+    estimate or the unit no rows, and for a text's KL unit when the text's perplexity unit carries the price (a
+    stage is priced once)."""
+    stage = unit_stage(unit)
+    seconds = (estimate.stages.get(job.index) or {}).get(stage) if estimate is not None else None
+    if seconds is None or not rows or (unit != stage and stage in job.todo):
+        return []
+    from dataclasses import replace
+
+    from bench.common.provenance import cpu_label
+    hw = (estimate.profile or {}).get("hardware") or {}
+    plan = {"stage": stage, "machine": hw.get("gpu") or (cpu_label(hw) if hw else None),
+            "threads": (estimate.profile or {}).get("threads"), "workers": workers}
+    r = rows[0]
+    return [replace(r, dataset="tasks" if stage == "tasks" else r.dataset, metric=PLANNED, value=float(seconds),
+                    config=dict(r.config or {}) | {"planned": plan}, wall_s=None, peak_mem_bytes=None)]
+
+
 def missing_units(cells: list[Cell], store: ResultStore, force: bool = False) -> dict[int, frozenset[str]]:
     """Per cell index, the units not yet in the store (every unit with `force`)."""
     return {i: frozenset(u for u, k in cell.keys.items() if force or not store.has_unit(k))
@@ -201,7 +234,7 @@ def run_cells(cells: list[Cell], store: ResultStore, force: bool = False, execut
     (bench.run.ledger.Carry): also keep the run's results file and carried checkpoints up to date."""
     executor = executor or LocalExecutor(jobs=1)
     remove_stale_locks(store.path)
-    sink = StoreSink(store, uuid.uuid4().hex[:12], force, carry)
+    sink = StoreSink(store, uuid.uuid4().hex[:12], force, carry, estimate, workers=getattr(executor, "jobs", 1))
     if carry is not None:
         carry.track(cells)
         carry.unit_stored()   # units stored before (or imported) are in the file from the start
