@@ -525,7 +525,7 @@ def cmd_plan(args) -> int:
         if sp.method is None:
             continue
         host, dev = P.estimate_memory(shape, sp.method, sp.n, sp.seq, machine["device"])
-        cells.append(P.CellPlan(sp.method.name, sp.scheme.name, {}, est.seconds(i), host, dev))
+        cells.append(P.CellPlan(sp.method.name, sp.scheme.name, {}, est.seconds(i), host, dev, est.stages.get(i)))
     fp_s = est.seconds(0)
     total, wall = est.total, est.wall(workers)
     load = P.load_note(workers) if device == "cpu" else None

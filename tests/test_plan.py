@@ -188,6 +188,10 @@ def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir
                          {i: set(c.keys) for i, c in enumerate(cells)}, prof)
     assert plan["fp_seconds"] == pytest.approx(est.seconds(0), rel=1e-9)
     assert [c["seconds"] for c in plan["cells"]] == pytest.approx([est.seconds(i) for i in range(1, 5)], rel=1e-9)
+    # and per stage, as a run stores each stage's price with its result (planned_time_s)
+    for i, c in enumerate(plan["cells"], 1):
+        assert set(c["stages"]) == {"quant", "wikitext2", "c4", "tasks"}
+        assert c["stages"] == pytest.approx(est.stages[i], rel=1e-9)
     assert plan["total_hours"] * 3600 == pytest.approx(est.total, rel=1e-9)
     # the KL pass is priced: without the KL units the same cells cost less, and the FP reference is paid once
     no_kl = P.estimate_run(plan_shape, dict(enumerate(cells)),

@@ -212,6 +212,7 @@ class CellPlan:
     seconds: float = 0.0
     host_bytes: int = 0
     device_bytes: int = 0
+    stages: dict[str, float] | None = None   # seconds per stage as a run stores them ("quant", each text, "tasks")
 
 
 def task_requests(task: str, task_limit: int | None) -> tuple[int, int]:
@@ -916,7 +917,8 @@ def host_memory_available() -> int:
 
 def as_rows(plans: list[CellPlan]) -> list[dict]:
     return [{"method": p.method, "scheme": p.scheme, "hours": p.seconds / 3600, "seconds": p.seconds,
-             "host_gib": p.host_bytes / 2**30, "device_gib": p.device_bytes / 2**30} for p in plans]
+             "host_gib": p.host_bytes / 2**30, "device_gib": p.device_bytes / 2**30}
+            | ({"stages": p.stages} if p.stages is not None else {}) for p in plans]
 
 
 def describe(shape: ModelShape) -> dict:
