@@ -164,6 +164,45 @@ def test_long_training_is_priced_from_a_step_measured_at_the_cells_shape(tmp_pat
     assert len(calls) == 1 and "train_lrq" in quick
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_long_gptq_and_awq_are_priced_at_the_models_widths(tmp_path, monkeypatch, method):
+    """A GPTQ or AWQ cell with MEASURE_WALK_FROM_TOKENS calibration tokens or more is priced by its own work formula
+    at the rate measured on one random block of the model's widths (cached), not at the narrow profile's rate;
+    cells with less calibration keep the profile's price, and the probe never touches the cell's checkpoints."""
+    from bench.run import plan as P
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(P, "MEASURE_WALK_FROM_TOKENS", 256)
+    shape = P.ModelShape("tiny", 64, 160, 3, 4, 2, 128)
+    m, scheme = get_method(method, checkpoint_dir=str(tmp_path / "ck")), get_scheme("w4a16")
+    cfg = m.config("quick", {})
+    flops = sum(f for _, f in m.work(shape, scheme, cfg, 16, 32).values())
+    work = dict(m.work(shape, scheme, cfg, 16, 32))
+    calls = []
+    real = P._measure_walk
+    monkeypatch.setattr(P, "_measure_walk", lambda *a: calls.append(1) or real(*a))
+    P.measured_walk(work, shape, m, scheme, cfg, 16, 32)
+    assert len(calls) == 1 and method not in work and len(work) == 2
+    (flop_kind,) = [k for k in work if k.endswith(":flop")]
+    assert work[flop_kind][0] == flops and work[flop_kind.replace(":flop", ":block")][0] == 3
+    probe = json.loads((tmp_path / "plan-training-steps.json").read_text())[flop_kind.split(":")[1]]
+    assert probe["flop_s"] > 0 and probe["block_s"] >= 0 and len(probe["points"]) == 3
+    assert probe["key"]["method"] == method and probe["key"]["seq"] == 32
+    expect = flops * probe["flop_s"] + 3 * probe["block_s"]
+    assert P.seconds(work, {"kinds": {}}) == pytest.approx(expect, rel=1e-12)
+    # the fit passes through the two measured sizes (2 and 8 windows of one block)
+    (f1, t1), (f2, t2) = probe["points"][1:]
+    assert f1 * probe["flop_s"] + probe["block_s"] == pytest.approx(t1, rel=1e-6, abs=1e-9) and f2 > f1
+    # cached; a cell with less calibration than the threshold keeps the FLOP-scaled price
+    again = dict(m.work(shape, scheme, cfg, 16, 32))
+    P.measured_walk(again, shape, m, scheme, cfg, 16, 32)
+    small = dict(m.work(shape, scheme, cfg, 4, 32))
+    P.measured_walk(small, shape, m, scheme, cfg, 4, 32)
+    assert len(calls) == 1 and again == work and method in small
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
 def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir, tmp_path, capsys):
     """`plan` and the estimate `run` prints come from one function (`P.price`): for the same options on an empty
     store they agree to the second, and both count the KL pass (the FP reference over each text once, and the

@@ -234,6 +234,7 @@ def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, e
     L = shape.layers
     if method is not None and measure:
         measured_training(stages["quant"], shape, method, scheme, cfg, seq)
+        measured_walk(stages["quant"], shape, method, scheme, cfg, n, seq)
     probe = measured_eval(shape, eval_seq) if measure and (eval_tokens or tasks) else None
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
@@ -555,21 +556,30 @@ def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
             "settings": keep, "probe": 2} | _machine_key()   # 2: the median of timed steps (1: two runs' difference)
 
 
+#: the vocabulary of the probes' random one-block models (their head is not what they measure)
+_PROBE_VOCAB = 256
+
+
+def _probe_model(shape: ModelShape, seq: int):
+    """A random one-block Llama of `shape`'s widths (heads, head_dim) and its config, for the probes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    mc = LlamaConfig(vocab_size=_PROBE_VOCAB, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                     num_hidden_layers=1, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                     head_dim=shape.head_dim, max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
+    return LlamaForCausalLM(mc).eval(), mc
+
+
 def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, compiled: bool) -> dict:
     """Seconds per training step and per block (beyond the steps) of `method` on one random block of `shape`, its
     step compiled as the cell's is."""
     import copy
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from lrq.methods import Calibration
     # a fresh instance without the cell's checkpoint folder: the probe's random block must never be written where
     # the cell resumes from (a --sync folder would commit it)
     method = type(method)(device=method.device)
-    torch.manual_seed(0)
-    mc = LlamaConfig(vocab_size=256, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                     num_hidden_layers=1, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                     head_dim=shape.head_dim, max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
-    model0 = LlamaForCausalLM(mc).eval()
+    model0, mc = _probe_model(shape, seq)
     bs = int(cfg.get("batch_size", 1))
     n = 2 * bs + 1
     ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(0))
@@ -618,6 +628,69 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
                            f"{key['settings']['batch_size']} x {seq}, compiled; about a minute, once) ...")
     del work[kind]
     work[f"probe:{digest}:step"] = (float(steps), 0.0)
+    work[f"probe:{digest}:block"] = (float(shape.layers), 0.0)
+
+
+# GPTQ's and AWQ's cells with this many calibration tokens or more (the long and paper presets) have their work
+# priced at the model's own widths: the FLOP rates of the profile's narrow random blocks are several times lower
+# than a 576-wide block's large matmuls reach (on the Zen 4 the profile priced the long preset's GPTQ w4a8 at
+# 4,281 s of quantization against 1,394 s measured for 24 of its 30 blocks).
+MEASURE_WALK_FROM_TOKENS = 65536
+MEASURE_WALK_KINDS = ("gptq", "awq")
+_WALK_PROBE_WINDOWS = (2, 2, 8)      # a discarded warm-up, then the two measured calibration sizes
+
+
+def _measure_walk(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dict:
+    """The method's whole quantization of one random block of `shape`'s widths at two calibration sizes, fitted as
+    seconds = per_block + flops x flop_s, where flops is the method's own work formula (`Method.work`) for that
+    block: the formula scales the work with the calibration size and the method's caps, the probe supplies the
+    rate this machine reaches at these widths."""
+    import copy
+    from dataclasses import replace
+
+    from lrq.methods import Calibration
+    method = type(method)(device=method.device)     # never the cell's checkpoint folder (see _measure_training)
+    model0, mc = _probe_model(shape, seq)
+    one = replace(shape, layers=1, vocab=_PROBE_VOCAB, tied=False, mlp="gated", sliding_window=None,
+                  sliding_layers=0)   # the probe's block, as the work formula describes it
+    points = []
+    for n in _WALK_PROBE_WINDOWS:
+        ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(n))
+        calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
+        c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
+        conf = method.config(cfg.get("preset", "quick"), c)
+        model = copy.deepcopy(model0)
+        t = time.perf_counter()
+        method.quantize(model, scheme, conf, calib)
+        points.append((sum(f for _, f in method.work(one, scheme, conf, n, seq).values()),
+                       time.perf_counter() - t))
+    (f1, t1), (f2, t2) = points[1], points[2]
+    flop_s = max((t2 - t1) / max(f2 - f1, 1.0), 1e-15)
+    return {"flop_s": flop_s, "block_s": max(t1 - f1 * flop_s, 0.0), "points": points,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def measured_walk(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict, n: int,
+                  seq: int) -> None:
+    """Replace the FLOP-scaled price of a GPTQ or AWQ cell with many calibration tokens (MEASURE_WALK_FROM_TOKENS)
+    by its work formula priced at the rate measured at the model's widths (`_measure_walk`): kinds
+    `probe:<key>:flop` (calls: the formula's FLOPs) and `probe:<key>:block` (calls: blocks)."""
+    if scheme is None or not any(k in work for k in MEASURE_WALK_KINDS) or n * seq < MEASURE_WALK_FROM_TOKENS \
+            or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
+        return
+    try:
+        resolved = method.resolve(scheme, dict(cfg))
+    except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
+        return
+    keep = {k: v for k, v in dict(resolved).items() if k not in ("preset",)}
+    key = {"method": method.name, "scheme": scheme.name, "shape": shape.probe_shape(), "seq": int(seq),
+           "settings": keep, "probe": "walk-1"} | _machine_key()
+    digest = _cached_probe(key, lambda: _measure_walk(shape, method, scheme, cfg, seq),
+                           f"measuring {method.name}'s quantization of one block at this model's widths ({seq}-token "
+                           f"windows; seconds, once) ...")
+    flops = sum(f for _, f in work.values())
+    work.clear()
+    work[f"probe:{digest}:flop"] = (float(flops), 0.0)
     work[f"probe:{digest}:block"] = (float(shape.layers), 0.0)
 
 
