@@ -191,9 +191,10 @@ def test_long_gptq_and_awq_are_priced_at_the_models_widths(tmp_path, monkeypatch
     assert probe["key"]["method"] == method and probe["key"]["seq"] == 32
     expect = flops * probe["flop_s"] + 3 * probe["block_s"]
     assert P.seconds(work, {"kinds": {}}) == pytest.approx(expect, rel=1e-12)
-    # the fit passes through the two measured sizes (2 and 8 windows of one block)
+    # the line through the two measured sizes (2 and 8 windows of one block; never a negative time)
     (f1, t1), (f2, t2) = probe["points"][1:]
-    assert f1 * probe["flop_s"] + probe["block_s"] == pytest.approx(t1, rel=1e-6, abs=1e-9) and f2 > f1
+    assert f2 > f1 and probe["flop_s"] == pytest.approx(max((t2 - t1) / (f2 - f1), 1e-15), rel=1e-9)
+    assert probe["block_s"] == pytest.approx(max(t1 - f1 * probe["flop_s"], 0.0), rel=1e-9, abs=1e-12)
     # cached; a cell with less calibration than the threshold keeps the FLOP-scaled price
     again = dict(m.work(shape, scheme, cfg, 16, 32))
     P.measured_walk(again, shape, m, scheme, cfg, 16, 32)
@@ -203,11 +204,14 @@ def test_long_gptq_and_awq_are_priced_at_the_models_widths(tmp_path, monkeypatch
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
 
 
-def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir, tmp_path, capsys):
+def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
     """`plan` and the estimate `run` prints come from one function (`P.price`): for the same options on an empty
-    store they agree to the second, and both count the KL pass (the FP reference over each text once, and the
-    float32 head for the FP logits in every quantized cell's pass)."""
+    store and cache they agree to the second, and both count the KL pass (the FP reference over each text once,
+    and the float32 head for the FP logits in every quantized cell's pass); `run` leaves out the FP reference
+    pass of a text whose reference is cached already."""
+    from bench.evaluations import kl
     from bench.run.cell import EvalSettings, Request, resolve_calib, settle
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     kinds = {k: {"per_call_s": 1e-3, "flops_per_s": 1e9} for k in
              ("fwd", "walk", "rtn", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq")}
     prof = {"kinds": kinds, "device": "cuda", "hardware": {"gpu": "test"}, "threads": 1, "precision": "bf16"}
@@ -236,6 +240,14 @@ def test_plan_and_run_price_the_same_cells_the_same_way(tiny_model_dir, data_dir
     no_kl = P.estimate_run(plan_shape, dict(enumerate(cells)),
                            {i: {u for u in c.keys if not u.endswith(":kl")} for i, c in enumerate(cells)}, prof)
     assert est.total > no_kl.total and est.seconds(1) - no_kl.seconds(1) > est.seconds(2) - no_kl.seconds(2) > 0
+    # a cached reference is loaded, not computed: the first quantized cell's quantization stage no longer pays it
+    c = cells[1]
+    path = kl.reference_path(kl.reference_key(c.model_id, "c4", c.data["c4"], c.eval.key(), c.precision.used))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    cached = P.estimate_run(plan_shape, dict(enumerate(cells)), {i: set(c.keys) for i, c in enumerate(cells)}, prof)
+    assert cached.stages[1]["quant"] < est.stages[1]["quant"] and cached.stages[1]["c4"] == est.stages[1]["c4"]
+    assert cached.stages[2] == est.stages[2]
 
 
 def test_a_loaded_machine_is_said_to_make_the_estimate_too_short():

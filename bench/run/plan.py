@@ -871,6 +871,7 @@ class Priced:
     task_limit: int | None = None
     measure: bool = False             # this machine's CPU profile: training steps and text passes measured at the
     #                                   cell's own shape (`measured_training`, `measured_eval`)
+    cached_refs: tuple[str, ...] = ()  # texts whose FP KL reference is in the cache already: not computed again
 
 
 def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEstimate:
@@ -896,8 +897,8 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
                 add_work(work[d], f"probe:{probe}:win_kl", windows, 0.0)
             else:
                 add_work(work[d], "fwd", windows, 2.0 * shape.hidden * shape.vocab * windows * sp.eval_seq)
-        new_refs = set(sp.kl) - references
-        if new_refs:   # one FP pass over these texts, before the cell quantizes (perhaps cached already)
+        new_refs = set(sp.kl) - references - set(sp.cached_refs)
+        if new_refs:   # one FP pass over these texts, before the cell quantizes (none where it is cached)
             references |= new_refs
             ref_tokens = eval_tokens_for(sorted(new_refs), sp.max_tokens)
             ref_work = {} if probe else stage_work(shape, None, None, {}, 1, 1, ref_tokens, sp.eval_seq, [], None)
@@ -927,8 +928,22 @@ def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[s
             cell.config, cell.calib.n_samples, cell.calib.seq_len,
             tuple(d for d in cell.datasets if d in units), tuple(d for d in cell.datasets if f"{d}:kl" in units),
             cell.eval.max_tokens, cell.eval.seq_len, tuple(cell.tasks) if "tasks" in units else (), cell.task_limit,
-            measure=profile.get("device") == "cpu")
+            measure=profile.get("device") == "cpu", cached_refs=_cached_references(cell))
     return price(shape, specs, profile)
+
+
+def _cached_references(cell) -> tuple[str, ...]:
+    """The texts of `cell` whose FP KL reference (bench.evaluations.kl) is in the cache: loaded, not computed."""
+    from bench.evaluations import kl
+    out = []
+    for ds in cell.datasets:
+        try:
+            key = kl.reference_key(cell.model_id, ds, cell.data[ds], cell.eval.key(), cell.precision.used)
+        except (AttributeError, KeyError, TypeError):   # a cell without a KL reference of its own
+            continue
+        if kl.reference_path(key).is_file():
+            out.append(ds)
+    return tuple(out)
 
 
 def plan_specs(methods: list[str], schemes: list[str], calib: Any, *, preset: str, overrides: dict,
