@@ -10,15 +10,25 @@ from lrq import precision, progress
 from lrq.qlinear import QuantLinear
 
 
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The model without its output head (transformers' `get_decoder()`: embeddings, blocks, final norm), or the
+    model itself where it has none. The calibration passes observe the blocks' linears only (the head is never
+    quantized), and the logits of a batch of windows over a 262,144-token vocabulary (Gemma 3) take gigabytes."""
+    get = getattr(model, "get_decoder", None)
+    body = get() if callable(get) else None
+    return body if isinstance(body, nn.Module) and body is not model else model
+
+
 @torch.no_grad()
 def run_calibration(model: nn.Module, input_ids: torch.Tensor, desc: str = "calibration", batch_size: int = 1) -> None:
-    """Forward every calibration window through the model, at the run's precision (lrq.precision), as
-    evaluation runs."""
+    """Forward every calibration window through the model's decoder (`decoder_body`: no logits), at the run's
+    precision (lrq.precision), as evaluation runs."""
     device = next(model.parameters()).device
+    body = decoder_body(model)
     with precision.autocast(device):
         for i in tqdm(range(0, len(input_ids), batch_size), desc=desc, leave=False):
             progress.update(f"{desc} {i + 1}/{len(input_ids)}")
-            model(input_ids[i:i + batch_size].to(device), use_cache=False)
+            body(input_ids[i:i + batch_size].to(device), use_cache=False)
 
 
 def calibrate_static_activations(model: nn.Module, input_ids: torch.Tensor) -> int:
