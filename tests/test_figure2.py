@@ -247,3 +247,23 @@ def test_figure2_resumes_the_block_in_training(tiny_model_dir, data_dir, tmp_pat
     assert cut["curve"] == whole["curve"] and cut["resumed_at_steps"] == [4] and "resumed_at_steps" not in whole
     assert list((tmp_path / "state").iterdir()) == []
     assert "resumed at step 4" in (tmp_path / "cut" / "figure2.md").read_text()
+
+
+def test_results_of_an_earlier_run_keep_their_machine(tiny_model_dir, data_dir, tmp_path):
+    """A run that adds a block to a folder written by an earlier run (whose results named their machine only at
+    the run's level) leaves the earlier results' machine and revision as they were."""
+    out = tmp_path / "f"
+    base = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--methods", "lrq", "--out", str(out),
+            "--state-dir", str(tmp_path / "state")] + ARGS
+    first = base.copy()
+    first[first.index("--blocks") + 1] = "first"
+    assert main(first) == 0
+    res = json.loads((out / "figure2.json").read_text())
+    res["provenance"]["git"] = "an-earlier-revision"
+    del res["results"]["0/lrq"]["provenance"]        # as files written before results kept their own
+    (out / "figure2.json").write_text(json.dumps(res))
+    assert main(base) == 0                             # adds the last block
+    res = json.loads((out / "figure2.json").read_text())
+    assert res["results"]["0/lrq"]["provenance"]["git"] == "an-earlier-revision"
+    assert res["results"]["1/lrq"]["provenance"]["git"] != "an-earlier-revision"
+    assert "an-earlier-revision"[:12] in (out / "figure2.md").read_text()

@@ -162,6 +162,9 @@ def run(args) -> dict:
     if strip(res.get("config")) != strip(config):
         res = {"config": config, "results": {}}
     res["config"]["blocks"] = sorted(set(res["config"].get("blocks", [])) | set(chosen))
+    for r in res["results"].values():   # results kept from an earlier run keep that run's machine and revision
+        if not r.get("provenance") and res.get("provenance"):
+            r["provenance"] = res["provenance"]
     res["provenance"] = {"versions": versions(), "hardware": hardware(), "git": git_revision(),
                          "threads": torch.get_num_threads()}
     todo = [(b, m) for b in chosen for m in methods if f"{b}/{m}" not in res["results"]]
