@@ -256,7 +256,8 @@ def test_profiles_are_per_precision_and_say_when_the_machine_was_busy(monkeypatc
     assert not any(s.startswith("measuring") for s in said) and any("60 %" in s for s in said)
 
 
-def test_estimate_counts_only_what_is_missing(tiny_model_dir, data_dir):
+def test_estimate_counts_only_what_is_missing(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))   # no KL reference cached (a cached one is not priced)
     shape = P.shape_from_config("tiny", json.loads((tiny_model_dir / "config.json").read_text()))
     prof = {"kinds": {k: {"per_call_s": 0.0, "flops_per_s": 1e9} for k in
                       ("fwd", "walk", "train_lrq", "train_flexround", "train_omniquant", "gptq", "awq")}}
