@@ -584,10 +584,10 @@ class ReconstructionMethod(Method):
                         block, path, e)
             return None
         why = None
-        if saved.get("key") != self.train_state_key or saved.get("block") != block or saved.get("iters") != iters:
-            why = (f"it belongs to block {saved.get('block')} of {saved.get('iters')} steps under another key"
-                   if saved.get("key") != self.train_state_key else
-                   f"it belongs to block {saved.get('block')} of {saved.get('iters')} steps")
+        if saved.get("key") != self.train_state_key:
+            why = "it belongs to another run (another key)"
+        elif saved.get("block") != block or saved.get("iters") != iters:
+            why = f"it belongs to block {saved.get('block')} of {saved.get('iters')} steps"
         elif [tuple(t.shape) for t in saved["params"]] != [tuple(p.shape) for p in params]:
             why = "its learnables have other shapes"
         if why:

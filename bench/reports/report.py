@@ -666,7 +666,8 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
     parts += older_versions(srows)
     stats = cell_stats(srows)
     parts += _leaderboard_sections(mdf, stats)
-    measured = set(mdf.loc[mdf["metric"] != "planned_time_s", "dataset"])   # a price alone is no text
+    from bench.run.sweep import PLANNED
+    measured = set(mdf.loc[mdf["metric"] != PLANNED, "dataset"])   # a price alone is no text
     ppl_sets = [d for d in ("wikitext2", "c4") if d in measured] + sorted(
         d for d in measured - {"wikitext2", "c4", "quant"} if not d.startswith("speed_") and d not in TASK_DATASETS)
     parts += [DETAILS, ""]
@@ -710,16 +711,17 @@ DETAILS = "## Details"
 def planned_vs_measured(rows: list[Row]) -> list[dict]:
     """Every stage a run priced before computing it (its `planned_time_s` row, bench.run.sweep.planned_rows)
     beside the wall time its unit took (the wall_s of the unit's other rows), in the rows' order."""
+    from bench.run.sweep import PLANNED
     walls: dict[str, float] = {}
     resumed: dict[str, float] = {}
     for r in rows:
-        if r.metric != "planned_time_s" and r.wall_s is not None and r.unit_key:
+        if r.metric != PLANNED and r.wall_s is not None and r.unit_key:
             walls.setdefault(r.unit_key, float(r.wall_s))
         if r.metric == "resumed_blocks" and r.value:
             resumed[r.unit_key] = r.value
     out = []
     for r in rows:
-        if r.metric != "planned_time_s" or r.value is None:
+        if r.metric != PLANNED or r.value is None:
             continue
         plan = (r.config or {}).get("planned") or {}
         wall = walls.get(r.unit_key)

@@ -395,6 +395,13 @@ def _eval_ids(cell: Cell, ds: str, tok, cache: dict) -> tuple[torch.Tensor, D.Te
     return cache[ds]
 
 
+def kl_reference_key(cell: Cell, ds: str) -> str:
+    """The key of the FP model's KL reference of `cell`'s text `ds` (bench.evaluations.kl), shared by every cell
+    of the same model, text, evaluation settings and precision."""
+    from bench.evaluations import kl
+    return kl.reference_key(cell.model_id, ds, cell.data[ds], cell.eval.key(), cell.precision.used)
+
+
 def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> dict:
     """The FP model's KL reference of every text in `datasets` (its final hidden states and output head),
     loaded or computed now from the unquantized `model` (bench.evaluations.kl)."""
@@ -403,7 +410,7 @@ def _kl_references(cell: Cell, datasets: list[str], model, tok, texts: dict) -> 
     refs = {}
     for ds in datasets:
         ids, _ = _eval_ids(cell, ds, tok, texts)
-        key = kl.reference_key(cell.model_id, ds, cell.data[ds], cell.eval.key(), cell.precision.used)
+        key = kl_reference_key(cell, ds)
         refs[ds] = kl.ensure_reference(model, windows(ids, cell.eval.seq_len, cell.eval.include_partial), key,
                                        precision=cell.precision)
     return refs

@@ -570,6 +570,13 @@ def _probe_model(shape: ModelShape, seq: int):
     return LlamaForCausalLM(mc).eval(), mc
 
 
+def _probe_config(method, cfg: dict, **over):
+    """The cell's settings `cfg` as a probe quantizes with them, `over` replacing some (fixed settings and the
+    preset's name are the method's own)."""
+    c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
+    return method.config(cfg.get("preset", "quick"), c | over)
+
+
 def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, compiled: bool) -> dict:
     """Seconds per training step and per block (beyond the steps) of `method` on one random block of `shape`, its
     step compiled as the cell's is."""
@@ -588,11 +595,11 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     # the first run compiles from cold (and warms torch's caches): discarded, as a real cell pays that once while
     # its later blocks compile warm
     for steps in _PROBE_STEPS:
-        c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
-        c |= {"iters": steps, "heldout_samples": 1, "error_samples": 1, "compile": "on" if compiled else "off"}
+        conf = _probe_config(method, cfg, iters=steps, heldout_samples=1, error_samples=1,
+                             compile="on" if compiled else "off")
         model = copy.deepcopy(model0)
         t = time.perf_counter()
-        measured = method.quantize(model, scheme, method.config(cfg.get("preset", "quick"), c), calib) or {}
+        measured = method.quantize(model, scheme, conf, calib) or {}
         times.append(time.perf_counter() - t)
     total = times[-1]
     step = measured.get("step_s_median")
@@ -653,12 +660,11 @@ def _measure_walk(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dic
     model0, mc = _probe_model(shape, seq)
     one = replace(shape, layers=1, vocab=_PROBE_VOCAB, tied=False, mlp="gated", sliding_window=None,
                   sliding_layers=0)   # the probe's block, as the work formula describes it
+    conf = _probe_config(method, cfg)
     points = []
     for n in _WALK_PROBE_WINDOWS:
         ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(n))
         calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
-        c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
-        conf = method.config(cfg.get("preset", "quick"), c)
         model = copy.deepcopy(model0)
         t = time.perf_counter()
         method.quantize(model, scheme, conf, calib)
@@ -935,15 +941,8 @@ def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[s
 def _cached_references(cell) -> tuple[str, ...]:
     """The texts of `cell` whose FP KL reference (bench.evaluations.kl) is in the cache: loaded, not computed."""
     from bench.evaluations import kl
-    out = []
-    for ds in cell.datasets:
-        try:
-            key = kl.reference_key(cell.model_id, ds, cell.data[ds], cell.eval.key(), cell.precision.used)
-        except (AttributeError, KeyError, TypeError):   # a cell without a KL reference of its own
-            continue
-        if kl.reference_path(key).is_file():
-            out.append(ds)
-    return tuple(out)
+    from bench.run.cell import kl_reference_key
+    return tuple(ds for ds in cell.datasets if kl.reference_path(kl_reference_key(cell, ds)).is_file())
 
 
 def plan_specs(methods: list[str], schemes: list[str], calib: Any, *, preset: str, overrides: dict,

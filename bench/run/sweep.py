@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.run.cell import Cell, execute
@@ -209,8 +209,6 @@ def planned_rows(estimate, job: Job, unit: str, rows: list[Row], workers: int = 
     seconds = (estimate.stages.get(job.index) or {}).get(stage) if estimate is not None else None
     if seconds is None or not rows or (unit != stage and stage in job.todo):
         return []
-    from dataclasses import replace
-
     from bench.common.provenance import cpu_label
     hw = (estimate.profile or {}).get("hardware") or {}
     plan = {"stage": stage, "machine": hw.get("gpu") or (cpu_label(hw) if hw else None),
