@@ -228,17 +228,52 @@ def _decode_floats(d: dict):
     return float(d["float"]) if d.keys() == {"float"} else d
 
 
-class BlockCheckpoint:
-    """Resumable state of a block walk, saved atomically after every block in `directory`:
-    the finished blocks' state dicts and the two calibration streams entering the next block (safetensors:
-    tensors only, nothing in them is ever executed), and the per-block statistics and progress (JSON). A
-    run killed at any point resumes at the next unfinished block and ends with exactly the result of an
-    uninterrupted run (streams are saved bit-exactly; training randomness is seeded per block). `identity`
-    guards against resuming a different configuration. A file that cannot be read back (truncated by a
-    crash of the machine, emptied, replaced by garbage) is reported once and the walk starts afresh:
-    a damaged checkpoint costs the blocks it held, never a wedged cell."""
+def _npy_data_offset(path: Path, target: torch.Tensor) -> int:
+    """Where the data of a float32 .npy file of `target`'s shape starts (ValueError when the file's header
+    or length does not match `target`, or `target` cannot be read into)."""
+    import numpy as np
+    fmt = np.lib.format
+    if target.dtype != torch.float32 or not target.is_contiguous() or target.device.type != "cpu":
+        raise ValueError("the target is not a contiguous float32 CPU tensor")
+    with open(path, "rb") as f:
+        major, _ = fmt.read_magic(f)
+        shape, fortran, dtype = (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(f)
+        offset = f.tell()
+    if tuple(shape) != tuple(target.shape) or fortran or dtype != np.dtype("<f4"):
+        raise ValueError(f"holds {dtype} {tuple(shape)}{' (Fortran order)' if fortran else ''}, "
+                         f"not float32 {tuple(target.shape)}")
+    size, want = path.stat().st_size - offset, target.numel() * 4
+    if size != want:
+        raise ValueError(f"holds {size:,} bytes of data where {want:,} were expected")
+    return offset
 
-    STATE, STREAMS = "state.json", "streams.safetensors"
+
+def _read_into(path: Path, offset: int, target: torch.Tensor) -> None:
+    """Read the bytes of `path` from `offset` straight into `target`'s memory."""
+    view = memoryview(target.numpy()).cast("B")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(view)
+    if got != view.nbytes:
+        raise OSError(f"{path}: read {got:,} of {view.nbytes:,} bytes")
+
+
+class BlockCheckpoint:
+    """Resumable state of a block walk, saved atomically after every block in `directory`: the finished
+    blocks' state dicts (safetensors: tensors only, nothing in them is ever executed), the two calibration
+    streams entering the next block (.npy, named with the block count they follow, written from the walk's
+    buffers without a copy) and the per-block statistics and progress (JSON, written last: it is what makes a
+    block count as done). A run killed at any point resumes at the next unfinished block and ends with exactly
+    the result of an uninterrupted run (streams are saved bit-exactly; training randomness is seeded per block).
+    `identity` guards against resuming a different configuration. A block or state file that cannot be read
+    back (truncated by a crash of the machine, emptied, replaced by garbage) is reported once and the walk
+    starts afresh: a damaged checkpoint costs the blocks it held, never a wedged cell. Damaged or missing
+    streams cost less: they are recomputed from the finished blocks."""
+
+    STATE = "state.json"
+    # streams written before 2026-12-04, under one name for every block count: a crash between them and the
+    # state could leave the streams of block k+1 beside a state that says k blocks, so they are never trusted
+    LEGACY_STREAMS = "streams.safetensors"
 
     def __init__(self, directory: str | Path, identity: str):
         self.dir = Path(directory)
@@ -300,22 +335,73 @@ class BlockCheckpoint:
             if p.is_file():
                 p.unlink(missing_ok=True)
 
+    @staticmethod
+    def _streams_name(done: int, which: str) -> str:
+        return f"streams-{done:04d}-{which}.npy"
+
     def save(self, index: int, block: nn.Module, q_next: torch.Tensor, fp_next: torch.Tensor | None,
              stats: list[dict]) -> None:
+        done = index + 1
         self._save_tensors(block.state_dict(), self._block_name(index))
-        self._save_tensors({"q": q_next} | ({} if fp_next is None else {"fp": fp_next}), self.STREAMS)
+        streams = {"q": q_next} | ({} if fp_next is None else {"fp": fp_next})
+        for which, t in streams.items():
+            self._save_stream(t, self._streams_name(done, which))
         # written last: it is what makes the block count as done
-        state = {"identity": self.identity, "done": index + 1, "stats": _encode_floats(stats)}
+        state = {"identity": self.identity, "done": done, "streams": sorted(streams), "stats": _encode_floats(stats)}
         atomic_write_text(self.dir / self.STATE, json.dumps(state, allow_nan=False))
+        keep = {self._streams_name(done, w) for w in streams}
+        for p in self.dir.iterdir():   # the streams of earlier blocks (and the legacy file) now serve nothing
+            if p.is_file() and (p.name.startswith("streams") and p.name not in keep):
+                p.unlink(missing_ok=True)
 
-    def load(self) -> tuple[dict | None, list[dict]]:
-        """The streams entering the next block and the finished blocks' statistics. Streams None: the folder
-        holds the finished blocks without their streams (a checkpoint carried from another machine, where the
-        600 MB of streams did not travel): the walk recomputes them from the blocks (`replay_streams`)."""
+    def _save_stream(self, t: torch.Tensor, name: str) -> None:
+        """One [n, seq, hidden] float32 stream as a .npy file, written from the buffer itself: no copy in
+        memory (safetensors serialises through a bytes copy of every tensor, which at Llama-2-7B's 128 x 2,048
+        calibration tokens is 4.3 GB per stream, twice per block)."""
+        import numpy as np
+        arr = t.detach()
+        if arr.device.type != "cpu" or arr.dtype != torch.float32 or not arr.is_contiguous():
+            arr = arr.to("cpu", torch.float32).contiguous()
+
+        def write(p: Path) -> None:
+            with open(p, "wb") as f:
+                np.save(f, arr.numpy(), allow_pickle=False)
+        atomic_write(self.dir / name, write)
+
+    def stats(self) -> list[dict]:
+        """The finished blocks' statistics."""
+        return self._state()["stats"]
+
+    def read_streams(self, q: torch.Tensor, fp: torch.Tensor | None) -> bool:
+        """Read the streams entering the next block into `q` and `fp` (the walk's buffers, in place: no second
+        copy in memory). False when this folder does not hold them for its block count (a checkpoint carried
+        from another machine, where the streams did not travel; streams of the legacy format; a crash between
+        the streams and the state): the walk then recomputes them from the finished blocks
+        (`replay_streams`). Streams that cannot be read (truncated, another shape) are reported, removed and
+        recomputed the same way: they cost a replay, never the finished blocks."""
         state = self._state()
-        if not (self.dir / self.STREAMS).exists():
-            return None, state["stats"]
-        return self._load_tensors(self.STREAMS), state["stats"]
+        done, names = state["done"], state.get("streams", [])
+        targets = {"q": q} | ({} if fp is None else {"fp": fp})
+        if not set(targets) <= set(names):
+            if (self.dir / self.LEGACY_STREAMS).exists():
+                log.info("checkpoint %s: its streams are of the earlier format, which does not say after which "
+                         "block they were saved; they are recomputed from the %d finished blocks", self.dir, done)
+            return False
+        layout = {}
+        for which, target in targets.items():   # every file checked before any buffer is overwritten
+            path = self.dir / self._streams_name(done, which)
+            if not path.exists():
+                return False
+            try:
+                layout[which] = (path, _npy_data_offset(path, target))
+            except (OSError, ValueError) as e:
+                log.warning("checkpoint %s: its %s stream is damaged (%s: %s): the streams are computed again from "
+                            "the %d finished blocks", self.dir, which, type(e).__name__, e, done)
+                path.unlink(missing_ok=True)
+                return False
+        for which, (path, offset) in layout.items():
+            _read_into(path, offset, targets[which])
+        return True
 
     def block_state(self, index: int) -> dict:
         return self._load_tensors(self._block_name(index))
@@ -393,25 +479,20 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
         if restore is None:
             raise ValueError("resuming from a checkpoint needs a restore function")
         try:
-            streams, all_stats = checkpoint.load()
+            all_stats = checkpoint.stats()
             states = [checkpoint.block_state(i) for i in range(start)]
-            if streams is not None and need_targets and "fp" not in streams:
-                raise CheckpointDamaged(f"{checkpoint.dir}: the FP stream is missing")
         except CheckpointDamaged as e:
             checkpoint.discard(str(e))
             start, all_stats = 0, []
         else:
             for st in all_stats:
                 st["restored"] = True   # finished by an earlier (interrupted) run
-            if streams is None:
-                fp_in, fp_out = replay_streams(layers, states, restore, q_in, fp_in, fp_out, kwargs, batch_size, device)
-            else:
+            if checkpoint.read_streams(q_in.data, fp_in.data if need_targets else None):
                 for i, state in enumerate(states):
                     restore(i, layers[i], state)
-                q_in.data.copy_(streams["q"])
-                if need_targets:
-                    fp_in.data.copy_(streams["fp"])
-            del streams, states
+            else:
+                fp_in, fp_out = replay_streams(layers, states, restore, q_in, fp_in, fp_out, kwargs, batch_size, device)
+            del states
     try:
         for i in tqdm(range(start, len(layers)), desc=desc, leave=False, initial=start, total=len(layers)):
             block = layers[i]

@@ -169,13 +169,15 @@ def test_a_damaged_checkpoint_is_reported_once_and_recomputed(damage, tmp_path, 
     ckpt = tmp_path / "ckpt"
     _lrq_interrupted(ckpt, monkeypatch)
     target = {"empty block": "block0000.safetensors", "truncated block": "block0001.safetensors",
-              "truncated streams": "streams.safetensors", "garbage state": "state.json"}[damage]
+              "truncated streams": "streams-0002-q.npy", "garbage state": "state.json"}[damage]
     data = (ckpt / target).read_bytes()
     (ckpt / target).write_bytes(b"" if damage == "empty block" else
                                 data[: len(data) // 2] if "truncated" in damage else b"\x00\xffnot json")
     with caplog.at_level("WARNING", logger="lrq_bench"):
         model, stats = _lrq_finish(ckpt)
     assert _same(model, uninterrupted)
+    # damaged streams cost a replay of the finished blocks, a damaged block or state the blocks themselves
+    assert stats["resumed_blocks"] == (2 if damage == "truncated streams" else 0)
     said = [r.message for r in caplog.records if "is damaged" in r.message]
     assert len(said) == 1 and "computed again" in said[0]
     assert not (ckpt / target).exists() or (ckpt / target).read_bytes() != b""   # discarded, then rewritten
@@ -184,6 +186,30 @@ def test_a_damaged_checkpoint_is_reported_once_and_recomputed(damage, tmp_path, 
         _lrq_finish(ckpt)
     assert not [r for r in caplog.records if "is damaged" in r.message]
 
+
+
+@pytest.mark.parametrize("planted", ["streams of the next block count", "legacy streams"])
+def test_streams_that_do_not_match_the_state_are_never_fed_to_a_block(planted, tmp_path, monkeypatch, uninterrupted):
+    """A crash after the streams of a block were written but before the state counted it left, in the legacy
+    format (one streams file for every count), streams that already went through block 2 beside a state that
+    says 2 blocks are done. Streams are now named by the count they follow, and legacy ones are recomputed."""
+    import numpy as np
+    ckpt = tmp_path / "ckpt"
+    _lrq_interrupted(ckpt, monkeypatch)
+    assert json.loads((ckpt / "state.json").read_text())["done"] == 2
+    q = np.load(ckpt / "streams-0002-q.npy")
+    wrong = {"q": np.full_like(q, 3.0), "fp": np.full_like(q, -3.0)}
+    if planted == "legacy streams":
+        from safetensors.numpy import save_file
+        for f in ckpt.glob("streams-*.npy"):
+            f.unlink()
+        save_file(wrong, str(ckpt / "streams.safetensors"))
+    else:
+        for k, v in wrong.items():
+            np.save(ckpt / f"streams-0003-{k}.npy", v)
+    model, stats = _lrq_finish(ckpt)
+    assert _same(model, uninterrupted)
+    assert stats["resumed_blocks"] == 2
 
 # ---- 2: the driver's workers end with it --------------------------------------------------------------------
 
