@@ -155,8 +155,15 @@ def test_first_look_profile_runs_every_scheme_with_tasks_in_workers(tiny_model_d
             assert p["measured_s"] is None          # the FP reference quantizes nothing: no time to compare
         else:
             assert p["measured_s"] > 0 and p["ratio"] == pytest.approx(p["measured_s"] / p["planned_s"])
+    # the quantization's memory estimate too, beside the peak measured in the worker: the estimate counts the
+    # worker's own interpreter and libraries, without which it was 50-100x low on a model this small
+    quant = [p for p in pv if p["stage"] == "quant" and p["method"] != FP]
+    assert len(quant) == 3
+    for p in quant:
+        assert 0.5 <= p["measured_host_bytes"] / p["planned_host_bytes"] <= 3, p
     md = (tmp_path / "rep" / "leaderboard.md").read_text()
     assert "### Planned and measured time" in md and "stages within 25 % of their estimate" in md
+    assert "host memory: planned / measured" in md and re.search(r"\| \d+\.\d\d / \d+\.\d\d GiB \(\d", md)
     assert "| tasks " not in md.split("### Planned and measured time")[0]   # a price alone is not a text
 
 

@@ -122,6 +122,30 @@ def test_memory_preflight_refuses_and_says_what_would_fit():
         P.check_fits(shape, get_method("lrq"), 128, 2048, "cuda", host_available=2**50, device_available=2**30)
 
 
+def test_the_process_baseline_is_measured_once_in_a_fresh_interpreter_and_counted(tmp_path, monkeypatch):
+    """The memory estimate starts from what a worker holds before it loads a model (its interpreter and
+    libraries: about 0.45 GiB with torch 2.13), measured in a subprocess once per machine and versions."""
+    import subprocess
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path))
+    P.process_baseline_bytes.cache_clear()
+    try:
+        base = P.process_baseline_bytes()
+        assert 150 * 2**20 < base < 4 * 2**30             # torch alone is more than 150 MiB resident
+        stored = json.loads((tmp_path / "process-baseline.json").read_text())
+        assert list(stored.values()) == [base] and torch.__version__ in next(iter(stored))
+        P.process_baseline_bytes.cache_clear()
+
+        def no_subprocess(*a, **k):
+            raise AssertionError("measured again")
+        monkeypatch.setattr(subprocess, "run", no_subprocess)
+        assert P.process_baseline_bytes() == base          # read from the cache, not measured again
+        shape = P.SHAPES["smollm2-135m"]
+        with_base = P.estimate_memory(shape, get_method("rtn"), 128, 512)[0]
+        assert with_base - P.estimate_memory(shape, get_method("rtn"), 128, 512, baseline=0)[0] == base
+    finally:
+        P.process_baseline_bytes.cache_clear()
+
+
 def test_run_refuses_a_cell_that_cannot_fit_before_any_work(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LRQ_BENCH_HOST_MEMORY_GB", "0.001")
     code = main(["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "lrq",

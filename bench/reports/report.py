@@ -714,11 +714,14 @@ def planned_vs_measured(rows: list[Row]) -> list[dict]:
     from bench.run.sweep import PLANNED
     walls: dict[str, float] = {}
     resumed: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     for r in rows:
         if r.metric != PLANNED and r.wall_s is not None and r.unit_key:
             walls.setdefault(r.unit_key, float(r.wall_s))
         if r.metric == "resumed_blocks" and r.value:
             resumed[r.unit_key] = r.value
+        if r.metric == "quant_peak_rss_bytes" and r.value:
+            peaks[r.unit_key] = float(r.value)
     out = []
     for r in rows:
         if r.metric != PLANNED or r.value is None:
@@ -729,7 +732,8 @@ def planned_vs_measured(rows: list[Row]) -> list[dict]:
                     "planned_s": float(r.value), "measured_s": wall,
                     "ratio": wall / r.value if wall is not None and r.value > 0 else None,
                     "workers": plan.get("workers"), "machine": plan.get("machine"),
-                    "resumed_blocks": resumed.get(r.unit_key)})
+                    "resumed_blocks": resumed.get(r.unit_key),
+                    "planned_host_bytes": plan.get("host_bytes"), "measured_host_bytes": peaks.get(r.unit_key)})
     return out
 
 
@@ -752,7 +756,7 @@ def planned_section(rows: list[Row]) -> list[str]:
                      "-" if ratio is None else f"{ratio:.2f}"
                      + (f" (resumed: {it['resumed_blocks']:.0f} blocks came from an earlier run)"
                         if it["resumed_blocks"] else ""),
-                     it["workers"] or "-", md_text(it["machine"] or "-")])
+                     _planned_memory(it), it["workers"] or "-", md_text(it["machine"] or "-")])
     within = sum(0.8 <= x <= 1.25 for x in ratios)
     median = statistics.median(ratios) if ratios else None
     head = ("The planner's estimate of each stage, announced before the run computed it and stored with its "
@@ -761,12 +765,24 @@ def planned_section(rows: list[Row]) -> list[str]:
             "machine, expect ratios above 1. Not priced: process start-up, model loading and lm-eval's set-up, "
             "which dominate stages of seconds (a small model's). The quantization stage of the first cell that "
             "needs a text's KL reference is priced with that reference's FP pass, which costs nothing where it is "
-            "cached.")
+            "cached. Host memory: the planner's estimate of the quantization's peak (what `run` checks before "
+            "starting a cell) beside the peak resident memory measured during it, which also holds whatever the "
+            "process kept from the steps before (the model, the KL reference pass).")
     summary = (f"{within} of {len(ratios)} stages within 25 % of their estimate (measured / planned between 0.8 "
                f"and 1.25); median ratio {median:.2f}." if ratios else "")
     return (["### Planned and measured time", "", head, ""] + ([summary, ""] if summary else [])
             + [tabulate(body, headers=["method", "scheme", "stage", "planned", "measured", "measured / planned",
-                                       "workers", "planned on"], tablefmt="github", disable_numparse=True), ""])
+                                       "host memory: planned / measured", "workers", "planned on"],
+                        tablefmt="github", disable_numparse=True), ""])
+
+
+def _planned_memory(item: dict) -> str:
+    """'planned / measured GiB (ratio)' of a quantization stage's peak host memory, '-' where either is missing."""
+    planned, measured = item.get("planned_host_bytes"), item.get("measured_host_bytes")
+    if not planned or not measured:
+        return "-"
+    gib = 2**30
+    return f"{planned / gib:.2f} / {measured / gib:.2f} GiB ({measured / planned:.2f})"
 
 
 def older_versions(rows: list[Row]) -> list[str]:

@@ -9,8 +9,9 @@ Each kind costs `per_call_s x calls + flops / flops_per_s` on this machine: both
 solving for the per-block overhead and the rate. Estimates scale those measurements by each target
 model's shapes. The profile is cached per machine (hardware + torch version) in the lrq-bench cache.
 
-Memory model (`estimate_memory`): host = the weights as loaded (fp32) + the calibration activation
-streams that stay in RAM (three [n, seq, hidden] fp32 buffers within LRQ_RAM_BUDGET_GB, the rest on
+Memory model (`estimate_memory`): host = the resident memory of a worker process before it loads a model
+(Python, torch, transformers and the methods imported: measured once per machine, `process_baseline_bytes`)
++ the weights as loaded (fp32) + the calibration activation streams that stay in RAM (three [n, seq, hidden] fp32 buffers within LRQ_RAM_BUDGET_GB, the rest on
 disk) + one block's training state; device (CUDA) = one block at a time (offloaded walk) with its
 learnables and Adam state plus one batch of activations, or the whole model when it is not offloaded.
 
@@ -21,11 +22,12 @@ processes. Expect the order of magnitude and the ranking of cells, not minutes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -271,8 +273,9 @@ def cell_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, ev
 
 
 def estimate_memory(shape: ModelShape, method, n: int, seq: int, device: str = "cpu", offload: bool = True,
-                    ram_budget: int | None = None) -> tuple[int, int]:
-    """(host bytes, device bytes) at the peak of a cell; device bytes are 0 on a CPU-only run."""
+                    ram_budget: int | None = None, baseline: int | None = None) -> tuple[int, int]:
+    """(host bytes, device bytes) at the peak of a cell; device bytes are 0 on a CPU-only run. `baseline`: the
+    process's own resident memory before it loads the model (default: this machine's, measured)."""
     if ram_budget is None:
         ram_budget = int(os.environ.get("LRQ_RAM_BUDGET_GB", "6")) * 2**30
     m = method   # a Method (instance or class): what it declares about its memory
@@ -285,11 +288,55 @@ def estimate_memory(shape: ModelShape, method, n: int, seq: int, device: str = "
     train = 4 * m.learnable_fraction * block
     gptq = (m() if isinstance(m, type) else m).extra_memory(shape)
     batch_acts = 16 * seq * max(shape.hidden, shape.intermediate) * 4 * 8   # one batch of 8 windows through a block
-    host = weights + acts_ram + train + gptq + batch_acts
+    if baseline is None:
+        baseline = process_baseline_bytes()
+    host = baseline + weights + acts_ram + train + gptq + batch_acts
     if device == "cpu":
         return int(host), 0
     dev = (block if offload else weights) + train + gptq + batch_acts
     return int(host), int(dev)
+
+
+#: the process baseline where it cannot be measured (a 2-core Zen 4, torch 2.13, transformers 5.24: 0.44 GiB)
+BASELINE_FALLBACK = 512 * 2**20
+
+
+@functools.cache
+def process_baseline_bytes() -> int:
+    """Resident memory of a fresh Python process that has imported what a cell runs (torch, transformers, the
+    methods and the cell runner), before it loads a model: the floor under every cell's peak, about 0.45 GiB
+    with torch 2.13 on x86, which the estimate left out (it was low by 1.8-2.6x on the default model's cells).
+    Measured once per machine and package versions in a subprocess, and cached."""
+    import platform
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    from bench.common.cache import cache_root
+    key = "-".join([platform.machine(), platform.python_version(), torch.__version__, version("transformers")])
+    path = cache_root() / "process-baseline.json"
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), int):
+        return known[key]
+    # a model class, as a cell imports one to load its model: transformers' modelling code is half the figure
+    code = ("import psutil, torch, transformers, lrq.methods, bench.run.cell\n"
+            "from transformers import LlamaForCausalLM\n"
+            "lrq.methods.load_methods()\n"
+            "print(psutil.Process().memory_info().rss)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+        rss = int(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return BASELINE_FALLBACK
+    from lrq.io import atomic_write_text
+    try:
+        atomic_write_text(path, json.dumps((known if isinstance(known, dict) else {}) | {key: rss}, indent=1))
+    except OSError:
+        pass   # a read-only cache: measured again next time
+    return rss
 
 
 # ---- the machine profile -----------------------------------------------------------------------------------
@@ -846,6 +893,7 @@ class RunEstimate:
     stages: dict[int, dict[str, float]]
     unpriced: list[int]
     profile: dict
+    host_bytes: dict[int, int] = field(default_factory=dict)   # cell index -> estimated peak host memory
 
     def seconds(self, i: int) -> float:
         return sum(self.stages.get(i, {}).values())
@@ -886,6 +934,7 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
     reference pass over a text, once per run, in the stage of the first cell that needs it (bench.evaluations.kl)."""
     from lrq.methods import add_work
     stages: dict[int, dict[str, float]] = {}
+    host_bytes: dict[int, int] = {}
     unpriced = []
     references: set[str] = set()
     for i, sp in specs.items():
@@ -917,7 +966,9 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
                 for kind, (calls, flops) in ref_work[d].items():
                     add_work(work["quant"], kind, calls, flops)
         stages[i] = {name: seconds(w, profile) for name, w in work.items()}
-    return RunEstimate(stages, unpriced, profile)
+        if sp.method is not None:
+            host_bytes[i] = estimate_memory(shape, sp.method, sp.n, sp.seq, profile.get("device", "cpu"))[0]
+    return RunEstimate(stages, unpriced, profile, host_bytes)
 
 
 def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict) -> RunEstimate:

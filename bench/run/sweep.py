@@ -213,6 +213,9 @@ def planned_rows(estimate, job: Job, unit: str, rows: list[Row], workers: int = 
     hw = (estimate.profile or {}).get("hardware") or {}
     plan = {"stage": stage, "machine": hw.get("gpu") or (cpu_label(hw) if hw else None),
             "threads": (estimate.profile or {}).get("threads"), "workers": workers}
+    host = estimate.host_bytes.get(job.index)
+    if stage == "quant" and host is not None:   # the memory estimate is of the quantization's peak
+        plan["host_bytes"] = int(host)
     r = rows[0]
     return [replace(r, dataset="tasks" if stage == "tasks" else r.dataset, metric=PLANNED, value=float(seconds),
                     config=dict(r.config or {}) | {"planned": plan}, wall_s=None, peak_mem_bytes=None)]
