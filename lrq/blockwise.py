@@ -351,7 +351,7 @@ class BlockCheckpoint:
         atomic_write_text(self.dir / self.STATE, json.dumps(state, allow_nan=False))
         keep = {self._streams_name(done, w) for w in streams}
         for p in self.dir.iterdir():   # the streams of earlier blocks (and the legacy file) now serve nothing
-            if p.is_file() and (p.name.startswith("streams") and p.name not in keep):
+            if p.is_file() and p.name.startswith("streams") and p.name not in keep:
                 p.unlink(missing_ok=True)
 
     def _save_stream(self, t: torch.Tensor, name: str) -> None:

@@ -24,6 +24,21 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 
+def cache_with_measurements(cache: Path) -> Path:
+    """A fresh cache folder holding this machine's measurements (the planner's profiles and the process baseline,
+    bench.run.plan.MEASUREMENT_FILES), so that a subprocess run does not spend its first seconds measuring the
+    machine again."""
+    import shutil
+
+    from bench.common.cache import cache_root
+    from bench.run.plan import MEASUREMENT_FILES
+    cache.mkdir(parents=True, exist_ok=True)
+    for pattern in MEASUREMENT_FILES:
+        for p in cache_root().glob(pattern):
+            shutil.copy(p, cache / p.name)
+    return cache
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, layers: int = 2):
     """Tiny random configs: llama; qwen2 (q/k/v biases); qwen2-sliding (full attention in layer 0, an 8-token
     sliding window from layer 1 on); mistral with an 8-token sliding window; gemma3 with sliding (8 tokens,

@@ -22,7 +22,7 @@ import torch
 
 from bench.cli import main
 from bench.common.store import ResultStore, Row
-from conftest import ROOT, tiny_model
+from conftest import ROOT, cache_with_measurements, tiny_model
 
 QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "512",
          "--eval-seq-len", "256", "--calib-samples", "4", "--calib-seq-len", "64"]
@@ -187,7 +187,6 @@ def test_a_damaged_checkpoint_is_reported_once_and_recomputed(damage, tmp_path, 
     assert not [r for r in caplog.records if "is damaged" in r.message]
 
 
-
 @pytest.mark.parametrize("planted", ["streams of the next block count", "legacy streams"])
 def test_streams_that_do_not_match_the_state_are_never_fed_to_a_block(planted, tmp_path, monkeypatch, uninterrupted):
     """A crash after the streams of a block were written but before the state counted it left, in the legacy
@@ -211,17 +210,8 @@ def test_streams_that_do_not_match_the_state_are_never_fed_to_a_block(planted, t
     assert _same(model, uninterrupted)
     assert stats["resumed_blocks"] == 2
 
+
 # ---- 2: the driver's workers end with it --------------------------------------------------------------------
-
-def _cache_with_profiles(cache: Path) -> Path:
-    """A fresh cache folder holding this machine's measured planner profiles (so that a subprocess run does not
-    spend its first seconds measuring the machine again)."""
-    from bench.common.cache import cache_root
-    cache.mkdir(parents=True, exist_ok=True)
-    for p in cache_root().glob("plan-profile-*.json"):
-        shutil.copy(p, cache / p.name)
-    return cache
-
 
 def _slow_run(model_dir, data_dir, results, cache):
     env = dict(os.environ, LRQ_BENCH_CACHE=str(cache), PYTHONUNBUFFERED="1")
@@ -257,7 +247,7 @@ def _gone(pids, timeout=20.0) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_workers_end_with_the_driver_and_a_rerun_resumes(sig, tiny_model_dir, data_dir, tmp_path):
-    results, cache = tmp_path / "r.sqlite", _cache_with_profiles(tmp_path / "cache")
+    results, cache = tmp_path / "r.sqlite", cache_with_measurements(tmp_path / "cache")
     proc = _slow_run(tiny_model_dir, data_dir, results, cache)
     try:
         assert _wait_for(lambda: len(_workers(proc.pid)) == 2 and
@@ -284,7 +274,7 @@ def test_workers_end_with_the_driver_and_a_rerun_resumes(sig, tiny_model_dir, da
 
 def test_a_worker_killed_mid_block_resumes_at_its_next_block(tiny_model_dir, data_dir, tmp_path):
     import psutil
-    results, cache = tmp_path / "r.sqlite", _cache_with_profiles(tmp_path / "cache")
+    results, cache = tmp_path / "r.sqlite", cache_with_measurements(tmp_path / "cache")
     env = dict(os.environ, LRQ_BENCH_CACHE=str(cache), PYTHONUNBUFFERED="1")
     base = [sys.executable, "-m", "bench.cli", "run", *QUICK, "--model", str(tiny_model_dir), "--methods", "lrq",
             "--schemes", "w4a16,w3a16", "--no-fp", "--data-dir", str(data_dir), "--results", str(results),
@@ -596,7 +586,7 @@ def test_a_file_rewritten_in_place_with_its_mtime_restored_is_hashed_again(tmp_p
 def test_two_runs_on_one_store_compute_each_cell_once(tiny_model_dir, data_dir, tmp_path):
     results = tmp_path / "r.sqlite"
     # one thread each: two runs of two threads on two cores spin against each other (README: OMP_NUM_THREADS=1)
-    env = dict(os.environ, LRQ_BENCH_CACHE=str(_cache_with_profiles(tmp_path / "cache")), OMP_NUM_THREADS="1")
+    env = dict(os.environ, LRQ_BENCH_CACHE=str(cache_with_measurements(tmp_path / "cache")), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "bench.cli", "run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn",
            "--schemes", "w4a16,w3a16", "--data-dir", str(data_dir), "--results", str(results), "--jobs", "1",
            "--max-eval-tokens", "32768"]   # 128 windows: cells long enough for the two runs to overlap

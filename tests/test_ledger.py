@@ -16,7 +16,7 @@ import torch
 from bench.run import ledger
 from bench.cli import main
 from bench.common.store import ResultStore, Row
-from conftest import ROOT, tiny_model
+from conftest import ROOT, cache_with_measurements, tiny_model
 from lrq.errors import UserError
 
 QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "512",
@@ -177,22 +177,12 @@ def _env(cache: Path) -> dict:
     return dict(os.environ, LRQ_BENCH_CACHE=str(cache), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
-def _copy_profiles(cache: Path) -> Path:
-    import shutil
-
-    from bench.common.cache import cache_root
-    cache.mkdir(parents=True, exist_ok=True)
-    for p in cache_root().glob("plan-profile-*.json"):
-        shutil.copy(p, cache / p.name)
-    return cache
-
-
 def test_run_sync_continues_a_cell_on_a_fresh_machine(tiny_model_dir, data_dir, tmp_path):
     carry = tmp_path / "committed"
     base = [sys.executable, "-m", "bench.cli", "run", *QUICK, "--model", str(tiny_model_dir), "--methods", "lrq",
             "--schemes", "w3a16", "--data-dir", str(data_dir), "--jobs", "1", "--sync", str(carry),
             "--set", "heldout_samples=1", "--set", "iters=300"]
-    machine_a = _copy_profiles(tmp_path / "cache-a")
+    machine_a = cache_with_measurements(tmp_path / "cache-a")
     proc = subprocess.Popen(base + ["--results", str(tmp_path / "a.sqlite")], cwd=ROOT, env=_env(machine_a),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     state = None
@@ -215,7 +205,7 @@ def test_run_sync_continues_a_cell_on_a_fresh_machine(tiny_model_dir, data_dir, 
     assert not list(state.parent.glob("streams*"))                   # the streams never travel
 
     # machine B: a new cache, a new store, the committed folder
-    machine_b = _copy_profiles(tmp_path / "cache-b")
+    machine_b = cache_with_measurements(tmp_path / "cache-b")
     done = subprocess.run(base + ["--results", str(tmp_path / "b.sqlite")], cwd=ROOT, env=_env(machine_b),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -226,7 +216,7 @@ def test_run_sync_continues_a_cell_on_a_fresh_machine(tiny_model_dir, data_dir, 
     assert {r[0].method for r in units.values()} == {"fp", "lrq"}
     # a third machine computes nothing
     again = subprocess.run(base + ["--results", str(tmp_path / "c.sqlite")], cwd=ROOT,
-                           env=_env(_copy_profiles(tmp_path / "cache-c")), capture_output=True, text=True, timeout=600)
+                           env=_env(cache_with_measurements(tmp_path / "cache-c")), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "0 to compute" in " ".join(again.stderr.split()), again.stderr[-2000:]
 
 

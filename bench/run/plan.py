@@ -299,6 +299,10 @@ def estimate_memory(shape: ModelShape, method, n: int, seq: int, device: str = "
 
 #: the process baseline where it cannot be measured (a 2-core Zen 4, torch 2.13, transformers 5.24: 0.44 GiB)
 BASELINE_FALLBACK = 512 * 2**20
+BASELINE_FILE = "process-baseline.json"
+#: the cache files that hold this machine's measurements (the planner's profiles and the process baseline): a
+#: fresh cache given copies of them does not measure the machine again
+MEASUREMENT_FILES = ("plan-profile-*.json", BASELINE_FILE)
 
 
 @functools.cache
@@ -314,7 +318,7 @@ def process_baseline_bytes() -> int:
 
     from bench.common.cache import cache_root
     key = "-".join([platform.machine(), platform.python_version(), torch.__version__, version("transformers")])
-    path = cache_root() / "process-baseline.json"
+    path = cache_root() / BASELINE_FILE
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
