@@ -61,8 +61,8 @@ class OmniQuantLinear(LearnableQuantLinear):
         super().__init__(linear, scheme, scale, zero, **kw)
         del self.theta1   # LWC derives the scale from the clipped range instead
         shape = tuple(zero.shape)
-        self.gamma = nn.Parameter(torch.full(shape, float(lwc_init)))   # upper-bound logit
-        self.beta = nn.Parameter(torch.full(shape, float(lwc_init)))    # lower-bound logit
+        self.gamma = nn.Parameter(torch.full(shape, float(lwc_init), device=zero.device))   # upper-bound logit
+        self.beta = nn.Parameter(torch.full(shape, float(lwc_init), device=zero.device))    # lower-bound logit
         self.in_scale, self.out_scale = in_scale, out_scale
 
     def learnables(self) -> list[nn.Parameter]:

@@ -17,8 +17,9 @@ from lrq.methods import register
 class FlexRoundLinear(LearnableQuantLinear):
     def __init__(self, linear, scheme, scale, zero, **kw):
         super().__init__(linear, scheme, scale, zero, **kw)
-        self.theta2 = nn.Parameter(torch.zeros(self.out_features, self.in_features))
-        self.theta3 = nn.Parameter(torch.zeros(self.out_features, 1))
+        dev = self.weight.device   # on the weight's device: a block reconstructed on a GPU trains there
+        self.theta2 = nn.Parameter(torch.zeros(self.out_features, self.in_features, device=dev))
+        self.theta3 = nn.Parameter(torch.zeros(self.out_features, 1, device=dev))
 
     def extra_log_divisor(self):
         return self.theta2 + self.theta3

@@ -64,10 +64,11 @@ class LRQLinear(LearnableQuantLinear):
         super().__init__(linear, scheme, scale, zero, **kw)
         self.rank = rank
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)) on an [r, Cin] matrix
-        self.L = nn.Parameter(torch.zeros(self.out_features, rank))
-        self.U = nn.Parameter(torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator))
-        self.r2 = nn.Parameter(torch.zeros(self.out_features, 1))
-        self.c2 = nn.Parameter(torch.zeros(1, self.in_features))
+        dev = self.weight.device   # U is drawn on the CPU (the seeded generator's), so any device starts alike
+        self.L = nn.Parameter(torch.zeros(self.out_features, rank, device=dev))
+        self.U = nn.Parameter(torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator).to(dev))
+        self.r2 = nn.Parameter(torch.zeros(self.out_features, 1, device=dev))
+        self.c2 = nn.Parameter(torch.zeros(1, self.in_features, device=dev))
 
     def extra_log_divisor(self):
         return self.L @ self.U + self.r2 + self.c2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -192,17 +193,30 @@ def load_methods() -> dict[str, type[Method]]:
     global _LOADED
     if not _LOADED:
         from importlib.metadata import entry_points
-        eps = sorted(entry_points(group=ENTRY_POINTS), key=lambda e: e.name)
+        eps = {e.name: e.value for e in entry_points(group=ENTRY_POINTS)} or _source_tree_entry_points()
         if not eps:
             raise UserError(f"no quantization methods are installed (no '{ENTRY_POINTS}' entry points): install "
                             f"the project with `pip install -e .` (or `pip install .`), which declares them.")
-        for ep in eps:
+        for name, value in sorted(eps.items()):
             try:
-                importlib.import_module(ep.value.split(":")[0])
+                importlib.import_module(value.split(":")[0])
             except ImportError as e:
-                raise UserError(f"the method plug-in {ep.name!r} ({ep.value}) cannot be imported: {e}") from e
+                raise UserError(f"the method plug-in {name!r} ({value}) cannot be imported: {e}") from e
         _LOADED = True
     return METHODS
+
+
+def _source_tree_entry_points() -> dict[str, str]:
+    """The project's own method modules when it runs from its source tree without being installed
+    (`PYTHONPATH=.` on a lent GPU machine, which has no registry to install from): read from the
+    pyproject.toml beside the lrq package, the same declaration an install would register."""
+    import tomllib
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        doc = tomllib.loads(pyproject.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return dict(doc.get("project", {}).get("entry-points", {}).get(ENTRY_POINTS, {}))
 
 
 def check_settings(keys, methods: list[str]) -> None:

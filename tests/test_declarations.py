@@ -211,3 +211,20 @@ def test_a_scheme_with_an_unknown_activation_mode_is_refused():
         SC.Scheme("w4a8-pc", 4, None, 8, "per_channel")
     with pytest.raises(UserError, match="go together"):
         SC.Scheme("w4a8-x", 4, None, 8)
+
+
+def test_a_source_tree_without_an_install_finds_the_same_methods(monkeypatch):
+    """The lent GPU machine runs the project from its source tree (PYTHONPATH=., nothing installed; found on
+    the H200, 2026-12-04, where the planner's profile stopped at "no quantization methods are installed"):
+    with no entry points, the methods come from pyproject.toml's declaration, the list an install registers."""
+    import importlib.metadata
+
+    import lrq.methods as M
+    installed = {e.name: e.value for e in importlib.metadata.entry_points(group=M.ENTRY_POINTS)}
+    assert installed and M._source_tree_entry_points() == installed
+    imported = []
+    monkeypatch.setattr(M, "_LOADED", False)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    monkeypatch.setattr(M.importlib, "import_module", imported.append)
+    M.load_methods()
+    assert sorted(imported) == sorted(v.split(":")[0] for v in installed.values())

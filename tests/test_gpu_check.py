@@ -25,6 +25,18 @@ def test_gpu_check_smoke(tmp_path):
     for method in ("lrq", "gptq"):
         o = doc["offload"][method]
         assert o["ok"] and o["all_on_cpu_after"] and o["max_rel_logit_diff"] == 0.0
+        assert o["int_weights_differing"] == 0.0 and o["err_gap"] == 0.0 and o["rel_logit_err_cpu"] > 0
+
+
+def test_only_reruns_the_stages_named(tmp_path):
+    """A cut GPU run is finished by rerunning only what it missed: the other stages leave no trace."""
+    out = tmp_path / "g.json"
+    assert gpu_check.main(["--smoke", "--only", "offload", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["stages"]) == ["offload"] and doc["only"] == ["offload"]
+    assert "correctness" not in doc and "latency" not in doc and doc["offload"]["lrq"]["ok"]
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--smoke", "--only", "correctness,latencies", "--out", str(out)])
 
 
 def test_budget_cuts_the_table_but_keeps_the_json(tmp_path, monkeypatch):

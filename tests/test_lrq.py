@@ -47,6 +47,23 @@ def test_initialisation_equals_rtn_exactly(kind, scheme_name):
         assert torch.allclose(frozen(x), m(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["lrq", "flexround", "omniquant"])
+def test_learnables_are_made_on_the_weights_device(kind):
+    """A block reconstructed on a GPU trains its learnables there. Found on the H200 (2026-12-04): LRQ's
+    L, U, r2, c2 were made on the CPU beside a CUDA weight, and the first step failed. The meta device
+    stands in for any device other than the CPU; LRQ's U is still drawn by the (CPU) seeded generator."""
+    from baselines.omniquant import OmniQuantLinear
+    scheme = get_scheme("w4a16-g128")
+    lin = _linear(cout=24, cin=200)
+    s, z = minmax_qparams(lin.weight, scheme.w_bits, scheme.group_size)
+    lin, s, z = lin.to("meta"), s.to("meta"), z.to("meta")
+    if kind == "lrq":
+        m = LRQLinear(lin, scheme, s, z, rank=4, generator=torch.Generator().manual_seed(0))
+    else:
+        m = (FlexRoundLinear if kind == "flexround" else OmniQuantLinear)(lin, scheme, s, z)
+    assert m.learnables() and {p.device.type for p in m.parameters()} == {"meta"}
+
+
 def test_parameter_count_formulas():
     lin = _linear(cout=24, cin=40)
     lrq, _, _ = _learnable("lrq", lin, get_scheme("w4a16"), rank=5)

@@ -290,8 +290,15 @@ def estimate(json_out: str | None) -> int:
 
 def offload_check(device: str) -> dict:
     """Block-wise quantization with the model kept on the CPU and one block at a time on `device` (the
-    offloaded walk) against the same run entirely on the CPU: same weights up to float differences,
-    every block back on the CPU afterwards, device memory bounded by about one block."""
+    offloaded walk) against the same run entirely on the CPU: every block back on the CPU afterwards,
+    device memory bounded by about one block, and the same quantization up to float differences.
+
+    "The same" is judged by quality, not bit for bit: another device's float rounding moves the weights
+    that sit within an ulp of a rounding boundary to the neighbouring level (a whole step), and GPTQ's error
+    feedback carries each such flip along its row, so the logits of two correct runs differ by several per
+    cent of their largest value (0.06 and 0.11 on the H200, 2026-12-04). What must agree is the error
+    against the FP model: the two runs' relative logit errors within 10 % of each other. On one device the
+    runs are identical (0.0)."""
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -305,6 +312,8 @@ def offload_check(device: str) -> dict:
     ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
     calib = Calibration(ids, {"dataset": "random", "n_samples": 8, "seq_len": 64, "seed": 0})
     out = {}
+    with torch.no_grad():
+        fp = model(ids[:2]).logits
     for method in ("lrq", "gptq"):
         c = get_method(method).config("quick", {"iters": 5, "heldout_samples": 2, "autocast": False})
         ref, off = copy.deepcopy(model), copy.deepcopy(model)
@@ -316,11 +325,20 @@ def offload_check(device: str) -> dict:
         with torch.no_grad():
             a, b = ref(ids[:2]).logits, off(ids[:2]).logits
         block_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-        out[method] = {"max_rel_logit_diff": float((a - b).abs().max() / a.abs().max()),
-                       "all_on_cpu_after": all(p.device.type == "cpu" for p in off.parameters()),
-                       "peak_device_bytes": peak, "block_bytes": block_bytes,
-                       "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
-        out[method]["ok"] = out[method]["all_on_cpu_after"] and out[method]["max_rel_logit_diff"] < 0.05
+        err_ref, err_off = (float((x - fp).norm() / fp.norm()) for x in (a, b))
+        q_ref = [m.qweight for m in ref.modules() if hasattr(m, "qweight")]
+        q_off = [m.qweight for m in off.modules() if hasattr(m, "qweight")]
+        differ = sum(int((x != y).sum()) for x, y in zip(q_ref, q_off))
+        r = out[method] = {
+            "max_rel_logit_diff": float((a - b).abs().max() / a.abs().max()),
+            "rel_logit_err_cpu": err_ref, "rel_logit_err_offloaded": err_off,
+            "err_gap": abs(err_off - err_ref) / max(err_ref, 1e-12),
+            "int_weights_differing": differ / max(1, sum(x.numel() for x in q_ref)),
+            "all_on_cpu_after": all(p.device.type == "cpu" for p in off.parameters())
+            and all(t.device.type == "cpu" for t in off.buffers()),
+            "peak_device_bytes": peak, "block_bytes": block_bytes,
+            "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        r["ok"] = r["all_on_cpu_after"] and len(q_ref) == len(q_off) > 0 and r["err_gap"] <= 0.10
     return out
 
 
@@ -328,6 +346,9 @@ def _cpu_once(fn) -> float:
     t = time.perf_counter()
     fn()
     return (time.perf_counter() - t) * 1e3
+
+
+STAGES = ("correctness", "targets", "latency", "plan_profile", "offload")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="no GPU needed: count the compilations the check does and time them for sm_90 here")
     ap.add_argument("--budget-s", type=float, default=290.0, help="wall-time budget of the whole check")
     ap.add_argument("--no-peers", action="store_true", help="skip torch's int4 kernel and gemlite")
+    ap.add_argument("--only", default=",".join(STAGES), metavar="STAGE[,STAGE]",
+                    help=f"run only these stages, of {', '.join(STAGES)} (a rerun of the ones a cut run missed)")
     args = ap.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if unknown := sorted(set(only) - set(STAGES)):
+        ap.error(f"unknown stage(s) {', '.join(unknown)}: choose from {', '.join(STAGES)}")
     if args.estimate:
         return estimate(None if args.out == "gpu_check.json" else args.out)
     from bench.common.provenance import git_revision, hardware, versions
@@ -368,39 +394,47 @@ def main(argv: list[str] | None = None) -> int:
         _save(doc, out)
         print(f"[{doc['wall_s']:.0f} s] {name} done", flush=True)
 
+    doc["only"] = only
     # 1. correctness
     t = time.time()
-    doc["correctness"] = correctness(device, args.smoke)
-    n_ok = sum(c["ok"] for c in doc["correctness"])
-    print(f"correctness: {n_ok}/{len(doc['correctness'])} ok", flush=True)
-    stage("correctness", t, ok=n_ok == len(doc["correctness"]))
+    if "correctness" in only:
+        doc["correctness"] = correctness(device, args.smoke)
+        n_ok = sum(c["ok"] for c in doc["correctness"])
+        print(f"correctness: {n_ok}/{len(doc['correctness'])} ok", flush=True)
+        stage("correctness", t, ok=n_ok == len(doc["correctness"]))
 
     timer = (lambda fn: median_ms(fn, "cuda")) if device == "cuda" else _cpu_once
     shapes = {"64x96": (64, 96)} if args.smoke else SHAPES_7B
     # 2. the target rows first, so a cut run still judges them
     t = time.time()
     target_shapes = shapes if args.smoke else SHAPES_7B
-    rows, complete = latency_rows(target_shapes, (1, 16) if args.smoke else TARGET_MS, SCHEMES, device, timer,
-                                  deadline, peers=False)
-    doc["target_rows"] = rows
-    doc["targets"] = judge_targets(rows) if device == "cuda" else []   # CPU smoke timings judge nothing
-    stage("targets", t, complete=complete)
+    doc["target_rows"] = []
+    if "targets" in only:
+        rows, complete = latency_rows(target_shapes, (1, 16) if args.smoke else TARGET_MS, SCHEMES, device, timer,
+                                      deadline, peers=False)
+        doc["target_rows"] = rows
+        doc["targets"] = judge_targets(rows) if device == "cuda" else []   # CPU smoke timings judge nothing
+        stage("targets", t, complete=complete)
 
     # 3. the full table with the peers, until the budget leaves room for the last two stages
     t = time.time()
-    reserve = 0 if args.smoke else 60
-    rows, complete = latency_rows(shapes, (1, 16) if args.smoke else MS, SCHEMES, device, timer,
-                                  deadline - reserve, peers=device == "cuda" and not args.no_peers,
-                                  measured=doc["target_rows"])
-    doc["latency"] = rows
-    doc["never_below_1x"] = all(r["speedup_vs_bf16"] >= 1.0 for r in rows) if rows else None
-    from lrq.kernels import int8_gemm, wq_gemm
-    doc["tuned_configs"] = {str(k): str(v) for tuner in (wq_gemm._TUNER, int8_gemm._TUNER) for k, v in tuner.best.items()}
-    stage("latency", t, complete=complete, rows=len(rows))
+    if "latency" in only:
+        reserve = 0 if args.smoke else 60
+        rows, complete = latency_rows(shapes, (1, 16) if args.smoke else MS, SCHEMES, device, timer,
+                                      deadline - reserve, peers=device == "cuda" and not args.no_peers,
+                                      measured=doc["target_rows"])
+        doc["latency"] = rows
+        doc["never_below_1x"] = all(r["speedup_vs_bf16"] >= 1.0 for r in rows) if rows else None
+        from lrq.kernels import int8_gemm, wq_gemm
+        doc["tuned_configs"] = {str(k): str(v) for tuner in (wq_gemm._TUNER, int8_gemm._TUNER)
+                                for k, v in tuner.best.items()}
+        stage("latency", t, complete=complete, rows=len(rows))
 
     # 4. the planner's GPU profile
     t = time.time()
-    if args.smoke:
+    if "plan_profile" not in only:
+        pass
+    elif args.smoke:
         stage("plan_profile", t, skipped="smoke")
     elif time.time() > deadline - 40:
         stage("plan_profile", t, skipped="budget")
@@ -412,14 +446,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # 5. the offloaded block walk
     t = time.time()
-    if time.time() > deadline - 15 and not args.smoke:
+    if "offload" not in only:
+        pass
+    elif time.time() > deadline - 15 and not args.smoke:
         stage("offload", t, skipped="budget")
     else:
         doc["offload"] = offload_check(device)
         print(f"offloaded block walk: {json.dumps(doc['offload'])}", flush=True)
         stage("offload", t)
     print(f"wrote {out} in {doc['wall_s']:.0f} s")
-    ok = all(c["ok"] for c in doc["correctness"]) and all(v["ok"] for v in doc.get("offload", {}).values())
+    ok = all(c["ok"] for c in doc.get("correctness", [])) and all(v["ok"] for v in doc.get("offload", {}).values())
     return 0 if ok else 1
 
 
