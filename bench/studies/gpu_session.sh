@@ -13,6 +13,11 @@
 #   run(command="STAGE_BUDGET=240 bash bench/studies/gpu_session.sh", carry=["gpu_carry/part-b", "wheels"],
 #       timeout_s=540 + 240)
 # Without the parcels the stage is skipped (the first two steps need nothing carried).
+# Measured on an H200 on 2026-12-04 (reports/gpu/README.md): the machine's start about 40 s, gpu_check 260 s of
+# its 290-s budget from a cold Triton cache (correctness 28 s; the planner profile 41 s and the offloaded walk
+# 5 s once rerun), e2e 21 s. A session lent 15 minutes fits the whole script once with STAGE_BUDGET=240
+# (about 11 minutes with both parcels' calls); the part-a call must come within the machine's 30-s warm window.
+# A stage a cut run missed is rerun alone: python -m bench.studies.gpu_check --only plan_profile,offload.
 #
 # The machine has its own torch/Triton and no registry: the project runs from the source tree
 # (PYTHONPATH=.), and pure-Python extras come as wheels under wheels/ (e.g. gemlite:
