@@ -569,6 +569,10 @@ class ReconstructionMethod(Method):
         self.finish_block(ctx, state, cfg, n_train)
         out["calib_after"] = block_error(block, xe, ye, kw)
         out["heldout_after"] = block_error(block, xh, yh, kw)
+        if out["calib_after"] > out["calib_before"]:
+            log.warning("block %d: training ended with a higher calibration error than its RTN start (%.4g > %.4g): "
+                        "the steps or the learning rate do not suit this model (--set lr=..., --set iters=...)",
+                        i, out["calib_after"], out["calib_before"])
         return out
 
     def _load_train_state(self, block: int, iters: int, params: list[nn.Parameter]) -> dict | None:

@@ -323,3 +323,27 @@ def test_the_long_preset_resolves_to_its_sizes_for_every_method():
         c = resolve_calib(name, "long", {})
         assert (c.dataset, c.n_samples, c.seq_len, c.sampling) == ("c4", 128, 1024, "sequential"), name
     assert method_class("gptq")().config("long") == method_class("gptq")().config("paper")
+
+
+def test_a_block_that_training_made_worse_is_warned_of_and_reported(caplog):
+    """FlexRound at the quick preset's learning rate ended 4 of Gemma 3's 18 blocks above their RTN start
+    (2026-12-04): such a cell is not the method at its best, and the run log and the leaderboard say so."""
+    from types import SimpleNamespace
+
+    from bench.reports.report import _blocks_worse_lines
+    M = get_method("flexround")
+    with caplog.at_level("WARNING", logger="lrq.engine"):
+        stats = M.quantize(tiny_model("llama"), get_scheme("w4a16"),
+                           M.config("quick", {"iters": 3, "heldout_samples": 1, "lr": 5.0}), _calib(4))
+    be = stats["block_errors"]
+    worse = [i for i, b in enumerate(be) if b["calib_after"] > b["calib_before"]]
+    assert worse, "a learning rate of 5 in log space must wreck some block"
+    assert sum("higher calibration error than its RTN start" in r.message for r in caplog.records) == len(worse)
+    rows = [SimpleNamespace(method="flexround", scheme="w4a16", config={"method_stats": stats}),
+            SimpleNamespace(method="flexround", scheme="w4a16", config={"method_stats": stats}),   # one line per cell
+            SimpleNamespace(method="lrq", scheme="w4a16", config={"method_stats": {"block_errors": [
+                {"calib_before": 2.0, "calib_after": 1.0}]}})]
+    lines = _blocks_worse_lines(rows)
+    assert lines[0] == "Blocks that training made worse:" and len([x for x in lines if x.startswith("- ")]) == 1
+    assert f"in {len(worse)} of {len(be)} blocks" in lines[2] and lines[2].startswith("- flexround w4a16")
+    assert _blocks_worse_lines(rows[2:]) == []

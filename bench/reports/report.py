@@ -160,6 +160,27 @@ RECON_METRICS = ["n_learnable", "mean_block_calib_before", "mean_block_calib_aft
                  "mean_block_heldout_before", "mean_block_heldout_after"]
 
 
+def _blocks_worse_lines(rows: list[Row]) -> list[str]:
+    """The blocks whose training ended above its RTN start on the calibration samples it was trained on: a sign
+    that the steps or the learning rate do not suit the model (a reader must not take such a cell as the
+    method at its best). One line per cell that has any."""
+    lines, seen = [], set()
+    for r in rows:
+        be = ((r.config or {}).get("method_stats") or {}).get("block_errors")
+        if not be or (r.method, r.scheme) in seen:
+            continue
+        seen.add((r.method, r.scheme))
+        worse = [i for i, b in enumerate(be) if b["calib_after"] > b["calib_before"]]
+        if worse:
+            w = max(worse, key=lambda i: be[i]["calib_after"] / max(be[i]["calib_before"], 1e-30))
+            lines.append(f"- {r.method} {r.scheme}: training ended with a higher calibration error than its RTN "
+                         f"start in {len(worse)} of {len(be)} blocks ({', '.join(map(str, worse))}); the worst, "
+                         f"block {w}: {be[w]['calib_before']:.4g} before, {be[w]['calib_after']:.4g} after "
+                         f"({be[w]['calib_after'] / max(be[w]['calib_before'], 1e-30):.2f}x). Its steps or "
+                         f"learning rate do not suit this model (`--set lr=...`, `--set iters=...`).")
+    return ["Blocks that training made worse:", ""] + lines + [""] if lines else []
+
+
 def _param_ratio(recon: pd.DataFrame) -> list[str]:
     """Learnable parameters of each method against the one it declares itself compared with
     (`Method.compare_learnables_with`), per scheme where both ran."""
@@ -696,6 +717,7 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
                   "LRQ should generalize better.", "",
                   dataset_table(mdf, "quant", RECON_METRICS), ""]
         parts += _param_ratio(recon)
+        parts += _blocks_worse_lines(srows)
     parts += _task_section(mdf, stats)
     parts += _flips_section(stats)
     parts += _speed_sections(mdf)
