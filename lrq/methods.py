@@ -193,11 +193,11 @@ def load_methods() -> dict[str, type[Method]]:
     global _LOADED
     if not _LOADED:
         from importlib.metadata import entry_points
-        eps = {e.name: e.value for e in entry_points(group=ENTRY_POINTS)} or _source_tree_entry_points()
+        eps = [(e.name, e.value) for e in entry_points(group=ENTRY_POINTS)] or list(_source_tree_entry_points().items())
         if not eps:
             raise UserError(f"no quantization methods are installed (no '{ENTRY_POINTS}' entry points): install "
                             f"the project with `pip install -e .` (or `pip install .`), which declares them.")
-        for name, value in sorted(eps.items()):
+        for name, value in sorted(eps):
             try:
                 importlib.import_module(value.split(":")[0])
             except ImportError as e:
