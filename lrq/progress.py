@@ -35,13 +35,14 @@ def reporting(sink: Sink | None):
 
 @contextlib.contextmanager
 def stage(name: str, detail: str = ""):
-    """The code inside is stage `name` (reported at its start, and as done at its end)."""
+    """The code inside is stage `name` (reported at its start, and as done when it ends normally: a stage
+    stopped by an error, Ctrl-C or SIGTERM is not shown as done; its caller reports why it stopped)."""
     token = _stage.set(name)
     _send(name, detail, 0.0)
     try:
         yield
-    finally:
         _send(name, "done", 1.0)
+    finally:
         _stage.reset(token)
 
 

@@ -272,3 +272,16 @@ def test_estimate_counts_only_what_is_missing(tiny_model_dir, data_dir, tmp_path
     assert part.stages[0]["quant"] == full_no_kl.stages[0]["quant"] > 0   # quantized again for any missing unit
     assert full.stages[0]["quant"] > full_no_kl.stages[0]["quant"]        # + the FP pass of the KL reference
     assert none.stages == {} and full.wall(2) == full.total
+
+
+def test_a_stage_stopped_midway_is_never_reported_done():
+    """A SIGTERM in the 7th block of AWQ's long cell (2026-12-04) left the bar at 99 % reading "quant done"."""
+    from lrq import progress
+    seen = []
+    with progress.reporting(lambda *a: seen.append(a)):
+        with progress.stage("wikitext2"):
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            with progress.stage("quant"):
+                raise KeyboardInterrupt
+    assert ("wikitext2", "done", 1.0) in seen and not any(s == "quant" and d == "done" for s, d, _ in seen)
