@@ -158,6 +158,12 @@ def block_error(block: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, k
     return total / len(inputs)
 
 
+def made_worse(err: Mapping) -> bool:
+    """A block whose training ended with a higher calibration error than its RTN start (one entry of the
+    stats' `block_errors`): its steps or learning rate do not suit the model."""
+    return err["calib_after"] > err["calib_before"]
+
+
 FAMILY_FALLBACK = {"w8": "w8a8"}
 
 
@@ -569,7 +575,7 @@ class ReconstructionMethod(Method):
         self.finish_block(ctx, state, cfg, n_train)
         out["calib_after"] = block_error(block, xe, ye, kw)
         out["heldout_after"] = block_error(block, xh, yh, kw)
-        if out["calib_after"] > out["calib_before"]:
+        if made_worse(out):
             log.warning("block %d: training ended with a higher calibration error than its RTN start (%.4g > %.4g): "
                         "the steps or the learning rate do not suit this model (--set lr=..., --set iters=...)",
                         i, out["calib_after"], out["calib_before"])

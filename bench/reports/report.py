@@ -164,20 +164,21 @@ def _blocks_worse_lines(rows: list[Row]) -> list[str]:
     """The blocks whose training ended above its RTN start on the calibration samples it was trained on: a sign
     that the steps or the learning rate do not suit the model (a reader must not take such a cell as the
     method at its best). One line per cell that has any."""
+    from lrq.engine import made_worse
     lines, seen = [], set()
     for r in rows:
         be = ((r.config or {}).get("method_stats") or {}).get("block_errors")
         if not be or (r.method, r.scheme) in seen:
             continue
         seen.add((r.method, r.scheme))
-        worse = [i for i, b in enumerate(be) if b["calib_after"] > b["calib_before"]]
-        if worse:
-            w = max(worse, key=lambda i: be[i]["calib_after"] / max(be[i]["calib_before"], 1e-30))
+        ratio = {i: b["calib_after"] / max(b["calib_before"], 1e-30) for i, b in enumerate(be) if made_worse(b)}
+        if ratio:
+            w = max(ratio, key=ratio.get)
             lines.append(f"- {r.method} {r.scheme}: training ended with a higher calibration error than its RTN "
-                         f"start in {len(worse)} of {len(be)} blocks ({', '.join(map(str, worse))}); the worst, "
+                         f"start in {len(ratio)} of {len(be)} blocks ({', '.join(map(str, ratio))}); the worst, "
                          f"block {w}: {be[w]['calib_before']:.4g} before, {be[w]['calib_after']:.4g} after "
-                         f"({be[w]['calib_after'] / max(be[w]['calib_before'], 1e-30):.2f}x). Its steps or "
-                         f"learning rate do not suit this model (`--set lr=...`, `--set iters=...`).")
+                         f"({ratio[w]:.2f}x). Its steps or learning rate do not suit this model "
+                         f"(`--set lr=...`, `--set iters=...`).")
     return ["Blocks that training made worse:", ""] + lines + [""] if lines else []
 
 

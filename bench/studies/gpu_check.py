@@ -304,6 +304,7 @@ def offload_check(device: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lrq.methods import Calibration, get_method
+    from lrq.qlinear import QuantLinear
     from lrq.schemes import get_scheme
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -326,8 +327,7 @@ def offload_check(device: str) -> dict:
             a, b = ref(ids[:2]).logits, off(ids[:2]).logits
         block_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
         err_ref, err_off = (float((x - fp).norm() / fp.norm()) for x in (a, b))
-        q_ref = [m.qweight for m in ref.modules() if hasattr(m, "qweight")]
-        q_off = [m.qweight for m in off.modules() if hasattr(m, "qweight")]
+        q_ref, q_off = ([m.qweight for m in x.modules() if isinstance(m, QuantLinear)] for x in (ref, off))
         differ = sum(int((x != y).sum()) for x, y in zip(q_ref, q_off))
         r = out[method] = {
             "max_rel_logit_diff": float((a - b).abs().max() / a.abs().max()),
@@ -407,10 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {"64x96": (64, 96)} if args.smoke else SHAPES_7B
     # 2. the target rows first, so a cut run still judges them
     t = time.time()
-    target_shapes = shapes if args.smoke else SHAPES_7B
     doc["target_rows"] = []
     if "targets" in only:
-        rows, complete = latency_rows(target_shapes, (1, 16) if args.smoke else TARGET_MS, SCHEMES, device, timer,
+        rows, complete = latency_rows(shapes, (1, 16) if args.smoke else TARGET_MS, SCHEMES, device, timer,
                                       deadline, peers=False)
         doc["target_rows"] = rows
         doc["targets"] = judge_targets(rows) if device == "cuda" else []   # CPU smoke timings judge nothing
