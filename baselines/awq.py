@@ -53,7 +53,7 @@ from torch import nn
 
 from lrq import precision
 from lrq.arch import block_linears, decoder_blocks, set_submodule
-from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks
+from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks, walk_time_stats
 from lrq.calibration import calibrate_static_activations
 from lrq.errors import UserError
 from lrq.config import MethodConfig, setting
@@ -343,7 +343,8 @@ class AWQ(Method):
         gains = [g for s in per_block for g in s["loss_vs_rtn"]]
         stats: dict[str, Any] = {"awq_mean_ratio": sum(ratios) / len(ratios),
                                  "awq_mean_loss_vs_rtn": sum(gains) / len(gains),
-                                 "awq_samples": int(ids.shape[0])} | merge_fold_stats(per_block)
+                                 "awq_samples": int(ids.shape[0])}
+        stats |= merge_fold_stats(per_block) | walk_time_stats(per_block)
         if config.clip:
             stats["awq_mean_clip_shrink"] = sum(s["clip_shrink"] for s in per_block) / len(per_block)
         if scheme.static_activations:

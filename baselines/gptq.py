@@ -48,7 +48,7 @@ from torch import nn
 
 from lrq import precision
 from lrq.arch import decoder_blocks, set_submodule
-from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks
+from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks, walk_time_stats
 from lrq.calibration import calibrate_static_activations
 from lrq.config import MethodConfig, setting
 from lrq.methods import Calibration, Method, add_work, register
@@ -273,7 +273,7 @@ class GPTQ(Method):
             "gptq_rtn_fallbacks": sum(s["fallbacks"] for s in per_block),
             "gptq_dead_inputs": sum(s["dead"] for s in per_block),
             "gptq_mean_rel_output_error": sum(s["error"] for s in per_block) / len(per_block),
-        }
+        } | walk_time_stats(per_block)
         if scheme.static_activations:
             stats["static_activation_quantizers"] = calibrate_static_activations(model, calib.input_ids)
         return stats

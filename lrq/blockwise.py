@@ -519,3 +519,11 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
             if b is not None:
                 b.close()
     return all_stats
+
+
+def walk_time_stats(per_block: list[dict]) -> dict[str, float]:
+    """What a walk cost, for the cell's stats: every block's wall time summed, including the blocks an earlier
+    (interrupted) run finished, possibly on another machine (their times travel in the checkpoint), and how
+    many blocks came from such a run. A resumed cell's own wall time covers only the blocks it computed."""
+    return {"blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
+            "resumed_blocks": sum(bool(b.get("restored")) for b in per_block)}

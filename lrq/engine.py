@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from lrq import precision, progress
 from lrq.arch import KV_LINEARS, block_linears, set_submodule
-from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks
+from lrq.blockwise import BlockCheckpoint, BlockContext, walk_blocks, walk_time_stats
 from lrq.calibration import observe_input_ranges
 from lrq.errors import UserError
 from lrq.io import atomic_write
@@ -392,9 +392,7 @@ class ReconstructionMethod(Method):
                                     checkpoint=ckpt, restore=restore, device=self.device)
         stats: dict[str, Any] = {
             "n_learnable": sum(b["n_learnable"] for b in per_block),
-            # wall time of every block, including blocks finished by an interrupted earlier run
-            "blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
-            "resumed_blocks": sum(bool(b.get("restored")) for b in per_block),
+            **walk_time_stats(per_block),
             # the training loops alone, and the median step (blocks trained by this run; earlier results lack them)
             "train_time_s": sum(b.get("train_s", 0.0) for b in per_block),
             "step_s_median": (statistics.median(b["step_s"] for b in per_block if b.get("step_s") is not None)

@@ -455,3 +455,31 @@ def test_cells_evaluated_under_different_settings_are_separate_sections():
     assert md.count("## Model: m") == 2 and "evaluated on 6,144 tokens per text" in md
     # one setting: one section, as before
     assert len(sections(cell("rtn", 2048, 30.0) + cell("gptq", 2048, 25.0))) == 1
+
+
+# ---- 18: a resumed cell's quant time is never shown as what the cell cost ---------------------------------------
+
+def test_a_resumed_cells_quant_time_is_marked_with_what_every_block_took():
+    """A cell continued from carried blocks stores the last run's wall time as quant_time_s: the summary marks it
+    and says what all its blocks took over every run (blocks_time_s); a cell quantized in one run is unmarked."""
+    from bench.reports.report import markdown_report
+    from bench.common.store import Row
+
+    def cell(method, quant_s, resumed=None, blocks_s=None):
+        ev = {"seq_len": 2048, "max_tokens": 4096, "include_partial": False, "window_nll": [2.0, 2.1]}
+        rows = [Row("m", method, "w3a16", "wikitext2", "ppl", 30.0, config={"eval": ev}),
+                Row("m", method, "w3a16", "quant", "bits_per_weight", 3.03, config={}),
+                Row("m", method, "w3a16", "quant", "quant_time_s", quant_s, config={})]
+        if resumed is not None:
+            rows += [Row("m", method, "w3a16", "quant", "resumed_blocks", resumed, config={}),
+                     Row("m", method, "w3a16", "quant", "blocks_time_s", blocks_s, config={})]
+        return rows
+    md = markdown_report(cell("awq", 6029.8, resumed=19, blocks_s=19269.3) + cell("gptq", 812.0, 0, 800.0)
+                         + cell("rtn", 0.4))
+    lines = md.splitlines()
+    row = lambda m: next(line for line in lines if line.startswith(f"| {m} "))   # noqa: E731
+    assert "6029.8 †" in row("awq")
+    assert "†" not in row("gptq") and "†" not in row("rtn")      # nothing carried, or no blocks at all
+    note = next(line for line in lines if line.startswith("- † awq w3a16"))
+    assert "19 blocks came from earlier runs" in note and "19,269 s" in note and "6,030 s" in note
+    assert not any(line.startswith("- † gptq") for line in lines)

@@ -393,7 +393,7 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
         line = _verdict(header, r, _style(metric))
         if line:
             verdicts.append(line)
-    body = []
+    body, resumed = [], []
     for _, k in keys.iterrows():
         key = (k["method"], k["scheme"])
         line = [k["method"], k["scheme"]]
@@ -401,11 +401,39 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
             cs = stats.get(key, {}).get((ds, metric))
             txt = fmt_stat(cs) if cs is not None else _fmt_seeds(metric, value.get((*key, ds, metric)))
             mark = ranked.get((ds, metric), {}).get(key)
+            if (ds, metric) == ("quant", "quant_time_s") and (note := _resumed_note(value, key)):
+                txt += f" {RESUMED_MARK}"
+                resumed.append(note)
             line.append(f"**{txt}**" if mark == "best" else (f"{txt} ~" if mark == "tie" else txt))
         body.append(line)
     table = tabulate(body, headers=["method", "scheme"] + [c[2] for c in cols], tablefmt="github",
                      disable_numparse=True)
-    return table, verdicts
+    return table, resumed + verdicts
+
+
+RESUMED_MARK = "†"
+
+
+def _resumed_note(value: dict, key: tuple[str, str]) -> str | None:
+    """For a cell that continued from blocks an earlier run finished: why its quant time is not its cost, and
+    the sum of every block's time over all the runs (lrq.blockwise.walk_time_stats); None for any other cell."""
+    carried = value.get((*key, "quant", "resumed_blocks")) or {}
+    if not any(_known({s: v}) and v for s, v in carried.items()):
+        return None
+    blocks = value.get((*key, "quant", "blocks_time_s")) or {}
+    per_seed = sorted(s for s, v in carried.items() if _known({s: v}) and v)
+    parts = []
+    for seed in per_seed:
+        total = blocks.get(seed)
+        run = (value.get((*key, "quant", "quant_time_s")) or {}).get(seed)
+        parts.append((f"seed {seed}: " if len(carried) > 1 else "")
+                     + f"{carried[seed]:.0f} blocks came from earlier runs (possibly on other machines); "
+                     + ("every block's time summed over all the runs: "
+                        f"{total:,.0f} s" if total is not None and not pd.isna(total)
+                        else "their times were not stored (a result from before blocks_time_s)")
+                     + (f", the last run {run:,.0f} s" if run is not None and not pd.isna(run) else ""))
+    return (f"- {RESUMED_MARK} {key[0]} {key[1]}: a resumed cell, so its quant time is the last run's alone, "
+            f"not what the cell cost: " + "; ".join(parts) + ".")
 
 
 def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
