@@ -379,7 +379,7 @@ def cmd_run(args) -> int:
     prec = cells[0].precision
     print(f"lrq-bench run: profile {prof.name}, {len(cells)} cells ({n_todo} to compute, {len(cells) - n_todo} "
           f"already stored), {where}; precision {prec.used} ({prec.why})", file=sys.stderr, flush=True)
-    estimate = _announce_estimate(args, cells, todo, executor, loaded) if n_todo else None
+    estimate = _announce_estimate(args, cells, todo, executor, loaded, carry) if n_todo else None
     outcomes = run_cells(cells, store, force=args.force, executor=executor, estimate=estimate, carry=carry)
     return _finish_run(args, cells, store, outcomes, time.perf_counter() - t0)
 
@@ -582,10 +582,11 @@ def _external_checkpoint(args) -> dict | None:
     return info
 
 
-def _announce_estimate(args, cells, todo, executor, loaded):
+def _announce_estimate(args, cells, todo, executor, loaded, carry=None):
     """Print the planner's estimate of what the run is about to compute, on this machine at the run's precision
-    (asking nothing: a user who sees '34 h' can stop at once). Returns the estimate (the progress bar weighs
-    stages by it), or None where there is none (a Ray cluster; a planner failure, said in one line)."""
+    (asking nothing: a user who sees '34 h' can stop at once). Blocks of a resumed cell that an earlier run
+    finished (here, or carried in `carry`'s folder) are not priced again. Returns the estimate (the progress bar
+    weighs stages by it), or None where there is none (a Ray cluster; a planner failure, said in one line)."""
     from bench.run import plan as P
     if args.executor == "ray":
         _say("no time estimate for a Ray cluster (its nodes' speed is not known here).")
@@ -597,7 +598,8 @@ def _announce_estimate(args, cells, todo, executor, loaded):
         torch.set_num_threads(executor.threads if device == "cpu" else threads)   # as each worker will run
         machine = P.load_or_measure_profile(device, precision=cells[0].precision.used, say=_say)
         shape = P.shape_from_config(args.model, loaded.model.config)
-        est = P.estimate_run(shape, dict(enumerate(cells)), todo, machine)
+        est = P.estimate_run(shape, dict(enumerate(cells)), todo, machine,
+                             finished=carry.finished if carry is not None else None)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - an estimate is a courtesy: never the reason a run does not start
@@ -611,6 +613,9 @@ def _announce_estimate(args, cells, todo, executor, loaded):
     workers = executor.jobs
     longest = max(est.stages, key=est.seconds)
     unpriced = f"; {len(est.unpriced)} cell(s) without a cost model not counted" if est.unpriced else ""
+    if est.done_blocks:
+        unpriced += "; resumed, so not priced again: " + ", ".join(
+            f"{cells[i].method_name} {cells[i].scheme_name}'s first {n} blocks" for i, n in est.done_blocks.items())
     from bench.common.provenance import cpu_label
     _say(f"estimate on this machine ({machine['hardware'].get('gpu') or cpu_label(machine['hardware'])}, "
          f"{cells[0].precision.used}): {len(est.stages)} cells, {est.total / 3600:.2f} {unit}-hours of work, about "

@@ -212,6 +212,10 @@ def test_run_sync_continues_a_cell_on_a_fresh_machine(tiny_model_dir, data_dir, 
     assert done.returncode == 0, done.stderr[-2000:]
     rows = ResultStore(tmp_path / "b.sqlite").rows()
     assert [r.value for r in rows if r.metric == "resumed_blocks"] == [1.0]   # resumed at block 1, not restarted
+    # priced as resumed: the estimate left out the carried block, said so, and stored it with the stage's price
+    assert "lrq w3a16's first 1 blocks" in " ".join(done.stderr.split()), done.stderr[-2000:]
+    planned = [r for r in rows if r.metric == "planned_time_s" and r.dataset == "quant" and r.method == "lrq"]
+    assert [r.config["planned"].get("done_blocks") for r in planned] == [1]
     assert not (carry / "checkpoints" / state.parent.name).exists()       # dropped once the cell is done
     units = ledger.read(carry)
     assert {r[0].method for r in units.values()} == {"fp", "lrq"}

@@ -321,3 +321,46 @@ def test_the_training_probe_never_writes_into_a_cells_checkpoints(tmp_path, monk
     assert 0 < out["step_s"] <= out["train_s"] <= out["probe_s"][-1]
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
     assert m.checkpoint_dir == str(tmp_path / "ck")     # the cell's own instance is untouched
+
+
+def test_a_resumed_cell_is_priced_for_the_blocks_it_has_left(tmp_path, monkeypatch):
+    """Blocks an earlier run finished are not priced again: half the blocks done, half the per-block work, plus
+    the calibration streams recomputed through the finished blocks where they are not kept locally (two streams
+    for a method that trains against FP targets, one for GPTQ). `finished_blocks` reads what the next run will
+    find: the local checkpoint (with or without its streams) or a carried folder holding more blocks."""
+    import dataclasses
+    from types import SimpleNamespace
+    from bench.run import ledger
+    from lrq.blockwise import BlockCheckpoint
+    kinds = {k: {"per_call_s": 1e-3, "flops_per_s": 1e9} for k in ("fwd", "walk", "rtn", "train_lrq", "gptq")}
+    prof = {"kinds": kinds, "device": "cuda", "hardware": {"gpu": "test"}, "threads": 1}
+    shape = P.ModelShape("resume-test", 128, 384, 4, 4, 4, 1000)
+    specs = P.plan_specs(["lrq", "gptq"], ["w3a16"], lambda m: (8, 64), preset="quick", overrides={},
+                         datasets=[], max_tokens=None, eval_seq=64, tasks=[], task_limit=None, fp=False)
+    full = P.price(shape, specs, prof)
+    half = P.price(shape, {i: dataclasses.replace(sp, done_blocks=2) for i, sp in specs.items()}, prof)
+    for i in specs:
+        assert half.stages[i]["quant"] == pytest.approx(full.stages[i]["quant"] / 2)
+    assert half.done_blocks == {i: 2 for i in specs} and full.done_blocks == {}
+    replayed = P.price(shape, {i: dataclasses.replace(sp, done_blocks=2, replay=True) for i, sp in specs.items()}, prof)
+    extra = {specs[i].method.name: replayed.stages[i]["quant"] - half.stages[i]["quant"] for i in specs}
+    one_stream = 2 * 1e-3 + 2 * shape.block_fwd_flops(8 * 64, 64) / 1e9
+    assert extra["gptq"] == pytest.approx(one_stream) and extra["lrq"] == pytest.approx(2 * one_stream)
+    everything = P.price(shape, {i: dataclasses.replace(sp, done_blocks=4) for i, sp in specs.items()}, prof)
+    assert all(everything.stages[i]["quant"] == pytest.approx(0.0, abs=1e-9) for i in specs)   # only the walk left
+
+    # what the next run will find
+    local, folder = tmp_path / "cache" / "abc123", tmp_path / "carried"
+    cell = SimpleNamespace(checkpoint_dir=str(local))
+    carry = ledger.Carry(folder, ResultStore(tmp_path / "r.sqlite"))
+    assert ledger.finished_blocks(cell, carry) == (0, False)
+    assert ledger.finished_blocks(SimpleNamespace(checkpoint_dir=None), carry) == (0, False)
+    local.mkdir(parents=True)
+    (local / BlockCheckpoint.STATE).write_text(json.dumps({"done": 2, "identity": "x"}))
+    assert ledger.finished_blocks(cell, carry) == (2, True)                 # no streams kept: recomputed
+    (local / BlockCheckpoint._streams_name(2, "q")).write_bytes(b"")
+    assert ledger.finished_blocks(cell, carry) == (2, False) == carry.finished(cell)
+    (folder / ledger.CHECKPOINTS / "abc123").mkdir(parents=True)
+    (folder / ledger.CHECKPOINTS / "abc123" / BlockCheckpoint.STATE).write_text(json.dumps({"done": 3}))
+    assert ledger.finished_blocks(cell, carry) == (3, True)                 # the carried folder is further
+    assert ledger.finished_blocks(cell) == (2, False)                       # without --sync: the local one

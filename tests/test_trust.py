@@ -483,3 +483,24 @@ def test_a_resumed_cells_quant_time_is_marked_with_what_every_block_took():
     note = next(line for line in lines if line.startswith("- † awq w3a16"))
     assert "19 blocks came from earlier runs" in note and "19,269 s" in note and "6,030 s" in note
     assert not any(line.startswith("- † gptq") for line in lines)
+
+
+def test_a_resumed_stage_counts_against_its_price_only_where_the_price_left_out_the_carried_blocks():
+    """Planned and measured time: a resumed quantization priced for the blocks it had left (its price names them,
+    `done_blocks`) is compared with its wall time; one priced as a whole cell (results from before) is shown but
+    kept out of the within-25 % count."""
+    from bench.reports.report import planned_section
+    from bench.common.store import Row
+
+    def stage(method, planned, wall, resumed, priced_done):
+        plan = {"stage": "quant", "machine": "cpu", "workers": 1}
+        if priced_done:
+            plan["done_blocks"] = priced_done
+        key = f"{method}-quant"
+        return [Row("m", method, "w3a16", "quant", "planned_time_s", planned, config={"planned": plan}, unit_key=key),
+                Row("m", method, "w3a16", "quant", "quant_time_s", wall, wall_s=wall, unit_key=key),
+                Row("m", method, "w3a16", "quant", "resumed_blocks", resumed, wall_s=wall, unit_key=key)]
+    text = "\n".join(planned_section(stage("awq", 1000.0, 1100.0, 12, 12) + stage("lrq", 9000.0, 1500.0, 20, 0)))
+    assert "1 of 1 stages within 25 %" in text                     # lrq (priced whole, 0.17) is not counted
+    assert "1.10 (resumed: 12 blocks came from an earlier run, priced as such)" in text
+    assert "0.17 (resumed: 20 blocks came from an earlier run; priced with 0 of them done, so not comparable)" in text

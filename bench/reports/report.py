@@ -783,7 +783,7 @@ def planned_vs_measured(rows: list[Row]) -> list[dict]:
                     "planned_s": float(r.value), "measured_s": wall,
                     "ratio": wall / r.value if wall is not None and r.value > 0 else None,
                     "workers": plan.get("workers"), "machine": plan.get("machine"),
-                    "resumed_blocks": resumed.get(r.unit_key),
+                    "resumed_blocks": resumed.get(r.unit_key), "priced_done": plan.get("done_blocks") or 0,
                     "planned_host_bytes": plan.get("host_bytes"), "measured_host_bytes": peaks.get(r.unit_key)})
     return out
 
@@ -799,14 +799,17 @@ def planned_section(rows: list[Row]) -> list[str]:
     dur = lambda x: f"{x:.2g} s" if x < 10 else fmt_duration(x)    # noqa: E731
     body, ratios = [], []
     for it in items:
-        ratio = it["ratio"]
-        if ratio is not None and not it["resumed_blocks"]:
+        ratio, carried = it["ratio"], it["resumed_blocks"] or 0
+        # a resumed stage compares with its price only where the price left out the blocks it did not compute
+        if ratio is not None and carried == it["priced_done"]:
             ratios.append(ratio)
         body.append([it["method"], it["scheme"], it["stage"], dur(it["planned_s"]),
                      "-" if it["measured_s"] is None else dur(it["measured_s"]),
                      "-" if ratio is None else f"{ratio:.2f}"
-                     + (f" (resumed: {it['resumed_blocks']:.0f} blocks came from an earlier run)"
-                        if it["resumed_blocks"] else ""),
+                     + ((f" (resumed: {carried:.0f} blocks came from an earlier run"
+                         + (", priced as such)" if carried == it["priced_done"] else
+                            f"; priced with {it['priced_done']:.0f} of them done, so not comparable)"))
+                        if carried else ""),
                      _planned_memory(it), it["workers"] or "-", md_text(it["machine"] or "-")])
     within = sum(0.8 <= x <= 1.25 for x in ratios)
     median = statistics.median(ratios) if ratios else None

@@ -278,6 +278,10 @@ class Carry:
         self._mirrored[local.name] = done
         return done
 
+    def finished(self, cell) -> tuple[int, bool]:
+        """Blocks of `cell` finished here or in the carried folder (see `finished_blocks`)."""
+        return finished_blocks(cell, self)
+
     def mirror(self, cell) -> int:
         """Carry the local checkpoint's newly finished blocks (called as the cell reports progress; cheap when
         nothing changed). Blocks are written first and the state last, each atomically, so a commit taken at
@@ -316,3 +320,22 @@ class Carry:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda p: Path(p).write_bytes(data))
+
+
+def finished_blocks(cell, carry: Carry | None = None) -> tuple[int, bool]:
+    """What a block-wise cell's next run will not compute again: (finished blocks, whether the calibration streams
+    must be recomputed through them). The local checkpoint counts with its streams where they are there; a
+    carried folder holding more blocks replaces it (`Carry.restore`), and its streams are recomputed. (0, False)
+    for a cell without a checkpoint folder or without finished blocks. The folder is named by the cell's
+    identity, so its state is this cell's; `BlockCheckpoint.completed` checks it again when the walk starts."""
+    if not getattr(cell, "checkpoint_dir", None):
+        return 0, False
+    local_dir = Path(cell.checkpoint_dir)
+    local = Carry._state(local_dir).get("done", 0)
+    carried_dir = carry._carried(cell) if carry is not None else None
+    carried = Carry._state(carried_dir).get("done", 0) if carried_dir is not None else 0
+    if carried > local:
+        return carried, True
+    if not local:
+        return 0, False
+    return local, not (local_dir / BlockCheckpoint._streams_name(local, "q")).is_file()

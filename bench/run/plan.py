@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -898,6 +899,7 @@ class RunEstimate:
     unpriced: list[int]
     profile: dict
     host_bytes: dict[int, int] = field(default_factory=dict)   # cell index -> estimated peak host memory
+    done_blocks: dict[int, int] = field(default_factory=dict)  # cell index -> blocks already finished, not priced
 
     def seconds(self, i: int) -> float:
         return sum(self.stages.get(i, {}).values())
@@ -930,6 +932,8 @@ class Priced:
     measure: bool = False             # this machine's CPU profile: training steps and text passes measured at the
     #                                   cell's own shape (`measured_training`, `measured_eval`)
     cached_refs: tuple[str, ...] = ()  # texts whose FP KL reference is in the cache already: not computed again
+    done_blocks: int = 0              # blocks an earlier run finished (a checkpoint): their work is not priced,
+    replay: bool = False              # ... only the calibration streams recomputed through them, where `replay`
 
 
 def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEstimate:
@@ -949,6 +953,8 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
         tokens = eval_tokens_for(datasets, sp.max_tokens)
         work = stage_work(shape, sp.method, sp.scheme, sp.config, sp.n, sp.seq, tokens, sp.eval_seq,
                           list(sp.tasks), sp.task_limit, measure=sp.measure)
+        if sp.done_blocks and sp.method is not None:
+            work["quant"] = resumed_work(work["quant"], shape, sp.scheme, sp.n, sp.seq, sp.done_blocks, sp.replay)
         probe = measured_eval(shape, sp.eval_seq) if sp.measure and datasets else None
         for d in sp.kl:   # scoring KL: the FP logits from the float32 head, and the divergence itself
             windows = max(1, tokens[d] // sp.eval_seq)
@@ -972,24 +978,51 @@ def price(shape: ModelShape, specs: dict[int, Priced], profile: dict) -> RunEsti
         stages[i] = {name: seconds(w, profile) for name, w in work.items()}
         if sp.method is not None:
             host_bytes[i] = estimate_memory(shape, sp.method, sp.n, sp.seq, profile.get("device", "cpu"))[0]
-    return RunEstimate(stages, unpriced, profile, host_bytes)
+    done = {i: sp.done_blocks for i, sp in specs.items() if sp.done_blocks and i in stages}
+    return RunEstimate(stages, unpriced, profile, host_bytes, done)
 
 
-def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict) -> RunEstimate:
+def resumed_work(work: dict[str, tuple[float, float]], shape: ModelShape, scheme, n: int, seq: int, done: int,
+                 replay: bool) -> dict[str, tuple[float, float]]:
+    """The quantization's work where `done` of its blocks are finished already (a resumed block-wise cell): the
+    per-block work of the blocks left (everything but W8A8's whole-model range pass, which runs after the walk),
+    and, where `replay`, the calibration streams recomputed through the finished blocks (one forward of each
+    over the n x seq tokens per stream; two streams where the method trains against FP targets)."""
+    from lrq.methods import add_work, static_range_work
+    left = max(0, shape.layers - done) / shape.layers
+    whole = static_range_work(shape, scheme, n, seq)
+    out: dict[str, tuple[float, float]] = {}
+    for kind, (calls, flops) in work.items():
+        wc, wf = whole.get(kind, (0.0, 0.0))
+        add_work(out, kind, (calls - wc) * left + wc, (flops - wf) * left + wf)
+    if replay:
+        streams = 2 if any(k.startswith("train_") or k.endswith(":step") for k in work) else 1   # trains
+        add_work(out, "fwd", done * streams, done * streams * shape.block_fwd_flops(n * seq, seq))
+    return out
+
+
+def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict,
+                 finished: Callable[[Any], tuple[int, bool]] | None = None) -> RunEstimate:
     """The planner's estimate of a run about to start: for each settled cell (bench.run.cell.Cell) the stages its
     missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
-    "quant" stage always counts; a perplexity or task stage only when that unit is missing."""
+    "quant" stage always counts; a perplexity or task stage only when that unit is missing. `finished(cell)`:
+    (blocks an earlier run finished, whether the streams are recomputed through them), default
+    bench.run.ledger.finished_blocks on the cell's local checkpoint; those blocks are not priced again."""
+    from bench.run.ledger import finished_blocks
+    finished = finished or finished_blocks
     specs = {}
     for i, cell in cells.items():
         units = todo.get(i) or set()
         if not units:
             continue
+        done, replay = finished(cell) if "quant" in units and not cell.is_fp else (0, False)
         specs[i] = Priced(
             f"{cell.method_name} {cell.scheme_name}", None if cell.is_fp else cell.method, cell.scheme,
             cell.config, cell.calib.n_samples, cell.calib.seq_len,
             tuple(d for d in cell.datasets if d in units), tuple(d for d in cell.datasets if f"{d}:kl" in units),
             cell.eval.max_tokens, cell.eval.seq_len, tuple(cell.tasks) if "tasks" in units else (), cell.task_limit,
-            measure=profile.get("device") == "cpu", cached_refs=_cached_references(cell))
+            measure=profile.get("device") == "cpu", cached_refs=_cached_references(cell), done_blocks=done,
+            replay=replay)
     return price(shape, specs, profile)
 
 

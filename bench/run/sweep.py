@@ -216,6 +216,8 @@ def planned_rows(estimate, job: Job, unit: str, rows: list[Row], workers: int = 
     host = estimate.host_bytes.get(job.index)
     if stage == "quant" and host is not None:   # the memory estimate is of the quantization's peak
         plan["host_bytes"] = int(host)
+    if stage == "quant" and estimate.done_blocks.get(job.index):   # priced as resumed: the blocks left only
+        plan["done_blocks"] = int(estimate.done_blocks[job.index])
     r = rows[0]
     return [replace(r, dataset="tasks" if stage == "tasks" else r.dataset, metric=PLANNED, value=float(seconds),
                     config=dict(r.config or {}) | {"planned": plan}, wall_s=None, peak_mem_bytes=None)]
