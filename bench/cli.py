@@ -598,8 +598,7 @@ def _announce_estimate(args, cells, todo, executor, loaded, carry=None):
         torch.set_num_threads(executor.threads if device == "cpu" else threads)   # as each worker will run
         machine = P.load_or_measure_profile(device, precision=cells[0].precision.used, say=_say)
         shape = P.shape_from_config(args.model, loaded.model.config)
-        est = P.estimate_run(shape, dict(enumerate(cells)), todo, machine,
-                             finished=carry.finished if carry is not None else None)
+        est = P.estimate_run(shape, dict(enumerate(cells)), todo, machine, carry)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - an estimate is a courtesy: never the reason a run does not start

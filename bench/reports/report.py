@@ -418,10 +418,10 @@ def _resumed_note(value: dict, key: tuple[str, str]) -> str | None:
     """For a cell that continued from blocks an earlier run finished: why its quant time is not its cost, and
     the sum of every block's time over all the runs (lrq.blockwise.walk_time_stats); None for any other cell."""
     carried = value.get((*key, "quant", "resumed_blocks")) or {}
-    if not any(_known({s: v}) and v for s, v in carried.items()):
+    per_seed = sorted(s for s, v in carried.items() if _known({s: v}) and v)
+    if not per_seed:
         return None
     blocks = value.get((*key, "quant", "blocks_time_s")) or {}
-    per_seed = sorted(s for s, v in carried.items() if _known({s: v}) and v)
     parts = []
     for seed in per_seed:
         total = blocks.get(seed)

@@ -278,10 +278,6 @@ class Carry:
         self._mirrored[local.name] = done
         return done
 
-    def finished(self, cell) -> tuple[int, bool]:
-        """Blocks of `cell` finished here or in the carried folder (see `finished_blocks`)."""
-        return finished_blocks(cell, self)
-
     def mirror(self, cell) -> int:
         """Carry the local checkpoint's newly finished blocks (called as the cell reports progress; cheap when
         nothing changed). Blocks are written first and the state last, each atomically, so a commit taken at

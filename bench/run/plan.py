@@ -27,7 +27,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1002,20 +1001,19 @@ def resumed_work(work: dict[str, tuple[float, float]], shape: ModelShape, scheme
 
 
 def estimate_run(shape: ModelShape, cells: dict[int, Any], todo: dict[int, set[str]], profile: dict,
-                 finished: Callable[[Any], tuple[int, bool]] | None = None) -> RunEstimate:
+                 carry: Any = None) -> RunEstimate:
     """The planner's estimate of a run about to start: for each settled cell (bench.run.cell.Cell) the stages its
     missing units need. A cell with any unit missing is quantized again (the model is not stored), so its
-    "quant" stage always counts; a perplexity or task stage only when that unit is missing. `finished(cell)`:
-    (blocks an earlier run finished, whether the streams are recomputed through them), default
-    bench.run.ledger.finished_blocks on the cell's local checkpoint; those blocks are not priced again."""
+    "quant" stage always counts; a perplexity or task stage only when that unit is missing. Blocks an earlier
+    run finished, in the cell's local checkpoint or in `carry`'s folder (bench.run.ledger.Carry, `run --sync`),
+    are not priced again (bench.run.ledger.finished_blocks)."""
     from bench.run.ledger import finished_blocks
-    finished = finished or finished_blocks
     specs = {}
     for i, cell in cells.items():
         units = todo.get(i) or set()
         if not units:
             continue
-        done, replay = finished(cell) if "quant" in units and not cell.is_fp else (0, False)
+        done, replay = finished_blocks(cell, carry) if "quant" in units and not cell.is_fp else (0, False)
         specs[i] = Priced(
             f"{cell.method_name} {cell.scheme_name}", None if cell.is_fp else cell.method, cell.scheme,
             cell.config, cell.calib.n_samples, cell.calib.seq_len,
