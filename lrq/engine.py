@@ -363,10 +363,7 @@ class ReconstructionMethod(Method):
         act_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         authors = cfg.train_precision == "authors"
         if authors:
-            # the authors load the model in fp16: every weight on the fp16 grid from the start
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(p.half().to(p.dtype))
+            precision.to_fp16_grid(model)
         smoothing: dict[str, Any] = {}
         if scheme.static_activations and self.upfront_static_ranges:
             if cfg.smooth_alpha > 0:

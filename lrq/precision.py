@@ -176,6 +176,14 @@ def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bo
     return torch.autocast(kind, dtype=torch.bfloat16, **kw)
 
 
+def to_fp16_grid(model: torch.nn.Module) -> None:
+    """Every parameter of `model` rounded to the nearest fp16 value, in its own dtype: the authors load the
+    model in fp16 (`train_precision=authors`), so every weight is on the fp16 grid from the start."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().to(p.dtype))
+
+
 def authors_fp16(device: torch.device | str, enabled: bool = True):
     """An fp16 autocast region on `device` when `enabled`: the authors' fp16 pipeline (LRQ/FlexRound's
     `train_precision=authors`), a method's setting rather than the run's precision."""

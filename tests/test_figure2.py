@@ -267,3 +267,40 @@ def test_results_of_an_earlier_run_keep_their_machine(tiny_model_dir, data_dir, 
     assert res["results"]["0/lrq"]["provenance"]["git"] == "an-earlier-revision"
     assert res["results"]["1/lrq"]["provenance"]["git"] != "an-earlier-revision"
     assert "an-earlier-revision"[:12] in (out / "figure2.md").read_text()
+
+
+def test_train_precision_authors_gives_the_study_the_engines_fp16_chain(tiny_model_dir, data_dir, tmp_path):
+    """--set train_precision=authors: the study's block sees what the engine's quantize gives it under that
+    setting (the model on the fp16 grid, inputs and targets under fp16 autocast), not the float32 chain. LRQ at
+    w3a16 trains in fp32 either way, so before this only the label said "authors"."""
+    from bench.common.models import load_model
+    from bench.evaluations.data import calibration_set
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+
+    one = ARGS.copy()
+    one[one.index("--blocks") + 1] = "first"
+    one[one.index("--scheme") + 1] = "w3a16"
+    base = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--methods", "lrq",
+            "--state-dir", str(tmp_path / "state")] + one
+    curves, chains = {}, {}
+    for p in ("default", "authors"):
+        assert main(base + ["--set", f"train_precision={p}", "--out", str(tmp_path / p)]) == 0
+        res = json.loads((tmp_path / p / "figure2.json").read_text())
+        assert res["results"]["0/lrq"]["resolved"]["train_precision"] == p
+        curves[p] = res["results"]["0/lrq"]["curve"]
+        chains[p] = res["config"].get("chain")
+    assert curves["authors"][0]["calib"] != curves["default"][0]["calib"]
+    # the engine under the same setting, windows and sizes: its block 0 starts from the same errors
+    loaded = load_model(str(tiny_model_dir))
+    calib = calibration_set(loaded.tokenizer, data_dir, "c4", 12, 32, seed=0, sampling="sequential")
+    M = get_method("lrq")
+    stats = M.quantize(loaded.model, get_scheme("w3a16"),
+                       M.config("paper", {"iters": "6", "batch_size": "2", "heldout_samples": "4",
+                                          "error_samples": "4", "lr": "0.01", "train_precision": "authors"}), calib)
+    first = stats["block_errors"][0]
+    assert first["calib_before"] == pytest.approx(curves["authors"][0]["calib"], rel=1e-6)
+    assert first["heldout_before"] == pytest.approx(curves["authors"][0]["heldout"], rel=1e-6)
+    assert first["calib_before"] != pytest.approx(curves["default"][0]["calib"], rel=1e-6)
+    # the configuration says so, and an earlier "authors" result made on the float32 chain does not match it
+    assert chains == {"default": None, "authors": "fp16 model, inputs and targets under fp16 autocast"}

@@ -27,6 +27,7 @@ the same but for the methods) and writes the page.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -124,6 +125,7 @@ def run(args) -> dict:
     from lrq.arch import decoder_blocks
     from lrq.blockwise import capture_block_inputs
     from lrq.methods import get_method
+    from lrq import precision
     from lrq.schemes import get_scheme
 
     if args.threads:
@@ -140,8 +142,14 @@ def run(args) -> dict:
         if not hasattr(o, "curve_every"):
             raise UserError(f"--methods: {m} is not trained block by block; choose among lrq, flexround, omniquant.")
     settings = _settings(args, methods)
+    # train_precision=authors as the engine's quantize runs it: the model on the fp16 grid, and the chain's
+    # inputs, the full-precision targets and the curve's errors under fp16 autocast (the training steps decide
+    # their own autocast). --set gives every method of a run the same value, so one chain serves them all.
+    authors = any(o.resolve(scheme, o.config("paper", settings)).train_precision == "authors" for o in objs.values())
     loaded = load_model(args.model)
     model = loaded.model.to(dev)
+    if authors:
+        precision.to_fp16_grid(model)
     blocks = decoder_blocks(model)
     chosen = _blocks(args.blocks, len(blocks))
     n_total = args.calib_samples + args.heldout
@@ -153,6 +161,8 @@ def run(args) -> dict:
     config = {"model": args.model, "scheme": args.scheme, "methods": methods, "blocks": chosen,
               "settings": settings, "calibration": calib.description, "train_windows": args.calib_samples,
               "heldout_windows": args.heldout, "every": args.every, "seed": args.seed, "device": str(dev)}
+    if authors:   # absent otherwise, so that results stored before it existed still match their configuration
+        config["chain"] = "fp16 model, inputs and targets under fp16 autocast"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "figure2.json"
@@ -178,9 +188,10 @@ def run(args) -> dict:
         return bool(args.budget_s) and time.monotonic() - started + last > args.budget_s
 
     # the full-precision chain's inputs to every chosen block, and that block's full-precision outputs
-    buf, kw = capture_block_inputs(model, calib.input_ids.to(dev))
-    x = buf.data[:].clone()
-    with torch.no_grad():
+    fp16 = precision.authors_fp16(dev) if authors else contextlib.nullcontext()
+    with fp16, torch.no_grad():
+        buf, kw = capture_block_inputs(model, calib.input_ids.to(dev))
+        x = buf.data[:].clone()
         for i in range(max(chosen) + 1):
             y = torch.empty_like(x)
             for a in range(0, len(x), 8):
