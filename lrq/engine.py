@@ -364,6 +364,8 @@ class ReconstructionMethod(Method):
         authors = cfg.train_precision == "authors"
         if authors:
             precision.to_fp16_grid(model)
+            if slow := precision.authors_fp16_cost(self.compute_device(model)):
+                log.warning(slow)
         smoothing: dict[str, Any] = {}
         if scheme.static_activations and self.upfront_static_ranges:
             if cfg.smooth_alpha > 0:

@@ -306,6 +306,27 @@ def test_train_precision_authors_runs_the_authors_fp16_pipeline(method, scheme_n
         M.keyed_settings(M.resolve(get_scheme(scheme_name), dict(default, train_precision="authors")))
 
 
+def test_train_precision_authors_warns_where_the_cpu_emulates_fp16(monkeypatch, caplog):
+    """fp16 on a CPU without fp16 arithmetic is emulated (17x slower training steps on a Zen 4): the run says so
+    where it starts; a CPU with AVX512-FP16, and a GPU, get no warning."""
+    from lrq import precision
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert "no fp16 arithmetic" in precision.authors_fp16_cost("cpu")
+    assert precision.authors_fp16_cost("cuda") is None
+    M = get_method("lrq")
+    with caplog.at_level("WARNING", logger="lrq.engine"):
+        M.quantize(tiny_model("llama", hidden=64), get_scheme("w3a16"),
+                   M.config("quick", {"iters": 1, "heldout_samples": 2, "train_precision": "authors"}), _calib(6))
+    assert "no fp16 arithmetic" in caplog.text
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx512f", "avx512_fp16", "amx_fp16"})
+    assert precision.authors_fp16_cost("cpu") is None
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lrq.engine"):
+        M.quantize(tiny_model("llama", hidden=64), get_scheme("w3a16"),
+                   M.config("quick", {"iters": 1, "heldout_samples": 2, "train_precision": "authors"}), _calib(6))
+    assert "fp16" not in caplog.text
+
+
 def test_the_long_preset_resolves_to_its_sizes_for_every_method():
     """--preset long: 1,000 steps at batch 2 with 16 held-out windows, the authors' settings otherwise; LRQ at
     the llama2-7b-like rank; one calibration (128 x 1,024 C4 tokens in order) for LRQ, FlexRound, GPTQ and AWQ;

@@ -31,6 +31,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -150,6 +151,8 @@ def run(args) -> dict:
     model = loaded.model.to(dev)
     if authors:
         precision.to_fp16_grid(model)
+        if slow := precision.authors_fp16_cost(dev):
+            print(f"warning: {slow}", file=sys.stderr, flush=True)
     blocks = decoder_blocks(model)
     chosen = _blocks(args.blocks, len(blocks))
     n_total = args.calib_samples + args.heldout
