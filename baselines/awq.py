@@ -305,6 +305,15 @@ class AWQ(Method):
         t, c = run()
         return {"awq": (*self.work(shape, scheme, c, n, seq)["awq"], t)}
 
+    def extra_memory(self, shape, tokens: int = 0) -> int:
+        """At a block's peak, float32 over every calibration token: the captured inputs of the four searched
+        modules (attention, o_proj, MLP, down_proj), the widest once more (joined from its batches, then |x| for
+        the mean), and three module outputs (the FP output, a candidate's batches and their join). On the
+        default model at the long preset (131,072 tokens) that is 3.2 GiB: its AWQ cells peaked at 5.9-6.0 GiB
+        resident, priced 2.5 GiB without it."""
+        ins = [shape.hidden, shape.heads * shape.head_dim, shape.hidden, shape.intermediate]
+        return 4 * tokens * (sum(ins) + max(ins) + 3 * shape.hidden)
+
     def _quantize(self, model: nn.Module, scheme: Scheme, config: AWQConfig,
                   calib: Calibration | None) -> dict[str, Any]:
         device_type = self.compute_device(model).type

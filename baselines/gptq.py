@@ -227,7 +227,7 @@ class GPTQ(Method):
         t, c = run()
         return {"gptq": (*self.work(shape, scheme, c, n, seq)["gptq"], t)}
 
-    def extra_memory(self, shape) -> int:
+    def extra_memory(self, shape, tokens: int = 0) -> int:
         """The largest Hessian, its inverse and Cholesky factor in float32."""
         return 4 * max(a * a for a, _ in shape.linears()) * 3
 

@@ -108,8 +108,9 @@ class Method:
         `steps`: training steps to time where the method trains."""
         return {}
 
-    def extra_memory(self, shape) -> int:
-        """Bytes beyond the weights, activation streams and training state at the method's peak."""
+    def extra_memory(self, shape, tokens: int = 0) -> int:
+        """Bytes beyond the weights, activation streams and training state at the method's peak, for a model of
+        `shape` calibrated on `tokens` tokens."""
         return 0
 
     def resolve(self, scheme: Scheme, config: MethodConfig) -> MethodConfig:

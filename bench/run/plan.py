@@ -286,7 +286,7 @@ def estimate_memory(shape: ModelShape, method, n: int, seq: int, device: str = "
     acts_ram = streams if streams <= ram_budget else 0      # otherwise memory-mapped from disk
     # training state of one block: learnables + Adam's two moments + gradients (a full matrix per weight: 1.0)
     train = 4 * m.learnable_fraction * block
-    gptq = (m() if isinstance(m, type) else m).extra_memory(shape)
+    gptq = (m() if isinstance(m, type) else m).extra_memory(shape, n * seq)
     batch_acts = 16 * seq * max(shape.hidden, shape.intermediate) * 4 * 8   # one batch of 8 windows through a block
     if baseline is None:
         baseline = process_baseline_bytes()
