@@ -483,6 +483,14 @@ def test_a_resumed_cells_quant_time_is_marked_with_what_every_block_took():
     note = next(line for line in lines if line.startswith("- † awq w3a16"))
     assert "19 blocks came from earlier runs" in note and "19,269 s" in note and "6,030 s" in note
     assert not any(line.startswith("- † gptq") for line in lines)
+    assert "‡" not in md                  # every checkpointing cell above says whether it resumed
+    # a GPTQ result stored before cells recorded resuming: its time may be the last run's alone, and says so;
+    # RTN never resumes, so it gets no mark
+    md = markdown_report(cell("gptq", 1394.2) + cell("rtn", 0.4))
+    lines = md.splitlines()
+    assert "1394.2 ‡" in row("gptq") and "‡" not in row("rtn") and "†" not in md
+    note = next(line for line in lines if line.startswith("- ‡ gptq w3a16"))
+    assert "may cover only the last run's blocks" in note
 
 
 def test_a_resumed_stage_counts_against_its_price_only_where_the_price_left_out_the_carried_blocks():

@@ -404,6 +404,9 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
             if (ds, metric) == ("quant", "quant_time_s") and (note := _resumed_note(value, key)):
                 txt += f" {RESUMED_MARK}"
                 resumed.append(note)
+            elif (ds, metric) == ("quant", "quant_time_s") and (note := _unrecorded_resume_note(value, key)):
+                txt += f" {UNRECORDED_MARK}"
+                resumed.append(note)
             line.append(f"**{txt}**" if mark == "best" else (f"{txt} ~" if mark == "tie" else txt))
         body.append(line)
     table = tabulate(body, headers=["method", "scheme"] + [c[2] for c in cols], tablefmt="github",
@@ -412,6 +415,22 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
 
 
 RESUMED_MARK = "†"
+UNRECORDED_MARK = "‡"
+
+
+def _unrecorded_resume_note(value: dict, key: tuple[str, str]) -> str | None:
+    """For a cell of a method that resumes from its finished blocks but whose result predates recording whether
+    it did (no resumed_blocks): its quant time may be the last run's alone. None for any other cell."""
+    from lrq.methods import get_method
+    try:
+        checkpoints = get_method(key[0]).checkpoints
+    except Exception:  # noqa: BLE001 - a method this version does not know: nothing to say about it
+        return None
+    if not checkpoints or value.get((*key, "quant", "resumed_blocks")) \
+            or not value.get((*key, "quant", "quant_time_s")):
+        return None
+    return (f"- {UNRECORDED_MARK} {key[0]} {key[1]}: stored before its cells recorded whether they resumed from "
+            f"an earlier run's blocks (resumed_blocks), so its quant time may cover only the last run's blocks.")
 
 
 def _resumed_note(value: dict, key: tuple[str, str]) -> str | None:
