@@ -361,11 +361,11 @@ class ReconstructionMethod(Method):
         seed = int(calib.description.get("seed", 0))
 
         act_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # train_precision=authors: the model on the fp16 grid from here on, and the block forwards (FP targets, the
+        # quantized chain) in fp16 as in the authors' fp16 model; the training steps decide their own autocast
+        # (_reconstruct_block)
         authors = cfg.train_precision == "authors"
-        if authors:
-            precision.to_fp16_grid(model)
-            if slow := precision.authors_fp16_cost(self.compute_device(model)):
-                log.warning(slow)
+        fp16 = precision.authors_fp16_model(model, self.compute_device(model)) if authors else contextlib.nullcontext()
         smoothing: dict[str, Any] = {}
         if scheme.static_activations and self.upfront_static_ranges:
             if cfg.smooth_alpha > 0:
@@ -383,9 +383,6 @@ class ReconstructionMethod(Method):
         ckpt = None
         if self.checkpoint_dir is not None:
             ckpt = BlockCheckpoint(self.checkpoint_dir, self.checkpoint_identity(scheme, cfg, calib))
-        # train_precision=authors: the block forwards (FP targets, the quantized chain) in fp16 as in the authors'
-        # fp16 model; the training steps decide their own autocast (_reconstruct_block)
-        fp16 = precision.authors_fp16(self.compute_device(model)) if authors else contextlib.nullcontext()
         with fp16:
             per_block = walk_blocks(model, ids, process, need_targets=True, desc=f"{self.name} {scheme.name}",
                                     checkpoint=ckpt, restore=restore, device=self.device)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import platform
 from contextvars import ContextVar
@@ -33,6 +34,8 @@ from pathlib import Path
 import torch
 
 from lrq.errors import UserError
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "bf16", "fp32")
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) under which bf16 is still computed natively
@@ -176,12 +179,17 @@ def autocast(device: torch.device | str, enabled: bool = True, cache_enabled: bo
     return torch.autocast(kind, dtype=torch.bfloat16, **kw)
 
 
-def to_fp16_grid(model: torch.nn.Module) -> None:
-    """Every parameter of `model` rounded to the nearest fp16 value, in its own dtype: the authors load the
-    model in fp16 (`train_precision=authors`), so every weight is on the fp16 grid from the start."""
+def authors_fp16_model(model: torch.nn.Module, device: torch.device | str):
+    """`train_precision=authors` for `model` computing on `device`: every parameter rounded now to the nearest
+    fp16 value, in its own dtype (the authors load the model in fp16), a warning logged where the CPU emulates
+    fp16 (`authors_fp16_cost`); returns the fp16 autocast region its block forwards run in (the training steps
+    decide their own autocast). The engine's quantize and the Figure 2 study both start the pipeline here."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.half().to(p.dtype))
+    if slow := authors_fp16_cost(device):
+        log.warning(slow)
+    return authors_fp16(device)
 
 
 def authors_fp16_cost(device: torch.device | str) -> str | None:

@@ -348,7 +348,7 @@ def test_a_block_that_training_made_worse_is_warned_of_and_reported(caplog):
 
     from bench.reports.report import _blocks_worse_lines
     M = get_method("flexround")
-    with caplog.at_level("WARNING", logger="lrq.engine"):
+    with caplog.at_level("WARNING", logger="lrq.precision"):
         stats = M.quantize(tiny_model("llama"), get_scheme("w4a16"),
                            M.config("quick", {"iters": 3, "heldout_samples": 1, "lr": 5.0}), _calib(4))
     be = stats["block_errors"]

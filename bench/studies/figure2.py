@@ -31,7 +31,6 @@ import contextlib
 import copy
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -149,10 +148,7 @@ def run(args) -> dict:
     authors = any(o.resolve(scheme, o.config("paper", settings)).train_precision == "authors" for o in objs.values())
     loaded = load_model(args.model)
     model = loaded.model.to(dev)
-    if authors:
-        precision.to_fp16_grid(model)
-        if slow := precision.authors_fp16_cost(dev):
-            print(f"warning: {slow}", file=sys.stderr, flush=True)
+    fp16 = precision.authors_fp16_model(model, dev) if authors else contextlib.nullcontext()
     blocks = decoder_blocks(model)
     chosen = _blocks(args.blocks, len(blocks))
     n_total = args.calib_samples + args.heldout
@@ -191,7 +187,6 @@ def run(args) -> dict:
         return bool(args.budget_s) and time.monotonic() - started + last > args.budget_s
 
     # the full-precision chain's inputs to every chosen block, and that block's full-precision outputs
-    fp16 = precision.authors_fp16(dev) if authors else contextlib.nullcontext()
     with fp16, torch.no_grad():
         buf, kw = capture_block_inputs(model, calib.input_ids.to(dev))
         x = buf.data[:].clone()
