@@ -20,6 +20,7 @@ from dataclasses import replace
 from bench.evaluations import evals as E
 from bench.evaluations import stats as S
 from bench.common.store import Row
+from lrq.errors import UserError
 from lrq.schemes import SCHEMES
 
 FP = "fp"
@@ -401,12 +402,9 @@ def _leaderboard_table(value: dict, stats: dict, keys: pd.DataFrame, cols) -> tu
             cs = stats.get(key, {}).get((ds, metric))
             txt = fmt_stat(cs) if cs is not None else _fmt_seeds(metric, value.get((*key, ds, metric)))
             mark = ranked.get((ds, metric), {}).get(key)
-            if (ds, metric) == ("quant", "quant_time_s") and (note := _resumed_note(value, key)):
-                txt += f" {RESUMED_MARK}"
-                resumed.append(note)
-            elif (ds, metric) == ("quant", "quant_time_s") and (note := _unrecorded_resume_note(value, key)):
-                txt += f" {UNRECORDED_MARK}"
-                resumed.append(note)
+            if (ds, metric) == ("quant", "quant_time_s") and (marked := _quant_time_note(value, key)):
+                txt += f" {marked[0]}"
+                resumed.append(marked[1])
             line.append(f"**{txt}**" if mark == "best" else (f"{txt} ~" if mark == "tie" else txt))
         body.append(line)
     table = tabulate(body, headers=["method", "scheme"] + [c[2] for c in cols], tablefmt="github",
@@ -418,13 +416,23 @@ RESUMED_MARK = "†"
 UNRECORDED_MARK = "‡"
 
 
+def _quant_time_note(value: dict, key: tuple[str, str]) -> tuple[str, str] | None:
+    """(mark, note) for a cell whose quant time is not, or may not be, what the cell cost: resumed (†, with every
+    block's time) or stored before resuming was recorded (‡); None for any other cell."""
+    if note := _resumed_note(value, key):
+        return RESUMED_MARK, note
+    if note := _unrecorded_resume_note(value, key):
+        return UNRECORDED_MARK, note
+    return None
+
+
 def _unrecorded_resume_note(value: dict, key: tuple[str, str]) -> str | None:
     """For a cell of a method that resumes from its finished blocks but whose result predates recording whether
     it did (no resumed_blocks): its quant time may be the last run's alone. None for any other cell."""
-    from lrq.methods import get_method
+    from lrq.methods import method_class
     try:
-        checkpoints = get_method(key[0]).checkpoints
-    except Exception:  # noqa: BLE001 - a method this version does not know: nothing to say about it
+        checkpoints = method_class(key[0]).checkpoints
+    except UserError:   # a method this version does not know (or FP): nothing to say about it
         return None
     if not checkpoints or value.get((*key, "quant", "resumed_blocks")) \
             or not value.get((*key, "quant", "quant_time_s")):
