@@ -255,6 +255,9 @@ def _add_compare_parser(sub) -> None:
     cmp_.add_argument("--tolerances", default=None, help="TOML file (default reports/tolerances.toml)")
     cmp_.add_argument("--allow-missing", action="store_true", help="a baseline cell absent now is not a failure")
     cmp_.add_argument("--all", action="store_true", help="list every compared value, not only changes")
+    cmp_.add_argument("--allow-settings-change", action="store_true",
+                      help="compare results whose identities differ (other settings, model, data or evaluation) on "
+                           "purpose; without it such a comparison is refused (exit 2) naming what differs")
 
 
 def _add_report_parser(sub) -> None:
@@ -350,7 +353,7 @@ def cmd_run(args) -> int:
     tasks = _check_run_args(args)
     compute = resolve_device(args.device)
     store = ResultStore(args.results or _default_results(), check=True)   # a damaged store: exit 2 now
-    carry = _open_sync(args.sync, store)
+    carry = _open_sync(args.sync, store, args.data_dir)
     from bench.common.models import load_model
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
@@ -411,7 +414,7 @@ def _check_run_args(args) -> list[str]:
     return tasks
 
 
-def _open_sync(folder: str | None, store):
+def _open_sync(folder: str | None, store, data_dir: str | None = None):
     """`--sync DIR`: the results file's units imported into the store (exit 2 on a damaged file, before any
     work), and the carry that keeps DIR up to date as the run goes; None without --sync."""
     if not folder:
@@ -419,7 +422,7 @@ def _open_sync(folder: str | None, store):
     from bench.run.ledger import Carry
     carry = Carry(folder, store)
     _check_writable(str(carry.folder), "the results file", "--sync")
-    added, present = carry.import_results()
+    added, present = carry.import_results(data_dir)
     if added or present:
         _say(f"{carry.file}: {added} unit(s) added to {store.path}, {present} already there; cells they "
              f"complete are not computed again")
@@ -762,7 +765,8 @@ def _install_folder(staging: Path, target: Path) -> None:
 
 def cmd_compare(args) -> int:
     from bench.reports.compare import gate
-    code, md = gate(args.baseline, args.current, args.tolerances, args.allow_missing, args.all)
+    code, md = gate(args.baseline, args.current, args.tolerances, args.allow_missing, args.all,
+                    args.allow_settings_change)
     print(md)
     return code
 
@@ -796,7 +800,7 @@ RESULT_COLUMNS = ("model", "method", "scheme", "precision", "dataset", "metric",
 
 def cmd_results(args) -> int:
     store = _existing_store(args.results)
-    rows = store.rows()
+    rows = store.rows(as_stored=args.save or args.json or args.format == "json")   # files carry what was stored
     _warn_unreadable(store)
     if args.save:
         from bench.run import ledger

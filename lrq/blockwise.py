@@ -510,6 +510,8 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
             if device is not None and home != device:
                 layers[i].to(home)   # offload: the device holds one block at a time
             ctx.stats["block_s"] = time.perf_counter() - t0
+            if MADE_BY:
+                ctx.stats["made_by"] = MADE_BY
             if need_targets:
                 fp_in, fp_out = fp_out, fp_in
             if checkpoint is not None:
@@ -521,9 +523,21 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
     return all_stats
 
 
-def walk_time_stats(per_block: list[dict]) -> dict[str, float]:
+# What computes the blocks of this process's walks (the harness sets it to its code revision): recorded with each
+# finished block, so a cell resumed across machines and revisions names every revision its blocks came from.
+MADE_BY: str | None = None
+
+
+def walk_time_stats(per_block: list[dict]) -> dict:
     """What a walk cost, for the cell's stats: every block's wall time summed, including the blocks an earlier
     (interrupted) run finished, possibly on another machine (their times travel in the checkpoint), and how
-    many blocks came from such a run. A resumed cell's own wall time covers only the blocks it computed."""
-    return {"blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
-            "resumed_blocks": sum(bool(b.get("restored")) for b in per_block)}
+    many blocks came from such a run. A resumed cell's own wall time covers only the blocks it computed. Where
+    blocks recorded what made them (`MADE_BY`), `block_revisions` maps each to the blocks it made."""
+    out: dict = {"blocks_time_s": sum(b.get("block_s", 0.0) for b in per_block),
+                 "resumed_blocks": sum(bool(b.get("restored")) for b in per_block)}
+    made: dict[str, list[int]] = {}
+    for i, b in enumerate(per_block):
+        made.setdefault(str(b.get("made_by") or "unrecorded"), []).append(i + 1)
+    if set(made) != {"unrecorded"}:
+        out["block_revisions"] = made
+    return out

@@ -54,8 +54,9 @@ def test_overwritten_weights_are_a_new_model(model_copy, data_dir, tmp_path, cap
     tiny_model("llama", seed=7, vocab_size=vocab, hidden=64, layers=2).save_pretrained(model_copy)
     code, _, err = _run(args, capsys)
     assert code == 0 and "1 run, 0 reused" in err, err      # not "0 run, 1 reused" with the old number
-    after = [r.value for r in ResultStore(results).rows(latest=True) if r.metric == "ppl"]
-    assert after[0] not in before
+    after = {r.model: r.value for r in ResultStore(results).rows(latest=True) if r.metric == "ppl"}
+    # two weights under one folder name: two models on the leaderboard (`name@<fingerprint>`), never one row
+    assert len(after) == 2 and all("@" in m for m in after) and set(after.values()) - before
     code, _, err = _run(args, capsys)                      # unchanged now: reused
     assert code == 0 and "0 run, 1 reused" in err
 
@@ -172,10 +173,24 @@ def test_a_damaged_task_file_is_caught_before_any_model_work(tiny_model_dir, dat
     d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
     (d / "piqa").mkdir()
     (d / "piqa" / "valid.jsonl").write_text('{"goal": "x", "sol1": "a", "sol2": "b"}\n')
+    shutil.copy(data_dir / "piqa" / "valid-labels.lst", d / "piqa")
     code, _, err = _run(["run", *QUICK[:-2], "--calib-seq-len", "64", "--tasks", "piqa", "--model",
                          str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--data-dir", str(d),
                          "--results", str(tmp_path / "r.sqlite")], capsys)
     assert code == 2 and "piqa/valid.jsonl does not match" in err
+
+
+def test_a_damaged_piqa_label_file_is_caught_before_any_model_work(tiny_model_dir, data_dir, tmp_path, capsys):
+    """PIQA's answers live in a file of their own, read by the task's documents: it was neither checked against
+    SHA256SUMS nor part of the tasks' key, so changed answers passed and reused the old accuracy."""
+    d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    (d / "piqa").mkdir()
+    shutil.copy(data_dir / "piqa" / "valid.jsonl", d / "piqa")
+    (d / "piqa" / "valid-labels.lst").write_text("1\n" * 1838)
+    code, _, err = _run(["run", *QUICK[:-2], "--calib-seq-len", "64", "--tasks", "piqa", "--model",
+                         str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16", "--data-dir", str(d),
+                         "--results", str(tmp_path / "r.sqlite")], capsys)
+    assert code == 2 and "piqa/valid-labels.lst does not match" in err
 
 
 # ---- 5. the gate and the side commands ------------------------------------------------------------------------

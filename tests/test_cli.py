@@ -88,10 +88,6 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
     code, out, err = _run(["results", "--results", str(results), "--json"], capsys)
     assert len(json.loads(out)) == n_rows  # nothing recomputed or duplicated
 
-    # a changed setting is a different cell: only the calibrated one reruns
-    code, out, err = _run(args[:-1] + ["32"], capsys)
-    assert code == 0 and "3 cells: 1 run, 2 reused" in err
-
     code, out, err = _run(["report", "--results", str(results), "--out", str(tmp_path / "rep")], capsys)
     assert code == 0
     md = (tmp_path / "rep" / "leaderboard.md").read_text()
@@ -124,6 +120,16 @@ def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_p
         assert ranked.status == "tied" and not any("**" in c for c in ppl_cells)
         assert all(c.endswith("~") for c in ppl_cells), ppl_cells
         assert "- WikiText-2 ppl: no separated best" in summary
+
+    # a changed setting is a different cell: only the calibrated one reruns, and the leaderboard keeps both cells,
+    # each named by what differs (before, the newer calibration's numbers replaced the older's under one name)
+    code, out, err = _run(args[:-1] + ["32"], capsys)
+    assert code == 0 and "3 cells: 1 run, 2 reused" in err
+    assert _run(["report", "--results", str(results), "--out", str(tmp_path / "rep2")], capsys)[0] == 0
+    md = (tmp_path / "rep2" / "leaderboard.md").read_text()
+    w8a8 = md[md.index("### Scheme w8a8"):md.index("### Scheme w4a16\n")]
+    named = sorted({ln.split("|")[1].strip() for ln in w8a8.splitlines() if ln.startswith("| rtn")})
+    assert len(named) == 2 and all(n.startswith("rtn (calibration ") for n in named), named
 
 
 def test_a_crash_in_a_later_evaluation_keeps_what_was_measured(tiny_model_dir, data_dir, tmp_path, capsys,

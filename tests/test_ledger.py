@@ -102,19 +102,30 @@ def test_a_checkpoint_without_streams_resumes_to_the_uninterrupted_result(method
 
 # ---- the results file ---------------------------------------------------------------------------------------
 
-def _unit(store, key, value=1.5, method="rtn", metric="ppl"):
-    rows = [Row("m", method, "w4a16", "wikitext2", metric, value, config={"calib": {"n": 4}}, seed=0,
+def _identity(method="rtn", tag="a"):
+    return {"schema": 1, "model": "folder:sha256:0123456789abcdef", "method": method, "scheme": "w4a16", "config": {},
+            "seed": 0, "dataset": "wikitext2", "data": "sha256:" + tag * 8, "eval": {"seq_len": 256}}
+
+
+def _unit(store, tag="a", value=1.5, method="rtn", identity=None, run_id=None):
+    """A unit as `run` stores it: its rows carry the identity its key hashes. Returns the key."""
+    from bench.common.store import unit_key
+    ident = identity or _identity(method, tag)
+    key = unit_key(ident)
+    cfg = {"model": "m", "calib": {"n": 4}, "method_config": {}, "identity": ident}
+    rows = [Row("m", method, "w4a16", "wikitext2", "ppl", value, config=cfg, seed=0,
                 versions={"torch": "x"}, git_rev="abc", hardware={"cpu": "AMD EPYC", "cpu_bf16_flags": "avx512_bf16"},
                 wall_s=2.0),
-            Row("m", method, "w4a16", "wikitext2", "ppl_ci_high", value + 1, config={"calib": {"n": 4}}, seed=0,
+            Row("m", method, "w4a16", "wikitext2", "eval_tokens_per_s", value + 1, config=cfg, seed=0,
                 versions={"torch": "x"}, git_rev="abc", hardware={"cpu": "AMD EPYC"}, wall_s=2.0)]
-    store.write_unit(rows, key)
+    store.write_unit(rows, key, run_id)
+    return key
 
 
 def test_results_file_round_trip_keeps_every_field(tmp_path):
     a = ResultStore(tmp_path / "a.sqlite")
-    _unit(a, "a" * 64)
-    _unit(a, "b" * 64, value=3.0, method="gptq")
+    _unit(a, "a")
+    _unit(a, "b", value=3.0, method="gptq")
     path, n = ledger.save(a, tmp_path / "carry")
     assert n == 2 and path.name == "results.jsonl"
     lines = path.read_text().splitlines()
@@ -132,12 +143,12 @@ def test_results_file_round_trip_keeps_every_field(tmp_path):
 
 def test_a_unit_recomputed_with_force_travels_as_its_newest_measurement(tmp_path):
     a = ResultStore(tmp_path / "a.sqlite")
-    _unit(a, "c" * 64, value=1.0)
+    key = _unit(a, "c", value=1.0)
     time.sleep(1.1)
-    _unit(a, "c" * 64, value=2.0)   # the same unit stored again by a --force run
+    _unit(a, "c", value=2.0)   # the same unit stored again by a --force run
     ledger.save(a, tmp_path / "carry")
     units = ledger.read(tmp_path / "carry")
-    assert [r.value for r in units["c" * 64] if r.metric == "ppl"] == [2.0]
+    assert [r.value for r in units[key] if r.metric == "ppl"] == [2.0]
 
 
 @pytest.mark.parametrize("damage,match", [
@@ -152,8 +163,8 @@ def test_a_unit_recomputed_with_force_travels_as_its_newest_measurement(tmp_path
 ])
 def test_a_damaged_results_file_is_refused_before_anything_is_imported(damage, match, tmp_path):
     a = ResultStore(tmp_path / "a.sqlite")
-    _unit(a, "a" * 64)
-    _unit(a, "b" * 64, method="gptq")
+    _unit(a, "a")
+    _unit(a, "b", method="gptq")
     path, _ = ledger.save(a, tmp_path / "carry")
     lines = path.read_text().splitlines()
     path.write_text("\n".join(damage(lines)) + ("\n" if damage(lines) else ""))
@@ -165,8 +176,8 @@ def test_a_damaged_results_file_is_refused_before_anything_is_imported(damage, m
 
 def test_results_save_from_the_command_line(tmp_path, capsys):
     a = ResultStore(tmp_path / "a.sqlite")
-    _unit(a, "a" * 64)
-    _unit(a, "b" * 64, method="gptq")
+    _unit(a, "a")
+    _unit(a, "b", method="gptq")
     assert main(["results", "--results", str(a.path), "--save", str(tmp_path / "carry"), "--methods", "gptq"]) == 0
     assert "1 unit(s)" in capsys.readouterr().out
     assert [r[0].method for r in ledger.read(tmp_path / "carry").values()] == ["gptq"]
@@ -250,3 +261,212 @@ def test_a_preset_keeps_its_steps_and_calibration_under_the_default_profile(pres
     (cell,) = got.value.args[0]
     assert cell.resolved["iters"] == iters
     assert (cell.calib.n_samples, cell.calib.seq_len) == (n, seq)
+
+
+# ---- a results file is checked like input from a stranger before anything is imported (issue V) ---------------
+
+def _with_windows(tmp_path):
+    """A store holding one perplexity unit and one KL unit whose values are their windows' functions."""
+    import math
+    from bench.common.store import unit_key
+    a = ResultStore(tmp_path / "a.sqlite")
+    nll, kld, top1, toks = [2.0, 2.2, 2.4], [0.1, 0.2, 0.3], [0.8, 0.7, 0.9], [255, 255, 255]
+    for unit, metrics in (("ppl", {"ppl": math.exp(2.2), "eval_tokens_per_s": 100.0}),
+                          ("kl", {"kld": 0.2, "kld_median": 0.15, "kld_p99": 0.9, "top1_agree": 0.8})):
+        ident = _identity("rtn", "d") | ({"kl": {"schema": 1}} if unit == "kl" else {})
+        cfg = {"model": "m", "method_config": {}, "identity": ident,
+               "eval": {"window_nll": nll, "window_tokens": toks, "seq_len": 256}}
+        if unit == "kl":
+            cfg["kl"] = {"window_kld": kld, "window_top1": top1}
+        a.write_unit([Row("m", "rtn", "w4a16", "wikitext2", k, v, config=cfg, seed=0) for k, v in metrics.items()],
+                     unit_key(ident))
+    path, _ = ledger.save(a, tmp_path / "carry")
+    return path
+
+
+def _tamper_line(path, which, edit):
+    """Edit the header (0) or the unit holding the metric `which` ("ppl" or "kld")."""
+    lines = path.read_text().splitlines()
+    i = which if which == 0 else next(n for n, line in enumerate(lines[1:], 1)
+                                      if which in {r["metric"] for r in json.loads(line)["rows"]})
+    obj = json.loads(lines[i])
+    edit(obj)
+    lines[i] = json.dumps(obj)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _set_row(metric, value):
+    def edit(obj):
+        for r in obj["rows"]:
+            if r["metric"] == metric:
+                r["value"] = value
+    return edit
+
+
+def _shared(path_in_config, value):
+    def edit(obj):
+        d = obj["shared"]["config"]
+        for k in path_in_config[:-1]:
+            d = d[k]
+        d[path_in_config[-1]] = value
+    return edit
+
+
+def _drop_row(metric):
+    def edit(obj):
+        obj["rows"] = [r for r in obj["rows"] if r["metric"] != metric]
+    return edit
+
+
+@pytest.mark.parametrize("line,edit,fix_header,match", [
+    ("ppl", _shared(["identity", "seed"], 7), False, "does not hash to its key"),              # identity altered
+    ("ppl", lambda o: o.update(shared=o["shared"] | {"method": "gptq"}), False, "disagree"),      # rows renamed
+    ("ppl", _set_row("ppl", 7.0), False, "windows"),                                               # ppl not exp(mean NLL)
+    ("kld", _set_row("kld", 0.5), False, "windows"),                                               # KLD not their mean
+    ("kld", _set_row("top1_agree", 0.2), False, "windows"),
+    ("ppl", _shared(["eval", "window_nll"], [2.0, None, 2.4]), False, "null among its numbers"),  # a NaN written as null
+    ("ppl", _set_row("ppl", -3.0), False, "outside the range"),                                     # negative perplexity
+    ("kld", _drop_row("kld_p99"), True, "lacks wikitext2 kld_p99"),                                # a metric missing
+    (0, lambda o: o.update(rows=o["rows"] + 1), False, "header says"),                         # row count
+])
+def test_an_altered_unit_is_refused_and_nothing_is_imported(line, edit, fix_header, match, tmp_path):
+    path = _with_windows(tmp_path)
+    b = ResultStore(tmp_path / "b.sqlite")
+    assert ledger.load_into(b, path) == (2, 0)                  # the file as written imports
+    b.path.unlink()
+    _tamper_line(path, line, edit)
+    if fix_header:
+        _tamper_line(path, 0, lambda o: o.update(rows=o["rows"] - 1))
+    c = ResultStore(tmp_path / "c.sqlite")
+    with pytest.raises(UserError, match=match):
+        ledger.load_into(c, path)
+    assert c.rows() == []                                        # nothing imported, not even the sound unit
+
+
+def test_a_legacy_unit_whose_key_does_not_follow_from_its_configuration_is_refused(tiny_model_dir, data_dir,
+                                                                                    tmp_path):
+    """A unit stored before identities were recorded is checked by settling its configuration anew on this
+    machine's model and data: the key of another text (or a forged one) is refused."""
+    from bench.run.cell import Request, settle
+    cell = settle(Request(str(tiny_model_dir), "rtn", "w4a16", datasets=("wikitext2",), data_dir=str(data_dir)))
+    cfg = {"model": str(tiny_model_dir), "method": "rtn", "scheme": "w4a16", "preset": "quick",
+           "method_config": dict(cell.config), "seed": 0, "precision": {"used": cell.precision.used},
+           "eval": {"seq_len": 2048, "include_partial": False, "max_tokens": None, "window_nll": [2.0]}}
+    rows = lambda: [Row(str(tiny_model_dir), "rtn", "w4a16", "wikitext2", "ppl", 7.38905609893065, config=cfg,  # noqa: E731
+                        seed=0), Row(str(tiny_model_dir), "rtn", "w4a16", "wikitext2", "eval_tokens_per_s", 9.0,
+                                     config=cfg, seed=0)]
+    good = ResultStore(tmp_path / "good.sqlite")
+    good.write_unit(rows(), cell.keys["wikitext2"])
+    ledger.save(good, tmp_path / "good")
+    assert ledger.load_into(ResultStore(tmp_path / "g2.sqlite"), tmp_path / "good", data_dir) == (1, 0)
+    bad = ResultStore(tmp_path / "bad.sqlite")
+    bad.write_unit(rows(), cell.keys["quant"])   # a perplexity unit under the quantization's key
+    ledger.save(bad, tmp_path / "bad")
+    b2 = ResultStore(tmp_path / "b2.sqlite")
+    with pytest.raises(UserError, match="does not follow from its configuration"):
+        ledger.load_into(b2, tmp_path / "bad", data_dir)
+    assert b2.rows() == []
+
+
+def test_two_versions_of_one_unit_are_an_error_naming_both(tmp_path):
+    a = ResultStore(tmp_path / "a.sqlite")
+    _unit(a, "v", value=1.5, run_id="run-from-a")
+    path, _ = ledger.save(a, tmp_path / "carry")
+    b = ResultStore(tmp_path / "b.sqlite")
+    _unit(b, "v", value=2.5, run_id="run-from-b")   # the same unit measured here by another run
+    _unit(a, "w")
+    ledger.save(a, tmp_path / "carry")
+    with pytest.raises(UserError, match="another version.*run-from-a.*run-from-b"):
+        ledger.load_into(b, path)
+    assert {r.run_id for r in b.rows()} == {"run-from-b"}          # nothing imported, not even the other unit
+    assert ledger.load_into(a, path) == (0, 2)                      # its own file reimports as the same version
+
+
+def _saver(folder, cache, tag, n):
+    os.environ["LRQ_BENCH_CACHE"] = str(cache)   # each writer its own cache: the lock must not live there
+    store = ResultStore(Path(cache) / "s.sqlite")
+    for i in range(n):
+        _unit(store, f"{tag}{i:02d}")
+        ledger.save(store, folder)
+
+
+def test_writers_with_different_caches_lose_no_unit(tmp_path):
+    import multiprocessing as mp
+    for rep in range(2):
+        folder = tmp_path / f"carry{rep}"
+        ctx = mp.get_context("fork")
+        procs = [ctx.Process(target=_saver, args=(folder, tmp_path / f"cache{rep}{w}", "xy"[w], 25)) for w in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in procs)
+        assert len(ledger.read(folder)) == 50
+        assert (folder / ledger.LOCK).exists()                   # the lock lives beside the file it guards
+
+
+# ---- carried blocks: checked before anything local is replaced, and named by what made them ---------------------
+
+def _carry_cell(tmp_path, name="abc123", key="q" * 64):
+    from types import SimpleNamespace
+    local = tmp_path / "cache" / name
+    return SimpleNamespace(checkpoint_dir=str(local), keys={"quant": key}, preset="long",
+                           precision=SimpleNamespace(used="bf16"), label=lambda: "m lrq w3a16")
+
+
+def _local_blocks(cell, n, tag=b"x"):
+    from lrq.blockwise import BlockCheckpoint
+    local = Path(cell.checkpoint_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (local / BlockCheckpoint._block_name(i)).write_bytes(tag * (100 + i))
+    (local / BlockCheckpoint.STATE).write_text(json.dumps({"identity": "walk", "done": n, "streams": [], "stats": []}))
+
+
+def test_carried_blocks_record_the_revision_and_cell_that_made_them(tmp_path):
+    from bench.common.provenance import git_revision
+    cell = _carry_cell(tmp_path)
+    _local_blocks(cell, 2)
+    carry = ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite"))
+    assert carry.mirror(cell) == 2
+    label = json.loads((tmp_path / "sync" / "checkpoints" / "abc123" / "state.json").read_text())["label"]
+    assert label["identity"] == cell.keys["quant"]
+    assert set(label["revisions"].values()) == {git_revision()} and len(label["revisions"]) == 2
+
+
+@pytest.mark.parametrize("damage", ["block", "identity"])
+def test_a_bad_carry_never_replaces_the_local_progress(damage, tmp_path):
+    """A damaged carried block (or a carry of another cell) is refused before the machine's own checkpoint is
+    touched: before, the local blocks were deleted first and the walk restarted from block 0."""
+    from lrq.blockwise import BlockCheckpoint
+    cell = _carry_cell(tmp_path)
+    _local_blocks(cell, 3)
+    carry = ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite"))
+    carry.mirror(cell)
+    _local_blocks(cell, 1, tag=b"y")                # this machine: one block of its own; the carry holds three
+    before = {p.name: p.read_bytes() for p in Path(cell.checkpoint_dir).iterdir()}
+    carried = tmp_path / "sync" / "checkpoints" / "abc123"
+    if damage == "block":
+        (carried / (BlockCheckpoint._block_name(2) + ".xz")).write_bytes(b"\xfd7zXZ garbage")
+        match = "incomplete"
+    else:
+        state = json.loads((carried / "state.json").read_text())
+        state["label"]["identity"] = "z" * 64
+        (carried / "state.json").write_text(json.dumps(state))
+        match = "made by another cell"
+    fresh = ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite"))
+    with pytest.raises(UserError, match=match):
+        fresh.restore(cell)
+    assert {p.name: p.read_bytes() for p in Path(cell.checkpoint_dir).iterdir()} == before
+
+
+def test_a_good_carry_replaces_a_shorter_local_checkpoint(tmp_path):
+    cell = _carry_cell(tmp_path)
+    _local_blocks(cell, 3)
+    ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite")).mirror(cell)
+    _local_blocks(cell, 1, tag=b"y")
+    assert ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite")).restore(cell) == 3
+    local = Path(cell.checkpoint_dir)
+    assert json.loads((local / "state.json").read_text())["done"] == 3
+    assert (local / "block0000.safetensors").read_bytes() == b"x" * 100
+    assert not local.with_name(local.name + ".restoring").exists()

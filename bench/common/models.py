@@ -74,16 +74,23 @@ class LoadedModel:
 _MODEL_NAMES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
                 "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
-                "preprocessor_config.json", "model.safetensors.index.json", "lrq_bench_source.json"}
+                "preprocessor_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+                "lrq_bench_source.json"}
+
+
+def _weight_file(name: str) -> bool:
+    """A weight file transformers' loader may read: every `*.safetensors` (hidden ones too: a glob reads them),
+    and the PyTorch pickles it falls back to where a folder has no safetensors (`pytorch_model.bin`, its shards
+    `pytorch_model-00001-of-00002.bin`)."""
+    return name.endswith(".safetensors") or (name.startswith("pytorch_model") and name.endswith(".bin"))
 
 
 def model_files(folder: Path) -> list[Path]:
-    """The files a model folder is read from, and only those: every `*.safetensors` (hidden ones too: a glob
-    reads them), the config, generation config and tokenizer files. What else lies there (a leaderboard written
-    into the folder, notes, licences) is not the model: it must not change the model's identity, or identical
-    runs never resume."""
-    return [p for p in sorted(folder.iterdir()) if p.is_file()
-            and (p.name.endswith(".safetensors") or p.name in _MODEL_NAMES)]
+    """The files a model folder is read from, and only those: every weight file the loader could read
+    (`_weight_file`), the config, generation config and tokenizer files. What else lies there (a leaderboard
+    written into the folder, notes, licences) is not the model: it must not change the model's identity, or
+    identical runs never resume."""
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and (_weight_file(p.name) or p.name in _MODEL_NAMES)]
 
 
 def _fingerprint(folder: Path) -> str:

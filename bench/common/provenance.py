@@ -30,16 +30,31 @@ def versions() -> dict[str, str]:
     return package_versions(PACKAGES)
 
 
+CODE_PATHS = ("lrq", "baselines", "bench", "pyproject.toml")   # what computes a number (`git_revision`'s dirty flag)
+
+
+def short_revision(rev: str) -> str:
+    """A revision as the leaderboard prints it: 12 characters of the commit, and '+dirty' where it was dirty."""
+    return rev[:12] + ("+dirty" if rev.endswith("+dirty") else "")
+
+
 @functools.lru_cache(maxsize=1)
 def git_revision() -> str:
-    """HEAD of the checkout this package runs from, with '+dirty' when it has uncommitted changes."""
-    root = Path(__file__).resolve().parents[2]
+    """HEAD of the checkout this package runs from, with '+dirty' when its code (the packages and pyproject.toml)
+    has uncommitted changes: results written into the tree as a run goes (a `--sync` folder under reports/) are not
+    the code that computed them, so they never mark it dirty."""
+    return revision_of(Path(__file__).resolve().parents[2])
+
+
+def revision_of(root: Path) -> str:
+    """`git_revision` of the checkout at `root`."""
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
         if not rev:
             return "unknown"
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                *CODE_PATHS],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

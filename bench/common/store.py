@@ -290,6 +290,20 @@ class ResultStore:
         except sqlite3.DatabaseError as e:
             _reraise(self.path, e)
 
+    def unit_rows(self, key: str) -> list[Row]:
+        """Every stored row of the unit `key` (all its runs, oldest first), as stored: not renamed."""
+        try:
+            conn = self._conn()
+            conn.row_factory = sqlite3.Row
+            try:
+                recs = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM results WHERE unit_key = ? ORDER BY id",
+                                    (key,)).fetchall()
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            _reraise(self.path, e)
+        return [r for r in (_decode(dict(rec)) for rec in recs) if r is not None]
+
     def write_unit(self, rows: Iterable[Row], key: str, run_id: str | None = None, keep_time: bool = False) -> int:
         """Insert all rows of one unit atomically (all or none); returns the number written. A NaN or
         infinite value is refused (SQLite would store it as NULL, which reads as 'not measured'). `keep_time`:
@@ -331,10 +345,11 @@ class ResultStore:
             _reraise(self.path, e)
         return len(records)
 
-    def rows(self, latest: bool = False) -> list[Row]:
-        """Every stored row (oldest first); with latest=True only the newest row per cell (model, method, scheme,
-        precision), dataset, metric and seed. Rows whose stored JSON cannot be decoded are skipped and counted
-        in `self.unreadable`."""
+    def rows(self, latest: bool = False, as_stored: bool = False) -> list[Row]:
+        """Every stored row (oldest first), named by identity (`distinct_results`); with latest=True only the newest
+        row per cell (model, method, scheme, precision), dataset, metric and seed. Rows whose stored JSON cannot be
+        decoded are skipped and counted in `self.unreadable`. `as_stored`: the rows exactly as stored, not renamed (what
+        a results file or an export carries: its reader names them by identity itself)."""
         try:
             conn = self._conn()
             conn.row_factory = sqlite3.Row
@@ -350,18 +365,38 @@ class ResultStore:
         for rec in recs:
             d = dict(rec)
             d.pop("id")
-            try:
-                for f in _JSON_FIELDS:
-                    d[f] = json.loads(d[f])
-                out.append(Row(**d))
-            except (TypeError, ValueError):
+            row = _decode(d)
+            if row is None:
                 self.unreadable += 1
-        out = distinct_checkpoint_names(out)   # two checkpoints of one derived name never collapse into one cell
+            else:
+                out.append(row)
+        if as_stored:
+            return out
+        out = distinct_results(out)
         return newest(out) if latest else out
 
 
+def _decode(d: dict) -> Row | None:
+    """A stored record as a Row (its JSON fields decoded); None when they cannot be."""
+    try:
+        for f in _JSON_FIELDS:
+            d[f] = json.loads(d[f])
+        return Row(**d)
+    except (TypeError, ValueError):
+        return None
+
+
+def distinct_results(rows: list[Row]) -> list[Row]:
+    """Rows named so that no name holds two identities: two checkpoints of one derived name, two settings, models,
+    calibrations, code versions or texts of one cell name (bench.common.identity.distinct) never collapse into one
+    row of the leaderboard or one key of the gate."""
+    from bench.common.identity import distinct
+    return distinct(distinct_checkpoint_names(rows))
+
+
 def row_key(r: Row) -> tuple:
-    """What makes two rows the same measurement: cell (with its precision), dataset, metric and seed."""
+    """What makes two rows the same measurement: cell (with its precision), dataset, metric and seed. Rows read
+    through `ResultStore.rows` or `distinct_results` are named by their identity, so one key holds one identity."""
     return (r.model, r.method, r.scheme, r.precision, r.dataset, r.metric, r.seed or 0)
 
 

@@ -184,6 +184,7 @@ class Task:
     tokens: int = 60
     size: int = 1000
     zero_shot: bool = True
+    also_reads: tuple[str, ...] = ()   # other files its documents are built from (PIQA's labels): checked and keyed too
 
 
 _ACC = ({"metric": "acc", "aggregation": "mean", "higher_is_better": True},)
@@ -201,7 +202,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("piqa", "PIQA", "piqa/valid.jsonl", {
         "output_type": "multiple_choice", "process_docs": "!function utils.piqa",
         "doc_to_text": "Question: {{goal}}\nAnswer:", "doc_to_target": "label", "doc_to_choice": "{{[sol1, sol2]}}",
-        "metric_list": list(_ACC_NORM)}, "acc_norm", 2, 60, 1838),
+        "metric_list": list(_ACC_NORM)}, "acc_norm", 2, 60, 1838, also_reads=("piqa/valid-labels.lst",)),
     Task("arc_easy", "ARC-e", "arc_easy/ARC-Easy-Test.jsonl", _ARC, "acc_norm", 4, 50, 2376),
     Task("arc_challenge", "ARC-c", "arc_challenge/ARC-Challenge-Test.jsonl", _ARC, "acc_norm", 4, 55, 1172),
     Task("hellaswag", "HellaSwag", "hellaswag/hellaswag_validation.jsonl.gz", {

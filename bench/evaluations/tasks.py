@@ -112,18 +112,38 @@ def check_task_data(names: list[str], data_dir: Path | None) -> None:
     from bench.evaluations.data import verify_file
     if data_dir is None:
         raise UserError("--tasks reads the evaluation data folder: pass --data-dir (or set LRQ_BENCH_DATA).")
-    missing = [FILES[n] for n in names if n in FILES and not (data_dir / FILES[n]).is_file()]
+    missing = [f for n in names if n in FILES for f in (FILES[n], *TASKS[n].also_reads) if not (data_dir / f).is_file()]
     if "mmlu" in names and not (data_dir / "mmlu" / "test").is_dir():
         missing.append("mmlu/test/*.csv")
     if missing:
         raise UserError(f"task data missing under {data_dir}: {', '.join(missing)} (pass --data-dir with the "
                         f"evaluation data folder).")
-    rels = [FILES[n] for n in names if n in FILES]
+    for rel in task_files(names, data_dir):
+        verify_file(data_dir, rel)
+
+
+def task_files(names: list[str], data_dir: Path) -> list[str]:
+    """Every file the tasks `names` read, relative to the data folder."""
+    rels = [f for n in names if n in FILES for f in (FILES[n], *TASKS[n].also_reads)]
     if "mmlu" in names:
         rels += [p.relative_to(data_dir).as_posix() for split in ("test", "dev")
                  for p in sorted((data_dir / "mmlu" / split).glob("*.csv"))]
-    for rel in rels:
-        verify_file(data_dir, rel)
+    return rels
+
+
+def task_data_fingerprint(names: list[str], data_dir: Path | None) -> str:
+    """One SHA-256 over the name and contents of every file the tasks read (each file hashed once per version,
+    bench.common.hashing): a task file whose answers changed makes its results another result."""
+    import hashlib
+
+    from bench.common.hashing import file_sha256
+    if data_dir is None:
+        return "hub"
+    h = hashlib.sha256()
+    for rel in task_files(names, data_dir):
+        path = data_dir / rel
+        h.update(f"{rel}\0{file_sha256(path) if path.is_file() else 'missing'}\n".encode())
+    return "sha256:" + h.hexdigest()
 
 
 def write_tasks(folder: Path, data_dir: Path, names: list[str], tokenizer=None, limit: int | None = None

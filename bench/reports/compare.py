@@ -97,8 +97,8 @@ def load_rows(path: str | Path) -> list[Row]:
                                 + "); a results export has model, method, scheme, dataset, metric and value per row.")
         rows = [Row(**{k: v for k, v in d.items() if k in fields}) for d in data]
         check_rows(rows, str(p))
-        from bench.common.store import distinct_checkpoint_names
-        return distinct_checkpoint_names(rows)
+        from bench.common.store import distinct_results
+        return distinct_results(rows)
     store = ResultStore(p, check=True, readonly=True)
     rows = store.rows(latest=True)
     if store.unreadable:
@@ -301,10 +301,52 @@ def markdown(diffs: list[Diff], show_all: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def identity_changes(base: dict[Key, Row], cur: dict[Key, Row]) -> dict[Key, list[str]]:
+    """Per key both sides hold: the parts of the two results' identities (bench.common.identity) that differ, the
+    code version aside (a code change is what the gate is for). Parts a row never recorded are not compared."""
+    from bench.common.identity import COMPARABLE_ACROSS, of_row
+    out = {}
+    for k in sorted(set(base) & set(cur)):
+        diff = [p for p in of_row(base[k]).differences(of_row(cur[k])) if p not in COMPARABLE_ACROSS]
+        if diff:
+            out[k] = diff
+    return out
+
+
+def _describe_change(b: Row, c: Row, parts: list[str]) -> str:
+    from bench.common.identity import of_row, settings_label
+    import json as _json
+    out = []
+    for p in parts:
+        if p == "settings":
+            sb, sc = (_json.loads(of_row(r)["settings"]) for r in (b, c))
+            out.append(f"settings {settings_label([sb, sc], sb) or '?'} -> {settings_label([sb, sc], sc) or '?'}")
+        else:
+            out.append(p)
+    return "; ".join(out)
+
+
+def _refuse_identity_changes(changes: dict[Key, list[str]], base: dict[Key, Row], cur: dict[Key, Row]) -> None:
+    cells: dict[tuple, str] = {}
+    for k, parts in changes.items():
+        cells.setdefault(k[:4] + (k[6],), _describe_change(base[k], cur[k], parts))
+    listed = "; ".join(f"{' '.join(map(str, c[:3]))} ({c[3]}, seed {c[4]}): {d}" for c, d in list(cells.items())[:5])
+    fields = sorted({p for parts in changes.values() for p in parts})
+    raise UserError(f"the baseline and the current results of {len(cells)} cell(s) come from different identities "
+                    f"(they differ in {', '.join(fields)}), so a change between them is not a regression of the code: "
+                    f"{listed}{' ...' if len(cells) > 5 else ''}. Compare results of the same settings, model, data "
+                    f"and evaluation, or pass --allow-settings-change to compare them on purpose (the output says so).")
+
+
 def gate(baseline: str | Path, current: str | Path, tolerances: str | Path | None = None,
-         allow_missing: bool = False, show_all: bool = False) -> tuple[int, str]:
-    """(exit code, Markdown): 1 when anything regressed or went missing, else 0."""
+         allow_missing: bool = False, show_all: bool = False, allow_settings_change: bool = False
+         ) -> tuple[int, str]:
+    """(exit code, Markdown): 1 when anything regressed or went missing, else 0. Values whose results differ in
+    identity (other settings, model, data, evaluation) are refused (exit 2) unless `allow_settings_change`."""
     base, cur = latest_rows(load_rows(baseline)), latest_rows(load_rows(current))
+    changes = identity_changes(base, cur)
+    if changes and not allow_settings_change:
+        _refuse_identity_changes(changes, base, cur)
     tol = load_tolerances(tolerances)
     check_tolerance_names(tol, {k[5] for k in base} | {k[5] for k in cur},
                           str(tolerances or "the default tolerances (reports/tolerances.toml)"))
@@ -316,4 +358,9 @@ def gate(baseline: str | Path, current: str | Path, tolerances: str | Path | Non
     diffs = compare({k: r.value for k, r in base.items()}, {k: r.value for k, r in cur.items()}, tol, allow_missing)
     annotate(diffs, base, cur)
     bad = any(d.status in ("regressed", "missing") for d in diffs)
-    return (1 if bad else 0), markdown(diffs, show_all)
+    text = markdown(diffs, show_all)
+    if changes:
+        fields = sorted({p for parts in changes.values() for p in parts})
+        text += (f"\nCompared across different identities on purpose (--allow-settings-change): {len(changes)} "
+                 f"value(s) whose results differ in {', '.join(fields)}, so their changes are not the code's alone.\n")
+    return (1 if bad else 0), text

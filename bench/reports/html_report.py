@@ -21,6 +21,7 @@ from pathlib import Path
 from jinja2 import Environment, select_autoescape
 
 from bench.evaluations import evals as E
+from bench.common.provenance import short_revision
 from bench.common.store import Row
 from lrq.io import dumps_json
 
@@ -378,7 +379,7 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
     for r in mine:
         revs_of[(r.method, r.scheme, r.dataset)].add(r.git_rev)
     several = {k for k, v in revs_of.items() if len(v) > 1}
-    history = [{"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": r.git_rev[:12],
+    history = [{"method": r.method, "scheme": r.scheme, "dataset": r.dataset, "rev": short_revision(r.git_rev),
                 "when": r.created_at, "ppl": _fmt("ppl", r.value)}
                for r in sorted(mine, key=lambda r: (r.method, r.scheme, r.dataset, str(r.created_at)))
                if (r.method, r.scheme, r.dataset) in several]

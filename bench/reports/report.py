@@ -777,10 +777,36 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
     parts += _task_section(mdf, stats)
     parts += _flips_section(stats)
     parts += _speed_sections(mdf)
+    from bench.common.provenance import short_revision
     revs = sorted(set(mdf["git_rev"]))
-    parts += [f"Git revisions: {', '.join(r[:12] for r in revs)}. Full configuration of every number: "
+    parts += [f"Git revisions: {', '.join(short_revision(r) for r in revs)}. Full configuration of every number: "
               f"`lrq-bench results --json`.", ""]
-    return parts
+    return parts + _block_revisions(srows)
+
+
+def _block_revisions(rows: list[Row]) -> list[str]:
+    """Per block-wise cell whose blocks recorded what made them: every revision its blocks came from (a cell
+    resumed across machines and code revisions), with the blocks each made."""
+    from bench.common.provenance import short_revision
+    lines = []
+    for r in rows:
+        made = ((r.config or {}).get("method_stats") or {}).get("block_revisions")
+        if r.dataset == "quant" and r.metric == "bits_per_weight" and isinstance(made, dict) and made:
+            spans = "; ".join(f"{short_revision(md_text(rev))} (blocks {_spans(blocks)})" for rev, blocks in made.items())
+            lines.append(f"- {r.method} {r.scheme}: {spans}")
+    return (["Revisions the blocks of block-wise cells came from:", "", *lines, ""]) if lines else []
+
+
+def _spans(blocks: list[int]) -> str:
+    """1, 2, 3, 7 -> '1-3, 7'."""
+    out, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            out.append(f"{start}-{b}" if b != start else f"{b}")
+            start = None
+    return ", ".join(out)
 
 
 DETAILS = "## Details"

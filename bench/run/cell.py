@@ -126,6 +126,7 @@ class Cell:
     keys: dict[str, str]                 # unit -> store key
     checkpoint_dir: str | None           # where a resumable method keeps its per-block state
     precision: Precision                 # what this cell computes at, decided once (lrq.precision)
+    identities: dict[str, dict] = field(default_factory=dict)   # unit -> the identity its key hashes
 
     @property
     def is_fp(self) -> bool:
@@ -216,21 +217,10 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
         calib_data = D.data_fingerprint(calib.dataset, data_dir)
         ident["calib"] = asdict(calib) | {"data": calib_data} | ({"bos": True} if ev.bos else {})
     data = {ds: D.data_fingerprint(ds, data_dir) for ds in req.datasets}
-    keys = {"quant": unit_key(ident)}
-    keys.update({ds: unit_key(ident | {"dataset": ds, "data": data[ds], "eval": ev.key()}
-                              | ({"eval_version": PPL_VERSION} if PPL_VERSION != 1 else {}))
-                 for ds in req.datasets})
-    if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
-        from bench.evaluations.kl import APPROXIMATION, SCHEMA
-        keys.update({kl_unit(ds): unit_key(ident | {"dataset": ds, "data": data[ds], "eval": ev.key(),
-                                                     "kl": {"schema": SCHEMA, "approximation": APPROXIMATION}})
-                     for ds in req.datasets})
+    identities = unit_identities(ident, req.datasets, data, ev, is_fp)
     if req.tasks:
-        # before the precision became a choice, task accuracy ran in float32 whatever the cell's precision: the
-        # protocol now names it, so those earlier results (a float32 score of a bf16 cell) are not reused
-        keys["tasks"] = unit_key(ident | {"tasks": sorted(req.tasks), "limit": req.task_limit,
-                                          "data": D.data_fingerprint("wikitext2", data_dir),
-                                          "protocol": _task_protocol(req.tasks, ev.bos) | {"precision": prec}})
+        identities["tasks"] = tasks_identity(ident, req.tasks, req.task_limit, data_dir, ev.bos, prec)
+    keys = {u: unit_key(i) for u, i in identities.items()}
     ckpt = None if is_fp or not cls.checkpoints else str(cache_root() / "checkpoints" / keys["quant"][:24])
     method = None if is_fp else cls(device=None if device == "auto" else device, checkpoint_dir=ckpt)
     return Cell(model=req.model, model_id=ident["model"], method_name=method_name, method=method,
@@ -238,7 +228,38 @@ def settle(req: Request, bind_device: bool = True) -> Cell:
                 calib=calib, uses_calibration=uses_calibration, datasets=tuple(req.datasets), eval=ev,
                 tasks=tuple(req.tasks), task_limit=req.task_limit, seed=req.seed,
                 data_dir=None if data_dir is None else str(data_dir), device=device, data=data,
-                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt, precision=decided)
+                calib_data=calib_data, identity=ident, keys=keys, checkpoint_dir=ckpt, precision=decided,
+                identities=identities)
+
+
+def unit_identities(ident: dict, datasets, data: dict[str, str], ev: EvalSettings, is_fp: bool) -> dict[str, dict]:
+    """Unit -> the identity its store key hashes: the cell's (`ident`) for its quantization, with the text, its
+    fingerprint and the evaluation settings for a text's perplexity and (quantized cells) its KL divergence."""
+    out = {"quant": ident}
+    out.update({ds: ident | {"dataset": ds, "data": data[ds], "eval": ev.key()}
+                | ({"eval_version": PPL_VERSION} if PPL_VERSION != 1 else {}) for ds in datasets})
+    if not is_fp:   # the KL divergence from the FP model on the same windows, a unit of its own
+        from bench.evaluations.kl import APPROXIMATION, SCHEMA
+        out.update({kl_unit(ds): ident | {"dataset": ds, "data": data[ds], "eval": ev.key(),
+                                          "kl": {"schema": SCHEMA, "approximation": APPROXIMATION}}
+                    for ds in datasets})
+    return out
+
+
+def tasks_identity(ident: dict, tasks, limit: int | None, data_dir: Path | None, bos: bool, prec: str,
+                   legacy: bool = False) -> dict:
+    """The tasks unit's identity: the cell's, the tasks and their protocol, and the fingerprint of every file
+    the tasks read (`bench.evaluations.tasks.task_data_fingerprint`: an answer key changed in a task file is
+    another result). `legacy`: the identity results stored before 2026-12-05 were keyed by, which hashed
+    WikiText-2's file in place of the task files (read only to check such a result's key on import)."""
+    # before the precision became a choice, task accuracy ran in float32 whatever the cell's precision: the
+    # protocol now names it, so those earlier results (a float32 score of a bf16 cell) are not reused
+    out = ident | {"tasks": sorted(tasks), "limit": limit,
+                   "protocol": _task_protocol(tuple(tasks), bos) | {"precision": prec}}
+    if legacy:
+        return out | {"data": D.data_fingerprint("wikitext2", data_dir)}
+    from bench.evaluations.tasks import task_data_fingerprint
+    return out | {"task_data": task_data_fingerprint(sorted(tasks), data_dir)}
 
 
 def _enough_tokens(tokenizer, text: str, need: int) -> int:
@@ -359,6 +380,8 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
         calib = D.calibration_set(tok, data_dir, cell.calib.dataset, cell.calib.n_samples, cell.calib.seq_len,
                                   cell.seed, cell.calib.sampling, bos=cell.eval.bos)
         base_cfg["calibration"] = calib.description
+    from lrq import blockwise
+    blockwise.MADE_BY = git_revision()   # each finished block records the revision that made it
     with measure() as qm:
         # the settings parsed once when the cell was settled, typed: never parsed again here
         _, stats = lrq.quantize(model, method, cell.scheme, calib, config=cell.config, precision=cell.precision)
@@ -430,6 +453,13 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
         from bench.evaluations import kl
         kl.attach_head(refs.values(), model)
     out: dict[str, list[Row]] = {}
+
+    def finished(unit: str, rows: list[Row]) -> None:
+        """A unit's rows, each carrying the identity its store key hashes, kept and emitted."""
+        ident = cell.identities.get(unit)
+        out[unit] = [replace(r, config=r.config | {"identity": ident}) for r in rows] if ident else rows
+        if emit is not None:
+            emit(unit, out[unit])
     if "quant" in todo:
         cfg = dict(base_cfg)
         # bits per weight: what the stats say the method stores (a checkpoint read as it is), else the modules'
@@ -442,9 +472,7 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
                 rows.append(_row(cell, "quant", "quant_peak_cuda_bytes", qm.peak_cuda_bytes, cfg, qm.wall_s))
             rows += [_row(cell, "quant", k, v, cfg) for k, v in stats.items() if k != "bits_per_weight"
                      and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-        out["quant"] = rows
-        if emit is not None:
-            emit("quant", rows)
+        finished("quant", rows)
     for ds in cell.datasets:
         if ds not in todo and kl_unit(ds) not in todo:
             continue
@@ -458,15 +486,11 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
                                   "window_tokens": res["window_tokens"]}
         if ds in todo:
             cfg = base_cfg | {"eval": ev | {"window_nll": res["window_nll"]}}
-            out[ds] = [_row(cell, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
-                       _row(cell, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s,
-                            em.peak_rss_bytes)]
-            if emit is not None:
-                emit(ds, out[ds])
+            finished(ds, [_row(cell, ds, "ppl", res["ppl"], cfg, em.wall_s, em.peak_rss_bytes),
+                          _row(cell, ds, "eval_tokens_per_s", res["tokens"] / em.wall_s, cfg, em.wall_s,
+                               em.peak_rss_bytes)])
         if ds in refs:
-            out[kl_unit(ds)] = _kl_rows(cell, ds, res, refs[ds], base_cfg | {"eval": ev}, em)
-            if emit is not None:
-                emit(kl_unit(ds), out[kl_unit(ds)])
+            finished(kl_unit(ds), _kl_rows(cell, ds, res, refs[ds], base_cfg | {"eval": ev}, em))
     if "tasks" in todo and cell.tasks:
         from bench.evaluations import tasks as T
         if data_dir is None:
@@ -492,9 +516,7 @@ def _execute(cell: Cell, todo: set[str], emit: Callable[[str, list[Row]], None] 
                     if metric in per:   # every example's 0/1 score, for intervals and paired comparisons
                         extra |= {"per_example": per[metric], "doc_ids": metrics.get("doc_ids")}
                     rows.append(_row(cell, task, metric, value, cfg | extra, tm.wall_s, tm.peak_rss_bytes))
-        out["tasks"] = rows
-        if emit is not None:
-            emit("tasks", rows)
+        finished("tasks", rows)
     return out
 
 
@@ -523,3 +545,51 @@ def _check_finite_logits(model: torch.nn.Module, tok) -> None:
         raise NonFiniteResult(f"the model's logits are not finite, so task accuracy would be meaningless; the "
                               f"first non-finite value: {locate_nonfinite(model, ids)}. Nothing was stored for "
                               f"the task unit.")
+
+
+# ---- a stored unit's key, recomputed from its configuration ---------------------------------------------------
+
+_DERIVED: dict[str, dict[str, set[str]]] = {}
+
+
+def derived_keys(cfg: dict, dataset: str, data_dir: str | Path | None) -> dict[str, set[str]]:
+    """Unit -> the store keys it can have, for the cell a stored row's configuration describes, settled anew on
+    this machine's model and data (`data_dir`); the tasks unit also under the key results stored before
+    2026-12-05 had (`tasks_identity(legacy=True)`). A unit whose key is not its unit's was not made by that
+    configuration on this model and data (bench.run.verify). Empty when the configuration cannot be settled here
+    (a model or checkpoint this machine does not have)."""
+    from bench.common.identity import canonical
+    memo = canonical([cfg.get(k) for k in ("model", "method", "scheme", "preset", "method_config", "calibration",
+                                            "eval", "tasks", "seed", "precision")] + [dataset, str(data_dir)])
+    if memo not in _DERIVED:
+        _DERIVED[memo] = _derive(cfg, dataset, data_dir)
+    return _DERIVED[memo]
+
+
+def _derive(cfg: dict, dataset: str, data_dir) -> dict[str, set[str]]:
+    from bench.evaluations.evals import TASK_ROWS
+    calib = cfg.get("calibration") if isinstance(cfg.get("calibration"), dict) else None
+    ev = cfg.get("eval") if isinstance(cfg.get("eval"), dict) else {}
+    tasks = cfg.get("tasks") if isinstance(cfg.get("tasks"), dict) else {}
+    method = str(cfg.get("method", ""))
+    try:
+        req = Request(model=str(cfg["model"]), method="external" if method.startswith("external:") else method,
+                      scheme=str(cfg["scheme"]), datasets=(dataset,) if dataset in PERPLEXITY or ev else (),
+                      preset=str(cfg.get("preset", "quick")), overrides=dict(cfg.get("method_config") or {}),
+                      calib=CalibSettings(**{k: calib[k] for k in ("dataset", "n_samples", "seq_len", "sampling")
+                                             if k in calib}) if calib else None,
+                      eval=EvalSettings(ev.get("seq_len", 2048), bool(ev.get("include_partial", False)),
+                                        ev.get("max_tokens")),
+                      seed=int(cfg.get("seed") or 0), data_dir=None if data_dir is None else str(data_dir),
+                      tasks=tuple(tasks.get("names") or ()) if dataset in TASK_ROWS else (),
+                      task_limit=tasks.get("limit"), device="cpu",
+                      precision=str((cfg.get("precision") or {}).get("used") or "bf16"))
+        cell = settle(req)
+    except (UserError, KeyError, TypeError, ValueError):
+        return {}
+    keys = {u: {k} for u, k in cell.keys.items()}
+    if req.tasks:
+        keys["tasks"].add(unit_key(tasks_identity(cell.identity, req.tasks, req.task_limit,
+                                                  D.resolve_data_dir(req.data_dir), cell.eval.bos,
+                                                  cell.precision.used, legacy=True)))
+    return keys

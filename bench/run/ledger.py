@@ -136,9 +136,10 @@ def read(path: str | Path) -> dict[str, list[Row]]:
         if key in units:
             raise UserError(f"{p}:{n}: unit {key[:12]} appears twice; a results file holds each unit once.")
         units[key] = rows
-    if head.get("units") is not None and head["units"] != len(units):
-        raise UserError(f"{p}: the header says {head['units']} units and the file holds {len(units)}: it is "
-                        f"truncated or was edited. Restore it from version control.")
+    for what, n in (("units", len(units)), ("rows", sum(len(r) for r in units.values()))):
+        if head.get(what) is not None and head[what] != n:
+            raise UserError(f"{p}: the header says {head[what]} {what} and the file holds {n}: it is truncated or "
+                            f"was edited. Restore it from version control.")
     return units
 
 
@@ -165,30 +166,70 @@ def save(store: ResultStore, path: str | Path, keys: set[str] | None = None) -> 
     already holds. Returns the file and the number of units it now holds."""
     with _locked(path):   # two runs syncing to one folder (two workers' worth of cells) never drop each other's
         units = read(path)
-        units.update({k: v for k, v in _units(store.rows()).items() if keys is None or k in keys})
+        units.update({k: v for k, v in _units(store.rows(as_stored=True)).items() if keys is None or k in keys})
         return write(path, units), len(units)
 
 
+LOCK = ".results.jsonl.lock"   # beside the results file, ignored by git (.gitignore)
+
+
 def _locked(path: str | Path):
-    """An exclusive lock on the results file for a read-modify-write, its lock file kept in the cache (not beside
-    the file, which is committed)."""
-    from bench.common.cache import cache_root
+    """An exclusive lock on the results file for a read-modify-write. Its lock file lies in the results file's
+    own folder, so two writers whose caches differ (two users, two containers on one shared folder) still take
+    the same lock and never drop each other's units."""
     from lrq.io import file_lock
-    digest = hashlib.sha256(str(results_file(path).resolve()).encode()).hexdigest()[:24]
-    return file_lock(cache_root() / "locks" / f"results-{digest}")
+    p = results_file(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return file_lock(p.parent / LOCK[:-len(".lock")])
 
 
-def load_into(store: ResultStore, path: str | Path) -> tuple[int, int]:
+def load_into(store: ResultStore, path: str | Path, data_dir: str | Path | None = None) -> tuple[int, int]:
     """Add every unit of the results file that the store lacks, under its own key, with the rows exactly as they
-    were measured (run id and time included). Returns (units added, units the store had already)."""
-    added = present = 0
-    for key, rows in read(path).items():
-        if store.has_unit(key):
-            present += 1
-            continue
+    were measured (run id and time included). Every unit is checked first (bench.run.verify, on this machine's
+    model and `data_dir`), and a unit the store holds in another version (another run measured it, or the same
+    run's values differ) is an error naming both: nothing is imported unless everything can be. Returns (units
+    added, units the store had already)."""
+    from bench.evaluations.data import resolve_data_dir
+    from bench.run.verify import check_unit
+    p = results_file(path)
+    units = read(p)
+    folder = resolve_data_dir(data_dir) if data_dir is not None else _default_data_dir()
+    for key, rows in units.items():
+        check_unit(key, rows, f"{p}: unit {key[:12]} ({rows[0].method} {rows[0].scheme} {rows[0].dataset})", folder)
+    todo = {}
+    for key, rows in units.items():
+        local = store.unit_rows(key)
+        if not local:
+            todo[key] = rows
+        else:
+            _same_version(key, rows, local, p, store)
+    for key, rows in todo.items():
         store.write_unit(rows, key, rows[0].run_id or None, keep_time=True)
-        added += 1
-    return added, present
+    return len(todo), len(units) - len(todo)
+
+
+def _default_data_dir():
+    from bench.evaluations.data import resolve_data_dir
+    try:
+        return resolve_data_dir(None)
+    except UserError:
+        return None
+
+
+def _same_version(key: str, rows: list[Row], local: list[Row], path: Path, store: ResultStore) -> None:
+    """The results file's unit and the store's are one measurement (the same run, the same values)."""
+    runs = {r.run_id for r in local}
+    mine = {(r.dataset, r.metric): r.value for r in local if r.run_id == rows[0].run_id}
+    theirs = {(r.dataset, r.metric): r.value for r in rows}
+    if rows[0].run_id in runs and mine == theirs:
+        return
+    newest = max(local, key=lambda r: r.created_at)
+    raise UserError(f"{path}: unit {key[:12]} ({rows[0].method} {rows[0].scheme} {rows[0].dataset}) is stored in "
+                    f"{store.path} as another version: the file's was measured by run {rows[0].run_id} on "
+                    f"{rows[0].created_at} (git {rows[0].git_rev[:12]}), the store's by run {newest.run_id} on "
+                    f"{newest.created_at} (git {newest.git_rev[:12]}). Which is right is not for the import to "
+                    f"choose: remove one (`--results` another store, or restore the file), then rerun. Nothing was "
+                    f"imported.")
 
 
 # ---- carrying a run between machines ----------------------------------------------------------------------
@@ -217,8 +258,8 @@ class Carry:
         self._mirrored: dict[str, int] = {}   # cell checkpoint -> blocks carried so far
 
     # results
-    def import_results(self) -> tuple[int, int]:
-        return load_into(self.store, self.file)
+    def import_results(self, data_dir: str | Path | None = None) -> tuple[int, int]:
+        return load_into(self.store, self.file, data_dir)
 
     def track(self, cells) -> None:
         """The cells whose units this run writes to the results file (units already stored included)."""
@@ -244,9 +285,11 @@ class Carry:
 
     def restore(self, cell) -> int:
         """Before a cell starts here: where the carried checkpoint holds more finished blocks than the local
-        one, unpack it into the local checkpoint folder (each block checked against its SHA-256; the local
-        streams, which belong to the local block count, are removed: the walk recomputes them). Returns the
-        blocks restored (0: nothing carried, or the local checkpoint is as far)."""
+        one, unpack it into the local checkpoint folder. Every carried block is checked first (its SHA-256, and the
+        cell identity the carried state records), into a folder beside the local one: a damaged or foreign carry is
+        refused before anything local is touched. Then the local checkpoint is replaced (its streams, which belong
+        to the local block count, go: the walk recomputes them). Returns the blocks restored (0: nothing carried,
+        or the local checkpoint is as far)."""
         src = self._carried(cell)
         if src is None:
             return 0
@@ -255,28 +298,41 @@ class Carry:
         done = state.get("done", 0)
         if done <= self._state(local).get("done", 0):
             return 0
+        label = state.pop("label", None) or {}
+        if label.get("identity") not in (None, cell.keys.get("quant")):
+            raise UserError(f"the carried checkpoint {src} was made by another cell ({label.get('cell')}, identity "
+                            f"{str(label.get('identity'))[:12]}) than {cell.label()} ({cell.keys.get('quant', '')[:12]}): "
+                            f"it is not restored. Delete the folder to train the cell from its first block.")
         hashes = state.pop("carried", {})
-        state.pop("label", None)
-        local.mkdir(parents=True, exist_ok=True)
-        for p in local.iterdir():
-            if p.is_file():
-                p.unlink()
-        for i in range(done):
-            name = _block(i)
-            try:
-                data = lzma.decompress((src / f"{name}.xz").read_bytes())
-            except (OSError, lzma.LZMAError) as e:
-                raise UserError(f"the carried checkpoint {src} is incomplete ({name}.xz: {type(e).__name__}: {e}): "
-                                f"restore the folder from version control, or delete it to train the cell from "
-                                f"its first block.") from None
-            if _sha256(data) != hashes.get(name):
-                raise UserError(f"the carried checkpoint {src}: {name}.xz does not match the SHA-256 its state "
-                                f"records (altered or from another run): restore the folder from version control, "
-                                f"or delete it to train the cell from its first block.")
-            atomic_write_bytes(local / name, data)
-        atomic_write_text(local / _STATE, json.dumps(state, allow_nan=False))   # last: what makes them count
+        staging = local.with_name(local.name + ".restoring")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            for i in range(done):
+                atomic_write_bytes(staging / _block(i), self._verified_block(src, _block(i), hashes))
+            atomic_write_text(staging / _STATE, json.dumps(state, allow_nan=False))
+            if local.exists():
+                shutil.rmtree(local)
+            staging.rename(local)   # the checked blocks replace the local checkpoint at once
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         self._mirrored[local.name] = done
         return done
+
+    @staticmethod
+    def _verified_block(src: Path, name: str, hashes: dict) -> bytes:
+        try:
+            data = lzma.decompress((src / f"{name}.xz").read_bytes())
+        except (OSError, lzma.LZMAError) as e:
+            raise UserError(f"the carried checkpoint {src} is incomplete ({name}.xz: {type(e).__name__}: {e}): "
+                            f"restore the folder from version control, or delete it to train the cell from "
+                            f"its first block. The local checkpoint was left as it was.") from None
+        if _sha256(data) != hashes.get(name):
+            raise UserError(f"the carried checkpoint {src}: {name}.xz does not match the SHA-256 its state "
+                            f"records (altered or from another run): restore the folder from version control, "
+                            f"or delete it to train the cell from its first block. The local checkpoint was "
+                            f"left as it was.")
+        return data
 
     def mirror(self, cell) -> int:
         """Carry the local checkpoint's newly finished blocks (called as the cell reports progress; cheap when
@@ -291,7 +347,11 @@ class Carry:
         if done <= self._mirrored.get(local.name, old.get("done", 0)):
             return 0
         dst.mkdir(parents=True, exist_ok=True)
-        hashes = dict(old.get("carried", {})) if old.get("identity") == state.get("identity") else {}
+        same = old.get("identity") == state.get("identity")
+        hashes = dict(old.get("carried", {})) if same else {}
+        revisions = dict((old.get("label") or {}).get("revisions", {})) if same else {}
+        from bench.common.provenance import git_revision
+        rev = git_revision()
         for i in range(done):
             name = _block(i)
             data = (local / name).read_bytes()
@@ -300,7 +360,9 @@ class Carry:
                 continue
             atomic_write_bytes(dst / f"{name}.xz", lzma.compress(data, preset=6))
             hashes[name] = digest
-        label = {"cell": cell.label(), "precision": cell.precision.used, "preset": cell.preset}
+            revisions.setdefault(name, rev)   # the revision whose walk finished the block
+        label = {"cell": cell.label(), "precision": cell.precision.used, "preset": cell.preset,
+                 "identity": cell.keys.get("quant"), "revisions": revisions}
         atomic_write_text(dst / _STATE, json.dumps(state | {"carried": hashes, "label": label}, allow_nan=False,
                                                    indent=1))
         self._mirrored[local.name] = done

@@ -414,7 +414,8 @@ def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: lis
     if not Path(store_path).exists():
         raise UserError(f"--results {store_path!r} does not exist: give a results store written by lrq-bench run.")
     store = ResultStore(store_path)
-    all_rows = [r for r in store.rows() if r.model == model]
+    # the rank claim groups LRQ cells by their settings itself: it reads the rows as stored (not named by identity)
+    all_rows = [r for r in store.rows(as_stored=True) if r.model == model]
     rows = [r for r in store.rows(latest=True) if r.model == model]
     if not rows:
         raise UserError(f"the store {store_path!r} has no rows of model {model!r}: run lrq-bench run first, or "
@@ -423,7 +424,7 @@ def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: lis
     for extra in rank_stores:
         if not Path(extra).exists():
             raise UserError(f"--rank-results {extra!r} does not exist: give a results store written by lrq-bench run.")
-        all_rows += [r for r in ResultStore(extra).rows() if r.model == model]
+        all_rows += [r for r in ResultStore(extra).rows(as_stored=True) if r.model == model]
     studies = [claim_figure2_study(d) for d in figure2]
     claims = [claim_params(load_shape(model), rows), claim_figure2(rows), *(c for c, _ in studies),
               *claim_schemes(rows), *(c for d in long for c in claim_long(d, model)), claim_rank(all_rows)]
