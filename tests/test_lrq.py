@@ -363,3 +363,29 @@ def test_a_block_that_training_made_worse_is_warned_of_and_reported(caplog):
     assert lines[0] == "Blocks that training made worse:" and len([x for x in lines if x.startswith("- ")]) == 1
     assert f"in {len(worse)} of {len(be)} blocks" in lines[2] and lines[2].startswith("- flexround w4a16")
     assert _blocks_worse_lines(rows[2:]) == []
+
+
+def test_the_low_rank_product_can_be_formed_in_float32_under_autocast():
+    """Issue Z: under bf16 autocast LRQ's L @ U was formed in bf16 (relative error ~4e-3) while FlexRound's full
+    scale matrix entered in float32. `lowrank_product=fp32` forms it in float32 there; the default is unchanged
+    (its store keys and checkpoint identities too)."""
+    import torch.nn as nn
+    from lrq.lrq import LRQLinear
+    from lrq.methods import get_method
+    from lrq.schemes import get_scheme
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 64, bias=False)
+    scheme = get_scheme("w3a16")
+    scale, zero = torch.full((64, 1), 0.05), torch.full((64, 1), 4.0)
+    layers = {fp32: LRQLinear(lin, scheme, scale, zero, rank=16, product_fp32=fp32) for fp32 in (False, True)}
+    for m in layers.values():
+        m.L.data.copy_(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)) * 0.1)
+        m.U.data.copy_(layers[False].U.data)
+    exact = (layers[True].L.double() @ layers[True].U.double()).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = {k: (m.extra_log_divisor() - m.r2 - m.c2).float() for k, m in layers.items()}
+    err = {k: ((v - exact).abs().max() / exact.abs().max()).item() for k, v in got.items()}
+    assert err[True] < 1e-6 < 1e-3 < err[False], err
+    cfg = get_method("lrq").config("long", {"lowrank_product": "fp32"})
+    assert get_method("lrq").keyed_settings(cfg)["lowrank_product"] == "fp32"
+    assert "lowrank_product" not in get_method("lrq").keyed_settings(get_method("lrq").config("long"))
