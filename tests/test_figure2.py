@@ -304,3 +304,31 @@ def test_train_precision_authors_gives_the_study_the_engines_fp16_chain(tiny_mod
     assert first["calib_before"] != pytest.approx(curves["default"][0]["calib"], rel=1e-6)
     # the configuration says so, and an earlier "authors" result made on the float32 chain does not match it
     assert chains == {"default": None, "authors": "fp16 model, inputs and targets under fp16 autocast"}
+
+
+def test_the_study_trains_at_the_precision_asked_and_records_it(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """Issue Z: the study trained in float32 whatever the question; `--precision bf16` trains under bf16 autocast
+    as the long preset does (recorded in its configuration: another study than the float32 one), and LRQ's
+    `lowrank_product=fp32` then changes the curve."""
+    from lrq import precision
+    seen = []
+    real = precision.autocast
+
+    def spy(device, enabled=True, *a, **k):
+        seen.append((precision.current(), enabled))
+        return real(device, enabled, *a, **k)
+
+    monkeypatch.setattr(precision, "autocast", spy)
+    args = ["--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--methods", "lrq"] + ARGS
+    args[args.index("first,last")] = "first"
+    runs = {}
+    for name, extra in (("fp32", []), ("bf16", ["--precision", "bf16"]),
+                        ("bf16-fp32-product", ["--precision", "bf16", "--set", "lowrank_product=fp32"])):
+        seen.clear()
+        assert main(args + extra + ["--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "figure2.json").read_text())
+        assert (("bf16", True) in seen) if name != "fp32" else all(p == "fp32" for p, _ in seen), (name, set(seen))
+    assert "precision" not in runs["fp32"]["config"] and "bf16" in runs["bf16"]["config"]["precision"]
+    curve = lambda r: [p["heldout"] for p in r["results"]["0/lrq"]["curve"]]  # noqa: E731
+    assert curve(runs["bf16"]) != curve(runs["fp32"])
+    assert curve(runs["bf16-fp32-product"]) != curve(runs["bf16"])

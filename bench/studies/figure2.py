@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more method settings")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="the training steps' compute precision: fp32 (the paper's W3A16 regime) or bf16 (autocast "
+                        "over float32 weights, as the long preset trains on a CPU with native bf16)")
     p.add_argument("--calib-file", default=None, help="calibration windows already tokenized (a safetensors file "
                    "with input_ids [n, seq]; bench/studies/gpu_stage.py pack writes one) instead of the data folder")
     p.add_argument("--budget-s", type=float, default=0, help="start no (block, method) that would end after this "
@@ -142,6 +145,8 @@ def run(args) -> dict:
         if not hasattr(o, "curve_every"):
             raise UserError(f"--methods: {m} is not trained block by block; choose among lrq, flexround, omniquant.")
     settings = _settings(args, methods)
+    if args.precision == "bf16":   # the paper preset trains in float32 (autocast off): bf16 asks for it on
+        settings.setdefault("autocast", "true")
     # train_precision=authors as the engine's quantize runs it: the model on the fp16 grid, and the chain's
     # inputs, the full-precision targets and the curve's errors under fp16 autocast (the training steps decide
     # their own autocast). --set gives every method of a run the same value, so one chain serves them all.
@@ -162,6 +167,8 @@ def run(args) -> dict:
               "heldout_windows": args.heldout, "every": args.every, "seed": args.seed, "device": str(dev)}
     if authors:   # absent otherwise, so that results stored before it existed still match their configuration
         config["chain"] = "fp16 model, inputs and targets under fp16 autocast"
+    if args.precision != "fp32":   # absent at fp32 (every study before the option): their configurations still match
+        config["precision"] = f"{args.precision} autocast over float32 weights in the training steps"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "figure2.json"
@@ -423,7 +430,12 @@ error</h1><pre>{{ md }}</pre>{% for c in charts %}<h2>Block {{ c.block }}</h2>{{
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    res = merge(args.merge, out) if args.merge else run(args)
+    if args.merge:
+        res = merge(args.merge, out)
+    else:
+        from lrq import precision
+        with precision.use(precision.Precision.decide(args.precision, args.device)):
+            res = run(args)
     atomic_write_text(out / "figure2.md", markdown(res))
     atomic_write_text(out / "figure2.html", html(res))
     print(markdown(res))
