@@ -300,8 +300,10 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     for kv in pairs:
         if "=" not in kv:
             raise UserError(f"--set expects KEY=VALUE, got {kv!r}.")
-        k, v = kv.split("=", 1)
-        out[k.strip()] = v.strip()
+        k, v = (part.strip() for part in kv.split("=", 1))
+        if k in out:   # which one wins would be an accident of order
+            raise UserError(f"--set {k} is given twice ({k}={out[k]} and {k}={v}): give each setting once.")
+        out[k] = v
     return out
 
 

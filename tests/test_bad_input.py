@@ -360,3 +360,34 @@ def test_written_files_are_readable_like_plain_ones(tmp_path):
     os.chmod(kept, 0o640)
     atomic_write_text(kept, "new")
     assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_text() == "new"
+
+
+# ---- 8. the rest of the round (issue item 5) ----------------------------------------------------------------
+
+def test_a_setting_given_twice_is_refused(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--no-fp",
+                         "--results", str(results), "--methods", "smoothquant", "--schemes", "w8a8",
+                         "--set", "alpha=0.5", "--set", "alpha=0.8"], capsys)
+    assert code == 2 and "--set alpha is given twice (alpha=0.5 and alpha=0.8)" in err and "Traceback" not in err
+    assert _snapshot(results) in (None, [])
+
+
+def test_minus_zero_is_one_cell_with_zero(tiny_model_dir, data_dir):
+    from bench.run.cell import Request, settle
+
+    def keys(method, overrides):
+        return settle(Request(model=str(tiny_model_dir), method=method, scheme="w8a8", overrides=overrides,
+                              data_dir=str(data_dir))).keys
+    assert keys("smoothquant", {"alpha": "-0"}) == keys("smoothquant", {"alpha": "0"}) == \
+        keys("smoothquant", {"alpha": -0.0})
+    assert keys("smoothquant", {"alpha": "0"}) != keys("smoothquant", {})
+
+
+def test_integer_settings_are_never_read_through_a_float():
+    from lrq.methods import get_method
+    big = 2**53 + 1                                   # the first integer a float cannot hold
+    for given in (str(big), big):
+        rank = get_method("lrq").config("quick", {"rank": given})["rank"]
+        assert rank == big and isinstance(rank, int)
+    assert get_method("lrq").config("quick", {"rank": "1e3"})["rank"] == 1000
