@@ -307,16 +307,25 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+MAX_SEED = 2**32 - 1   # numpy's seeds are 32-bit: a larger one fails in every cell, after the model is loaded
+
+
 def _seeds(args) -> list[int]:
-    """--seeds 0,1,2 (each once, in order), else [--seed]."""
-    if args.seeds is None:
-        return [args.seed]
-    try:
-        seeds = _unique(int(s) for s in _csv(args.seeds))
-    except ValueError:
-        raise UserError(f"--seeds takes comma-separated integers (e.g. 0,1,2), not {args.seeds!r}.") from None
-    if not seeds or any(s < 0 for s in seeds):
-        raise UserError(f"--seeds needs at least one non-negative integer, got {args.seeds!r}.")
+    """--seeds 0,1,2 (each once, in order), else [--seed]; every one in 0..MAX_SEED (exit 2 before any work)."""
+    if getattr(args, "seeds", None) is None:
+        option, seeds = "--seed", [args.seed]
+    else:
+        option = "--seeds"
+        try:
+            seeds = _unique(int(s) for s in _csv(args.seeds))
+        except ValueError:
+            raise UserError(f"--seeds takes comma-separated integers (e.g. 0,1,2), not {args.seeds!r}.") from None
+        if not seeds:
+            raise UserError(f"--seeds needs at least one integer, got {args.seeds!r}.")
+    bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if bad:
+        raise UserError(f"{option} {bad[0]} is outside 0..{MAX_SEED} (the seeds numpy and torch take): choose a "
+                        f"seed in that range. Nothing was run.")
     return seeds
 
 
@@ -402,6 +411,7 @@ def _check_run_args(args) -> list[str]:
         if v is not None and v < 2:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
+    _seeds(args)
     tasks = _task_names(args.tasks)
     bad = [t for t in tasks if t not in ALL_TASKS]
     if bad:
@@ -649,9 +659,10 @@ def cmd_export(args) -> int:
     (method,) = _methods(args.method)
     (scheme,) = _schemes(args.scheme)
     overrides = _checked_overrides(args.set, [method])
+    (seed,) = _seeds(args)
     cell = settle(Request(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
                           overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
-                          seed=args.seed, data_dir=args.data_dir, precision=args.precision))
+                          seed=seed, data_dir=args.data_dir, precision=args.precision))
     target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite)   # before any work
     if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
         from bench.run.plan import load_shape

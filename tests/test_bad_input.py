@@ -391,3 +391,18 @@ def test_integer_settings_are_never_read_through_a_float():
         rank = get_method("lrq").config("quick", {"rank": given})["rank"]
         assert rank == big and isinstance(rank, int)
     assert get_method("lrq").config("quick", {"rank": "1e3"})["rank"] == 1000
+
+
+@pytest.mark.parametrize("seeds", [["--seed", "-1"], ["--seed", str(2**32)], ["--seeds", f"0,{2**32}"]])
+def test_seeds_numpy_cannot_take_are_refused_before_work(seeds, tiny_model_dir, data_dir, tmp_path, capsys,
+                                                          monkeypatch):
+    import bench.common.models as models
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--no-fp",
+                         "--results", str(results), "--methods", "smoothquant", "--schemes", "w8a8", *seeds], capsys)
+    assert code == 2 and f"{seeds[0]} {seeds[1].split(',')[-1]} is outside 0..4294967295" in err, err
+    assert _snapshot(results) in (None, [])
+    code, _, err = _run(["export", "--model", str(tiny_model_dir), "--method", "smoothquant", "--scheme", "w8a8",
+                         "--out", str(tmp_path / "out"), "--seed", str(2**32)], capsys)
+    assert code == 2 and "--seed 4294967296 is outside" in err and not (tmp_path / "out").exists()
