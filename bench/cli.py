@@ -732,7 +732,7 @@ def _check_export_target(out: str, model: str, request: dict | None = None, over
         raise UserError(f"--out {out!r} is the folder the model {model!r} is read from: the export would overwrite "
                         f"the source weights. Choose another folder (e.g. --out {target.name}-quantized). Nothing "
                         f"was quantized.")
-    cache = cache_root().expanduser().resolve()
+    cache = cache_root().resolve()
     if target == cache or cache in target.parents:
         raise UserError(f"--out {out!r} is inside lrq-bench's cache ({cache}), which holds the built-in models and "
                         f"the results: an export there could replace a model every later run reads. Choose a folder "

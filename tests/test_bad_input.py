@@ -406,3 +406,10 @@ def test_seeds_numpy_cannot_take_are_refused_before_work(seeds, tiny_model_dir, 
     code, _, err = _run(["export", "--model", str(tiny_model_dir), "--method", "smoothquant", "--scheme", "w8a8",
                          "--out", str(tmp_path / "out"), "--seed", str(2**32)], capsys)
     assert code == 2 and "--seed 4294967296 is outside" in err and not (tmp_path / "out").exists()
+
+
+def test_a_tilde_in_the_cache_variable_is_the_home_folder(tmp_path, monkeypatch):
+    from bench.common.cache import cache_root
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LRQ_BENCH_CACHE", "~/lrq-cache")
+    assert cache_root() == tmp_path / "lrq-cache"      # not a folder named '~' in the working directory
