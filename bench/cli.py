@@ -80,9 +80,9 @@ def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
     return given
 
 
-def _check_writable(folder: str, what: str = "the leaderboard", option: str = "--out") -> None:
+def _check_writable(folder: str, what: str = "the leaderboard", option: str = "--out", how: str = "") -> None:
     """--out (or `option`) must be a folder we can write, checked before any cell runs (not after hours of
-    work)."""
+    work); `how`: what to do instead (default: choose another place)."""
     import tempfile
     path = Path(folder).expanduser()
     try:
@@ -90,8 +90,8 @@ def _check_writable(folder: str, what: str = "the leaderboard", option: str = "-
         with tempfile.NamedTemporaryFile(dir=path, prefix=".lrq-bench-write-check-"):
             pass
     except OSError as e:
-        raise UserError(f"{option} {folder!r} is not a writable folder ({e.strerror or e}): choose another place for "
-                        f"{what}. Nothing was run.") from None
+        raise UserError(f"{option} {folder!r} is not a writable folder ({e.strerror or e}): "
+                        f"{how or 'choose another place for ' + what}. Nothing was run.") from None
 
 
 PRECISION_HELP = ("compute precision of every forward (evaluation, calibration passes, block training where the "
@@ -513,6 +513,11 @@ def cmd_plan(args) -> int:
     limit = args.task_limit or None
     device = "cuda" if torch_cuda() else "cpu"
     workers = args.gpus or (resolve_jobs(prof.jobs) if device == "cpu" else 1)
+    if not args.machine_profile:   # this machine is measured (or its measurement read) in the cache
+        from bench.common.cache import cache_root
+        _check_writable(str(cache_root()), option="the cache folder", how=(
+            "the planner keeps this machine's measurements there. Set LRQ_BENCH_CACHE to a writable folder, or "
+            "pass --machine-profile FILE (a profile measured elsewhere: `lrq-bench plan --save-profile FILE`)"))
     if device == "cpu" and not args.machine_profile:
         import torch
 

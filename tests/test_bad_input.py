@@ -413,3 +413,13 @@ def test_a_tilde_in_the_cache_variable_is_the_home_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("LRQ_BENCH_CACHE", "~/lrq-cache")
     assert cache_root() == tmp_path / "lrq-cache"      # not a folder named '~' in the working directory
+
+
+def test_plan_with_a_cache_it_cannot_write_is_bad_input(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"      # a cache folder under a file: unwritable even to root, unlike chmod
+    blocker.write_text("")
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(blocker / "cache"))
+    code, _, err = _run(["plan", "--model", "smollm2-135m", "--methods", "rtn", "--schemes", "w4a16"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"the cache folder '{blocker / 'cache'}' is not a writable folder" in err
+    assert "LRQ_BENCH_CACHE" in err and "--machine-profile" in err
