@@ -146,8 +146,12 @@ def _data_copy(data_dir: Path, dest: Path, with_sums: bool) -> Path:
     return dest
 
 
-def test_a_truncated_text_file_is_caught_by_its_checksum(tiny_model_dir, data_dir, tmp_path, capsys):
+@pytest.mark.parametrize("prefix", ["", "./"])   # `sha256sum ./*/*` writes ./wikitext2/wiki.test.raw
+def test_a_truncated_text_file_is_caught_by_its_checksum(prefix, tiny_model_dir, data_dir, tmp_path, capsys):
     d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    sums = d / "SHA256SUMS"
+    sums.write_text("".join(f"{h}  {prefix}{name}" for h, name in
+                            (line.split(None, 1) for line in sums.read_text().splitlines(keepends=True))))
     f = d / "wikitext2" / "wiki.test.raw"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     results = tmp_path / "r.sqlite"
@@ -166,6 +170,23 @@ def test_a_truncated_gzip_without_checksums_is_a_clear_error(tiny_model_dir, dat
                          "--data-dir", str(d), "--results", str(results)], capsys)
     assert code == 2 and f"cannot read data file {f}: EOFError" in err and "Traceback" not in err
     assert _snapshot(results) == []
+
+
+@pytest.mark.parametrize("damage", ["missing", "a folder"])
+def test_a_missing_data_file_is_never_replaced_by_the_hubs_text(damage, data_dir, tmp_path, monkeypatch):
+    """The hub's C4 is other documents than the data folder's sample: reading it in place of a missing file
+    would store another text's numbers under the run's settings."""
+    from bench.evaluations import data as D
+    from lrq.errors import UserError
+    d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    f = d / "c4" / "c4_en_validation_sample2000.jsonl.gz"
+    f.unlink()
+    if damage == "a folder":
+        f.mkdir()
+    monkeypatch.setattr(D, "_hub", lambda *a: pytest.fail("the hub was asked for another text"))
+    with pytest.raises(UserError, match=f"file {f} not found in the data folder {d}") as e:
+        D.load_rows("c4", d)
+    assert "leave the data folder out" in str(e.value)
 
 
 def test_a_damaged_task_file_is_caught_before_any_model_work(tiny_model_dir, data_dir, tmp_path, capsys):
