@@ -468,10 +468,10 @@ def _check_cells_fit(model: str, cells, loaded, compute, jobs: int) -> None:
     if dev == "cuda":
         import torch
         dev_avail = torch.cuda.mem_get_info(compute)[1]
-    host_avail = P.host_memory_available() // jobs
+    host_avail = P.host_memory_available()
     for c in cells:
         if not c.is_fp:
-            P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
+            P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail, jobs=jobs)
 
 
 def _finish_run(args, cells, store, outcomes, wall: float) -> int:

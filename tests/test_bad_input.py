@@ -444,3 +444,16 @@ def test_plan_with_a_cache_it_cannot_write_is_bad_input(tmp_path, capsys, monkey
     assert code == 2 and "Traceback" not in err, err
     assert f"the cache folder '{blocker / 'cache'}' is not a writable folder" in err
     assert "LRQ_BENCH_CACHE" in err and "--machine-profile" in err
+
+
+def test_too_many_jobs_for_the_memory_name_jobs(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
+    """--jobs 999 splits the host's memory 999 ways: the refusal says so and how many would fit, instead of
+    'needs 0.5 GiB, 0.0 GiB available' with advice about calibration sizes."""
+    monkeypatch.setenv("LRQ_BENCH_HOST_MEMORY_GB", "8")
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--jobs", "999",      # the last --jobs is the one argparse keeps
+                         "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--no-fp", "--results",
+                         str(results), "--methods", "rtn", "--schemes", "w4a16"], capsys)
+    assert code == 2 and "available to each of the --jobs 999 cells run at once (8.0 GiB in all)" in err, err
+    assert "What would fit: fewer cells at once (--jobs " in err and "Traceback" not in err
+    assert _snapshot(results) in (None, [])
