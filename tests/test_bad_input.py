@@ -216,6 +216,35 @@ def stored(tmp_path_factory):
 
 
 @pytest.mark.parametrize("content, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested deeper than Python's parser goes"),
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "wikitext2", "metric": "ppl", "value": -7.5}]',
+     "value -7.5 is outside what perplexity can take (>= 1)"),
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "wikitext2", "metric": "top1_agree", '
+     b'"value": 1.5}]', "value 1.5 is outside what top-1 agreement can take (0-100 %)"),
+    # exp(mean NLL) of these windows is 20.1 [19.6, 20.6]: 7.0 is not theirs
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "wikitext2", "metric": "ppl", "value": 7.0, '
+     b'"config": {"eval": {"window_nll": [3.0, 3.0, 3.02, 2.98]}}}]',
+     "its value 7.00 lies outside what its 4 stored windows or examples give (20.09, 95 % interval"),
+])
+def test_compare_exits_2_on_a_row_that_cannot_be_a_measurement(content, message, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    code, out, err = _run(["compare", str(bad), str(bad)], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_compare_exits_2_on_a_null_baseline(tmp_path, capsys):
+    """A baseline of null passed any current value (or none) as 'ok': a gate against nothing."""
+    row = {"model": "m", "method": "rtn", "scheme": "w4a16", "dataset": "wikitext2", "metric": "ppl"}
+    base, cur = tmp_path / "base.json", tmp_path / "cur.json"
+    base.write_text(json.dumps([row | {"value": None}]))
+    for value in (None, 25.0):
+        cur.write_text(json.dumps([row | {"value": value}]))
+        code, out, err = _run(["compare", str(base), str(cur)], capsys)
+        assert code == 2 and "the baseline value of m rtn w4a16" in err and "is null" in err, (out, err)
+
+
+@pytest.mark.parametrize("content, message", [
     (b"\x00garbage\xff" * 100, "is damaged"),
     (b"{not json", "is not readable JSON"),
     (b'{"rows": []}', "is not a results export"),

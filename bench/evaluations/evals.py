@@ -82,6 +82,23 @@ class Metric:
         e = S.ESTIMATORS[self.interval].estimate(samples, value)
         return replace(e, lo=self.clip(e.lo), hi=self.clip(e.hi)) if e.known else e
 
+    def unexplained(self, samples, value) -> str:
+        """Why `value` cannot have come from the per-unit `samples` stored with it ("": it can, or nothing is
+        known): outside both its 95 % interval over them and their own range (a token-weighted mean may leave
+        the interval over window means, never their range)."""
+        if self.interval is None or not samples or value is None:
+            return ""
+        e = self.estimate(samples)   # what the samples give, not centred on the value in question
+        first, last = self.estimate([min(samples)]).value, self.estimate([max(samples)]).value   # monotone
+        lo, hi = (min(first, e.lo), max(last, e.hi)) if e.known else (first, last)
+        slack = 1e-9 * max(abs(lo), abs(hi), 1.0)
+        if lo - slack <= value <= hi + slack:
+            return ""
+        f, unit = self.format, " %" if self.percent else ""
+        ci = f", 95 % interval {f(e.lo)}-{f(e.hi)}{unit}" if e.known else ""
+        return (f"its value {f(value)}{unit} lies outside what its {len(samples)} stored windows or examples give "
+                f"({f(e.value)}{unit}{ci}; each of them between {f(first)} and {f(last)}{unit})")
+
     def clip(self, v: float) -> float:
         lo, hi = self.bounds
         v = v if lo is None else max(v, lo)
