@@ -80,9 +80,9 @@ def _checked_overrides(pairs: list[str], methods: list[str]) -> dict[str, str]:
     return given
 
 
-def _check_writable(folder: str, what: str = "the leaderboard", option: str = "--out") -> None:
+def _check_writable(folder: str, what: str = "the leaderboard", option: str = "--out", how: str = "") -> None:
     """--out (or `option`) must be a folder we can write, checked before any cell runs (not after hours of
-    work)."""
+    work); `how`: what to do instead (default: choose another place)."""
     import tempfile
     path = Path(folder).expanduser()
     try:
@@ -90,8 +90,8 @@ def _check_writable(folder: str, what: str = "the leaderboard", option: str = "-
         with tempfile.NamedTemporaryFile(dir=path, prefix=".lrq-bench-write-check-"):
             pass
     except OSError as e:
-        raise UserError(f"{option} {folder!r} is not a writable folder ({e.strerror or e}): choose another place for "
-                        f"{what}. Nothing was run.") from None
+        raise UserError(f"{option} {folder!r} is not a writable folder ({e.strerror or e}): "
+                        f"{how or 'choose another place for ' + what}. Nothing was run.") from None
 
 
 PRECISION_HELP = ("compute precision of every forward (evaluation, calibration passes, block training where the "
@@ -303,21 +303,32 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     for kv in pairs:
         if "=" not in kv:
             raise UserError(f"--set expects KEY=VALUE, got {kv!r}.")
-        k, v = kv.split("=", 1)
-        out[k.strip()] = v.strip()
+        k, v = (part.strip() for part in kv.split("=", 1))
+        if k in out:   # which one wins would be an accident of order
+            raise UserError(f"--set {k} is given twice ({k}={out[k]} and {k}={v}): give each setting once.")
+        out[k] = v
     return out
 
 
+MAX_SEED = 2**32 - 1   # numpy's seeds are 32-bit: a larger one fails in every cell, after the model is loaded
+
+
 def _seeds(args) -> list[int]:
-    """--seeds 0,1,2 (each once, in order), else [--seed]."""
-    if args.seeds is None:
-        return [args.seed]
-    try:
-        seeds = _unique(int(s) for s in _csv(args.seeds))
-    except ValueError:
-        raise UserError(f"--seeds takes comma-separated integers (e.g. 0,1,2), not {args.seeds!r}.") from None
-    if not seeds or any(s < 0 for s in seeds):
-        raise UserError(f"--seeds needs at least one non-negative integer, got {args.seeds!r}.")
+    """--seeds 0,1,2 (each once, in order), else [--seed]; every one in 0..MAX_SEED (exit 2 before any work)."""
+    if getattr(args, "seeds", None) is None:
+        option, seeds = "--seed", [args.seed]
+    else:
+        option = "--seeds"
+        try:
+            seeds = _unique(int(s) for s in _csv(args.seeds))
+        except ValueError:
+            raise UserError(f"--seeds takes comma-separated integers (e.g. 0,1,2), not {args.seeds!r}.") from None
+        if not seeds:
+            raise UserError(f"--seeds needs at least one integer, got {args.seeds!r}.")
+    bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if bad:
+        raise UserError(f"{option} {bad[0]} is outside 0..{MAX_SEED} (the seeds numpy and torch take): choose a "
+                        f"seed in that range. Nothing was run.")
     return seeds
 
 
@@ -403,6 +414,7 @@ def _check_run_args(args) -> list[str]:
         if v is not None and v < 2:
             raise UserError(f"{name} must be at least 2, got {v}.")
     resolve_data_dir(args.data_dir)  # fail early on a missing folder
+    _seeds(args)
     tasks = _task_names(args.tasks)
     bad = [t for t in tasks if t not in ALL_TASKS]
     if bad:
@@ -459,10 +471,10 @@ def _check_cells_fit(model: str, cells, loaded, compute, jobs: int) -> None:
     if dev == "cuda":
         import torch
         dev_avail = torch.cuda.mem_get_info(compute)[1]
-    host_avail = P.host_memory_available() // jobs
+    host_avail = P.host_memory_available()
     for c in cells:
         if not c.is_fp:
-            P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail)
+            P.check_fits(shape, c.method, c.calib.n_samples, c.calib.seq_len, dev, host_avail, dev_avail, jobs=jobs)
 
 
 def _finish_run(args, cells, store, outcomes, wall: float) -> int:
@@ -504,6 +516,11 @@ def cmd_plan(args) -> int:
     limit = args.task_limit or None
     device = "cuda" if torch_cuda() else "cpu"
     workers = args.gpus or (resolve_jobs(prof.jobs) if device == "cpu" else 1)
+    if not args.machine_profile:   # this machine is measured (or its measurement read) in the cache
+        from bench.common.cache import cache_root
+        _check_writable(str(cache_root()), option="the cache folder", how=(
+            "the planner keeps this machine's measurements there. Set LRQ_BENCH_CACHE to a writable folder, or "
+            "pass --machine-profile FILE (a profile measured elsewhere: `lrq-bench plan --save-profile FILE`)"))
     if device == "cpu" and not args.machine_profile:
         import torch
 
@@ -650,9 +667,10 @@ def cmd_export(args) -> int:
     (method,) = _methods(args.method)
     (scheme,) = _schemes(args.scheme)
     overrides = _checked_overrides(args.set, [method])
+    (seed,) = _seeds(args)
     cell = settle(Request(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
                           overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
-                          seed=args.seed, data_dir=args.data_dir, precision=args.precision))
+                          seed=seed, data_dir=args.data_dir, precision=args.precision))
     target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite)   # before any work
     if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
         from bench.run.plan import load_shape
@@ -722,7 +740,7 @@ def _check_export_target(out: str, model: str, request: dict | None = None, over
         raise UserError(f"--out {out!r} is the folder the model {model!r} is read from: the export would overwrite "
                         f"the source weights. Choose another folder (e.g. --out {target.name}-quantized). Nothing "
                         f"was quantized.")
-    cache = cache_root().expanduser().resolve()
+    cache = cache_root().resolve()
     if target == cache or cache in target.parents:
         raise UserError(f"--out {out!r} is inside lrq-bench's cache ({cache}), which holds the built-in models and "
                         f"the results: an export there could replace a model every later run reads. Choose a folder "

@@ -33,6 +33,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Literal, Union
 
@@ -175,6 +176,29 @@ def _bad(method: str, key: str, value: Any, cls: type, hint: str = "", in_range:
     return UserError(f"{method}: --set {key}={value!r} is not {what}: {key} takes {cls.describe(key)}{hint}.")
 
 
+def _number(value: Any, kind: type) -> int | float | None:
+    """`value` as a finite number of `kind`, or None. A float's zero has one sign (`alpha=-0` is `alpha=0`: one
+    cell, one store key); an integer is read exactly, never through a float (`rank=9007199254740993` is that
+    integer, not ...992; `1e3` and `64.0` are integers too)."""
+    if isinstance(value, bool):
+        return None
+    if kind is float:
+        try:
+            num = float(value)
+        except (TypeError, ValueError):
+            return None
+        return num + 0.0 if math.isfinite(num) else None   # -0.0 + 0.0 is 0.0
+    if isinstance(value, int):
+        return value
+    try:
+        exact = Decimal(str(value).strip())
+    except ArithmeticError:   # not a number
+        return None
+    if not exact.is_finite() or not math.isfinite(float(exact)) or exact != exact.to_integral_value():
+        return None
+    return int(exact)
+
+
 def _convert(method: str, cls: type, key: str, value: Any) -> Any:
     """`value` as setting `key` of `cls` takes it, or UserError."""
     tp, meta = _hints(cls)[key], _meta(cls)[key]
@@ -190,18 +214,13 @@ def _convert(method: str, cls: type, key: str, value: Any) -> Any:
             if text is not None and text.lower() in TRUE_WORDS + FALSE_WORDS:
                 return text.lower() in TRUE_WORDS
         elif k in (int, float):
-            if isinstance(value, bool):
-                continue
-            try:
-                num = float(value)
-            except (TypeError, ValueError):
-                continue
-            if not math.isfinite(num) or (k is int and num != int(num)):
+            num = _number(value, k)
+            if num is None:
                 continue
             lo, hi = meta.get("lo"), meta.get("hi")
             if (lo is not None and (num < lo or (meta.get("lo_open") and num == lo))) or (hi is not None and num > hi):
                 raise _bad(method, key, value, cls, in_range=True)
-            return int(num) if k is int else num
+            return num
         elif k is str:
             return str(value)
         elif k is type(None) and value is None:

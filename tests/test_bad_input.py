@@ -147,8 +147,12 @@ def _data_copy(data_dir: Path, dest: Path, with_sums: bool) -> Path:
     return dest
 
 
-def test_a_truncated_text_file_is_caught_by_its_checksum(tiny_model_dir, data_dir, tmp_path, capsys):
+@pytest.mark.parametrize("prefix", ["", "./"])   # `sha256sum ./*/*` writes ./wikitext2/wiki.test.raw
+def test_a_truncated_text_file_is_caught_by_its_checksum(prefix, tiny_model_dir, data_dir, tmp_path, capsys):
     d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    sums = d / "SHA256SUMS"
+    sums.write_text("".join(f"{h}  {prefix}{name}" for h, name in
+                            (line.split(None, 1) for line in sums.read_text().splitlines(keepends=True))))
     f = d / "wikitext2" / "wiki.test.raw"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     results = tmp_path / "r.sqlite"
@@ -167,6 +171,23 @@ def test_a_truncated_gzip_without_checksums_is_a_clear_error(tiny_model_dir, dat
                          "--data-dir", str(d), "--results", str(results)], capsys)
     assert code == 2 and f"cannot read data file {f}: EOFError" in err and "Traceback" not in err
     assert _snapshot(results) == []
+
+
+@pytest.mark.parametrize("damage", ["missing", "a folder"])
+def test_a_missing_data_file_is_never_replaced_by_the_hubs_text(damage, data_dir, tmp_path, monkeypatch):
+    """The hub's C4 is other documents than the data folder's sample: reading it in place of a missing file
+    would store another text's numbers under the run's settings."""
+    from bench.evaluations import data as D
+    from lrq.errors import UserError
+    d = _data_copy(data_dir, tmp_path / "data", with_sums=True)
+    f = d / "c4" / "c4_en_validation_sample2000.jsonl.gz"
+    f.unlink()
+    if damage == "a folder":
+        f.mkdir()
+    monkeypatch.setattr(D, "_hub", lambda *a: pytest.fail("the hub was asked for another text"))
+    with pytest.raises(UserError, match=f"file {f} not found in the data folder {d}") as e:
+        D.load_rows("c4", d)
+    assert "leave the data folder out" in str(e.value)
 
 
 def test_a_damaged_task_file_is_caught_before_any_model_work(tiny_model_dir, data_dir, tmp_path, capsys):
@@ -207,6 +228,35 @@ def stored(tmp_path_factory):
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
     return path
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested deeper than Python's parser goes"),
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "wikitext2", "metric": "ppl", "value": -7.5}]',
+     "value -7.5 is outside what perplexity can take (>= 1)"),
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "wikitext2", "metric": "top1_agree", '
+     b'"value": 1.5}]', "value 1.5 is outside what top-1 agreement can take (0-100 %)"),
+    # exp(mean NLL) of these windows is 20.1 [19.6, 20.6]: 7.0 is not theirs
+    (b'[{"model": "m", "method": "rtn", "scheme": "s", "dataset": "wikitext2", "metric": "ppl", "value": 7.0, '
+     b'"config": {"eval": {"window_nll": [3.0, 3.0, 3.02, 2.98]}}}]',
+     "its value 7.00 lies outside what its 4 stored windows or examples give (20.09, 95 % interval"),
+])
+def test_compare_exits_2_on_a_row_that_cannot_be_a_measurement(content, message, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    code, out, err = _run(["compare", str(bad), str(bad)], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_compare_exits_2_on_a_null_baseline(tmp_path, capsys):
+    """A baseline of null passed any current value (or none) as 'ok': a gate against nothing."""
+    row = {"model": "m", "method": "rtn", "scheme": "w4a16", "dataset": "wikitext2", "metric": "ppl"}
+    base, cur = tmp_path / "base.json", tmp_path / "cur.json"
+    base.write_text(json.dumps([row | {"value": None}]))
+    for value in (None, 25.0):
+        cur.write_text(json.dumps([row | {"value": value}]))
+        code, out, err = _run(["compare", str(base), str(cur)], capsys)
+        assert code == 2 and "the baseline value of m rtn w4a16" in err and "is null" in err, (out, err)
 
 
 @pytest.mark.parametrize("content, message", [
@@ -375,3 +425,79 @@ def test_written_files_are_readable_like_plain_ones(tmp_path):
     os.chmod(kept, 0o640)
     atomic_write_text(kept, "new")
     assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_text() == "new"
+
+
+# ---- 8. the rest of the round (issue item 5) ----------------------------------------------------------------
+
+def test_a_setting_given_twice_is_refused(tiny_model_dir, data_dir, tmp_path, capsys):
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--no-fp",
+                         "--results", str(results), "--methods", "smoothquant", "--schemes", "w8a8",
+                         "--set", "alpha=0.5", "--set", "alpha=0.8"], capsys)
+    assert code == 2 and "--set alpha is given twice (alpha=0.5 and alpha=0.8)" in err and "Traceback" not in err
+    assert _snapshot(results) in (None, [])
+
+
+def test_minus_zero_is_one_cell_with_zero(tiny_model_dir, data_dir):
+    from bench.run.cell import Request, settle
+
+    def keys(method, overrides):
+        return settle(Request(model=str(tiny_model_dir), method=method, scheme="w8a8", overrides=overrides,
+                              data_dir=str(data_dir))).keys
+    assert keys("smoothquant", {"alpha": "-0"}) == keys("smoothquant", {"alpha": "0"}) == \
+        keys("smoothquant", {"alpha": -0.0})
+    assert keys("smoothquant", {"alpha": "0"}) != keys("smoothquant", {})
+
+
+def test_integer_settings_are_never_read_through_a_float():
+    from lrq.methods import get_method
+    big = 2**53 + 1                                   # the first integer a float cannot hold
+    for given in (str(big), big):
+        rank = get_method("lrq").config("quick", {"rank": given})["rank"]
+        assert rank == big and isinstance(rank, int)
+    assert get_method("lrq").config("quick", {"rank": "1e3"})["rank"] == 1000
+
+
+@pytest.mark.parametrize("seeds", [["--seed", "-1"], ["--seed", str(2**32)], ["--seeds", f"0,{2**32}"]])
+def test_seeds_numpy_cannot_take_are_refused_before_work(seeds, tiny_model_dir, data_dir, tmp_path, capsys,
+                                                          monkeypatch):
+    import bench.common.models as models
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--no-fp",
+                         "--results", str(results), "--methods", "smoothquant", "--schemes", "w8a8", *seeds], capsys)
+    assert code == 2 and f"{seeds[0]} {seeds[1].split(',')[-1]} is outside 0..4294967295" in err, err
+    assert _snapshot(results) in (None, [])
+    code, _, err = _run(["export", "--model", str(tiny_model_dir), "--method", "smoothquant", "--scheme", "w8a8",
+                         "--out", str(tmp_path / "out"), "--seed", str(2**32)], capsys)
+    assert code == 2 and "--seed 4294967296 is outside" in err and not (tmp_path / "out").exists()
+
+
+def test_a_tilde_in_the_cache_variable_is_the_home_folder(tmp_path, monkeypatch):
+    from bench.common.cache import cache_root
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LRQ_BENCH_CACHE", "~/lrq-cache")
+    assert cache_root() == tmp_path / "lrq-cache"      # not a folder named '~' in the working directory
+
+
+def test_plan_with_a_cache_it_cannot_write_is_bad_input(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"      # a cache folder under a file: unwritable even to root, unlike chmod
+    blocker.write_text("")
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(blocker / "cache"))
+    code, _, err = _run(["plan", "--model", "smollm2-135m", "--methods", "rtn", "--schemes", "w4a16"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"the cache folder '{blocker / 'cache'}' is not a writable folder" in err
+    assert "LRQ_BENCH_CACHE" in err and "--machine-profile" in err
+
+
+def test_too_many_jobs_for_the_memory_name_jobs(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
+    """--jobs 999 splits the host's memory 999 ways: the refusal says so and how many would fit, instead of
+    'needs 0.5 GiB, 0.0 GiB available' with advice about calibration sizes."""
+    monkeypatch.setenv("LRQ_BENCH_HOST_MEMORY_GB", "8")
+    results = tmp_path / "r.sqlite"
+    code, _, err = _run(["run", *QUICK, "--jobs", "999",      # the last --jobs is the one argparse keeps
+                         "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--no-fp", "--results",
+                         str(results), "--methods", "rtn", "--schemes", "w4a16"], capsys)
+    assert code == 2 and "available to each of the --jobs 999 cells run at once (8.0 GiB in all)" in err, err
+    assert "What would fit: fewer cells at once (--jobs " in err and "Traceback" not in err
+    assert _snapshot(results) in (None, [])

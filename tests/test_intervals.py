@@ -221,3 +221,26 @@ def test_plain_columns_of_a_multi_seed_cell_show_every_seed():
     assert "130.0 +-30.0 (3 seeds)" in line and "1067 MiB +-74 MiB (3 seeds)" in line and "| 4.029 " in line
     summary = next(l for l in md.split("### Summary")[1].splitlines() if l.startswith("| gptq"))
     assert "130.0 +-30.0 (3 seeds)" in summary and "160.0" not in summary
+
+
+def test_intervals_stay_within_their_metrics_bounds(tmp_path, capsys):
+    """A t interval over windows near a bound reaches past it (top-1 agreement [96.9, 101.6] %, KLD
+    [-0.016, 0.031]): the leaderboard, the page and the gate show it cut at the bound, and say so."""
+    from bench.reports.html_report import html_report
+    top1, kld = [1.0, 1.0, 0.97, 1.0], [0.0, 0.0, 0.03, 0.0]
+    kl = {"kl": {"window_top1": top1, "window_kld": kld}}
+    rows = [Row("m", "rtn", "w4a16", "wikitext2", "top1_agree", sum(top1) / 4, kl),
+            Row("m", "rtn", "w4a16", "wikitext2", "kld", sum(kld) / 4, kl),
+            Row("m", "rtn", "w4a16", "quant", "bits_per_weight", 4.0, {})]
+    st = cell_stats(rows)[("rtn", "w4a16")]
+    assert st[("wikitext2", "top1_agree")].first().hi == 1.0 and st[("wikitext2", "top1_agree")].first().lo < 0.99
+    assert st[("wikitext2", "kld")].first().lo == 0.0 and st[("wikitext2", "kld")].first().hi > 0.03
+    md, page = markdown_report(rows), html_report(rows)
+    assert "96.86-100.00)" in md and "0.0000-0.0314)" in md and "101." not in md and "(-0.0" not in md
+    for text, at_least in ((md, ">="), (page, "&gt;=")):   # the page escapes >
+        assert "An interval is cut at its metric's bounds" in text and f"KLD {at_least} 0" in text
+        assert "top-1 agreement, accuracy" in text and "0-100 %" in text
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps([r.__dict__ for r in rows]))
+    assert main(["compare", str(a), str(a), "--all"]) == 0
+    assert "0.9925 (96.9-100.0)" in capsys.readouterr().out

@@ -7,6 +7,6 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """$LRQ_BENCH_CACHE, else ~/.cache/lrq-bench."""
+    """$LRQ_BENCH_CACHE (a leading ~ is the home folder, as in a shell), else ~/.cache/lrq-bench."""
     root = os.environ.get("LRQ_BENCH_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "lrq-bench"
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "lrq-bench"

@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import json
 import os
+import posixpath
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,21 +149,22 @@ def _read_local(dataset: str, data_dir: Path) -> list[str]:
 def load_rows(dataset: str, data_dir: Path | None, part: str = "validation") -> tuple[list[str], str]:
     """Rows of `dataset` and a description of where they came from."""
     entry = _entry(dataset)
-    errors = []
-    if data_dir is not None:
+    if data_dir is not None:   # never the hub's text instead: it is not the same text (C4: other documents)
         try:
             return _read_local(dataset, data_dir), f"{data_dir / entry.file}"
         except FileNotFoundError as e:
-            errors.append(f"file {e.args[0]} not found")
-    else:
-        errors.append(f"no data folder given (--data-dir or ${DATA_ENV})")
+            raise UserError(
+                f"{dataset} data is not available: file {e.args[0]} not found in the data folder {data_dir} "
+                f"(--data-dir or ${DATA_ENV}). Restore it (see {data_dir / 'SOURCES.md'}), or leave the data folder "
+                f"out to read every text from the Hugging Face hub with datasets.load_dataset. The hub's text is "
+                f"not read in its place: it is another text, and its numbers would be another cell's.") from None
     try:
         return list(_hub(dataset, part)), f"hub:{dataset}:{part}"
     except Exception as e:
-        errors.append(f"datasets.load_dataset failed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
-    raise UserError(f"{dataset} data is not available: {'; '.join(errors)}. Either pass --data-dir (or set "
-                    f"${DATA_ENV}) to a folder holding {entry.file}, or connect to the Hugging Face hub "
-                    f"so datasets.load_dataset can fetch it.")
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    raise UserError(f"{dataset} data is not available: no data folder given (--data-dir or ${DATA_ENV}); "
+                    f"datasets.load_dataset failed ({why}). Either pass --data-dir (or set ${DATA_ENV}) to a folder "
+                    f"holding {entry.file}, or connect to the Hugging Face hub so datasets.load_dataset can fetch it.")
 
 
 def check_available(datasets: list[str], data_dir: Path | None) -> None:
@@ -259,8 +261,8 @@ def _checksums(data_dir: Path) -> dict[str, str]:
     try:
         for line in path.read_text(encoding="utf-8").splitlines():
             parts = line.strip().split(None, 1)
-            if len(parts) == 2 and len(parts[0]) == 64:
-                out[parts[1].lstrip("*").strip()] = parts[0].lower()
+            if len(parts) == 2 and len(parts[0]) == 64:   # `sha256sum` writes "./wikitext2/..." when asked so
+                out[posixpath.normpath(parts[1].lstrip("*").strip())] = parts[0].lower()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read {path} ({e}): restore the data folder's checksum file.") from None
     return out
@@ -271,7 +273,7 @@ def verify_file(data_dir: Path, rel: str) -> Path:
     file version, bench.common.hashing). A mismatch is bad input: the file is damaged or not the one documented."""
     path = data_dir / rel
     sums = _checksums(data_dir)
-    expected = sums.get(rel)
+    expected = sums.get(posixpath.normpath(rel))
     if expected is not None and path.is_file():
         actual = file_sha256(path)
         if actual != expected:

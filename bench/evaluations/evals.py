@@ -46,6 +46,7 @@ class Metric:
     scope: str | None = None
     evaluation: str | None = None
     summary: bool = False       # a column of the leaderboard's summary (per text where its scope is "text")
+    bounds: tuple[float | None, float | None] = (None, None)   # the values it can take (None: no bound)
 
     @property
     def gate_direction(self) -> str:
@@ -73,9 +74,48 @@ class Metric:
         return v
 
     def estimate(self, samples, value=None):
-        """Its value with the 95 % interval over `samples` (bench.evaluations.stats.Estimate)."""
+        """Its value with the 95 % interval over `samples` (bench.evaluations.stats.Estimate), the interval cut at
+        the metric's bounds (a t interval over windows can reach past them: top-1 agreement above 100 %)."""
+        from dataclasses import replace
+
         from bench.evaluations import stats as S
-        return S.ESTIMATORS[self.interval].estimate(samples, value)
+        e = S.ESTIMATORS[self.interval].estimate(samples, value)
+        return replace(e, lo=self.clip(e.lo), hi=self.clip(e.hi)) if e.known else e
+
+    def unexplained(self, samples, value) -> str:
+        """Why `value` cannot have come from the per-unit `samples` stored with it ("": it can, or nothing is
+        known): outside both its 95 % interval over them and their own range (a token-weighted mean may leave
+        the interval over window means, never their range)."""
+        if self.interval is None or not samples or value is None:
+            return ""
+        e = self.estimate(samples)   # what the samples give, not centred on the value in question
+        first, last = self.estimate([min(samples)]).value, self.estimate([max(samples)]).value   # monotone
+        lo, hi = (min(first, e.lo), max(last, e.hi)) if e.known else (first, last)
+        slack = 1e-9 * max(abs(lo), abs(hi), 1.0)
+        if lo - slack <= value <= hi + slack:
+            return ""
+        f, unit = self.format, " %" if self.percent else ""
+        ci = f", 95 % interval {f(e.lo)}-{f(e.hi)}{unit}" if e.known else ""
+        return (f"its value {f(value)}{unit} lies outside what its {len(samples)} stored windows or examples give "
+                f"({f(e.value)}{unit}{ci}; each of them between {f(first)} and {f(last)}{unit})")
+
+    def clip(self, v: float) -> float:
+        lo, hi = self.bounds
+        v = v if lo is None else max(v, lo)
+        return v if hi is None else min(v, hi)
+
+    def outside_bounds(self, v: float) -> bool:
+        lo, hi = self.bounds
+        return (lo is not None and v < lo) or (hi is not None and v > hi)
+
+    def bounds_text(self) -> str:
+        """Its bounds in words ("0-100 %", ">= 1"), "" when it has none."""
+        lo, hi = self.bounds
+        f = (lambda v: f"{100 * v:g}") if self.percent else (lambda v: f"{v:g}")  # noqa: E731
+        unit = " %" if self.percent else ""
+        if lo is not None and hi is not None:
+            return f"{f(lo)}-{f(hi)}{unit}"
+        return f">= {f(lo)}{unit}" if lo is not None else f"<= {f(hi)}{unit}" if hi is not None else ""
 
     def paired(self, a, b):
         """a against b, paired over the same windows / examples (bench.evaluations.stats.Comparison), None if unknown."""
@@ -91,44 +131,48 @@ class Metric:
 
 
 _TEXT, _TASK = {"scope": "text"}, {"scope": "task", "evaluation": "tasks"}
+_POSITIVE, _SHARE, _PPL = (0.0, None), (0.0, 1.0), (1.0, None)   # bounds: a perplexity is exp(NLL >= 0)
 _METRICS = (
     Metric("ppl", "perplexity", "lower", "{:.2f}", interval="ppl", samples=("eval", "window_nll"),
-           scope="text", evaluation="perplexity"),
-    Metric("eval_tokens_per_s", "eval tokens/s", None, "{:.0f}", "tokens/s", evaluation="perplexity"),
+           scope="text", evaluation="perplexity", bounds=_PPL),
+    Metric("eval_tokens_per_s", "eval tokens/s", None, "{:.0f}", "tokens/s", evaluation="perplexity",
+           bounds=_POSITIVE),
     Metric("kld", "KLD", "lower", "{:.4f}", "nats/token", interval="mean", samples=("kl", "window_kld"),
-           **_TEXT, evaluation="kl"),
-    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token", evaluation="kl"),
-    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token", evaluation="kl"),
+           **_TEXT, evaluation="kl", bounds=_POSITIVE),
+    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token", evaluation="kl", bounds=_POSITIVE),
+    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token", evaluation="kl", bounds=_POSITIVE),
     Metric("top1_agree", "top-1 agreement", "higher", "{:.2f}", "%", percent=True, interval="mean",
-           samples=("kl", "window_top1"), **_TEXT, evaluation="kl"),
-    Metric("top1_ties", "top-1 ties", None, "{:.0f}", "positions", evaluation="kl"),
+           samples=("kl", "window_top1"), **_TEXT, evaluation="kl", bounds=_SHARE),
+    Metric("top1_ties", "top-1 ties", None, "{:.0f}", "positions", evaluation="kl", bounds=_POSITIVE),
     Metric("acc", "accuracy", "higher", "{:.1f}", "%", percent=True, interval="acc", samples=("per_example",),
-           **_TASK),
+           **_TASK, bounds=_SHARE),
     Metric("acc_norm", "accuracy (length-normalized)", "higher", "{:.1f}", "%", percent=True, interval="acc",
-           samples=("per_example",), **_TASK),
-    Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}", evaluation="tasks"),
+           samples=("per_example",), **_TASK, bounds=_SHARE),
+    Metric("perplexity", "perplexity (lm-eval)", "lower", "{:.2f}", evaluation="tasks", bounds=_PPL),
     # derived in the reports from the per-example scores of a cell and of the FP cell (bench.reports.report)
-    Metric("flips", "flips vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc"),
-    Metric("right_to_wrong", "right to wrong vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc"),
-    Metric("wrong_to_right", "wrong to right vs FP", None, "{:.1f}", "%", percent=True, interval="acc"),
-    Metric("bits_per_weight", "bits/weight", None, "{:.3f}"),
-    Metric("n_learnable", "learnable parameters", None, "{:,.0f}"),
-    Metric("quant_time_s", "quant time (s)", "lower", "{:.1f}", "s"),
-    Metric("quant_peak_rss_bytes", "quant peak RSS", None, "bytes"),
-    Metric("quant_peak_cuda_bytes", "quant peak CUDA memory", None, "bytes"),
-    Metric("blocks_time_s", "blocks time (s)", None, "{:.1f}", "s"),
+    Metric("flips", "flips vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc", bounds=_SHARE),
+    Metric("right_to_wrong", "right to wrong vs FP", "lower", "{:.1f}", "%", percent=True, interval="acc",
+           bounds=_SHARE),
+    Metric("wrong_to_right", "wrong to right vs FP", None, "{:.1f}", "%", percent=True, interval="acc",
+           bounds=_SHARE),
+    Metric("bits_per_weight", "bits/weight", None, "{:.3f}", bounds=_POSITIVE),
+    Metric("n_learnable", "learnable parameters", None, "{:,.0f}", bounds=_POSITIVE),
+    Metric("quant_time_s", "quant time (s)", "lower", "{:.1f}", "s", bounds=_POSITIVE),
+    Metric("quant_peak_rss_bytes", "quant peak RSS", None, "bytes", bounds=_POSITIVE),
+    Metric("quant_peak_cuda_bytes", "quant peak CUDA memory", None, "bytes", bounds=_POSITIVE),
+    Metric("blocks_time_s", "blocks time (s)", None, "{:.1f}", "s", bounds=_POSITIVE),
     # the planner's price of the unit's stage, stored with it by the run that announced it (bench.run.sweep)
-    Metric("planned_time_s", "planned time (s)", None, "{:.1f}", "s"),
-    Metric("resumed_blocks", "resumed blocks", None, "{:.0f}"),
-    Metric("compiled_blocks", "compiled blocks", None, "{:.0f}"),
-    Metric("mean_block_calib_before", "block error, calibration, before", "lower"),
-    Metric("mean_block_calib_after", "block error, calibration, after", "lower"),
-    Metric("mean_block_heldout_before", "block error, held-out, before", "lower"),
-    Metric("mean_block_heldout_after", "block error, held-out, after", "lower"),
-    Metric("prefill_tok_s", "prefill tokens/s", "higher", "{:.1f}"),
-    Metric("decode_tok_s", "decode tokens/s", "higher", "{:.2f}"),
-    Metric("model_bytes", "model size", None, "bytes"),
-    Metric("peak_rss_bytes", "peak RSS", None, "bytes"),
+    Metric("planned_time_s", "planned time (s)", None, "{:.1f}", "s", bounds=_POSITIVE),
+    Metric("resumed_blocks", "resumed blocks", None, "{:.0f}", bounds=_POSITIVE),
+    Metric("compiled_blocks", "compiled blocks", None, "{:.0f}", bounds=_POSITIVE),
+    Metric("mean_block_calib_before", "block error, calibration, before", "lower", bounds=_POSITIVE),
+    Metric("mean_block_calib_after", "block error, calibration, after", "lower", bounds=_POSITIVE),
+    Metric("mean_block_heldout_before", "block error, held-out, before", "lower", bounds=_POSITIVE),
+    Metric("mean_block_heldout_after", "block error, held-out, after", "lower", bounds=_POSITIVE),
+    Metric("prefill_tok_s", "prefill tokens/s", "higher", "{:.1f}", bounds=_POSITIVE),
+    Metric("decode_tok_s", "decode tokens/s", "higher", "{:.2f}", bounds=_POSITIVE),
+    Metric("model_bytes", "model size", None, "bytes", bounds=_POSITIVE),
+    Metric("peak_rss_bytes", "peak RSS", None, "bytes", bounds=_POSITIVE),
 )
 METRICS: dict[str, Metric] = {m.name: m for m in _METRICS}
 
@@ -143,6 +187,18 @@ def declare_metric(m: Metric) -> Metric:
                              f"{', '.join(S.ESTIMATORS)})")
     METRICS[m.name] = m
     return m
+
+
+def bounds_note() -> str:
+    """How the reports show an interval that its formula carries past its metric's bounds, and each bound (from
+    the catalogue: a new metric's bounds are named here without more code)."""
+    by_bound: dict[str, list[str]] = {}
+    for m in METRICS.values():
+        if m.interval is not None and m.bounds_text():
+            by_bound.setdefault(m.bounds_text(), []).append(m.label)
+    return ("An interval is cut at its metric's bounds where its formula reaches past them (a t interval over "
+            "windows can pass 100 % top-1 agreement or fall below 0 KLD); the bounds: "
+            + "; ".join(f"{', '.join(labels)} {bound}" for bound, labels in by_bound.items()) + ".")
 
 
 # What the KL comparison with the FP model stores per perplexity text (bench.evaluations.kl)

@@ -12,6 +12,10 @@ Which way is worse comes from the catalogue (bench.evaluations.evals: lower for 
 and top-1 agreement, "both" for what must not move, such as bits per weight); a `direction` key is needed only
 for a metric the catalogue does not know (a method's own statistic), and must agree with it otherwise.
 
+A row the gate cannot trust is bad input (exit 2), never a verdict: a value its metric cannot take (the
+catalogue's bounds: a negative perplexity), a value the windows or examples stored with it cannot give, a
+null or non-finite baseline, a file nested deeper than any export.
+
 A metric missing from the tolerances is reported but never fails the gate (timings, throughput).
 A key present in the baseline but absent now is a regression (a cell silently disappeared), unless
 `--allow-missing`.
@@ -84,6 +88,10 @@ def load_rows(path: str | Path) -> list[Row]:
             data = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"{p} is not readable JSON ({type(e).__name__}: {e}).") from None
+        except RecursionError:
+            raise UserError(f"{p} is not readable JSON: it is nested deeper than Python's parser goes, which no "
+                            f"results export is (a row is an object of a few levels). Export the results again "
+                            f"with `lrq-bench results --json`.") from None
         fields = Row.__dataclass_fields__
         if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
             raise UserError(f"{p} is not a results export: a JSON list of rows (objects) is expected, as "
@@ -135,11 +143,28 @@ def check_rows(rows: list[Row], source: str) -> None:
         samples = _samples(r)
         if samples is not None and not _numbers(samples):
             raise UserError(f"{where}: its per-window or per-example values are not a list of finite numbers.")
+        _check_value(r, samples, where)
         key = (row_key(r), r.run_id, r.created_at)
         if key in seen:
             raise UserError(f"{where} appears twice (the same measurement: same run and time); which one the gate "
                             f"should read is not clear. Remove the duplicate.")
         seen.add(key)
+
+
+def _check_value(r: Row, samples, where: str) -> None:
+    """A value its metric cannot take (a negative perplexity, top-1 agreement over 100 %), or that the windows
+    or examples stored with it cannot have given, is a damaged or edited row: exit 2, never a verdict on it."""
+    from bench.evaluations.evals import metric
+    m = metric(r.metric)
+    if r.value is None:
+        return
+    if m.outside_bounds(r.value):
+        raise UserError(f"{where}: value {r.value!r} is outside what {m.label} can take ({m.bounds_text()}): the "
+                        f"row is damaged or was edited. Export it again from its results store.")
+    why = m.unexplained(samples, r.value) if m.applies_to(r.dataset) else ""
+    if why:
+        raise UserError(f"{where}: {why}: the value or its windows were edited, or come from different "
+                        f"measurements. Export the row again from its results store.")
 
 
 def latest(rows: list[Row]) -> dict[Key, float | None]:
@@ -263,11 +288,12 @@ def compare(base: dict[Key, float | None], cur: dict[Key, float | None], tol: di
         if t is None:
             diffs.append(Diff(key, b, c, "untracked"))
             continue
-        if b is not None and not math.isfinite(b):
-            raise UserError(f"the baseline value of {' '.join(map(str, key))} is {b}: a baseline must be finite "
-                            f"(regenerate it from a results store, which never holds NaN).")
-        if b is None or c is None:
-            diffs.append(Diff(key, b, c, "ok" if b is None and c is None else "regressed"))
+        if b is None or not math.isfinite(b):   # a gate against nothing passes everything (or fails anything)
+            raise UserError(f"the baseline value of {' '.join(map(str, key))} is {'null' if b is None else b}: a "
+                            f"baseline must be finite, never null or NaN (regenerate it from a results store, which "
+                            f"holds neither).")
+        if c is None:
+            diffs.append(Diff(key, b, c, "regressed"))
             continue
         if not math.isfinite(c):   # NaN compares false with everything: it must fail, never pass as "ok"
             diffs.append(Diff(key, b, c, "regressed"))

@@ -393,8 +393,8 @@ def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> st
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
     from bench.reports.report import sections
     models = [_model_section(name, prec, srows, all_rows or []) for (name, prec), srows in sections(latest_rows).items()]
-    from bench.evaluations.stats import METHOD_TEXT
-    return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=METHOD_TEXT)
+    from bench.evaluations.stats import method_text
+    return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=method_text())
 
 
 def write_report(store, out_dir) -> Path:

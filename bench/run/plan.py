@@ -1056,20 +1056,25 @@ def plan_specs(methods: list[str], schemes: list[str], calib: Any, *, preset: st
 
 
 def check_fits(shape: ModelShape, method, n: int, seq: int, device: str, host_available: int,
-               device_available: int | None = None, offload: bool = True) -> None:
-    """Refuse, before any work, a cell whose estimated peak memory exceeds what is available."""
+               device_available: int | None = None, offload: bool = True, jobs: int = 1) -> None:
+    """Refuse, before any work, a cell whose estimated peak memory exceeds what is available: the host's
+    memory shared by `jobs` cells at once (--jobs), the first way out named where fewer would fit."""
     host, dev = estimate_memory(shape, method, n, seq, device, offload)
     gib = 2**30
-    problems = []
-    if host > host_available:
-        problems.append(f"about {host / gib:.1f} GiB of host memory, {host_available / gib:.1f} GiB available")
+    problems, hints = [], []
+    share = host_available // jobs
+    if host > share:
+        problems.append(f"about {host / gib:.1f} GiB of host memory, {share / gib:.1f} GiB available"
+                        + (f" to each of the --jobs {jobs} cells run at once ({host_available / gib:.1f} GiB in "
+                           f"all)" if jobs > 1 else ""))
+        if jobs > 1 and host <= host_available:
+            hints.append(f"fewer cells at once (--jobs {host_available // host} fits)")
     if device_available is not None and dev > device_available:
         problems.append(f"about {dev / gib:.1f} GiB of device memory, {device_available / gib:.1f} GiB available")
     if not problems:
         return
     fits = [k for k in (n // 2, n // 4, n // 8) if k >= 2 and estimate_memory(shape, method, k, seq, device, offload)[0]
-            <= host_available]
-    hints = []
+            <= share]
     if fits:
         hints.append(f"fewer calibration samples (--calib-samples {fits[0]} fits)")
     hints.append("shorter calibration sequences (--calib-seq-len)")
