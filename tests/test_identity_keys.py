@@ -17,6 +17,8 @@ import make_identity_keys as M  # noqa: E402
 # f10fffb ignored lr_schedule for LRQ (not one of its settings then): today it is honoured, so that request is
 # another cell now, as it must be
 IGNORED_BEFORE = {"lr_schedule"}
+# settings added since, at a neutral default that is kept out of every key (the resolved settings list them)
+ADDED_SINCE = {"lowrank_product": "autocast"}
 
 
 def test_every_key_and_checkpoint_identity_is_the_one_f10fffb_gave():
@@ -28,6 +30,9 @@ def test_every_key_and_checkpoint_identity_is_the_one_f10fffb_gave():
         assert old["request"]["method"] == req.method and old["request"]["overrides"] == req.overrides
         cell = settle(req)
         new = M.record(req, cell)
+        for k, neutral in ADDED_SINCE.items():
+            if k in new.get("resolved", {}) and k not in old.get("resolved", {}):
+                assert new["resolved"].pop(k) == neutral
         if req.tasks:   # since issue V the tasks unit hashes every task file: the key f10fffb gave is the legacy one
             assert new["keys"]["tasks"] != old["keys"]["tasks"]
             assert _legacy_tasks_key(req, cell) == old["keys"]["tasks"]

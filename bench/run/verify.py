@@ -24,14 +24,10 @@ import math
 from pathlib import Path
 
 from bench.common.store import Row, unit_key
+from bench.evaluations import evals as E
 from lrq.errors import UserError
 
 KL_METRICS = ("kld", "kld_median", "kld_p99", "top1_agree")
-# metric -> (lowest, highest) a measured value can take
-RANGES = {"ppl": (1.0, math.inf), "kld": (0.0, math.inf), "kld_median": (0.0, math.inf), "kld_p99": (0.0, math.inf),
-          "top1_agree": (0.0, 1.0), "top1_ties": (0.0, math.inf), "acc": (0.0, 1.0), "acc_norm": (0.0, 1.0),
-          "bits_per_weight": (0.0, 64.0), "quant_time_s": (0.0, math.inf), "quant_peak_rss_bytes": (0.0, math.inf),
-          "eval_tokens_per_s": (0.0, math.inf), "planned_time_s": (0.0, math.inf)}
 _REL = 1e-6   # window means are stored from float32 sums: a recomputation agrees to about 1e-7
 
 
@@ -42,10 +38,10 @@ def check_unit(key: str, rows: list[Row], where: str, data_dir: Path | None) -> 
         if r.value is None:
             raise UserError(f"{where}: row {i} ({r.dataset} {r.metric}) has no value (null): a stored result always "
                             f"has one, so this file was altered or damaged. Restore it from version control.")
-        lo, hi = RANGES.get(r.metric, (-math.inf, math.inf))
-        if not lo - 1e-9 <= r.value <= hi + 1e-9:
+        m = E.METRICS.get(r.metric)
+        if m is not None and m.outside_bounds(r.value):   # the catalogue's bounds: one declaration per metric
             raise UserError(f"{where}: row {i}: {r.dataset} {r.metric} = {r.value!r} is outside the range such a value "
-                            f"can take [{lo:g}, {hi:g}]: this file was altered or damaged. Restore it from version "
+                            f"can take ({m.bounds_text()}): this file was altered or damaged. Restore it from version "
                             f"control.")
         _recomputed(r, f"{where}: row {i}")
     _complete(rows, where)
