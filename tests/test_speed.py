@@ -78,3 +78,41 @@ def test_e2e_runner_keeps_decode_positions():
     for _ in range(4):
         r.step()
     assert int(r.pos) == 12
+
+
+def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """Issue W: the CPU e2e study timed one sample per format in separate processes minutes apart, so on a loaded
+    machine its ratios disagreed with an interleaved measurement. Now one process, rotating rounds, medians,
+    CPU time beside wall time, ratios against the faster dense model, resident weight memory, a folder with a
+    chart, and the leaderboard's section from the stored rows."""
+    from bench.studies import speed_cpu
+    order = []
+    real = speed_cpu.decode
+
+    def spy(model, prompt, steps):
+        order.append(id(model))
+        return real(model, prompt, steps)
+
+    monkeypatch.setattr(speed_cpu, "decode", spy)
+    out, store = tmp_path / "speed-cpu", tmp_path / "r.sqlite"
+    assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
+                       "--schemes", "w4a16,w8a8", "--rounds", "3", "--prefill", "16", "--decode", "2",
+                       "--out", str(out), "--results", str(store)]) == 0
+    doc = json.loads((out / "speed.json").read_text())
+    rows = {r["candidate"]: r for r in doc["rows"]}
+    assert set(rows) == {"dense bf16", "dense fp32", "w4a16", "w8a8"}
+    timed = order[-12:]                       # 3 rounds x 4 candidates, after the warm-ups
+    rounds = [timed[i:i + 4] for i in (0, 4, 8)]
+    assert len(set(timed)) == 4 and all(len(set(r)) == 4 for r in rounds)
+    assert rounds[1] == rounds[0][1:] + rounds[0][:1] and rounds[2] == rounds[0][2:] + rounds[0][:2]   # rotating
+    for r in rows.values():
+        assert r["decode_ms"] > 0 and r["decode_cpu_ms"] > 0 and r["prefill_tok_s"] > 0
+        assert r["decode_ms_range"][0] <= r["decode_ms"] <= r["decode_ms_range"][1]
+    ref = rows["w4a16"]["dense_reference"]["decode"]
+    assert rows[ref]["decode_vs_dense"] == 1.0 and ref in ("dense bf16", "dense fp32")
+    assert all(rows[ref]["decode_ms"] <= rows[d]["decode_ms"] for d in ("dense bf16", "dense fp32"))
+    assert "Machine:" in (out / "speed.md").read_text() and (out / "decode.svg").read_text().startswith("<svg")
+    from bench.common.store import ResultStore
+    from bench.reports.report import markdown_report
+    md = markdown_report(ResultStore(store).rows(latest=True))
+    assert "### Inference speed on the CPU (end to end, interleaved)" in md and "| w8a8 " in md

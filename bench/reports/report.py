@@ -238,6 +238,7 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
                   "model bytes = every parameter and buffer.", "",
                   tabulate(body, headers=["scheme", "prefill tok/s", "decode tok/s", "model size", "peak RSS"],
                            tablefmt="github", disable_numparse=True), ""]
+    parts += _cpu_speed_section(mdf[mdf["dataset"] == "speed_e2e_cpu"])
     lay = mdf[(mdf["dataset"] == "speed_layers") & mdf["metric"].str.endswith(" ms")]
     if not lay.empty:
         body = []
@@ -250,6 +251,24 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
                   tabulate(body, headers=["shape", "M", "scheme", "ms", "bf16 ms", "speed-up"], tablefmt="github",
                            disable_numparse=True), ""]
     return parts
+
+
+def _cpu_speed_section(e2e: pd.DataFrame) -> list[str]:
+    """The CPU speed study (bench.studies.speed_cpu): every format beside the dense model, interleaved."""
+    if e2e.empty:
+        return []
+    cfg = e2e.iloc[-1]["config"]
+    wide = e2e.pivot_table(index="scheme", columns="metric", values="value", aggfunc="last")
+    body = [[md_text(sch), f"{r.get('decode_ms', float('nan')):.1f}", f"{r.get('decode_vs_dense', float('nan')):.2f}x",
+             f"{r.get('prefill_tok_s', float('nan')):.0f}", f"{r.get('prefill_vs_dense', float('nan')):.2f}x",
+             f"{r.get('weight_rss_bytes', float('nan')) / 2**20:.0f} MiB"] for sch, r in wide.iterrows()]
+    return ["### Inference speed on the CPU (end to end, interleaved)", "",
+            f"Every format and the dense model in one process, measured in rotating rounds (medians), "
+            f"{cfg.get('threads', '?')} thread(s); ratios against the faster dense model per measure; weight memory "
+            f"as resident in the process (`python -m bench.studies.speed e2e`).", "",
+            tabulate(body, headers=["candidate", "decode ms/token", "decode vs dense", "prefill tok/s",
+                                    "prefill vs dense", "weight memory"], tablefmt="github",
+                     disable_numparse=True), ""]
 
 
 def _leaderboard_cols(mdf: pd.DataFrame, stats: dict | None = None) -> list[tuple[str, str, str, str | None]]:

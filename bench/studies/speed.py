@@ -1,15 +1,17 @@
 """Inference speed and memory of packed quantized layers and models vs bf16.
 
     python -m bench.studies.speed layers [--shapes smollm2|llama2-7b] [--ms 1,16,64,256,2048] [--out layers.json]
-    python -m bench.studies.speed e2e    [--schemes w4a16,w8a8,...] [--prefill 512] [--decode 32] [--out e2e.json]
+    python -m bench.studies.speed e2e    [--schemes w4a16,w8a8,...] [--prefill 512] [--decode 32] [--rounds 5]
+                                         [--threads 1] [--out reports/speed-cpu]
 
 `layers`: per-layer latency (median of torch.utils.benchmark's blocked autorange on the CPU, of
 triton.testing.do_bench on a GPU) of every scheme's PackedLinear forward against the bf16 nn.Linear, and
-the weight bytes of each. `e2e`: the default model quantized with RTN (weights only matter here),
-packed, then prefill tokens/s (one forward of `prefill` tokens) and decode tokens/s (greedy generation
-of `decode` tokens with the KV cache) against bf16; weight bytes of the linears and of the whole model.
-Both print a Markdown table and write JSON with the hardware and versions; `--results` also stores the
-figures in the results store (dataset "speed") so the report shows them.
+the weight bytes of each. `e2e` on the CPU: the default model quantized with RTN (weights only matter here) and
+packed, every format beside the dense model in one process, interleaved (bench.studies.speed_cpu: decode ms/token,
+prefill tokens/s, resident weight memory, ratios against the faster dense model); on a GPU, or with `--shape`, a
+random-weight model of a named shape with a static KV cache and CUDA graphs (bench.studies.speed_e2e). Both print a
+Markdown table and write JSON with the hardware and versions; `--results` also stores the figures in the results
+store (dataset "speed_...") so the report shows them.
 """
 
 from __future__ import annotations
@@ -87,68 +89,6 @@ def layer_latency(shapes: dict, ms: list[int], schemes=LAYER_SCHEMES, device: st
     return rows
 
 
-def e2e_isolated(schemes: list[str], prefill: int, decode: int, data_dir: str | None, model_name: str,
-                 with_bf16: bool = True) -> list[dict]:
-    """e2e with every configuration in its own process, so each peak RSS is its own (RSS never shrinks)."""
-    import subprocess
-    import tempfile
-    rows = []
-    for name in (["bf16"] if with_bf16 else []) + schemes:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "one.json"
-            cmd = [sys.executable, "-m", "bench.studies.speed", "e2e", "--one", name, "--prefill", str(prefill),
-                   "--decode", str(decode), "--model", model_name, "--out", str(out)]
-            if data_dir:
-                cmd += ["--data-dir", data_dir]
-            subprocess.run(cmd, check=True)
-            rows += json.loads(out.read_text())["rows"]
-    return rows
-
-
-@torch.no_grad()
-def e2e(schemes: list[str], prefill: int, decode: int, data_dir: str | None, model_name: str,
-        with_bf16: bool = True) -> list[dict]:
-    from bench.evaluations import data as D
-    from bench.common.models import load_model
-    from lrq.methods import get_method, load_methods
-    from lrq.packed import pack_model
-    from lrq.schemes import get_scheme
-    load_methods()
-    rows = []
-    for name in (["bf16"] if with_bf16 else []) + schemes:
-        loaded = load_model(model_name)
-        model, tok = loaded.model.to(torch.bfloat16).eval(), loaded.tokenizer
-        if name != "bf16":
-            scheme, rtn = get_scheme(name), get_method("rtn")
-            calib = None
-            if rtn.needs_calibration(scheme):
-                calib = D.calibration_set(tok, D.resolve_data_dir(data_dir), "c4", 16, 512)
-            rtn.quantize(model, scheme, rtn.config("quick"), calib)
-            sizes = pack_model(model)
-        else:
-            sizes = {"linear_bytes_bf16": 0, "linear_bytes_packed": 0}
-        from bench.common.measure import measure
-        ids = torch.randint(100, 1000, (1, prefill), generator=torch.Generator().manual_seed(0))
-        model(ids[:, :16])  # warm-up
-        with measure() as mp:
-            model(ids)
-        t_prefill = mp.wall_s
-        with measure() as md:
-            out = model.generate(ids[:, :16], max_new_tokens=decode, min_new_tokens=decode, do_sample=False,
-                                 pad_token_id=tok.eos_token_id if tok is not None else 0)
-        t_decode = md.wall_s
-        new = out.shape[1] - 16
-        rows.append({"scheme": name, "prefill_tokens": prefill, "prefill_tok_s": prefill / t_prefill,
-                     "decode_tokens": new, "decode_tok_s": new / t_decode,
-                     "model_bytes": weight_bytes(model), "linear_bytes": sizes["linear_bytes_packed"] or None,
-                     "peak_rss_bytes": max(mp.peak_rss_bytes, md.peak_rss_bytes),
-                     "peak_cuda_bytes": max(mp.peak_cuda_bytes or 0, md.peak_cuda_bytes or 0) or None})
-        print(f"{name:<11} prefill {prefill / t_prefill:8.1f} tok/s  decode {new / t_decode:7.2f} tok/s  "
-              f"model {weight_bytes(model) / 2**20:7.1f} MiB  peak RSS {rows[-1]['peak_rss_bytes'] / 2**20:7.0f} MiB",
-              flush=True)
-    return rows
-
-
 def _provenance() -> dict:
     from bench.common.provenance import git_revision, hardware, versions
     return {"hardware": hardware(), "versions": versions(), "git_rev": git_revision(),
@@ -160,14 +100,18 @@ def _store(rows: list[dict], kind: str, results: str, model: str) -> None:
     from bench.common.store import ResultStore, Row, unit_key
     store = ResultStore(results)
     metrics = {"layers": ("ms", "speedup_vs_bf16", "weight_bytes"),
-               "e2e": ("prefill_tok_s", "decode_tok_s", "model_bytes", "peak_rss_bytes")}[kind]
+               "e2e": ("prefill_tok_s", "decode_tok_s", "model_bytes", "peak_rss_bytes"),
+               "e2e-cpu": ("decode_ms", "decode_vs_dense", "prefill_tok_s", "prefill_vs_dense",
+                           "weight_rss_bytes")}[kind]
     out = []
     for r in rows:
         cfg = {k: v for k, v in r.items() if k not in metrics} | {"kind": kind, "threads": torch.get_num_threads()}
+        scheme = r.get("scheme") or r["candidate"]
         for metric in metrics:
-            name = metric if kind == "e2e" else f"{r['shape']} M={r['M']} {metric}"
-            out.append(Row(model=model, method="rtn" if r["scheme"] != "bf16" else "fp", scheme=r["scheme"],
-                           dataset=f"speed_{kind}", metric=name, value=r[metric], config=cfg, seed=0,
+            name = metric if kind.startswith("e2e") else f"{r['shape']} M={r['M']} {metric}"
+            out.append(Row(model=model, method="rtn" if r.get("kind", "packed") == "packed" and scheme != "bf16"
+                           else "fp", scheme=scheme,
+                           dataset=f"speed_{kind.replace('-', '_')}", metric=name, value=r[metric], config=cfg, seed=0,
                            versions=versions(), git_rev=git_revision(), hardware=hardware()))
     store.write_unit(out, unit_key({"speed": kind, "rows": [r.metric + r.scheme for r in out],
                                     "t": time.time()}), "speed")
@@ -191,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
                          "with --device cuda: llama-2-7b), static KV cache and CUDA graphs (bench.studies.speed_e2e)")
     ap.add_argument("--layers", type=int, default=8, help="decoder blocks of the --shape model")
     ap.add_argument("--no-graphs", action="store_true", help="--shape: time eager steps instead of CUDA graphs")
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # e2e worker: one configuration
+    ap.add_argument("--threads", type=int, default=1, help="e2e on the CPU: torch threads (default 1)")
+    ap.add_argument("--rounds", type=int, default=5, help="e2e on the CPU: interleaved rounds (medians over them)")
+    ap.add_argument("--precision", default="auto", help="e2e on the CPU: what the packed models are held in")
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
+    if args.what == "e2e" and not (args.shape or args.device == "cuda"):
+        return _e2e_cpu(args, [s for s in schemes if s != "bf16"])
     if args.what == "e2e" and (args.shape or args.device == "cuda"):
         from bench.studies import speed_e2e
         shape = args.shape or "llama-2-7b"
@@ -202,11 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         args.model = f"{shape} ({args.layers} layers, random weights)"
     elif args.what == "layers":
         rows = layer_latency(SHAPES[args.shapes], [int(m) for m in args.ms.split(",")], schemes, args.device)
-    elif args.one:
-        rows = e2e([] if args.one == "bf16" else [args.one], args.prefill, args.decode, args.data_dir, args.model,
-                   with_bf16=args.one == "bf16")
-    else:
-        rows = e2e_isolated(schemes, args.prefill, args.decode, args.data_dir, args.model)
     doc = {"what": args.what, "device": args.device, "model": args.model, **_provenance(), "rows": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.results and not any("error" in r for r in rows):
         _store(rows, args.what, args.results, args.model)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _e2e_cpu(args, schemes: list[str]) -> int:
+    """`e2e` on the CPU: every candidate interleaved in one process (bench.studies.speed_cpu); `--out` is a folder
+    (speed.json, speed.md and decode.svg) or a .json file."""
+    from bench.studies import speed_cpu
+    from lrq.io import atomic_write_text
+    doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
+                        args.rounds, args.prefill, args.decode, args.data_dir)
+    print(speed_cpu.markdown(doc))
+    if args.out:
+        out = Path(args.out)
+        files = ({out.name: dumps_json(doc, indent=2, default=str)} if out.suffix == ".json" else
+                 {"speed.json": dumps_json(doc, indent=2, default=str), "speed.md": speed_cpu.markdown(doc),
+                  "decode.svg": speed_cpu.svg(doc)})
+        folder = out.parent if out.suffix == ".json" else out
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            atomic_write_text(folder / name, text)
+    if args.results:
+        _store(doc["rows"], "e2e-cpu", args.results, args.model)
+    return 0
 
 
 if __name__ == "__main__":
