@@ -102,8 +102,8 @@ def _browser():
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_bin = shutil.which("chromedriver")
     if not chromium or not driver_bin:
-        pytest.fail("headless Chromium is needed for the browser test: apt-get install chromium chromium-driver "
-                    "(.ci/run does this)")
+        pytest.fail("headless Chromium is needed for the browser test: run `bash setup.sh` (it runs apt-get install "
+                    "chromium chromium-driver), or install chromium and chromedriver with your package manager")
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,2400"):
