@@ -106,11 +106,11 @@ def _warm(model: nn.Module) -> None:
 def decode(model: nn.Module, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     """(wall, CPU) ms per greedy token after `prompt` (the prompt's own forward not timed)."""
     out = model(prompt, use_cache=True, logits_to_keep=1)
-    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
+        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
     return 1e3 * (time.perf_counter() - t0) / steps, 1e3 * (time.process_time() - c0) / steps
 
 
