@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import contextlib
 import math
 import os
 import time
@@ -523,9 +524,21 @@ def walk_blocks(model: nn.Module, input_ids: torch.Tensor, process: Callable[[Bl
     return all_stats
 
 
-# What computes the blocks of this process's walks (the harness sets it to its code revision): recorded with each
-# finished block, so a cell resumed across machines and revisions names every revision its blocks came from.
+# What computes the blocks of this process's walks (the harness sets it to its code revision for the length of a
+# quantization: `made_by`): recorded with each finished block, so a cell resumed across machines and revisions
+# names every revision its blocks came from.
 MADE_BY: str | None = None
+
+
+@contextlib.contextmanager
+def made_by(revision: str | None):
+    """Walks inside record `revision` with each block they finish (`walk_time_stats`' `block_revisions`)."""
+    global MADE_BY
+    before, MADE_BY = MADE_BY, revision
+    try:
+        yield
+    finally:
+        MADE_BY = before
 
 
 def walk_time_stats(per_block: list[dict]) -> dict:

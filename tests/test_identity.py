@@ -208,3 +208,19 @@ def test_results_written_into_the_tree_do_not_make_the_code_dirty(tmp_path):
     assert not provenance.revision_of(repo).endswith("+dirty")
     (repo / "bench" / "x.py").write_text("a = 2\n")                # the code changes
     assert provenance.revision_of(repo).endswith("+dirty")
+
+
+def test_a_walk_records_the_revision_of_each_block_only_while_asked():
+    import torch
+    from conftest import tiny_model
+    from lrq import blockwise
+    from lrq.methods import Calibration, get_method
+    from lrq.schemes import get_scheme
+    m = get_method("gptq")
+    calib = Calibration(torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0)), {"seed": 0})
+    with blockwise.made_by("f" * 40):
+        stats = m.quantize(tiny_model("llama", layers=2), get_scheme("w4a16"), m.config("quick"), calib)
+    assert stats["block_revisions"] == {"f" * 40: [1, 2]}
+    assert blockwise.MADE_BY is None    # nothing leaks into the process's later walks
+    stats = m.quantize(tiny_model("llama", layers=2), get_scheme("w4a16"), m.config("quick"), calib)
+    assert "block_revisions" not in stats and all(isinstance(v, (int, float)) for v in stats.values())

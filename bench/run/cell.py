@@ -381,8 +381,7 @@ def quantize_cell(cell: Cell, before_quantize: Callable | None = None):
                                   cell.seed, cell.calib.sampling, bos=cell.eval.bos)
         base_cfg["calibration"] = calib.description
     from lrq import blockwise
-    blockwise.MADE_BY = git_revision()   # each finished block records the revision that made it
-    with measure() as qm:
+    with blockwise.made_by(git_revision()), measure() as qm:   # each finished block records what made it
         # the settings parsed once when the cell was settled, typed: never parsed again here
         _, stats = lrq.quantize(model, method, cell.scheme, calib, config=cell.config, precision=cell.precision)
     base_cfg["method_stats"] = stats
