@@ -31,7 +31,7 @@ from lrq.arch import KV_LINEARS, decoder_blocks, iter_linears, set_submodule
 from lrq.errors import UserError
 from lrq.io import atomic_write, atomic_write_text
 from lrq.packed import PackedLinear, pack_model
-from lrq.packing import pack_bits, planar_to_stream, stream_to_planar, unpack_bits
+from lrq.packing import pack_bits, stream_to_planar, unpack_bits
 from lrq.qlinear import QuantLinear
 from lrq.schemes import SCHEMES, Scheme, activation_mode_for
 from lrq.io import dumps_json
@@ -118,7 +118,7 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
         prefix = f"model.layers.{i}.{name}"
         quantized_prefixes.add(prefix)
         ragged |= scheme.group_size is not None and m.in_features % scheme.group_size != 0
-        tensors[f"{prefix}.weight_packed"] = planar_to_stream(m.weight_packed, scheme.w_bits, m.in_features).contiguous()
+        tensors[f"{prefix}.weight_packed"] = pack_bits(m.levels(), scheme.w_bits).contiguous()
         tensors[f"{prefix}.weight_scale"] = scales.get(prefix, m.scale).contiguous()
         zp = m.zero.to(torch.int64)   # = (z - offset) + offset: pack the signed zero point with its offset
         tensors[f"{prefix}.weight_zero_point"] = pack_bits(zp.t().contiguous(), scheme.w_bits).t().contiguous()
@@ -205,6 +205,7 @@ def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -
         if scheme.static_activations:
             m.act_scale.copy_(tensors.pop(f"{prefix}.input_scale").reshape(()))
             m.act_zero.copy_(tensors.pop(f"{prefix}.input_zero_point").reshape(()).float() + 128)
+        m.convert_for_cpu()
         set_submodule(blocks[i], name, m)
         quantized.add(prefix)
     missing, unexpected = model.load_state_dict(tensors, strict=False)

@@ -8,14 +8,13 @@ zero points per row or group, the static activation range (w8a8) and the scheme.
 every QuantLinear (whatever method chose its integers: RTN, GPTQ, AWQ, OmniQuant, LRQ and FlexRound
 alike, since their scales are folded) for a PackedLinear, and the weight memory really falls.
 
-CPU execution (no GPU needed):
-* weight-only and w4a8: unpack + dequantize to the activation dtype inside forward (no float copy of
-  the weight is kept), then the BLAS matmul; w4a8 quantizes activations per token first;
-* w8a8: integer arithmetic: the activation is quantized with its static scale, both operands are
-  shifted to int8 and multiplied by torch._int_mm (int8 x int8 -> int32); the zero-point terms are
-  corrected exactly in the epilogue with row/column sums:
-      sum_k (xq_k - az)(wq_k - wz) = sum xa*wa + (128 - wz) sum xa + (128 - az) sum wa + K (128 - az)(128 - wz)
-  where xa = xq - 128 and wa = wq - 128 are the int8 operands.
+CPU execution (no GPU needed): when packed or loaded on the CPU, a PackedLinear converts its weights once into
+the layout of the torch CPU kernel for its format (lrq.cpu_kernels) and holds only that: weights of 4 bits or
+fewer through the int4 GEMM, 5 to 8 bits through the int8 weight GEMM, W8A8 and W4A8 through torch._int_mm on the
+activation levels (per-tensor static or per-token, exactly the grid of the fake-quant path), where this CPU's
+torch._int_mm is exact (int_mm_ok); elsewhere their activations are fake-quantized and the weights take the
+weight-only kernels. Nothing is unpacked or dequantized per call. The planar words come back (lrq.packing) for
+the state dict, the export and a move to the GPU.
 On a GPU the fused kernels of lrq.kernels run instead (weight-only: the dequantize-GEMM; w8a8/w4a8:
 the activation-quantization kernel and the int8 tensor-core GEMM), reading the same buffers.
 """
@@ -27,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
+from lrq.cpu_kernels import Int8GemmWeights, cpu_weights
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
-from lrq.quant import dequantize, n_groups, per_token_fake_quant
+from lrq.quant import dequantize, n_groups, per_tensor_fake_quant, per_token_fake_quant
 from lrq.schemes import Scheme
 
 
@@ -80,9 +80,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("act_scale", torch.ones((), dtype=torch.float32) if static else None)
         self.register_buffer("act_zero", torch.zeros((), dtype=torch.float32) if static else None)
         self.quantize_output = quantize_output and scheme.kv_bits is not None
-        self.use_int_mm = True
-        self.use_cpu_int4 = True          # torch's CPU int4 GEMM for small M (built on first use)
-        self._cpu_int4: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.cpu_weights = None           # the CPU kernel's form of the weights, held instead of weight_packed
         self._scale16: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @classmethod
@@ -99,40 +97,72 @@ class PackedLinear(nn.Module):
         if m.act_scale is not None:
             m.act_scale.copy_(q.act_scale.float())
             m.act_zero.copy_(q.act_zero.float())
-        return m.to(q.qweight.device)
+        m = m.to(q.qweight.device)
+        if m.scale.device.type == "cpu":
+            m.convert_for_cpu(q.qweight)
+        return m
 
     # ---- storage ------------------------------------------------------------------------------
     def levels(self) -> torch.Tensor:
         """The unsigned integer levels [out, in] (uint8)."""
+        if self.cpu_weights is not None:
+            return self.cpu_weights.levels()
         return unpack_planar(self.weight_packed, self.bits, self.in_features)
+
+    def planar_words(self) -> torch.Tensor:
+        """The planar words (lrq.packing.pack_planar), held or, on the CPU, rebuilt from the kernel's form."""
+        return self.weight_packed if self.cpu_weights is None else pack_planar(self.levels(), self.bits)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.levels(), self.scale, self.zero, self.group_size, dtype)
 
     def storage_bytes(self) -> int:
-        """Bytes held: the packed format plus, once built, the CPU int4 kernel's copy."""
-        extra = sum(t.numel() * t.element_size() for t in self._cpu_int4[:2]) if self._cpu_int4 else 0
-        return sum(b.numel() * b.element_size() for b in self.buffers()) + extra
+        """Bytes held: the buffers, and the CPU kernel's form of the weights where it replaced the planar words."""
+        held = self.cpu_weights.nbytes() if self.cpu_weights is not None else 0
+        return sum(b.numel() * b.element_size() for b in self.buffers()) + held
+
+    # ---- the CPU kernels' form ----------------------------------------------------------------
+    def integer_activations(self) -> bool:
+        """Whether the CPU form multiplies activation levels (torch._int_mm): per-channel weights, activations of
+        8 bits or fewer on a grid known as integers (static, or a mode with integer_qparams), an exact _int_mm."""
+        s = self.scheme
+        known = s.a_bits is not None and (s.static_activations or s.activations.integer_qparams is not None)
+        return known and s.a_bits <= 8 and self.group_size is None and int_mm_ok()
+
+    @torch.no_grad()
+    def convert_for_cpu(self, levels: torch.Tensor | None = None):
+        """Hold the weights in the CPU kernel's layout (lrq.cpu_kernels) instead of the planar words: once, when
+        packed or loaded (a module built by hand: at its first CPU forward)."""
+        q = self.levels() if levels is None else levels
+        self.cpu_weights = cpu_weights(q.cpu(), self.scale, self.zero, self.bits, self.group_size,
+                                       self.integer_activations())
+        self._buffers["weight_packed"] = None
+        return self.cpu_weights
+
+    def _apply(self, fn, *args, **kwargs):
+        self._scale16 = None
+        if self.cpu_weights is None:
+            return super()._apply(fn, *args, **kwargs)
+        q = self.levels()                  # planar words move (every device reads them); the CPU form is rebuilt
+        self._buffers["weight_packed"], self.cpu_weights = pack_planar(q, self.bits), None
+        out = super()._apply(fn, *args, **kwargs)
+        if self.weight_packed.device.type == "cpu":
+            self.convert_for_cpu(q)
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.cpu_weights is not None:   # the portable form, whatever this module holds
+            destination[prefix + "weight_packed"] = self.planar_words()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.cpu_weights is not None and prefix + "weight_packed" in state_dict:   # converted again when run
+            self._buffers["weight_packed"] = torch.empty(self.out_features, planar_words(self.in_features, self.bits),
+                                                         dtype=torch.int32)
+            self.cpu_weights = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- forward ------------------------------------------------------------------------------
-    def _w8a8_int(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
-        az = self.act_zero
-        xq = torch.clamp(torch.round(x2 / self.act_scale) + az, 0, 255)
-        xa = (xq - 128).to(torch.int8)
-        wa = (self.levels() ^ 128).view(torch.int8)   # q - 128 as int8, one pass
-        acc = torch._int_mm(xa, wa.t()).to(torch.float64)   # [M, N] int32 -> exact in fp64
-        wz = self.zero[:, 0].double()
-        k = self.in_features
-        acc += xa.sum(dim=1, dtype=torch.int64).double().unsqueeze(1) * (128 - wz).unsqueeze(0)
-        acc += (128 - az.double()) * wa.sum(dim=1, dtype=torch.int64).double().unsqueeze(0)
-        acc += k * (128 - az.double()) * (128 - wz).unsqueeze(0)
-        y = (acc * (self.act_scale.double() * self.scale[:, 0].double()).unsqueeze(0)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
-
     def kernel_scale(self) -> torch.Tensor:
         """The scales as the GPU kernels read them: fp16, the one pointer type their configurations are compiled
         and checked for (lrq.kernels.aot). A model whose scales are float32 (a checkpoint saved with float32
@@ -153,77 +183,47 @@ class PackedLinear(nn.Module):
         return int8_matmul(x, self.weight_packed, self.kernel_scale(), self.zero, self.bits, self.in_features, self.bias,
                            static, self._wsum)
 
-    CPU_INT4_MAX_M = 64   # beyond this, dequantize + BLAS is faster on the CPU
+    def _float_activations(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.scheme
+        if s.a_bits is None:
+            return x
+        if s.static_activations:
+            return per_tensor_fake_quant(x, self.act_scale, self.act_zero, s.a_bits)
+        return s.activations.quantize(x, s.a_bits)
 
-    def _apply(self, fn, *args, **kwargs):
-        self._cpu_int4 = self._scale16 = None   # rebuilt on the new device/dtype when needed
-        return super()._apply(fn, *args, **kwargs)
+    def _int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The activation levels - 128 (int8), their zero point(s) and scale(s): the fake-quant path's grid."""
+        s, xf = self.scheme, x.float()
+        scale, zero = ((self.act_scale, self.act_zero) if s.static_activations
+                       else s.activations.integer_qparams(xf, s.a_bits))
+        xq = torch.clamp(torch.round(xf / scale) + zero, 0, 2**s.a_bits - 1)
+        return (xq - 128).to(torch.int8), zero, scale
 
-    # Shapes each fast path takes (anything else runs the general path: dequantize + BLAS):
-    # * torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`): 4-bit weights, bf16 activations, M <= 64,
-    #   N a multiple of 16, and a group size of 32/64/128/256 dividing K and our own groups;
-    # * torch._int_mm on the CPU (w8a8): per-channel weights and M > 16 (any K, N);
-    # * the GPU kernels (lrq.kernels): any M, N, K, bits 2-8, any group size (masked tiles).
-    CPU_INT4_N_MULTIPLE = 16
-
-    def _cpu_int4_group(self) -> int | None:
-        """A group size torch's CPU int4 kernel accepts that represents our grouping exactly (every one of
-        our groups, the ragged last one included, is a whole number of its groups)."""
-        k = self.in_features
-        ours = self.group_size or k
-        return next((g for g in (256, 128, 64, 32) if k % g == 0 and ours % g == 0), None)
-
-    def _cpu_int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self._cpu_int4 is None:
-            g = self._cpu_int4_group()
-            q = self.levels().to(torch.int32)
-            rep = (self.group_size or self.in_features) // g
-            s = self.scale.float().repeat_interleave(rep, dim=1)[:, :self.in_features // g]
-            z = self.zero.float().repeat_interleave(rep, dim=1)[:, :self.in_features // g]
-            # ours: (q - z) * s  =  (q - 8) * s + (8 - z) * s  (torch's kernel: (q - 8) * scale + zero)
-            sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1).to(torch.bfloat16).contiguous()
-            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
-            self._cpu_int4 = (w, sz, g)
-        w, sz, g = self._cpu_int4
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).contiguous(), w, g, sz)
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.cpu_weights or self.convert_for_cpu()
+        x2 = x.reshape(-1, x.shape[-1])
+        if isinstance(w, Int8GemmWeights):
+            y = w.mm(*self._int8_activations(x2)).to(x.dtype)
+        else:
+            y = w.mm(self._float_activations(x2))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _use_cpu_int4(self, x: torch.Tensor) -> bool:
-        return (self.use_cpu_int4 and self.bits == 4 and x.device.type == "cpu" and x.dtype == torch.bfloat16
-                and x.numel() // x.shape[-1] <= self.CPU_INT4_MAX_M and self.out_features % self.CPU_INT4_N_MULTIPLE == 0
-                and self._cpu_int4_group() is not None and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.a_bits == 8 and self.group_size is None:   # int8 tensor-core GEMM
+            return self._int8_gpu(x)
+        if self.scheme.static_activations:
+            return F.linear(self._float_activations(x), self.dequantized_weight(x.dtype),
+                            None if self.bias is None else self.bias.to(x.dtype))
+        from lrq.kernels.wq_gemm import wq_matmul   # the fused dequantize-GEMM, which dispatches large M itself
+        return wq_matmul(self._float_activations(x), self.weight_packed, self.kernel_scale(), self.zero, self.bits,
+                         self.group_size, self.in_features, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.scheme
-        if x.is_cuda and s.a_bits == 8 and self.group_size is None:   # int8 tensor-core GEMM
-            y = self._int8_gpu(x)
-            return per_token_fake_quant(y, s.kv_bits) if self.quantize_output else y
-        if s.static_activations:
-            if self.use_int_mm and self.group_size is None and x.reshape(-1, x.shape[-1]).shape[0] > 16 \
-                    and x.device.type == "cpu" and int_mm_ok():
-                y = self._w8a8_int(x)
-            else:
-                qmax = 2**s.a_bits - 1
-                xq = torch.clamp(torch.round(x.float() / self.act_scale) + self.act_zero, 0, qmax)
-                xd = ((xq - self.act_zero) * self.act_scale).to(x.dtype)
-                y = F.linear(xd, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        else:
-            if s.a_bits is not None:
-                x = s.activations.quantize(x, s.a_bits)
-            if self._use_cpu_int4(x):   # bf16 on the CPU at decode sizes: torch's int4 GEMM (bf16 scales)
-                y = self._cpu_int4_mm(x)
-            elif x.is_cuda:   # the fused dequantize-GEMM (lrq.kernels.wq_gemm), which dispatches large M itself
-                from lrq.kernels.wq_gemm import wq_matmul
-                y = wq_matmul(x, self.weight_packed, self.kernel_scale(), self.zero, self.bits, self.group_size,
-                              self.in_features, self.bias)
-            else:
-                y = F.linear(x, self.dequantized_weight(x.dtype),
-                             None if self.bias is None else self.bias.to(x.dtype))
+        y = self._forward_cpu(x) if x.device.type == "cpu" else self._forward_gpu(x)
         if self.quantize_output:
-            y = per_token_fake_quant(y, s.kv_bits)
+            y = per_token_fake_quant(y, self.scheme.kv_bits)
         return y
 
     def extra_repr(self) -> str:

@@ -108,6 +108,13 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(x) - x).detach() + x
 
 
+def per_token_qparams(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token grid of `per_token_fake_quant`: scale and integer zero point per row [..., 1] (float32)."""
+    xf = x.detach().float()
+    return qparams_from_range(xf.amin(dim=-1, keepdim=True).clamp(max=0), xf.amax(dim=-1, keepdim=True).clamp(min=0),
+                              bits)
+
+
 def per_token_fake_quant(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """Dynamic asymmetric fake quantization with one scale/zero per token (last dimension).
 
@@ -117,12 +124,8 @@ def per_token_fake_quant(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     instead of clamping them.
     """
     qmax = 2**bits - 1
-    xf = x.float()
-    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0)
-    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0)
-    scale = ((hi - lo) / qmax).clamp(min=SCALE_EPS).detach()
-    zero = torch.round(-lo / scale).clamp(0, qmax).detach()
-    q = torch.clamp(round_ste(xf / scale) + zero, 0, qmax)
+    scale, zero = per_token_qparams(x, bits)
+    q = torch.clamp(round_ste(x.float() / scale) + zero, 0, qmax)
     return ((q - zero) * scale).to(x.dtype)
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from lrq.errors import UserError
-from lrq.quant import per_token_fake_quant
+from lrq.quant import per_token_fake_quant, per_token_qparams
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class ActivationMode:
     strategy: str
     dynamic_quant: Callable | None = field(default=None, compare=False, repr=False)   # (x, bits) -> x, dynamic
     description: str = ""
+    # (x, bits) -> scale, zero point per row of a dynamic mode's grid: kernels then multiply the integer levels
+    integer_qparams: Callable | None = field(default=None, compare=False, repr=False)
 
     def quantize(self, x, bits: int):
         """A dynamic mode's fake quantization of `x` at `bits` (a static one's needs its calibrated range)."""
@@ -46,7 +48,8 @@ class ActivationMode:
 
 
 ACTIVATION_MODES: dict[str, ActivationMode] = {m.name: m for m in (
-    ActivationMode("per_token", False, "token", per_token_fake_quant, "dynamic, one range per token"),
+    ActivationMode("per_token", False, "token", per_token_fake_quant, "dynamic, one range per token",
+                   per_token_qparams),
     ActivationMode("per_tensor_static", True, "tensor", None, "static, one calibrated range per tensor"),
 )}
 

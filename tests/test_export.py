@@ -45,8 +45,13 @@ def test_export_reload_is_bit_exact(arch, scheme_name, method, tmp_path):
         got = back(ids).logits
     # the same dequantized weights as the method's model: only the matmul's path differs (w8a8: the integer
     # product with its exact zero-point epilogue against the float fake-quant)
+    # per-token activations (w4a8) are quantized again in every layer from an int8 GEMM's output, which differs
+    # from the float product in the last bits (each layer alone: ~1e-6): a token may land one level over
+    s = get_scheme(scheme_name)
+    dynamic = s.a_bits is not None and not s.static_activations
     diff = (got - ref).abs().max().item()
-    assert diff <= (1e-4 if get_scheme(scheme_name).static_activations else 1e-5) * ref.abs().max().item(), diff
+    tol = 3e-2 if dynamic else 1e-4 if s.static_activations else 1e-5
+    assert diff <= tol * ref.abs().max().item(), diff
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
     w = cfg["config_groups"]["group_0"]["weights"]

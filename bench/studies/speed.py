@@ -30,7 +30,7 @@ SHAPES = {  # (out_features, in_features) per linear kind
     "smollm2": {"qkv/o 576x576": (576, 576), "gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536)},
     "llama2-7b": {"4096x4096": (4096, 4096), "11008x4096": (11008, 4096), "4096x11008": (4096, 11008)},
 }
-LAYER_SCHEMES = ("w4a16", "w4a16-g128", "w3a16", "w8a8", "w4a8")
+LAYER_SCHEMES = ("w4a16", "w4a16-g128", "w3a16", "w3a16-g128", "w8a16", "w8a8", "w4a8")
 
 
 def random_packed(n: int, k: int, scheme_name: str, device: str):
@@ -63,7 +63,8 @@ def median_ms(fn, device: str) -> float:
 
 
 def weight_bytes(m: nn.Module) -> int:
-    """Every parameter and buffer, plus the CPU int4 kernel copies PackedLinear builds on first use."""
+    """Every parameter and buffer, plus the CPU kernel's form of the weights a PackedLinear holds instead of its
+    planar words."""
     from lrq.packed import PackedLinear
     extra = sum(p.storage_bytes() - sum(b.numel() * b.element_size() for b in p.buffers())
                 for p in m.modules() if isinstance(p, PackedLinear))

@@ -1,0 +1,206 @@
+"""The CPU form of packed weights: each format held once, in the layout the torch CPU kernel for it reads.
+
+A PackedLinear converts its levels into one of these when it is packed or loaded on the CPU, never per call:
+
+* `Int4Weights` (weights of 4 bits or fewer whose activations reach the kernel in floating point): torch's
+  int4 GEMM (`_weight_int4pack_mm_for_cpu`) on its own packing (`_convert_weight_to_int4pack_for_cpu`, half a
+  byte a weight; 3- and 2-bit levels are 4-bit levels that leave the top values unused). The kernel computes
+  (q - 8) * scale + zero per group of 32/64/128/256 columns; ours, (q - z) * s, is that with zero = (8 - z) * s.
+  Our groups, a ragged last one included, map exactly onto the largest kernel group dividing them; where none
+  divides K, K is padded (zero input columns: exact). N is padded to the kernel's block of 16 and sliced off.
+* `Int8Weights` (5 to 8 bits weight-only, and any group size the int4 kernel cannot represent): q - 2^(b-1) as
+  int8 through `_weight_int8pack_mm`, one call per group (one in all per channel); the zero points add
+  rowsum(x) * (2^(b-1) - z) * s.
+* `Int8GemmWeights` (W8A8, W4A8 with integer activations, per channel): q - 2^(b-1) as int8, multiplied with the
+  activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected exactly in integers.
+
+torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
+scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
+one thread: bf16 is vectorized (the int4 GEMM 2x faster than bf16 BLAS at batch 1, 2.5x slower at 512 tokens);
+float32 takes a scalar path, exact but 10 to 100x slower than float32 BLAS. The bf16 kernels round their output
+to bf16, so a float32 input cannot be run as bf16 pieces to float32 accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lrq.quant import _group_view
+
+KERNEL_GROUPS = (256, 128, 64, 32)   # the group sizes torch's int4 CPU kernel accepts
+N_BLOCK = 16                         # its output features come in blocks of 16
+INT8_K_MULTIPLE = 16                 # _weight_int8pack_mm crashes or errs on other depths (torch 2.13, Zen 4)
+INT32_SAFE_K = 16384                 # Int8GemmWeights' integer epilogue fits int32 up to this depth
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x as a dtype the forms hold scales for (bf16 or float32), contiguous."""
+    return (x if x.dtype == torch.bfloat16 else x.float()).contiguous()
+
+
+def by_dtype(t: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
+    return {torch.bfloat16: t.bfloat16().contiguous(), torch.float32: t.float().contiguous()}
+
+
+def int4_grouping(k: int, group_size: int | None) -> tuple[int, int] | None:
+    """(kernel group, padded K) representing our groups exactly, or None where no kernel group divides them."""
+    fits = [g for g in KERNEL_GROUPS if group_size is None or group_size % g == 0]
+    exact = [g for g in fits if k % g == 0]
+    if exact or not fits:
+        return (exact[0], k) if exact else None
+    k_pad = -(-k // 32) * 32
+    return next(g for g in fits if k_pad % g == 0), k_pad
+
+
+def _int4pack(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.to(torch.int64)
+    return torch.stack([p & 15, p >> 4], dim=-1).reshape(-1)
+
+
+def _int4pack_source(n: int, k: int) -> torch.Tensor:
+    """For each nibble of torch's int4 packing of an [n, k] matrix (low nibble first), the flat index of the level
+    it holds: the packing is a permutation of nibbles, found by packing the base-16 digits of every index (so it
+    follows whatever layout this torch and CPU use)."""
+    idx = torch.arange(n * k, dtype=torch.int64).view(n, k)
+    src = torch.zeros(n * k, dtype=torch.int64)
+    for d in range(max(1, math.ceil(math.log2(n * k) / 4))):
+        src |= _nibbles(_int4pack((idx >> 4 * d) & 15)) << 4 * d
+    return src
+
+
+@dataclass
+class Int4Weights:
+    packed: torch.Tensor                          # uint8 [n_pad, k_pad / 2], torch's int4 CPU layout
+    scales: dict[torch.dtype, torch.Tensor]       # [k_pad / group, n_pad, 2]: (scale, zero) per kernel group
+    group: int
+    n: int
+    k: int
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None) -> "Int4Weights":
+        n, k = q.shape
+        g, k_pad = int4_grouping(k, group_size)
+        n_pad = -(-n // N_BLOCK) * N_BLOCK
+        levels = torch.full((n_pad, k_pad), 8, dtype=torch.int32)
+        levels[:n, :k] = q
+        ours = (torch.arange(k_pad // g) * g // (group_size or k_pad)).clamp(max=scale.shape[1] - 1)
+        s, z = scale.float()[:, ours], zero.float()[:, ours]           # [n, kernel groups]
+        sz = F.pad(torch.stack([s.t(), ((8 - z) * s).t()], dim=-1), (0, 0, 0, n_pad - n))
+        return cls(_int4pack(levels), by_dtype(sz), g, n, k)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        k_pad = self.packed.shape[1] * 2
+        if k_pad != self.k:
+            x = F.pad(x, (0, k_pad - self.k))
+        xr = run_dtype(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, self.scales[xr.dtype])
+        return (y if y.shape[1] == self.n else y[:, :self.n]).to(x.dtype)
+
+    def levels(self) -> torch.Tensor:
+        n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
+        q = torch.empty(n_pad * k_pad, dtype=torch.uint8)
+        q[_int4pack_source(n_pad, k_pad)] = _nibbles(self.packed).to(torch.uint8)
+        return q.view(n_pad, k_pad)[:self.n, :self.k].contiguous()
+
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, *self.scales.values())
+
+
+def _offset_weights(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    """q - 2^(b-1) as int8 (any b <= 8), and the offset."""
+    offset = 1 << (bits - 1)
+    return (q.to(torch.int16) - offset).to(torch.int8), offset
+
+
+@dataclass
+class Int8Weights:
+    chunks: tuple[torch.Tensor, ...]              # int8 [n, group width padded to 16] per group: q - offset
+    widths: tuple[int, ...]                       # each group's true width (the padding: zero weights)
+    scales: torch.Tensor                          # float32 [n_groups, n]
+    unit: dict[torch.dtype, torch.Tensor]         # ones [n]: the kernel's scales (ours multiply its output)
+    zero_term: torch.Tensor                       # float32 [n_groups, n]: (offset - z) * s
+    group_size: int | None
+    offset: int
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+              group_size: int | None) -> "Int8Weights":
+        k = q.shape[1]
+        w, offset = _offset_weights(q, bits)
+        edges = list(range(0, k, group_size or k)) + [k]
+        chunks = tuple(F.pad(w[:, a:b], (0, -(b - a) % INT8_K_MULTIPLE)).contiguous() for a, b in zip(edges, edges[1:]))
+        widths = tuple(b - a for a, b in zip(edges, edges[1:]))
+        s = scale.float()
+        return cls(chunks, widths, s.t().contiguous(), by_dtype(torch.ones(q.shape[0])),
+                   ((offset - zero.float()) * s).t().contiguous(), group_size, offset)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        xr, y, a = run_dtype(x), 0, 0
+        for j, (w, width) in enumerate(zip(self.chunks, self.widths)):
+            xj = F.pad(xr[:, a:a + width], (0, w.shape[1] - width)).contiguous()
+            y = y + torch.ops.aten._weight_int8pack_mm(xj, w, self.unit[xr.dtype]).float() * self.scales[j]
+            a += width
+        sums = _group_view(x.float(), self.group_size, 0.0).sum(-1)     # [m, n_groups]
+        return (y + sums @ self.zero_term).to(x.dtype)
+
+    def levels(self) -> torch.Tensor:
+        w = torch.cat([c[:, :width] for c, width in zip(self.chunks, self.widths)], dim=1)
+        return (w.to(torch.int16) + self.offset).to(torch.uint8)
+
+    def nbytes(self) -> int:
+        return _nbytes(*self.chunks, self.scales, *self.unit.values(), self.zero_term)
+
+
+@dataclass
+class Int8GemmWeights:
+    weight: torch.Tensor       # int8 [n, k]: q - offset
+    zero_term: torch.Tensor    # int32 [n]: offset - z
+    col_term: torch.Tensor     # int32 [n]: sum_k (q - offset) + k (offset - z)
+    scale: torch.Tensor        # float32 [n]
+    offset: int
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> "Int8GemmWeights":
+        w, offset = _offset_weights(q, bits)
+        zt = offset - zero[:, 0].round().to(torch.int32)   # zero: uint8 levels (or float ones)
+        col = w.sum(dim=1, dtype=torch.int32) + q.shape[1] * zt
+        return cls(w, zt, col, scale[:, 0].float(), offset)
+
+    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """xa = activation levels - 128 (int8 [m, k]); their zero point(s) and scale(s), scalars or [m, 1]:
+        sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa + (128 - az) (sum wa + k (offset - z)),
+        with wa = q - offset; float32 (x) the scales."""
+        acc = torch._int_mm(xa, self.weight.t())
+        if self.weight.shape[1] > INT32_SAFE_K:
+            acc = acc.long()
+        acc += xa.sum(dim=1, keepdim=True, dtype=acc.dtype) * self.zero_term
+        acc += (128 - x_zero.round().to(acc.dtype)) * self.col_term
+        return acc.float() * (x_scale * self.scale)
+
+    def levels(self) -> torch.Tensor:
+        return (self.weight.to(torch.int16) + self.offset).to(torch.uint8)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale)
+
+
+def cpu_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,
+                integer_activations: bool) -> Int4Weights | Int8Weights | Int8GemmWeights:
+    """The CPU form of levels q [n, k] with their scales and zero points [n, n_groups]."""
+    if integer_activations and group_size is None:
+        return Int8GemmWeights.build(q, scale, zero, bits)
+    if bits <= 4 and int4_grouping(q.shape[1], group_size) is not None:
+        return Int4Weights.build(q, scale, zero, group_size)
+    return Int8Weights.build(q, scale, zero, bits, group_size)
