@@ -25,6 +25,11 @@ def _umask() -> int:
 _UMASK = _umask()
 
 
+def default_mode(directory: bool = False) -> int:
+    """The permissions a plain open() or mkdir() gives a new file or folder: 0666 or 0777 less the umask."""
+    return (0o777 if directory else 0o666) & ~_UMASK
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync: bool = True) -> Path:
     """Call `write(tmp_path)` to produce the file, then move it to `path` in one rename. The file gets the
     permissions a plain open() would give it (those of the file it replaces, else 0666 less the umask),
@@ -40,7 +45,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync
         try:
             mode = path.stat().st_mode & 0o7777
         except FileNotFoundError:
-            mode = 0o666 & ~_UMASK
+            mode = default_mode()
         os.chmod(tmp, mode)
         if fsync:
             with open(tmp, "rb") as f:

@@ -92,9 +92,42 @@ def test_export_never_replaces_a_folder_it_did_not_write(tiny_model_dir, data_di
     assert _export(tiny_model_dir, out_dir, capsys, data_dir, "--overwrite", scheme="w3a16")[0] == 0
     assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["lrq_bench"]["scheme"]["name"] \
         == "w3a16"
-    # --overwrite of another model's folder replaces it whole (no stale file of the old model is left in it)
-    assert _export(tiny_model_dir, other, capsys, data_dir, "--overwrite")[0] == 0
-    assert "README.md" not in _tree(other)
+    # --overwrite replaces an earlier export only: never another model's folder
+    code, out, err = _export(tiny_model_dir, other, capsys, data_dir, "--overwrite")
+    assert code == 2 and "already holds a model" in err and ".lrq-bench-export" in err, err
+    assert _tree(other) == before
+
+
+def test_overwrite_never_deletes_what_a_folder_holds(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`export --overwrite` over a folder holding the cache, the model, the data folder, a sync folder or a
+    repository is refused, and the folder kept (it used to be deleted with exit 0); an export folder holding
+    anything an export does not write is refused too. The export's folder has the user's umask (it was 0700)."""
+    def holder(name, inside, file="x"):
+        (tmp_path / name / inside).mkdir(parents=True)
+        (tmp_path / name / inside / file).write_text("keep")
+        return tmp_path / name
+
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(holder("home", "cache") / "cache"))
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    data = holder("shared", "data", "wiki.test.raw") / "data"
+    for out, what in ((tmp_path / "home", "lrq-bench's cache"), (tmp_path / "models", "the model"),
+                      (tmp_path / "shared", "the data folder"), (data, "the data folder"),
+                      (holder("runs", "long", "results.jsonl"), "folders (long)"),
+                      (holder("sync", ".", "results.jsonl"), "a run's sync folder (results.jsonl)"),
+                      (holder("repo", ".git", "HEAD"), "a git repository (.git)")):
+        before = [p.relative_to(out) for p in out.rglob("*")]
+        code, _, err = _export(model, out, capsys, data, "--overwrite")
+        assert code == 2 and what in err and "Nothing was quantized" in err, (out, err)
+        assert set(before) <= {p.relative_to(out) for p in out.rglob("*")}   # nothing removed (the cache may grow)
+    os.umask(umask := os.umask(0o022))
+    target = tmp_path / "exported"
+    assert _export(model, target, capsys, data)[0] == 0
+    assert target.stat().st_mode & 0o777 == 0o777 & ~umask and (target / ".lrq-bench-export").is_file()
+    assert _export(model, target, capsys, data, "--overwrite", scheme="w3a16")[0] == 0   # an export: replaced
+    (target / "notes").mkdir()
+    code, _, err = _export(model, target, capsys, data, "--overwrite")
+    assert code == 2 and "folders (notes)" in err and (target / "notes").is_dir()
 
 
 def test_a_failed_export_leaves_no_folder(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
