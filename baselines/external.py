@@ -27,6 +27,7 @@ from torch import nn
 
 from lrq.config import MethodConfig
 from lrq.errors import UserError
+from lrq.io import plain_text
 from lrq.methods import Calibration, Method, register
 from lrq.schemes import SCHEMES, Scheme, activation_mode_for
 
@@ -173,8 +174,8 @@ def _scheme_for(bits: int, group: int | None, a_bits: int | None, a_mode: str | 
 def _producer(folder: Path, qc: dict) -> str:
     """Who made the checkpoint: lrq-bench's own metadata, llm-compressor's recipe modifiers, else the format."""
     meta = _lrq_metadata(folder)
-    if meta.get("method"):
-        return f"lrq-bench-{meta['method']}"
+    if meta.get("method"):   # a stored string: it names the cell everywhere the method is shown
+        return f"lrq-bench-{plain_text(meta['method'])}"
     recipe = folder / "recipe.yaml"
     if recipe.is_file():
         text = recipe.read_text(errors="replace")

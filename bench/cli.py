@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lrq.errors import UserError
-from lrq.io import default_mode, dumps_json
+from lrq.io import default_mode, dumps_json, plain_text
 
 
 
@@ -631,7 +631,7 @@ def _announce_estimate(args, cells, todo, executor, loaded, carry=None):
 
 
 def _say(line: str) -> None:
-    print(f"lrq-bench: {line}", file=sys.stderr, flush=True)
+    print(f"lrq-bench: {plain_text(line)}", file=sys.stderr, flush=True)
 
 
 def torch_cuda() -> bool:
@@ -838,6 +838,14 @@ def cmd_report(args) -> int:
 RESULT_COLUMNS = ("model", "method", "scheme", "precision", "dataset", "metric", "value", "seed", "git_rev", "created_at")
 
 
+def _result_cell(row, column: str):
+    """A row's field as `results` shows it in a table: stored strings as plain text, the revision short."""
+    value = getattr(row, column)
+    if not isinstance(value, str):
+        return value
+    return plain_text(value)[:12] if column == "git_rev" else plain_text(value)
+
+
 def cmd_results(args) -> int:
     store = _existing_store(args.results)
     rows = store.rows()
@@ -855,7 +863,7 @@ def cmd_results(args) -> int:
         sys.stdout.write(dumps_json([asdict(r) | {"precision": r.precision} for r in rows], indent=1, default=str))
         print()
         return 0
-    table = [[getattr(r, c) if c != "git_rev" else r.git_rev[:12] for c in RESULT_COLUMNS] for r in rows]
+    table = [[_result_cell(r, c) for c in RESULT_COLUMNS] for r in rows]
     if fmt == "csv":
         import csv
         w = csv.writer(sys.stdout)
@@ -889,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": cmd_run, "plan": cmd_plan, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
                 "results": cmd_results}[args.command](args)
     except UserError as e:
-        print(textwrap.fill(f"lrq-bench: error: {e}", width=100, break_long_words=False, break_on_hyphens=False),
+        print(textwrap.fill(f"lrq-bench: error: {plain_text(e)}", width=100, break_long_words=False, break_on_hyphens=False),
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ never half of one. A failure leaves no temporary file behind and says what to do
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,22 @@ def _umask() -> int:
 
 
 _UMASK = _umask()
+
+
+# an escape sequence whole (CSI, OSC up to its terminator, a two-character escape), so that no parameter of one
+# (a terminal title, a colour) is left behind as text when its control characters go
+_ESCAPE = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                     r"|\x1b[ -/]*[0-~]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def plain_text(value) -> str:
+    """A stored string (a model path, a method or checkpoint name, a note, a checkpoint's config value) as plain
+    text for the terminal, Markdown or HTML: line breaks and tabs become spaces (a newline would start a heading,
+    a table row or a list), escape sequences (colours, a screen clear, a terminal title) and every other control
+    character (C0, DEL, C1) are removed."""
+    text = " ".join(_ESCAPE.sub("", str(value)).splitlines()).replace("\t", " ")
+    return _CONTROL.sub("", text)
 
 
 def default_mode(directory: bool = False) -> int:

@@ -233,6 +233,31 @@ def test_newlines_and_links_in_stored_strings_stay_text():
     assert not any(line.startswith("| a | b |") for line in lines)
 
 
+CONTROL = __import__("re").compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")   # every control character but the newline
+EVIL = "m\x1b[2J\x1b]0;owned\x07\x9b31m\x00\x7f\x08-x"
+
+
+def test_control_characters_in_stored_strings_never_reach_the_terminal_markdown_or_html(exported, tiny_model_dir,
+                                                                                       data_dir, tmp_path, capsys):
+    """ANSI escapes (a screen clear, a terminal title), C0 and C1 controls and DEL in a stored model, method or
+    note, or in a checkpoint's config, are removed from the leaderboard files, the terminal summary, `results`
+    and error messages; the text around them stays."""
+    from bench.common.store import ResultStore, Row
+    from bench.reports.html_report import html_report
+    from bench.reports.report import markdown_report, terminal_summary
+    rows = [Row(EVIL, f"rtn{EVIL}", "w4a16", "wikitext2", "ppl", 12.0, config={"model_note": EVIL}, git_rev=EVIL),
+            Row(EVIL, f"rtn{EVIL}", "w4a16", "quant", "bits_per_weight", 4.5)]
+    store = ResultStore(tmp_path / "r.sqlite")
+    store.write_unit(rows, "k")
+    assert main(["results", "--results", str(tmp_path / "r.sqlite")]) == 0
+    for text in (markdown_report(rows), html_report(rows, rows), terminal_summary(rows), capsys.readouterr().out):
+        assert not CONTROL.search(text) and "owned" not in text and "m-x" in text, repr(text[:300])
+    folder = _altered(exported, tmp_path, config=_set("type", f"int{EVIL}"))
+    code, out, err = _run(["run", *RUN, "--model", str(folder), "--reference-model", str(tiny_model_dir),
+                           "--data-dir", str(data_dir), "--results", str(tmp_path / "r2.sqlite")], capsys)
+    assert code == 2 and "weights are intm-x, not integers" in err and not CONTROL.search(err), repr(err)
+
+
 # ---- 21: lock files do not outlive their cells -----------------------------------------------------------------
 
 def test_lock_files_are_removed_when_released_or_stale(tmp_path):
