@@ -86,10 +86,10 @@ def _declared_compressed_tensors(qc: dict, group: dict, w: dict, a: dict | None)
 
 def _weights_args(qc: dict, where: str = "config.json") -> tuple[dict, dict | None]:
     if qc["quant_method"] == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
         _refuse_unsupported(where, {"dynamic": qc.get("dynamic"), "lm_head": qc.get("lm_head"),
                                     "is_marlin_format": qc.get("is_marlin_format"),
-                                    "checkpoint_format": None if qc.get("checkpoint_format", "gptq") in ("gptq", "gptq_v2")
-                                    else qc.get("checkpoint_format")})
+                                    "checkpoint_format": None if fmt in ("gptq", "gptq_v2") else fmt})
         bits = _int_field(qc, "bits", where, 1, 8)
         gs = _int_field(qc, "group_size", where, -1, 1 << 20, default=-1)
         sym = qc.get("sym", True)
