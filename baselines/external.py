@@ -27,6 +27,7 @@ from torch import nn
 
 from lrq.config import MethodConfig
 from lrq.errors import UserError
+from lrq.io import plain_text
 from lrq.methods import Calibration, Method, register
 from lrq.schemes import SCHEMES, Scheme, activation_mode_for
 
@@ -54,8 +55,41 @@ def _int_field(d: dict, key: str, where: str, lo: int, hi: int, default=None, al
     return v
 
 
+LM_HEAD_ONLY = ([], ["lm_head"], ["re:.*lm_head"], ["re:.*lm_head$"])   # what the suite leaves unquantized too
+DECLARES_NOTHING = (None, False, "", {}, [])
+
+
+def _refuse_unsupported(where: str, declared: dict[str, Any]) -> None:
+    """Quantization the checkpoint declares that the suite does not implement (field -> the value it declares,
+    one of DECLARES_NOTHING where it declares none): refused naming the field, never scored as the scheme its
+    other settings map to."""
+    for field, value in declared.items():
+        if value not in DECLARES_NOTHING:
+            raise UserError(f"{where}: quantization_config {field} is {value!r}: lrq-bench does not implement this "
+                            f"quantization, and scored without it the checkpoint would be measured as another model. "
+                            f"Not supported: quantize the model without it to score it here.")
+
+
+def _declared_compressed_tensors(qc: dict, group: dict, w: dict, a: dict | None) -> dict[str, Any]:
+    """What a compressed-tensors config declares beyond integer weights (and integer input activations)."""
+    sparsity = qc.get("sparsity_config")
+    fmt = {qc.get("format"), group.get("format")} - {None, "pack-quantized", "int-quantized"}
+    return {"format": sorted(fmt)[0] if fmt else None, "kv_cache_scheme": qc.get("kv_cache_scheme"),
+            "sparsity_config": None if isinstance(sparsity, dict) and sparsity.get("format") == "dense" else sparsity,
+            "transform_config": qc.get("transform_config"),
+            "ignore": None if qc.get("ignore") in LM_HEAD_ONLY else qc.get("ignore"),
+            "output_activations": group.get("output_activations"), "weights dynamic": w.get("dynamic"),
+            "input_activations type": None if not isinstance(a, dict) or a.get("type", "int") == "int" else a["type"],
+            "input_activations dynamic": None if not isinstance(a, dict) or a.get("dynamic") in (None, False, True)
+            else a["dynamic"]}
+
+
 def _weights_args(qc: dict, where: str = "config.json") -> tuple[dict, dict | None]:
     if qc["quant_method"] == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        _refuse_unsupported(where, {"dynamic": qc.get("dynamic"), "lm_head": qc.get("lm_head"),
+                                    "is_marlin_format": qc.get("is_marlin_format"),
+                                    "checkpoint_format": None if fmt in ("gptq", "gptq_v2") else fmt})
         bits = _int_field(qc, "bits", where, 1, 8)
         gs = _int_field(qc, "group_size", where, -1, 1 << 20, default=-1)
         sym = qc.get("sym", True)
@@ -85,9 +119,10 @@ def _weights_args(qc: dict, where: str = "config.json") -> tuple[dict, dict | No
         _int_field(w, "group_size", where, 1, 1 << 20)
     if not isinstance(w.get("symmetric", True), bool):
         raise UserError(f"{where}: weights symmetric is {w.get('symmetric')!r}; true or false is expected.")
+    if a is not None and not isinstance(a, dict):
+        raise UserError(f"{where}: config_groups input_activations is {a!r}; an object or null is expected.")
+    _refuse_unsupported(where, _declared_compressed_tensors(qc, groups[0], w, a))
     if a is not None:
-        if not isinstance(a, dict):
-            raise UserError(f"{where}: config_groups input_activations is {a!r}; an object or null is expected.")
         _int_field(a, "num_bits", where, 1, 16)
     return w, a
 
@@ -139,8 +174,8 @@ def _scheme_for(bits: int, group: int | None, a_bits: int | None, a_mode: str | 
 def _producer(folder: Path, qc: dict) -> str:
     """Who made the checkpoint: lrq-bench's own metadata, llm-compressor's recipe modifiers, else the format."""
     meta = _lrq_metadata(folder)
-    if meta.get("method"):
-        return f"lrq-bench-{meta['method']}"
+    if meta.get("method"):   # a stored string: it names the cell everywhere the method is shown
+        return f"lrq-bench-{plain_text(meta['method'])}"
     recipe = folder / "recipe.yaml"
     if recipe.is_file():
         text = recipe.read_text(errors="replace")
@@ -164,36 +199,113 @@ def _lrq_metadata(folder: Path) -> dict:
         return {}
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _index(folder: Path) -> dict[str, str] | None:
+    """The checkpoint's safetensors index (tensor name -> file), or None where it has none."""
+    path = folder / INDEX
+    if not path.exists():
+        return None
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise UserError(f"{path}: cannot be read as a safetensors index ({type(e).__name__}): the checkpoint is "
+                        f"damaged; copy it again.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"{path}: its weight_map is not an object of tensor names to file names: the checkpoint is "
+                        f"damaged; copy it again.")
+    return weight_map
+
+
+def _read_weights_file(f: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    try:
+        if not f.is_file() or f.resolve().is_char_device():
+            raise OSError("not a regular file")
+        return load_file(str(f))
+    except Exception as e:  # noqa: BLE001 - an unreadable weights file is the user's to fix
+        raise UserError(f"{f}: cannot be read as safetensors ({type(e).__name__}: {str(e)[:160]}).") from None
+
+
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every .safetensors file of the folder (hidden ones too: the model's fingerprint covers the
     same files). A file that is not a regular safetensors file (a symlink loop, a device, truncated, garbage) or a
-    tensor stored twice is bad input naming the file."""
-    from safetensors.torch import load_file
+    tensor stored twice is bad input naming the file; so is, where the folder has a safetensors index, a shard it
+    names that is missing, a weights file it does not name, or a tensor it places in a file that does not hold it."""
     files = sorted(folder.glob("*.safetensors"))
+    index = _index(folder)
+    if index is not None:
+        missing = sorted(set(index.values()) - {f.name for f in files})
+        unnamed = [f.name for f in files if f.name not in set(index.values())]
+        if missing or unnamed:
+            raise UserError(f"{folder}: its index ({INDEX}) names weights files " + (
+                f"that are missing ({', '.join(missing[:4])}): copy the checkpoint whole." if missing else
+                f"and not {', '.join(unnamed[:4])}: which tensors are the model's is not clear. Remove the extra "
+                f"file."))
     if not files:
         raise UserError(f"{folder} holds no .safetensors weights.")
     out: dict[str, torch.Tensor] = {}
+    held_by: dict[str, str] = {}
     for f in files:
-        try:
-            if not f.is_file() or f.resolve().is_char_device():
-                raise OSError("not a regular file")
-            part = load_file(str(f))
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - an unreadable weights file is the user's to fix
-            raise UserError(f"{f}: cannot be read as safetensors ({type(e).__name__}: {str(e)[:160]}).") from None
+        part = _read_weights_file(f)
         twice = set(part) & set(out)
         if twice:
             raise UserError(f"{f}: tensors also stored in another file of the folder ({', '.join(sorted(twice)[:3])}): "
                             f"which one is the model's is not clear. Remove the extra file.")
         out.update(part)
+        held_by.update(dict.fromkeys(part, f.name))
+    misplaced = [k for k, name in (index or {}).items() if held_by.get(k) != name]
+    if misplaced:
+        k = misplaced[0]
+        raise UserError(f"{folder}: its index ({INDEX}) places {k} in {index[k]}, and " + (
+            f"it is in {held_by[k]}" if k in held_by else "no file holds it") + f" ({len(misplaced)} such tensor(s)): "
+            f"the checkpoint is incomplete or damaged; copy it whole.")
     return out
 
 
 def _unpack_stream(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """compressed-tensors' dense LSB-first bit stream along the last dimension: [rows, words] -> [rows, n]."""
     from lrq.packing import unpack_bits
-    return unpack_bits(packed.to(torch.int32).contiguous(), bits, n)
+    return unpack_bits(packed.contiguous(), bits, n)
+
+
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _checked(t: dict, prefix: str, name: str, dtypes: tuple, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The tensor `<prefix>.<name>`, of one of `dtypes` (the types its format stores it in: integers read as
+    floats, or floats as integers, would be other numbers) and of `shape` where given."""
+    v = t[f"{prefix}.{name}"]
+    if v.dtype not in dtypes:
+        raise UserError(f"{prefix}: {name} is {v.dtype}; {' or '.join(map(str, dtypes))} is expected: the checkpoint "
+                        f"stores it in a type its format does not use (damaged, or of a layout lrq-bench does not "
+                        f"read).")
+    if shape is not None and tuple(v.shape) != shape:
+        raise UserError(f"{prefix}: {name} has shape {tuple(v.shape)}; {shape} is expected: the checkpoint does not "
+                        f"match its config, or is of another model than the reference (name the right one with "
+                        f"--reference-model).")
+    return v
+
+
+def _levels_compressed_tensors(t: dict, prefix: str, bits: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The unsigned levels [out, in] of pack-quantized (int32 words) or int-quantized (int8) weights, after the
+    shape the checkpoint declares (weight_shape) is checked against the layer's."""
+    from lrq.packing import packed_words
+    out_f, in_f = shape
+    if f"{prefix}.weight_shape" in t:
+        declared = tuple(int(v) for v in _checked(t, prefix, "weight_shape", INTS, (2,)))
+        if declared != shape:
+            raise UserError(f"{prefix}: its weight_shape says {declared}, and the reference model's layer is "
+                            f"{out_f} x {in_f}: the checkpoint is of another model (name the right one with "
+                            f"--reference-model) or damaged.")
+    if f"{prefix}.weight_packed" in t:                                          # stored unsigned (signed + 2^(b-1))
+        return _unpack_stream(_checked(t, prefix, "weight_packed", (torch.int32,), (out_f, packed_words(in_f, bits))),
+                              bits, in_f)
+    if f"{prefix}.weight" in t and not t[f"{prefix}.weight"].is_floating_point():
+        return _checked(t, prefix, "weight", (torch.int8,), shape).to(torch.int64) + (1 << (bits - 1))
+    raise UserError(f"{prefix}: neither weight_packed nor integer weight in the checkpoint.")
 
 
 def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, symmetric: bool,
@@ -201,12 +313,7 @@ def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, 
     """(unsigned levels [out, in], scale [out, G], unsigned zero [out, G]) of one linear."""
     out_f, in_f = shape
     off = 1 << (bits - 1)
-    if f"{prefix}.weight_packed" in t:
-        q = _unpack_stream(t[f"{prefix}.weight_packed"], bits, in_f)          # stored unsigned (signed + 2^(b-1))
-    elif f"{prefix}.weight" in t and not t[f"{prefix}.weight"].is_floating_point():
-        q = t[f"{prefix}.weight"].to(torch.int64) + off                        # int-quantized: signed int8
-    else:
-        raise UserError(f"{prefix}: neither weight_packed nor integer weight in the checkpoint.")
+    q = _levels_compressed_tensors(t, prefix, bits, shape)
     g_idx = t.get(f"{prefix}.weight_g_idx")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // (group or in_f)):
         raise UserError(f"{prefix}: the checkpoint quantizes with activation order (weight_g_idx: its groups are "
@@ -217,11 +324,11 @@ def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, 
         raise UserError(f"{prefix}: the checkpoint has no weight_scale for it.")
     n_groups = 1 if not group else -(-in_f // group)
     scale = t[f"{prefix}.weight_scale"]
-    if tuple(scale.shape) != (out_f, n_groups) or tuple(q.shape) != (out_f, in_f):
-        raise UserError(f"{prefix}: weight_scale has shape {tuple(scale.shape)} and the levels "
-                        f"{tuple(q.shape)}; the config ({'group ' + str(group) if group else 'per channel'}) of a "
-                        f"{out_f} x {in_f} weight needs ({out_f}, {n_groups}) and ({out_f}, {in_f}).")
-    scale = scale.float()
+    if tuple(scale.shape) != (out_f, n_groups):
+        raise UserError(f"{prefix}: weight_scale has shape {tuple(scale.shape)}; the config "
+                        f"({'group ' + str(group) if group else 'per channel'}) of a {out_f} x {in_f} weight needs "
+                        f"({out_f}, {n_groups}).")
+    scale = _checked(t, prefix, "weight_scale", FLOATS).float()
     has_zp = f"{prefix}.weight_zero_point" in t
     if symmetric and has_zp or not symmetric and not has_zp:
         raise UserError(f"{prefix}: the config says {'symmetric' if symmetric else 'asymmetric'} weights and the "
@@ -230,9 +337,9 @@ def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, 
     if symmetric:
         zero = torch.full_like(scale, float(off))
     else:
-        zp = t[f"{prefix}.weight_zero_point"]
+        zp = _checked(t, prefix, "weight_zero_point", INTS)
         if zp.dtype == torch.int32 and zp.shape[0] != out_f:                   # packed along the output rows
-            zero = _unpack_stream(zp.t().contiguous(), bits, out_f).t().float()
+            zero = _unpack_stream(zp.t(), bits, out_f).t().float()
         else:
             zero = zp.float() + off
         if tuple(zero.shape) != (out_f, n_groups):
@@ -243,7 +350,7 @@ def read_compressed_tensors(t: dict, prefix: str, bits: int, group: int | None, 
         raise UserError(f"{prefix}: integers outside the {bits}-bit range the config declares (levels "
                         f"{int(q.min()) - off}..{int(q.max()) - off}, zero points {float(zero.min()) - off:g}.."
                         f"{float(zero.max()) - off:g}, signed); they are never clamped into it.")
-    _check_finite(prefix, "weight_scale", scale)
+    _check_scale(prefix, "weight_scale", scale)
     return q.to(torch.uint8), scale, zero
 
 
@@ -253,33 +360,83 @@ def _check_finite(prefix: str, name: str, t: torch.Tensor) -> None:
                         f"evaluated or stored).")
 
 
+def _check_scale(prefix: str, name: str, t: torch.Tensor) -> None:
+    """A scale is finite and positive: a zero or negative one (which some loaders would take as it is, flipping or
+    zeroing a row) means a damaged checkpoint."""
+    _check_finite(prefix, name, t)
+    bad = t <= 0
+    if bad.any():
+        raise UserError(f"{prefix}: {name} holds zero or negative values ({int(bad.sum())} of {t.numel()}, the "
+                        f"smallest {float(t.min()):g}): quantization scales are positive, so the checkpoint is "
+                        f"damaged (nothing was evaluated or stored).")
+
+
 def read_gptq(t: dict, prefix: str, bits: int, group: int | None, symmetric: bool, shape: tuple[int, int],
               zero_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AutoGPTQ / GPTQModel layout: qweight int32 [in * b / 32, out] (packed along the input, LSB first),
     qzeros int32 [G, out * b / 32], scales [G, out], g_idx [in] (act-order refused: its groups are not
     contiguous). `zero_offset`: 1 for the original format, whose stored zeros are z - 1."""
-    from lrq.packing import unpack_bits
+    from lrq.packing import packed_words, unpack_bits
     out_f, in_f = shape
-    g_idx = t.get(f"{prefix}.g_idx")
     gs = group or in_f
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // gs):
-        raise UserError(f"{prefix}: the checkpoint uses act-order (desc_act): its groups are not contiguous "
-                        f"column ranges, which the suite's quantized linear cannot hold.")
+    n_groups = -(-in_f // gs)
     missing = [k for k in ("qweight", "qzeros", "scales") if f"{prefix}.{k}" not in t]
     if missing:
         raise UserError(f"{prefix}: the GPTQ checkpoint has no {', '.join(missing)} for it.")
-    q = unpack_bits(t[f"{prefix}.qweight"].t().contiguous(), bits, in_f)          # [out, in]
-    scale = t[f"{prefix}.scales"].float().t().contiguous()                       # [out, G]
-    zero = unpack_bits(t[f"{prefix}.qzeros"].contiguous(), bits, out_f).t().float() + zero_offset
+    g_idx = _checked(t, prefix, "g_idx", INTS) if f"{prefix}.g_idx" in t else None
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // gs):
+        raise UserError(f"{prefix}: the checkpoint uses act-order (desc_act): its groups are not contiguous "
+                        f"column ranges, which the suite's quantized linear cannot hold.")
+    qweight = _checked(t, prefix, "qweight", (torch.int32,), (packed_words(in_f, bits), out_f))
+    q = unpack_bits(qweight.t().contiguous(), bits, in_f)                                       # [out, in]
+    scale = _checked(t, prefix, "scales", FLOATS, (n_groups, out_f)).float().t().contiguous()    # [out, G]
+    qzeros = _checked(t, prefix, "qzeros", (torch.int32,), (n_groups, packed_words(out_f, bits)))
+    zero = unpack_bits(qzeros.contiguous(), bits, out_f).t().float() + zero_offset
     if symmetric:
         zero = torch.full_like(scale, float(1 << (bits - 1)))
-    n_groups = -(-in_f // gs)
-    if tuple(scale.shape) != (out_f, n_groups) or tuple(q.shape) != (out_f, in_f):
-        raise UserError(f"{prefix}: scales {tuple(t[f'{prefix}.scales'].shape)} and qweight "
-                        f"{tuple(t[f'{prefix}.qweight'].shape)} do not fit a {out_f} x {in_f} weight in "
-                        f"{'groups of ' + str(group) if group else 'one group per row'}.")
-    _check_finite(prefix, "scales", scale)
+    _check_scale(prefix, "scales", scale)
     return q.to(torch.uint8), scale, zero
+
+
+def _check_complete(model: nn.Module, t: dict, folder: Path) -> None:
+    """Every tensor of the model outside its block linears (embeddings, norms, the head unless tied) is in the
+    checkpoint: one it lacks (a shard not copied) is never taken from the reference model, which would score a
+    model nobody quantized."""
+    from lrq.arch import iter_linears
+    prefixes = tuple(f"model.layers.{i}.{name}." for i, name, _ in iter_linears(model))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [k for k in model.state_dict() if k not in t and not k.startswith(prefixes)
+               and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise UserError(f"{folder}: the checkpoint lacks {', '.join(missing[:4])}"
+                        + (f" and {len(missing) - 4} more tensor(s)" if len(missing) > 4 else "")
+                        + ", which the model has: a weights file was not copied, or it is of another model. Copy the "
+                          "checkpoint whole (lrq-bench never fills a tensor in from the reference model).")
+
+
+def _read_linear(t: dict, qc: dict, info: dict, scheme: Scheme, prefix: str,
+                 shape: tuple[int, int]) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[str]]:
+    """One block linear's (levels, scale, zero), checked with its bias and activation range; and the names of the
+    checkpoint's tensors it reads."""
+    bits, group, sym = info["bits"], info["group_size"], info["symmetric"]
+    if info["quant_method"] == "gptq":
+        fmt = str(qc.get("checkpoint_format", "gptq"))
+        read = read_gptq(t, prefix, bits, group, sym, shape, 0 if fmt == "gptq_v2" else 1)
+        names = ("qweight", "qzeros", "scales", "g_idx", "bias")
+    else:
+        read = read_compressed_tensors(t, prefix, bits, group, sym, shape)
+        names = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+                 "bias", "input_scale", "input_zero_point")
+    if f"{prefix}.bias" in t:
+        _check_finite(prefix, "bias", _checked(t, prefix, "bias", FLOATS, (shape[0],)).float())
+    if scheme.static_activations:
+        if f"{prefix}.input_scale" not in t:
+            raise UserError(f"{prefix}: the config declares static activations and the checkpoint has no "
+                            f"input_scale for it.")
+        _check_scale(prefix, "input_scale", _checked(t, prefix, "input_scale", FLOATS).float())
+        if f"{prefix}.input_zero_point" in t:
+            _checked(t, prefix, "input_zero_point", INTS)
+    return read, [f"{prefix}.{k}" for k in names if f"{prefix}.{k}" in t]
 
 
 @torch.no_grad()
@@ -287,42 +444,28 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
                      tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Replace `model`'s block linears by QuantLinears holding the checkpoint's integers and copy every other
     parameter it stores. Returns statistics, among them the bits per weight the checkpoint really stores.
-    `check_only`: read and check everything (shapes against the config and the model, integer ranges, finite
-    scales, tensors the model lacks) and change nothing: what the driver runs before any work. `tensors`: the
-    folder's tensors where the caller has read them already (`_tensors`)."""
+    `check_only`: read and check everything (shapes and dtypes against the config and the model, integer ranges,
+    positive finite scales, tensors the model lacks or the checkpoint lacks) and change nothing: what the driver
+    runs before any work. `tensors`: the folder's tensors where the caller has read them already (`_tensors`)."""
     from lrq.arch import KV_LINEARS, decoder_blocks, iter_linears, set_submodule
     from lrq.qlinear import QuantLinear
     folder = Path(folder)
     info = describe(folder)
     qc = quantization_config(folder)
     scheme = SCHEMES[info["scheme"]]
-    bits, group, sym = info["bits"], info["group_size"], info["symmetric"]
     t = _tensors(folder) if tensors is None else tensors
+    _check_complete(model, t, folder)
     blocks = decoder_blocks(model)
     stored_bits = n_weights = 0
     used = set()
     for i, name, lin in list(iter_linears(model)):
         prefix = f"model.layers.{i}.{name}"
-        shape = (lin.out_features, lin.in_features)
         try:   # a refusal names the checkpoint as well as the tensor
-            if info["quant_method"] == "gptq":
-                fmt = str(qc.get("checkpoint_format", "gptq"))
-                q, scale, zero = read_gptq(t, prefix, bits, group, sym, shape, 0 if fmt == "gptq_v2" else 1)
-                keys = [f"{prefix}.{k}" for k in ("qweight", "qzeros", "scales", "g_idx", "bias")]
-            else:
-                q, scale, zero = read_compressed_tensors(t, prefix, bits, group, sym, shape)
-                keys = [f"{prefix}.{k}" for k in ("weight_packed", "weight", "weight_scale", "weight_zero_point",
-                                                  "weight_shape", "weight_g_idx", "bias", "input_scale",
-                                                  "input_zero_point")]
-            if scheme.static_activations:
-                if f"{prefix}.input_scale" not in t:
-                    raise UserError(f"{prefix}: the config declares static activations and the checkpoint has no "
-                                    f"input_scale for it.")
-                _check_finite(prefix, "input_scale", t[f"{prefix}.input_scale"].float())
+            (q, scale, zero), keys = _read_linear(t, qc, info, scheme, prefix, (lin.out_features, lin.in_features))
         except UserError as e:
             raise UserError(f"{folder}: {e}") from None
+        used.update(keys)
         if check_only:
-            used.update(k for k in keys if k in t)
             continue
         m = QuantLinear(lin.in_features, lin.out_features, f"{prefix}.bias" in t, scheme,
                         quantize_output=name in KV_LINEARS)
@@ -334,12 +477,21 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
             z_a = t.get(f"{prefix}.input_zero_point", torch.zeros(())).float().reshape(())
             m.set_static_range(s_a, z_a + (1 << (scheme.a_bits - 1)))
         set_submodule(blocks[i], name, m.to(lin.weight.device))
-        used.update(k for k in keys if k in t)
         # what the checkpoint stores per weight: the levels, a 16-bit scale and (asymmetric) a zero point per group
         ng = scale.shape[1]
-        stored_bits += bits * lin.in_features * lin.out_features + ng * lin.out_features * (16 + (0 if sym else bits))
+        stored_bits += (info["bits"] * lin.in_features * lin.out_features
+                        + ng * lin.out_features * (16 + (0 if info["symmetric"] else info["bits"])))
         n_weights += lin.in_features * lin.out_features
-    rest = {k: v for k, v in t.items() if k not in used}
+    replaced = _copy_other_tensors(model, {k: v for k, v in t.items() if k not in used}, folder, check_only)
+    if check_only:
+        return {"external": info}
+    return {"bits_per_weight": stored_bits / n_weights, "external": info, "replaced_params": replaced}
+
+
+def _copy_other_tensors(model: nn.Module, rest: dict[str, torch.Tensor], folder: Path, check_only: bool) -> int:
+    """The checkpoint's tensors outside the block linears copied into the model (checked only, with
+    `check_only`): each must be one of the model's, of its shape and finite. Returns how many differ from the
+    reference model's."""
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     unknown = [k for k in rest if k not in params]
     if unknown:
@@ -355,9 +507,7 @@ def apply_checkpoint(model: nn.Module, folder: str | Path, check_only: bool = Fa
         replaced += not torch.equal(params[k].detach().to(v.dtype), v)
         if not check_only:
             params[k].copy_(v.to(params[k].dtype))
-    if check_only:
-        return {"external": info}
-    return {"bits_per_weight": stored_bits / n_weights, "external": info, "replaced_params": replaced}
+    return replaced
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lrq.errors import UserError
-from lrq.io import dumps_json
+from lrq.io import default_mode, dumps_json, plain_text
 
 
 
@@ -242,7 +242,8 @@ def _add_export_parser(sub) -> None:
     ex.add_argument("--seed", type=int, default=0)
     ex.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help=PRECISION_HELP)
     ex.add_argument("--overwrite", action="store_true",
-                    help="replace whatever --out holds (without it, only an earlier export of the same request)")
+                    help="replace an earlier export of another request in --out (without it, only one of the same "
+                         "request); a folder no export wrote is never replaced")
     ex.add_argument("--allow-ragged", action="store_true",
                     help="write a group size that does not divide every layer (only lrq-bench reads it back)")
 
@@ -650,7 +651,7 @@ def _announce_estimate(args, cells, todo, executor, loaded, carry=None):
 
 
 def _say(line: str) -> None:
-    print(f"lrq-bench: {line}", file=sys.stderr, flush=True)
+    print(f"lrq-bench: {plain_text(line)}", file=sys.stderr, flush=True)
 
 
 def torch_cuda() -> bool:
@@ -671,7 +672,8 @@ def cmd_export(args) -> int:
     cell = settle(Request(model=args.model, method=method, scheme=scheme, datasets=(), preset=args.preset,
                           overrides=overrides, calib=resolve_calib(method, args.preset, _calib_given(args)),
                           seed=seed, data_dir=args.data_dir, precision=args.precision))
-    target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite)   # before any work
+    target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite,   # before any work
+                                  args.data_dir)
     if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
         from bench.run.plan import load_shape
         from lrq.export import group_fit_problem
@@ -694,6 +696,8 @@ def cmd_export(args) -> int:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
     try:
         lrq.save(model, staging, tokenizer=tok, metadata=meta, allow_ragged=args.allow_ragged)
+        (staging / EXPORT_MARKER).write_text("written by `lrq-bench export`: a later export may replace this folder\n")
+        os.chmod(staging, default_mode(directory=True))   # the user's umask, not mkdtemp's private 0700
         _install_folder(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -712,9 +716,14 @@ def _export_request(cell) -> dict:
                                  sort_keys=True, default=str))
 
 
+EXPORT_MARKER = ".lrq-bench-export"   # in every folder `export` writes: what --overwrite may replace
+
+
 def _earlier_export(folder: Path) -> dict | None:
     """The request an lrq-bench export in `folder` was made for ({} for an export that predates the record;
-    None: not an lrq-bench export)."""
+    None: not a folder `export` wrote, by its marker)."""
+    if not (folder / EXPORT_MARKER).is_file():
+        return None
     try:
         from safetensors import safe_open
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
@@ -726,11 +735,45 @@ def _earlier_export(folder: Path) -> dict | None:
     return meta.get("request") if isinstance(meta.get("request"), dict) else {}
 
 
-def _check_export_target(out: str, model: str, request: dict | None = None, overwrite: bool = False) -> Path:
+def _kept_folders(model: str, data_dir: str | None) -> dict[str, Path]:
+    """The folders no export may replace or hold, by what they are: lrq-bench's cache, the folder the model is
+    read from, the data folder and the repository lrq-bench runs from."""
+    from bench.common.cache import cache_root
+    from bench.common.models import source_folder
+    from bench.evaluations.data import DATA_ENV
+    code = Path(__file__).resolve().parent
+    data = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
+    kept = {"lrq-bench's cache": cache_root(), f"the folder the model {model!r} is read from": source_folder(model),
+            "the data folder": Path(data) if data else None,
+            "lrq-bench's repository": next((p for p in code.parents if (p / ".git").exists()), None)}
+    return {what: p.expanduser().resolve() for what, p in kept.items() if p is not None}
+
+
+def _what_it_holds(target: Path, model: str, data_dir: str | None) -> str:
+    """What a folder that an export may not replace holds, for the refusal."""
+    for what, p in _kept_folders(model, data_dir).items():
+        if p == target or target in p.parents:
+            return f"{what} ({p})"
+    for name, what in ((".git", "a git repository (.git)"), ("results.jsonl", "a run's sync folder (results.jsonl)")):
+        if (target / name).exists():
+            return what
+    folders = sorted(p.name for p in target.iterdir() if p.is_dir() or p.is_symlink())
+    if folders and (target / EXPORT_MARKER).is_file():
+        return f"folders ({', '.join(folders[:5])}), which no export writes"
+    if _earlier_export(target) is not None:
+        return "an lrq-bench export of another request"
+    if (target / "config.json").exists() or list(target.glob("*.safetensors")):
+        return "a model"
+    return f"folders ({', '.join(folders[:5])})" if folders else "other files"
+
+
+def _check_export_target(out: str, model: str, request: dict | None = None, overwrite: bool = False,
+                         data_dir: str | None = None) -> Path:
     """Where an export may go, decided before any work: never the folder the source model is read from, never
     inside lrq-bench's cache (the built-in model's converted copy is there: an export over it would be scored
-    as the built-in by every later run), never over a folder that holds something else (another model, any
-    files) unless `overwrite`; an earlier export of the same request is replaced. Returns the target folder
+    as the built-in by every later run). A folder that holds anything is replaced only where an earlier export
+    wrote it (its marker file, plain files only): with the same request, or any request with `overwrite`; never
+    a folder that holds the cache, a model, the data, a sync folder or a repository. Returns the target folder
     (not created: the export is moved there whole when it is done)."""
     from bench.common.cache import cache_root
     from bench.common.models import source_folder
@@ -748,15 +791,16 @@ def _check_export_target(out: str, model: str, request: dict | None = None, over
     if target.exists() and not target.is_dir():
         raise UserError(f"--out {out!r} is a file, not a folder: choose a folder for the export. Nothing was "
                         f"quantized.")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
+    if target.is_dir() and any(target.iterdir()):
         earlier = _earlier_export(target)
-        if earlier is None or (request is not None and earlier != request):
-            what = ("an lrq-bench export of another request" if earlier is not None else
-                    "a model" if (target / "config.json").exists() or list(target.glob("*.safetensors")) else
-                    "other files")
+        plain = all(p.is_file() and not p.is_symlink() for p in target.iterdir())
+        if earlier is None or not plain or not (overwrite or request is None or earlier == request):
+            what = _what_it_holds(target, model, data_dir)
+            hint = (" or pass --overwrite to replace the export" if what.startswith("an lrq-bench export") else
+                    f": --overwrite replaces only a folder of plain files an earlier export wrote (its "
+                    f"{EXPORT_MARKER} file says so), and never removes anything else")
             raise UserError(f"--out {out!r} already holds {what}: an export would replace it. Choose an empty or "
-                            f"new folder, or pass --overwrite to replace the folder's contents. Nothing was "
-                            f"quantized.")
+                            f"new folder{hint}. Nothing was quantized.")
     if target.parent != target:
         _check_writable(str(target.parent), "the export")
     return target
@@ -816,6 +860,14 @@ def cmd_report(args) -> int:
 RESULT_COLUMNS = ("model", "method", "scheme", "precision", "dataset", "metric", "value", "seed", "git_rev", "created_at")
 
 
+def _result_cell(row, column: str):
+    """A row's field as `results` shows it in a table: stored strings as plain text, the revision short."""
+    value = getattr(row, column)
+    if not isinstance(value, str):
+        return value
+    return plain_text(value)[:12] if column == "git_rev" else plain_text(value)
+
+
 def cmd_results(args) -> int:
     store = _existing_store(args.results)
     rows = store.rows(as_stored=args.save or args.json or args.format == "json")   # files carry what was stored
@@ -833,7 +885,7 @@ def cmd_results(args) -> int:
         sys.stdout.write(dumps_json([asdict(r) | {"precision": r.precision} for r in rows], indent=1, default=str))
         print()
         return 0
-    table = [[getattr(r, c) if c != "git_rev" else r.git_rev[:12] for c in RESULT_COLUMNS] for r in rows]
+    table = [[_result_cell(r, c) for c in RESULT_COLUMNS] for r in rows]
     if fmt == "csv":
         import csv
         w = csv.writer(sys.stdout)
@@ -867,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": cmd_run, "plan": cmd_plan, "export": cmd_export, "compare": cmd_compare, "report": cmd_report,
                 "results": cmd_results}[args.command](args)
     except UserError as e:
-        print(textwrap.fill(f"lrq-bench: error: {e}", width=100, break_long_words=False, break_on_hyphens=False),
+        print(textwrap.fill(f"lrq-bench: error: {plain_text(e)}", width=100, break_long_words=False, break_on_hyphens=False),
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:

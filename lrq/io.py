@@ -8,6 +8,7 @@ never half of one. A failure leaves no temporary file behind and says what to do
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,27 @@ def _umask() -> int:
 _UMASK = _umask()
 
 
+# an escape sequence whole (CSI, OSC up to its terminator, a two-character escape), so that no parameter of one
+# (a terminal title, a colour) is left behind as text when its control characters go
+_ESCAPE = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                     r"|\x1b[ -/]*[0-~]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def plain_text(value) -> str:
+    """A stored string (a model path, a method or checkpoint name, a note, a checkpoint's config value) as plain
+    text for the terminal, Markdown or HTML: line breaks and tabs become spaces (a newline would start a heading,
+    a table row or a list), escape sequences (colours, a screen clear, a terminal title) and every other control
+    character (C0, DEL, C1) are removed."""
+    text = " ".join(_ESCAPE.sub("", str(value)).splitlines()).replace("\t", " ")
+    return _CONTROL.sub("", text)
+
+
+def default_mode(directory: bool = False) -> int:
+    """The permissions a plain open() or mkdir() gives a new file or folder: 0666 or 0777 less the umask."""
+    return (0o777 if directory else 0o666) & ~_UMASK
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync: bool = True) -> Path:
     """Call `write(tmp_path)` to produce the file, then move it to `path` in one rename. The file gets the
     permissions a plain open() would give it (those of the file it replaces, else 0666 less the umask),
@@ -40,7 +62,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], fsync
         try:
             mode = path.stat().st_mode & 0o7777
         except FileNotFoundError:
-            mode = 0o666 & ~_UMASK
+            mode = default_mode()
         os.chmod(tmp, mode)
         if fsync:
             with open(tmp, "rb") as f:

@@ -101,11 +101,12 @@ def _gptq_pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     return (out - (out >= 2**31).long() * 2**32).to(torch.int32)
 
 
-def test_the_gptq_layout_is_read_as_autogptq_writes_it(tmp_path):
+def _gptq_checkpoint(folder, model, **declared):
+    """`model`'s block linears as AutoGPTQ stores them (random 4-bit levels, groups of 32, asymmetric), the other
+    parameters as they are; returns the dequantized weights it holds."""
     from safetensors.torch import save_file
-    model = tiny_model("llama", hidden=64, layers=1)
     cfg = model.config.to_dict() | {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                                             "sym": False, "desc_act": False}}
+                                                             "sym": False, "desc_act": False, **declared}}
     g = torch.Generator().manual_seed(1)
     tensors, expect = {}, {}
     for name, p in model.named_parameters():
@@ -122,9 +123,14 @@ def test_the_gptq_layout_is_read_as_autogptq_writes_it(tmp_path):
             tensors[f"{prefix}.g_idx"] = torch.arange(in_f, dtype=torch.int32) // 32
         else:
             tensors[name] = p.detach().clone()
-    (tmp_path / "g").mkdir()
-    save_file(tensors, str(tmp_path / "g" / "model.safetensors"))
-    (tmp_path / "g" / "config.json").write_text(json.dumps(cfg, default=str))
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg, default=str))
+    return expect
+
+
+def test_the_gptq_layout_is_read_as_autogptq_writes_it(tmp_path):
+    expect = _gptq_checkpoint(tmp_path / "g", tiny_model("llama", hidden=64, layers=1))
     info = describe(tmp_path / "g")
     assert (info["format"], info["scheme"], info["method"]) == ("gptq", "w4a16-g32", "external:gptq-w4g32")
     fresh = tiny_model("llama", hidden=64, layers=1)
@@ -133,3 +139,32 @@ def test_the_gptq_layout_is_read_as_autogptq_writes_it(tmp_path):
         if hasattr(m, "dequantized_weight"):
             # the scales went through fp16, as in the file
             torch.testing.assert_close(m.dequantized_weight().float(), expect[name].float(), rtol=2e-3, atol=1e-4)
+
+
+def _retyped(folder, suffix, change):
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(folder / "model.safetensors"))
+    k = next(k for k in t if k.endswith(suffix))
+    save_file(t | {k: change(t[k])}, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("declared,damage,match", [
+    ({"dynamic": {"-:.*down_proj": {}}}, None, "quantization_config dynamic is"),
+    ({"checkpoint_format": "marlin"}, None, "checkpoint_format is 'marlin'"),
+    ({"lm_head": True}, None, "lm_head is True"),
+    ({}, ("o_proj.scales", lambda s: -s), "zero or negative"),
+    ({}, ("q_proj.qweight", lambda q: q.float()), "qweight is torch.float32"),
+    ({}, ("q_proj.qzeros", lambda z: z.to(torch.int64)), "qzeros is torch.int64"),
+    ({}, ("q_proj.scales", lambda s: s.to(torch.int32)), "scales is torch.int32"),
+])
+def test_a_gptq_checkpoint_declaring_what_the_suite_does_not_do_or_damaged_is_refused(declared, damage, match,
+                                                                                     tmp_path):
+    """Refused before any work, naming the field or tensor: GPTQModel's per-module `dynamic` overrides, a
+    kernel-specific checkpoint_format, a quantized head; scales that are not positive, integers stored as floats
+    (they were read as other numbers, or scored as another scheme)."""
+    from lrq.errors import UserError
+    _gptq_checkpoint(tmp_path / "g", tiny_model("llama", hidden=64, layers=1), **declared)
+    if damage:
+        _retyped(tmp_path / "g", *damage)
+    with pytest.raises(UserError, match=match):
+        apply_checkpoint(tiny_model("llama", hidden=64, layers=1), tmp_path / "g", check_only=True)

@@ -92,9 +92,42 @@ def test_export_never_replaces_a_folder_it_did_not_write(tiny_model_dir, data_di
     assert _export(tiny_model_dir, out_dir, capsys, data_dir, "--overwrite", scheme="w3a16")[0] == 0
     assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["lrq_bench"]["scheme"]["name"] \
         == "w3a16"
-    # --overwrite of another model's folder replaces it whole (no stale file of the old model is left in it)
-    assert _export(tiny_model_dir, other, capsys, data_dir, "--overwrite")[0] == 0
-    assert "README.md" not in _tree(other)
+    # --overwrite replaces an earlier export only: never another model's folder
+    code, out, err = _export(tiny_model_dir, other, capsys, data_dir, "--overwrite")
+    assert code == 2 and "already holds a model" in err and ".lrq-bench-export" in err, err
+    assert _tree(other) == before
+
+
+def test_overwrite_never_deletes_what_a_folder_holds(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`export --overwrite` over a folder holding the cache, the model, the data folder, a sync folder or a
+    repository is refused, and the folder kept (it used to be deleted with exit 0); an export folder holding
+    anything an export does not write is refused too. The export's folder has the user's umask (it was 0700)."""
+    def holder(name, inside, file="x"):
+        (tmp_path / name / inside).mkdir(parents=True)
+        (tmp_path / name / inside / file).write_text("keep")
+        return tmp_path / name
+
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(holder("home", "cache") / "cache"))
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    data = holder("shared", "data", "wiki.test.raw") / "data"
+    for out, what in ((tmp_path / "home", "lrq-bench's cache"), (tmp_path / "models", "the model"),
+                      (tmp_path / "shared", "the data folder"), (data, "the data folder"),
+                      (holder("runs", "long", "results.jsonl"), "folders (long)"),
+                      (holder("sync", ".", "results.jsonl"), "a run's sync folder (results.jsonl)"),
+                      (holder("repo", ".git", "HEAD"), "a git repository (.git)")):
+        before = [p.relative_to(out) for p in out.rglob("*")]
+        code, _, err = _export(model, out, capsys, data, "--overwrite")
+        assert code == 2 and what in err and "Nothing was quantized" in err, (out, err)
+        assert set(before) <= {p.relative_to(out) for p in out.rglob("*")}   # nothing removed (the cache may grow)
+    os.umask(umask := os.umask(0o022))
+    target = tmp_path / "exported"
+    assert _export(model, target, capsys, data)[0] == 0
+    assert target.stat().st_mode & 0o777 == 0o777 & ~umask and (target / ".lrq-bench-export").is_file()
+    assert _export(model, target, capsys, data, "--overwrite", scheme="w3a16")[0] == 0   # an export: replaced
+    (target / "notes").mkdir()
+    code, _, err = _export(model, target, capsys, data, "--overwrite")
+    assert code == 2 and "folders (notes)" in err and (target / "notes").is_dir()
 
 
 def test_a_failed_export_leaves_no_folder(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
@@ -200,6 +233,31 @@ def test_newlines_and_links_in_stored_strings_stay_text():
     assert not any(line.startswith("| a | b |") for line in lines)
 
 
+CONTROL = __import__("re").compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")   # every control character but the newline
+EVIL = "m\x1b[2J\x1b]0;owned\x07\x9b31m\x00\x7f\x08-x"
+
+
+def test_control_characters_in_stored_strings_never_reach_the_terminal_markdown_or_html(exported, tiny_model_dir,
+                                                                                       data_dir, tmp_path, capsys):
+    """ANSI escapes (a screen clear, a terminal title), C0 and C1 controls and DEL in a stored model, method or
+    note, or in a checkpoint's config, are removed from the leaderboard files, the terminal summary, `results`
+    and error messages; the text around them stays."""
+    from bench.common.store import ResultStore, Row
+    from bench.reports.html_report import html_report
+    from bench.reports.report import markdown_report, terminal_summary
+    rows = [Row(EVIL, f"rtn{EVIL}", "w4a16", "wikitext2", "ppl", 12.0, config={"model_note": EVIL}, git_rev=EVIL),
+            Row(EVIL, f"rtn{EVIL}", "w4a16", "quant", "bits_per_weight", 4.5)]
+    store = ResultStore(tmp_path / "r.sqlite")
+    store.write_unit(rows, "k")
+    assert main(["results", "--results", str(tmp_path / "r.sqlite")]) == 0
+    for text in (markdown_report(rows), html_report(rows, rows), terminal_summary(rows), capsys.readouterr().out):
+        assert not CONTROL.search(text) and "owned" not in text and "m-x" in text, repr(text[:300])
+    folder = _altered(exported, tmp_path, config=_set("type", f"int{EVIL}"))
+    code, out, err = _run(["run", *RUN, "--model", str(folder), "--reference-model", str(tiny_model_dir),
+                           "--data-dir", str(data_dir), "--results", str(tmp_path / "r2.sqlite")], capsys)
+    assert code == 2 and "weights are intm-x, not integers" in err and not CONTROL.search(err), repr(err)
+
+
 # ---- 21: lock files do not outlive their cells -----------------------------------------------------------------
 
 def test_lock_files_are_removed_when_released_or_stale(tmp_path):
@@ -294,7 +352,52 @@ def _group48(w, cfg):
     w["strategy"], w["group_size"] = "group", 48
 
 
+def _changed(suffix, change):
+    """The first tensor whose name ends with `suffix` changed (`change(tensor)`), or added (`change(None)`)."""
+    def f(t):
+        k = next((k for k in t if k.endswith(suffix)), None)
+        if k is None:
+            k = next(k for k in t if k.endswith("q_proj.weight_shape")).replace("weight_shape", suffix.split(".")[-1])
+        return dict(t) | {k: change(t.get(k))}
+    return f
+
+
+def _declare(**fields):
+    """quantization_config fields set: `group_<name>` in the config group, `weights_<name>` in its weights."""
+    def f(w, cfg):
+        qc = cfg["quantization_config"]
+        for key, value in fields.items():
+            where, _, name = key.partition("_")
+            {"group": qc["config_groups"]["group_0"], "weights": w, "qc": qc}[where][name] = value
+    return f
+
+
+FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
 @pytest.mark.parametrize("case,tensors,config,match", [
+    ("a norm missing (taken from the reference)", _drop("model.norm.weight"), None,
+     r"lacks model\.norm\.weight"),
+    ("a negative scale", _changed("o_proj.weight_scale", lambda s: s.clone().index_fill_(0, torch.tensor([2]), -0.1)),
+     None, "zero or negative"),
+    ("a zero scale", _changed("q_proj.weight_scale", lambda s: s.clone().index_fill_(0, torch.tensor([0]), 0.0)),
+     None, "zero or negative"),
+    ("scales stored as integers", _changed("q_proj.weight_scale", lambda s: (s * 1000).to(torch.int32)), None,
+     "weight_scale is torch.int32"),
+    ("packed levels stored as floats", _changed("q_proj.weight_packed", lambda q: q.float()), None,
+     "weight_packed is torch.float32"),
+    ("fractional zero points", _changed("q_proj.weight_zero_point", lambda z: torch.full((64, 1), 0.4)), None,
+     "weight_zero_point is torch.float32"),
+    ("a bias of one element", _changed("q_proj.bias", lambda b: torch.ones(1)), None, r"bias has shape \(1,\)"),
+    ("a declared shape that is not the layer's", _changed("q_proj.weight_shape", lambda s: torch.tensor([64, 32])),
+     None, r"weight_shape says \(64, 32\)"),
+    ("float8 activations", None, _declare(group_input_activations=FP8), "input_activations type"),
+    ("a kv_cache_scheme", None, _declare(qc_kv_cache_scheme=FP8 | {"type": "int"}), "kv_cache_scheme"),
+    ("output activations", None, _declare(group_output_activations=FP8 | {"type": "int"}), "output_activations"),
+    ("an ignore list", None, _declare(qc_ignore=["lm_head", "re:.*down_proj"]), r"ignore is \['lm_head', 're:"),
+    ("sparsity", None, _declare(qc_sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+     "sparsity_config"),
+    ("dynamic weights", None, _declare(weights_dynamic=True), "weights dynamic"),
     ("zero points removed (asymmetric)", _drop("weight_zero_point"), None, "do not match its config"),
     ("levels beyond num_bits", _levels_as_int8_with_one_out_of_range, None, "outside the 4-bit range"),
     ("group_size 48 over per-channel tensors", None, _group48, r"needs \("),
@@ -317,6 +420,41 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused_before_any_work(
     assert code == 2, (case, err[-600:])
     assert "Traceback" not in err and __import__("re").search(match, err), (case, err[-600:])
     assert not results.exists() or not __import__("bench.common.store", fromlist=["ResultStore"]).ResultStore(results).rows()
+
+
+def test_a_sharded_checkpoint_missing_a_shard_or_a_tensor_is_refused(exported, tiny_model_dir, data_dir, tmp_path,
+                                                                     capsys, monkeypatch):
+    """The safetensors index is read: a shard it names that is missing, or a tensor it places in a shard that does
+    not hold it, is exit 2 before any work (the missing tensors used to be taken from the reference model and the
+    checkpoint scored as if whole); the whole sharded checkpoint reads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from baselines.external import apply_checkpoint
+    monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "sharded"
+    shutil.copytree(exported, folder)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    (folder / "model.safetensors").unlink()
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    shards = ({k: v for k, v in t.items() if ".layers." in k}, {k: v for k, v in t.items() if ".layers." not in k})
+    for name, part in zip(names, shards):
+        save_file(part, str(folder / name))
+    weight_map = {k: names[".layers." not in k] for k in t}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert apply_checkpoint(reference, folder, check_only=True)["external"]["scheme"] == "w4a16"
+    run = ["run", *RUN, "--model", str(folder), "--reference-model", str(tiny_model_dir), "--data-dir",
+           str(data_dir), "--results", str(tmp_path / "r.sqlite")]
+    save_file({k: v for k, v in shards[1].items() if k != "model.norm.weight"}, str(folder / names[1]))
+    code, out, err = _run(run, capsys)
+    assert code == 2 and f"places model.norm.weight in {names[1]}, and no file holds it" in err, err
+    (folder / names[1]).unlink()
+    code, out, err = _run(run, capsys)
+    assert code == 2 and "missing (model-00002-of-00002.safetensors)" in err and "Traceback" not in err, err
+    assert not (tmp_path / "r.sqlite").exists() or "external" not in (tmp_path / "r.sqlite").read_bytes().decode(
+        errors="replace")
 
 
 def test_damaged_weight_files_and_wrong_references_are_refused(exported, tiny_model_dir, data_dir, tmp_path, capsys,

@@ -21,6 +21,7 @@ from bench.evaluations import evals as E
 from bench.evaluations import stats as S
 from bench.common.store import Row
 from lrq.errors import UserError
+from lrq.io import plain_text
 from lrq.schemes import SCHEMES
 
 FP = "fp"
@@ -714,12 +715,17 @@ _MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\|`[]*"})   # (`_` is left: 
 
 
 def md_text(value) -> str:
-    """A stored string as Markdown shows it, never as markup: HTML's special characters escaped (a model path
-    holding `<script>` stays text), line breaks made spaces (a newline in a folder name or a checkpoint's
-    metadata would start a heading, a table row or a list), and the characters of links, emphasis and tables
-    escaped."""
-    text = " ".join(str(value).splitlines()).replace("\t", " ")
-    return html.escape(text.translate(_MD_SPECIAL), quote=False)
+    """A stored string as Markdown shows it, never as markup: plain text (lrq.io.plain_text: line breaks made
+    spaces, control characters and escape sequences removed), HTML's special characters escaped (a model path
+    holding `<script>` stays text), and the characters of links, emphasis and tables escaped."""
+    return html.escape(plain_text(value).translate(_MD_SPECIAL), quote=False)
+
+
+def plain_row(r: Row) -> Row:
+    """The row with the stored strings it names its cell by as plain text (`plain_text`), for the terminal and
+    the HTML page."""
+    return replace(r, model=plain_text(r.model), method=plain_text(r.method), scheme=plain_text(r.scheme),
+                   dataset=plain_text(r.dataset), git_rev=plain_text(r.git_rev))
 
 
 def _escaped(r: Row) -> Row:
@@ -953,6 +959,7 @@ def terminal_summary(rows: list[Row], width: int = 120) -> str:
     from tabulate import tabulate
     if not rows:
         return "no results for this run's cells."
+    rows = [plain_row(r) for r in rows]
     stats = cell_stats(rows)
     bits = {(r.method, r.scheme): r.value for r in rows if r.metric == "bits_per_weight" and r.value is not None}
     prec = {(r.method, r.scheme): r.precision for r in rows}
