@@ -189,6 +189,13 @@ def declare_metric(m: Metric) -> Metric:
     return m
 
 
+def method_text() -> str:
+    """How every interval of the reports is computed (bench.evaluations.stats.METHOD_TEXT), then how it meets its
+    metric's bounds (`bounds_note`)."""
+    from bench.evaluations.stats import METHOD_TEXT
+    return f"{METHOD_TEXT} {bounds_note()}"
+
+
 def bounds_note() -> str:
     """How the reports show an interval that its formula carries past its metric's bounds, and each bound (from
     the catalogue: a new metric's bounds are named here without more code)."""

@@ -37,12 +37,6 @@ METHOD_TEXT = ("95 % intervals: KL divergence from FP and top-1 agreement mean +
                "are marked ~.")
 
 
-def method_text() -> str:
-    """METHOD_TEXT, then how an interval meets its metric's bounds (bench.evaluations.evals.bounds_note)."""
-    from bench.evaluations.evals import bounds_note
-    return f"{METHOD_TEXT} {bounds_note()}"
-
-
 def t95(n: int) -> float:
     """The two-sided 95 % Student t quantile for a mean of n values (n - 1 degrees of freedom)."""
     from scipy.stats import t

@@ -394,7 +394,7 @@ def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> st
     from bench.reports.report import plain_row, sections
     latest_rows, all_rows = [plain_row(r) for r in latest_rows], [plain_row(r) for r in all_rows or []]
     models = [_model_section(name, prec, srows, all_rows or []) for (name, prec), srows in sections(latest_rows).items()]
-    from bench.evaluations.stats import method_text
+    from bench.evaluations.evals import method_text
     return env.from_string(TEMPLATE).render(models=models, n_rows=len(latest_rows), method_text=method_text())
 
 

@@ -496,7 +496,7 @@ def _leaderboard_sections(mdf: pd.DataFrame, stats: dict) -> list[str]:
     fp = cells[cells["method"] == FP]
     value = _seed_values(mdf.itertuples())
     table, verdicts = _leaderboard_table(value, stats, cells, cols)
-    parts = ["### Summary", "", "Every cell. " + S.method_text() + " The evaluation settings are under Details.", "",
+    parts = ["### Summary", "", "Every cell. " + E.method_text() + " The evaluation settings are under Details.", "",
              table, "", *verdicts, ""]
     if leftover:
         parts += [f"Not shown: {', '.join(leftover)}: quantized, but no evaluation of theirs is stored (an "
