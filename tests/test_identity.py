@@ -224,3 +224,14 @@ def test_a_walk_records_the_revision_of_each_block_only_while_asked():
     assert blockwise.MADE_BY is None    # nothing leaks into the process's later walks
     stats = m.quantize(tiny_model("llama", layers=2), get_scheme("w4a16"), m.config("quick"), calib)
     assert "block_revisions" not in stats and all(isinstance(v, (int, float)) for v in stats.values())
+
+
+def test_an_evaluation_field_a_row_never_recorded_separates_nothing():
+    """The committed CI references were stored before the head's precision was recorded in the evaluation settings:
+    the gate compared them as other evaluations (CI red)."""
+    old = Row("m", "rtn", "w4a16", "wikitext2", "ppl", 9.0, config={"eval": {"seq_len": 2048, "max_tokens": 8192}})
+    new = Row("m", "rtn", "w4a16", "wikitext2", "ppl", 9.0,
+              config={"eval": {"seq_len": 2048, "max_tokens": 8192, "head": "fp32", "bos": False}})
+    other = Row("m", "rtn", "w4a16", "wikitext2", "ppl", 9.0, config={"eval": {"seq_len": 1024, "max_tokens": 8192}})
+    assert of_row(old).differences(of_row(new)) == []
+    assert of_row(old).differences(of_row(other)) == ["evaluation"]

@@ -99,9 +99,19 @@ class Identity:
         return tuple(v for k, v in self.parts if k in CELL_PARTS)
 
     def differences(self, other: "Identity", parts=PARTS) -> list[str]:
-        """The parts known on both sides that differ."""
+        """The parts known on both sides that differ (evaluation settings: on the fields both rows record; a row
+        stored before a field existed, the output head's precision or BOS, says nothing about it)."""
         a, b = dict(self.parts), dict(other.parts)
-        return [p for p in parts if a.get(p) is not None and b.get(p) is not None and a[p] != b[p]]
+        out = []
+        for p in parts:
+            if a.get(p) is None or b.get(p) is None or a[p] == b[p]:
+                continue
+            if p == "evaluation":
+                x, y = json.loads(a[p]), json.loads(b[p])
+                if all(x[k] == y[k] for k in set(x) & set(y)):
+                    continue
+            out.append(p)
+        return out
 
     def digest(self) -> str:
         return digest(self.parts, 12)
