@@ -27,7 +27,6 @@ from bench.common.store import Row, unit_key
 from bench.evaluations import evals as E
 from lrq.errors import UserError
 
-KL_METRICS = ("kld", "kld_median", "kld_p99", "top1_agree")
 _REL = 1e-6   # window means are stored from float32 sums: a recomputation agrees to about 1e-7
 
 
@@ -74,20 +73,19 @@ def _weighted(values, weights) -> float | None:
 
 
 def _recomputed(r: Row, where: str) -> None:
-    """A value that is a function of the windows or examples its row keeps equals it."""
-    cfg = r.config or {}
-    ev = cfg.get("eval") if isinstance(cfg.get("eval"), dict) else {}
-    kl = cfg.get("kl") if isinstance(cfg.get("kl"), dict) else {}
-    expected = None
-    if r.metric == "ppl" and isinstance(ev.get("window_nll"), list) and ev["window_nll"]:
-        expected = math.exp(_weighted(ev["window_nll"], None))
-    elif r.metric == "kld":
-        expected = _weighted(kl.get("window_kld"), ev.get("window_tokens"))
-    elif r.metric == "top1_agree":
-        expected = _weighted(kl.get("window_top1"), ev.get("window_tokens"))
-    elif r.metric in ("acc", "acc_norm") and isinstance(cfg.get("per_example"), list) and cfg["per_example"]:
-        expected = _weighted(cfg["per_example"], None)
-    if expected is not None and abs(expected - r.value) > _REL * max(1.0, abs(expected)):
+    """A value that is a function of the windows or examples its row keeps (the catalogue's `samples`) equals it:
+    a perplexity exp of the mean window NLL, a window mean (KLD, top-1 agreement) the token-weighted mean of the
+    windows', an accuracy the mean of its examples' scores."""
+    m = E.METRICS.get(r.metric)
+    samples = m.samples_of(r.config or {}) if m is not None else None
+    if not isinstance(samples, list) or not samples:
+        return
+    ev = (r.config or {}).get("eval")
+    weights = ev.get("window_tokens") if m.interval == "mean" and isinstance(ev, dict) else None
+    expected = _weighted(samples, weights)
+    if m.interval == "ppl":
+        expected = math.exp(expected)
+    if abs(expected - r.value) > _REL * max(1.0, abs(expected)):
         raise UserError(f"{where}: {r.dataset} {r.metric} = {r.value!r}, but the per-window or per-example values it "
                         f"keeps give {expected!r}: the value or its windows were altered. Restore the file from "
                         f"version control.")
@@ -106,10 +104,10 @@ def _complete(rows: list[Row], where: str) -> None:
                                                  if rows[0].method != "fp" else set())
         elif ds in MAIN_METRIC:
             need.add((ds, MAIN_METRIC[ds]))
-        elif "ppl" in names or "eval_tokens_per_s" in names:
-            need |= {(ds, "ppl"), (ds, "eval_tokens_per_s")}
-        elif names & set(KL_METRICS):
-            need |= {(ds, m) for m in KL_METRICS}
+        elif names & set(text := (E.PERPLEXITY[ds] if ds in E.PERPLEXITY else E.Perplexity).metrics):
+            need |= {(ds, m) for m in text}
+        elif names & set(E.KL_METRICS):
+            need |= {(ds, m) for m in E.KL_METRICS}
     missing = sorted(need - metrics)
     if missing:
         raise UserError(f"{where}: the unit lacks {', '.join(f'{d} {m}' for d, m in missing)}, which every unit of "
@@ -141,7 +139,7 @@ def _unit_of(rows: list[Row]) -> str:
     r = rows[0]
     if r.dataset in TASK_ROWS:
         return "tasks"
-    if any(x.metric in KL_METRICS for x in rows):
+    if any(x.metric in E.KL_METRICS for x in rows):
         return kl_unit(r.dataset)
     return r.dataset
 
