@@ -341,15 +341,18 @@ def identity_changes(base: dict[Key, Row], cur: dict[Key, Row]) -> dict[Key, lis
 
 def _describe_change(b: Row, c: Row, parts: list[str]) -> str:
     from bench.common.identity import of_row, settings_label
-    import json as _json
     out = []
     for p in parts:
         if p == "settings":
-            sb, sc = (_json.loads(of_row(r)["settings"]) for r in (b, c))
+            sb, sc = (json.loads(of_row(r)["settings"]) for r in (b, c))
             out.append(f"settings {settings_label([sb, sc], sb) or '?'} -> {settings_label([sb, sc], sc) or '?'}")
         else:
             out.append(p)
     return "; ".join(out)
+
+
+def _differing_parts(changes: dict[Key, list[str]]) -> str:
+    return ", ".join(sorted({p for parts in changes.values() for p in parts}))
 
 
 def _refuse_identity_changes(changes: dict[Key, list[str]], base: dict[Key, Row], cur: dict[Key, Row]) -> None:
@@ -357,9 +360,8 @@ def _refuse_identity_changes(changes: dict[Key, list[str]], base: dict[Key, Row]
     for k, parts in changes.items():
         cells.setdefault(k[:4] + (k[6],), _describe_change(base[k], cur[k], parts))
     listed = "; ".join(f"{' '.join(map(str, c[:3]))} ({c[3]}, seed {c[4]}): {d}" for c, d in list(cells.items())[:5])
-    fields = sorted({p for parts in changes.values() for p in parts})
     raise UserError(f"the baseline and the current results of {len(cells)} cell(s) come from different identities "
-                    f"(they differ in {', '.join(fields)}), so a change between them is not a regression of the code: "
+                    f"(they differ in {_differing_parts(changes)}), so a change between them is not a regression of the code: "
                     f"{listed}{' ...' if len(cells) > 5 else ''}. Compare results of the same settings, model, data "
                     f"and evaluation, or pass --allow-settings-change to compare them on purpose (the output says so).")
 
@@ -386,7 +388,6 @@ def gate(baseline: str | Path, current: str | Path, tolerances: str | Path | Non
     bad = any(d.status in ("regressed", "missing") for d in diffs)
     text = markdown(diffs, show_all)
     if changes:
-        fields = sorted({p for parts in changes.values() for p in parts})
         text += (f"\nCompared across different identities on purpose (--allow-settings-change): {len(changes)} "
-                 f"value(s) whose results differ in {', '.join(fields)}, so their changes are not the code's alone.\n")
+                 f"value(s) whose results differ in {_differing_parts(changes)}, so their changes are not the code's alone.\n")
     return (1 if bad else 0), text
