@@ -113,9 +113,6 @@ class Identity:
             out.append(p)
         return out
 
-    def digest(self) -> str:
-        return digest(self.parts, 12)
-
 
 def of_row(row) -> Identity:
     """The identity of a stored row (see the module docstring)."""
