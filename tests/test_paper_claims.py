@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_paper_claims_verdicts_follow_the_intervals(tmp_path):
     assert page.count("<details>") == len(res["claims"]) and 'style="background:#d7f0d2"' in page
     assert res["store"] == "good.sqlite" and str(tmp_path) not in page
     md = (tmp_path / "good" / "claims.md").read_text()
-    assert md.count("\n## ") == len(res["claims"]) and str(tmp_path) not in md
+    assert md.count("\n## ") == len(res["claims"]) + 1 and str(tmp_path) not in md   # + the last section
 
     _claims_store(tmp_path / "bad.sqlite", lrq_held=6.6, fr_held=6.0, lrq_ppl_shift=0.02)
     assert main(["--results", str(tmp_path / "bad.sqlite"), "--out", str(tmp_path / "bad")]) == 0
@@ -161,7 +162,7 @@ def test_rank_claim_pairs_each_rank_with_the_highest(tmp_path):
     assert rank["verdict"] == "not separated" and len(rank["measurement"]) == 2
 
 
-def _long_folder(path, lrq_kld_shift):
+def _long_folder(path, lrq_kld_shift, model="smollm2-135m"):
     """A long run's committed folder: LRQ, FlexRound and GPTQ at w3a16, per-window NLLs and KL means."""
     import hashlib
     from bench.run import ledger
@@ -180,7 +181,7 @@ def _long_folder(path, lrq_kld_shift):
             for metric, value, extra in (("ppl", math.exp(sum(w) / len(w)), {"eval": {"window_nll": w}}),
                                          ("kld", sum(k) / len(k), {"kl": {"window_kld": k}})):
                 key = hexkey(f"{m}-{ds}-{metric}")
-                units[key] = [Row("smollm2-135m", m, "w3a16", ds, metric, value, regime | extra, seed=0,
+                units[key] = [Row(model, m, "w3a16", ds, metric, value, regime | extra, seed=0,
                                   unit_key=key)]
     ledger.write(path, units)
     return path
@@ -224,3 +225,76 @@ def test_a_missing_long_folder_is_refused(tmp_path):
     _claims_store(tmp_path / "s.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
     with pytest.raises(UserError, match="no results file"):
         main(["--results", str(tmp_path / "s.sqlite"), "--long", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+
+
+def _objection_run(root, name, method, held: dict, lr=None, product=None, scheme="w3a16", authors_lr=1e-3):
+    """One Figure-2 study run of the objections: one method at one setting, 4 held-out windows per block."""
+    settings = {"iters": 10, "batch_size": 2, "heldout_samples": 4, "error_samples": 4}
+    settings |= ({"lr": lr} if lr is not None else {}) | ({"lowrank_product": product} if product else {})
+    resolved = {"lr": lr or authors_lr} | ({"lowrank_product": product or "autocast"} if method == "lrq" else {})
+    results = {f"{b}/{method}": {"block": b, "method": method, "resolved": resolved, "n_learnable": 10,
+                                 "curve": [{"step": 10, "loss": 1.0, "calib": 1.0, "heldout": sum(w) / len(w),
+                                            "calib_windows": [1.0] * len(w), "heldout_windows": w}]}
+               for b, w in held.items()}
+    res = {"config": {"model": "smollm2-135m", "scheme": scheme, "methods": [method], "blocks": sorted(held),
+                      "settings": settings, "calibration": {"seq_len": 1024}, "train_windows": 8,
+                      "heldout_windows": 4, "every": 10, "seed": 0, "device": "cpu",
+                      "precision": "bf16 autocast over float32 weights in the training steps"},
+           "provenance": {"git": "0" * 40, "hardware": {"cpu": "x"}, "threads": 1}, "results": results}
+    (root / name).mkdir(parents=True)
+    (root / name / "figure2.json").write_text(json.dumps(res))
+
+
+def test_the_page_ends_with_what_would_change_the_verdict(tmp_path):
+    """--objections: each method's held-out block error by learning rate, its best rate, the verdict at the best
+    rates beside the authors' (here it changes: LRQ at 2x beats FlexRound at its best), the float32 product's
+    effect; what was not run (W4A8 here) and what the suite cannot test are listed; the long run of a second model
+    with no finished cell is a row saying so."""
+    from bench.studies.paper_claims import main
+    _claims_store(tmp_path / "s.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    obj = tmp_path / "objections"
+    fr = {0: [5.0, 5.2, 5.1, 5.3], 15: [7.0, 7.3, 7.1, 7.2]}
+    scale = lambda d, f, j=0.0: {b: [x * f + j * i for i, x in enumerate(w)] for b, w in d.items()}  # noqa: E731
+    _objection_run(obj, "w3a16-flexround-lr1x", "flexround", fr)
+    _objection_run(obj, "w3a16-flexround-lr0.5x", "flexround", scale(fr, 1.02), lr=5e-4)
+    _objection_run(obj, "w3a16-lrq-lr1x", "lrq", scale(fr, 1.10, 0.01))         # FlexRound ahead at 1x
+    _objection_run(obj, "w3a16-lrq-lr2x", "lrq", scale(fr, 0.90, 0.01), lr=2e-3)  # LRQ ahead at its best rate
+    _objection_run(obj, "w3a16-lrq-lr1x-fp32product", "lrq", scale(fr, 1.10, 0.012), product="fp32")
+    from bench.run import ledger
+    ledger.write(tmp_path / "gemma", {})                     # a long run that has not finished a cell
+    assert main(["--results", str(tmp_path / "s.sqlite"), "--objections", str(obj), "--long", str(tmp_path / "gemma"),
+                 "--out", str(tmp_path / "o")]) == 0
+    md = (tmp_path / "o" / "claims.md").read_text()
+    section = md[md.index("## What would change this verdict"):]
+    assert md.rstrip().endswith(section.rstrip())          # the page's last section
+    lr = next(ln for ln in section.splitlines() if ln.startswith("- Learning rate, W3A16"))
+    assert "best rates LRQ 2x, FlexRound 1x" in lr and "rates run: LRQ 1x, 2x; FlexRound 0.5x, 1x" in lr
+    assert re.search(r"block 0 0\.90\d \[0\.8\d\d, 0\.9\d\d\]", lr) and "LRQ separated ahead in 2, FlexRound in 0" in lr
+    assert "The verdict changes: FlexRound ahead at the authors' rates, LRQ ahead at the best." in lr
+    assert "Not yet run: lrq at 0.5x, 4x; flexround at 2x, 4x." in lr
+    assert "| method | 0.5x | 1x | 2x |" in section and "| flexround | " in section
+    prec = next(ln for ln in section.splitlines() if ln.startswith("- Precision, W3A16"))
+    assert "float32 / in the autocast precision" in prec and "block 15 " in prec
+    nt = section[section.index("**Not tested**"):]
+    assert "learning rate at W4A8" in nt and "precision at W4A8" in nt and "C4 train" in nt
+    assert "One model: row" in nt and "no cell of the long run in gemma has finished yet" in nt   # not yet tested
+    html = (tmp_path / "o" / "claims.html").read_text()
+    assert "<h2>What would change this verdict</h2>" in html and "<table>" in html.split("What would change")[1]
+    # re-rendered from its JSON without the folder: the section is kept as it was
+    assert main(["--from-json", str(tmp_path / "o" / "claims.json"), "--out", str(tmp_path / "re")]) == 0
+    assert lr in (tmp_path / "re" / "claims.md").read_text()
+
+
+def test_a_second_models_long_run_has_rows_of_its_own(tmp_path):
+    """A long run of another model than the page's adds its rows, titled with the model, beside the page model's."""
+    from bench.studies.paper_claims import main
+    _claims_store(tmp_path / "s.sqlite", lrq_held=6.0, fr_held=6.6, lrq_ppl_shift=-0.05)
+    _long_folder(tmp_path / "long", 0.05)
+    _long_folder(tmp_path / "g", 0.05, model="gemma3-270m")
+    assert main(["--results", str(tmp_path / "s.sqlite"), "--long", str(tmp_path / "long"), "--long",
+                 str(tmp_path / "g"), "--out", str(tmp_path / "o")]) == 0
+    by = {c["claim"]: c for c in json.loads((tmp_path / "o" / "claims.json").read_text())["claims"]}
+    assert by["Results at W3A16, long preset"]["verdict"] == "does not hold"
+    assert by["Results at W3A16, long preset, gemma3-270m"]["verdict"] == "does not hold"
+    md = (tmp_path / "o" / "claims.md").read_text()
+    assert "One model: row" in md and "Results at W3A16, long preset, gemma3-270m: does not hold" in md

@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a long run's committed folder (`lrq-bench run --preset long --sync DIR`): its results file "
                         "adds a row per scheme, LRQ against FlexRound, GPTQ and AWQ (perplexity and KL divergence, "
                         "paired over the same windows)")
+    p.add_argument("--objections", default=None, metavar="DIR",
+                   help="a folder of Figure-2 study runs answering the objections (learning rate, precision; "
+                        "bench/studies/objections.py): the page ends with 'What would change this verdict'")
     p.add_argument("--rank-results", action="append", default=[], metavar="STORE",
                    help="a store of LRQ runs that differ only in rank (--set rank_rule=uniform --set rank=R): its rows "
                         "join --results' for the rank claim only")
@@ -319,17 +322,35 @@ def _names(methods) -> str:
 
 def claim_long(path: str, model: str) -> list[dict]:
     """The scheme rows of a long run's committed results file (`lrq-bench run --preset long --sync DIR`):
-    LRQ against FlexRound, GPTQ and AWQ, perplexity and KL divergence paired over the same windows."""
+    LRQ against FlexRound, GPTQ and AWQ, perplexity and KL divergence paired over the same windows. Rows of
+    another model than the page's (a second family) are rows of their own, their title naming the model; a
+    folder whose run has not finished a cell yet is one row saying so."""
     from bench.run import ledger
     f = ledger.results_file(path)
     if not f.is_file():
         raise UserError(f"--long {path!r}: no results file {f} there; give a folder written by "
                         f"`lrq-bench run ... --sync DIR` or `lrq-bench results --save DIR`.")
-    rows = [r for unit in ledger.read(f).values() for r in unit if r.model == model]
+    rows = [r for unit in ledger.read(f).values() for r in unit]
     if not rows:
-        raise UserError(f"--long {path!r} holds no rows of model {model!r}: pass --model with one of its models.")
-    return claim_schemes(rows, LONG_BASELINES, ("ppl", "kld"), source="the long run's results yet",
-                         tag="long preset")
+        return [{"id": 3, "claim": f"Results, long preset ({Path(path).name})",
+                 "statement": f"LRQ outperforms {_names(LONG_BASELINES)}", "measurement": [],
+                 "verdict": "not measurable here", "why": f"no cell of the long run in {Path(path).name} has "
+                 "finished yet (its README says where it stands)", "regime": "long preset"}]
+    models = sorted({r.model for r in rows}, key=lambda m: (m != model, m))
+    return [c for m in models
+            for c in claim_schemes([r for r in rows if r.model == m], LONG_BASELINES, ("ppl", "kld"),
+                                   source="the long run's results yet",
+                                   tag="long preset" + ("" if m == model else f", {m}"))]
+
+
+def second_model_lines(claims: list[dict], model: str) -> tuple[list[str], list[str]]:
+    """The long-preset rows of other models than the page's (tested), and of long runs with no finished cell (not
+    tested yet), as lines of the page's last section."""
+    rows = [c for c in claims if "long preset" in c["claim"] and
+            (c["claim"].startswith("Results, long preset") or not c["claim"].endswith(", long preset"))]
+    line = lambda c: f"One model: row {c['id']}, {c['claim']}: {c['verdict_class']} ({c['why']})"  # noqa: E731
+    return ([line(c) for c in rows if c["verdict_class"] != "not measurable here"],
+            [line(c) for c in rows if c["verdict_class"] == "not measurable here"])
 
 
 # ---- claim 4: the rank ------------------------------------------------------------------------------------
@@ -449,7 +470,7 @@ def rebuild(claims_json: str, figure2: list[str] = (), long: list[str] = (), mod
     studies = [claim_figure2_study(d) for d in figure2]
     long_rows = [c for d in long for c in claim_long(d, model or old["model"])]
     claims, placed = [], False
-    kept = [c for c in old["claims"] if not (long and c["claim"].endswith(", long preset"))]
+    kept = [c for c in old["claims"] if not (long and "long preset" in c["claim"])]
     last_scheme = max((i for i, c in enumerate(kept) if c["claim"].startswith("Results at")), default=len(kept) - 1)
     for i, c in enumerate(kept):
         if i == last_scheme + 1:
@@ -507,6 +528,8 @@ def markdown(res: dict) -> str:
         out += ["", f"## {c['id']}. {c['claim']}: {c['verdict_class']}", "", f"*The paper:* {c['statement']}", "",
                 f"*Verdict:* {c['verdict']}: {c['why']}", ""]
         out += [f"- {line}" for line in c["measurement"]] or ["- no measurement"]
+    from bench.studies import objections
+    out += objections.markdown(res.get("objections"), *second_model_lines(res["claims"], res["model"]))
     return "\n".join(out) + "\n"
 
 
@@ -527,7 +550,8 @@ regime stated in its row, not beyond it. Open a row for the paper's statement an
 <td class="v" style="background:{{ colours[c.verdict_class] }}">{{ c.verdict_class }}</td>
 <td>{{ c.regime }}</td></tr>{% endfor %}</table>
 {% if r.curves %}<h2>Figure 2 in the paper's regime: block error during training</h2>
-{% for ch in r.curves %}<h3>{{ ch.title or ("Block " ~ ch.block) }}</h3>{{ ch.svg | safe }}{% endfor %}{% endif %}</body></html>
+{% for ch in r.curves %}<h3>{{ ch.title or ("Block " ~ ch.block) }}</h3>{{ ch.svg | safe }}{% endfor %}{% endif %}
+{{ verdict_section | safe }}</body></html>
 """
 
 
@@ -536,12 +560,21 @@ def main(argv=None) -> int:
     from jinja2 import Environment, select_autoescape
     res = (rebuild(args.from_json, args.figure2, args.long, args.model) if args.from_json else
            build(args.results, args.model, args.figure2, args.rank_results, args.long))
+    from bench.studies import objections
+    if args.objections:
+        res["objections"] = objections.answer(args.objections)
+    elif args.from_json:   # a re-rendered page keeps the section it had
+        res["objections"] = json.loads(Path(args.from_json).read_text()).get("objections")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "claims.json", dumps_json({k: v for k, v in res.items() if k != "curves"}, indent=1))
     atomic_write_text(out / "claims.md", markdown(res))
     env = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
-    atomic_write_text(out / "claims.html", env.from_string(_HTML).render(r=res, colours=COLOURS))
+    from markdown_it import MarkdownIt   # the section's Markdown (lists and a table) rendered as the page's HTML
+    section = MarkdownIt("commonmark").enable("table").render(
+        "\n".join(objections.markdown(res.get("objections"), *second_model_lines(res["claims"], res["model"]))))
+    atomic_write_text(out / "claims.html", env.from_string(_HTML).render(r=res, colours=COLOURS,
+                                                                          verdict_section=section))
     print(markdown(res))
     return 0
 
