@@ -63,6 +63,7 @@ def test_listing():
     assert "w4a8" in lrq.list_schemes()
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_readme_example_runs_as_written(tmp_path, data_dir):
     """The README's Python API block, extracted and run in a fresh folder (the real default model)."""

@@ -29,6 +29,7 @@ def test_block_step_study_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert "| plain | eager |" in md and "| lrq | eager |" in md and "LRQ / FlexRound step time:" in md
 
 
+@pytest.mark.heavy
 def test_block_step_study_times_the_compiled_step_beside_the_eager_one(tiny_model_dir, tmp_path):
     from lrq.engine import compile_unavailable
     if compile_unavailable() is not None:

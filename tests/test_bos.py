@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 import torch
 
 from bench.evaluations import data as D
@@ -53,6 +55,7 @@ def test_the_protocol_is_read_from_the_tokenizer(tiny_model_dir, tmp_path):
     assert "bos" not in D.calibration_set(plain, D.resolve_data_dir(None), "c4", 4, 64).description
 
 
+@pytest.mark.heavy
 def test_a_bos_model_is_scored_with_bos_and_says_so(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     from bench.cli import main
     from bench.common.store import ResultStore

@@ -4,9 +4,12 @@ CPU model and precision, since bf16 numerics differ between CPUs and a CPU witho
 
 import json
 
+import pytest
+
 from bench.studies import ci_sweep
 
 
+@pytest.mark.heavy
 def test_sweep_matches_the_committed_reference(tmp_path, data_dir, capsys):
     ref_path, matched = ci_sweep.reference_for()
     ref = json.loads(ref_path.read_text())

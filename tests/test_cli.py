@@ -56,6 +56,7 @@ def test_missing_data_names_both_routes(tmp_path, monkeypatch):
         load_rows("c4", None)
 
 
+@pytest.mark.heavy
 def test_run_end_to_end_reuse_results_and_report(tiny_model_dir, data_dir, tmp_path, capsys):
     results = tmp_path / "r.sqlite"
     args = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn", "--schemes", "w4a16,w8a8",

@@ -187,6 +187,7 @@ def test_paired_ratio():
         cc.paired_ratio(theirs[:3], theirs)
 
 
+@pytest.mark.heavy
 def test_study_end_to_end_with_the_reference_variant(tmp_path, data_dir, capsys):
     """The study's cells are ordinary cells: stored, reused on a rerun; an adapter without its
     environment is bad input (exit 2)."""

@@ -33,6 +33,7 @@ def _values(store: ResultStore) -> dict:
 CELLS = [(FP, FP), ("rtn", "w4a16"), ("rtn", "w8a8"), ("lrq", "w3a16")]
 
 
+@pytest.mark.heavy
 def test_two_workers_give_exactly_the_in_process_results(tiny_model_dir, data_dir, tmp_path):
     over = {"iters": 3, "heldout_samples": 2}
     one, two = ResultStore(tmp_path / "one.sqlite"), ResultStore(tmp_path / "two.sqlite")
@@ -46,6 +47,7 @@ def test_two_workers_give_exactly_the_in_process_results(tiny_model_dir, data_di
     assert [o.status for o in again] == ["reused"] * len(CELLS)
 
 
+@pytest.mark.heavy
 def test_a_failing_cell_is_reported_and_the_others_complete(tiny_model_dir, data_dir, tmp_path, capsys):
     results = tmp_path / "r.sqlite"
     # a learning rate of 1e30 makes LRQ's loss infinite after one step: a run-time failure of that cell only
@@ -84,6 +86,7 @@ class _KillOnFirstUnit:
         self.outcomes[job.cell.scheme_name] = error
 
 
+@pytest.mark.heavy
 def test_a_worker_that_dies_is_reported_and_the_other_cell_completes(tiny_model_dir, data_dir):
     from bench.run.executor import Job
     # the whole WikiText-2 test text: the evaluation lasts long enough for the kill to land first
@@ -117,6 +120,7 @@ def test_jobs_and_profiles_are_validated(capsys):
         assert msg in capsys.readouterr().err.replace("\n", " ")
 
 
+@pytest.mark.heavy
 def test_first_look_profile_runs_every_scheme_with_tasks_in_workers(tiny_model_dir, data_dir, tmp_path, capsys):
     results = tmp_path / "r.sqlite"
     code = main(["run", "--profile", "first-look", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),

@@ -18,6 +18,7 @@ QUICK = ["--profile", "full", "--tasks", "none", "--datasets", "wikitext2", "--m
          "--eval-seq-len", "256", "--jobs", "1"]
 
 
+@pytest.mark.heavy
 def test_our_export_read_back_reproduces_its_cell(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     results = tmp_path / "r.sqlite"

@@ -245,6 +245,7 @@ def _gone(pids, timeout=20.0) -> bool:
                                   psutil.Process(p).status() != psutil.STATUS_ZOMBIE], timeout)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_workers_end_with_the_driver_and_a_rerun_resumes(sig, tiny_model_dir, data_dir, tmp_path):
     results, cache = tmp_path / "r.sqlite", cache_with_measurements(tmp_path / "cache")
@@ -272,6 +273,7 @@ def test_workers_end_with_the_driver_and_a_rerun_resumes(sig, tiny_model_dir, da
 
 # ---- a worker killed mid-block: reported, the other cell completes, the rerun resumes at the next block -------
 
+@pytest.mark.heavy
 def test_a_worker_killed_mid_block_resumes_at_its_next_block(tiny_model_dir, data_dir, tmp_path):
     import psutil
     results, cache = tmp_path / "r.sqlite", cache_with_measurements(tmp_path / "cache")

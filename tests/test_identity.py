@@ -164,6 +164,7 @@ def test_a_changed_task_file_is_another_tasks_result(data_dir, tmp_path):
     assert after["wikitext2"] == before["wikitext2"] and after["quant"] == before["quant"]
 
 
+@pytest.mark.heavy
 def test_every_unit_stores_the_identity_its_key_hashes(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     from bench.cli import main
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))

@@ -151,6 +151,7 @@ def test_rankings_across_seeds_say_which_orders_hold_on_every_seed():
 
 # ---- accuracy, seeds and the gate through the CLI --------------------------------------------------------
 
+@pytest.mark.heavy
 def test_seeds_repeat_only_calibration_dependent_cells(tiny_model_dir, data_dir, tmp_path, capsys):
     results = tmp_path / "r.sqlite"
     code = main(["run", "--profile", "full", "--tasks", "none", "--jobs", "1", "--model", str(tiny_model_dir),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 import torch
 
 from bench.evaluations import evals as E
@@ -91,6 +93,7 @@ def test_the_head_computes_in_float32_under_bf16_autocast_and_ties_are_counted(t
     assert kl.summary(torch.zeros(3), agree, int(tied.sum()))["top1_ties"] == 2
 
 
+@pytest.mark.heavy
 def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, data_dir, tmp_path, capsys,
                                                               monkeypatch):
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
@@ -140,6 +143,7 @@ def test_kl_is_a_unit_of_its_own_computed_with_the_perplexity(tiny_model_dir, da
                         (c.hi - c.lo) / 2 / ((sum(k["w3a16"]) + sum(k["w4a16"])) / 8), rel_tol=1e-9)
 
 
+@pytest.mark.heavy
 def test_the_leaderboard_is_led_by_kld_and_shows_flips(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     results = tmp_path / "r.sqlite"

@@ -189,6 +189,7 @@ def _env(cache: Path) -> dict:
     return dict(os.environ, LRQ_BENCH_CACHE=str(cache), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
+@pytest.mark.heavy
 def test_run_sync_continues_a_cell_on_a_fresh_machine(tiny_model_dir, data_dir, tmp_path):
     carry = tmp_path / "committed"
     base = [sys.executable, "-m", "bench.cli", "run", *QUICK, "--model", str(tiny_model_dir), "--methods", "lrq",

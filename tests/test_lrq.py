@@ -257,6 +257,7 @@ def test_nan_guard_on_diverging_training(monkeypatch):
                    _calib(4))
 
 
+@pytest.mark.heavy
 def test_lrq_and_flexround_through_the_cli(tiny_model_dir, data_dir, tmp_path, capsys, monkeypatch):
     import json
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))

@@ -149,6 +149,7 @@ def test_bf16_store_keys_are_those_of_earlier_releases_and_fp32_are_new(data_dir
         assert not set(bf16.keys.values()) & set(fp32.keys.values())
 
 
+@pytest.mark.heavy
 def test_a_run_records_its_precision_and_the_leaderboard_says_it(tiny_model_dir, data_dir, tmp_path, capsys):
     results = tmp_path / "r.sqlite"
     base = ["run", "--profile", "full", "--tasks", "none", "--model", str(tiny_model_dir), "--methods", "rtn",

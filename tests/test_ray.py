@@ -23,6 +23,7 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.mark.heavy
 def test_ray_sweep_gives_exactly_the_local_results(cluster, tiny_model_dir, data_dir, tmp_path):
     over = {"iters": 3, "heldout_samples": 2}
     local, remote = ResultStore(tmp_path / "local.sqlite"), ResultStore(tmp_path / "ray.sqlite")
@@ -37,6 +38,7 @@ def test_ray_sweep_gives_exactly_the_local_results(cluster, tiny_model_dir, data
     assert ray.is_initialized()                           # a cluster it did not start is left running
 
 
+@pytest.mark.heavy
 def test_a_failing_cell_is_retried_then_reported_while_the_others_complete(cluster, tiny_model_dir, data_dir,
                                                                           tmp_path, capsys):
     results = tmp_path / "r.sqlite"

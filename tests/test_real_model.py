@@ -33,6 +33,7 @@ def _threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.heavy
 def test_rtn_on_the_default_model(data_dir):
     fp, _ = _ppl(FP, FP, data_dir)
     assert math.isfinite(fp) and 12 < fp < 40, fp  # about 22 on the whole test set

@@ -540,6 +540,7 @@ def test_two_checkpoints_with_one_derived_name_stay_apart(tmp_path):
 
 # ---- 15: a static-activation checkpoint is scored from its stored scales; act-order is said to be unsupported ------
 
+@pytest.mark.heavy
 def test_a_w8a8_checkpoint_is_scored_from_its_stored_activation_scales(tiny_model_dir, data_dir, tmp_path, capsys,
                                                                        monkeypatch):
     from bench.common.store import ResultStore
