@@ -399,7 +399,7 @@ def test_bare_pytest_collects_the_suite():
     for r in runs:
         assert r.returncode == 0 and "error" not in r.stdout.lower().split("collected")[-1], r.stdout[-2000:]
         counts.append([l for l in r.stdout.splitlines() if "collected" in l][-1].split(" in ")[0])
-    assert counts[0] == counts[1] and int(counts[0].split()[0]) > 400
+    assert counts[0] == counts[1] and int(counts[0].split()[0].split("/")[0]) > 400   # "883/908" with heavy left out
 
 
 def test_a_full_disk_is_said_as_such(tmp_path):
