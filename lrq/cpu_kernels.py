@@ -12,7 +12,7 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
   int8 through `_weight_int8pack_mm`, one call per group (one in all per channel); the zero points add
   rowsum(x) * (2^(b-1) - z) * s.
 * `Int8GemmWeights` (W8A8, W4A8 with integer activations, per channel): q - 2^(b-1) as int8, multiplied with the
-  activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected exactly in integers.
+  activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected in float32 after it.
 
 torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
 scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
@@ -34,7 +34,6 @@ from lrq.quant import _group_view
 KERNEL_GROUPS = (256, 128, 64, 32)   # the group sizes torch's int4 CPU kernel accepts
 N_BLOCK = 16                         # its output features come in blocks of 16
 INT8_K_MULTIPLE = 16                 # _weight_int8pack_mm crashes or errs on other depths (torch 2.13, Zen 4)
-INT32_SAFE_K = 16384                 # Int8GemmWeights' integer epilogue fits int32 up to this depth
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -170,30 +169,35 @@ class Int8GemmWeights:
     col_term: torch.Tensor     # int32 [n]: sum_k (q - offset) + k (offset - z)
     scale: torch.Tensor        # float32 [n]
     offset: int
+    asymmetric: bool = True    # some zero_term != 0 (a symmetric grid skips the activations' row sums)
+    col_f: torch.Tensor | None = None    # float32 copies of col_term and zero_term for the epilogue
+    zero_f: torch.Tensor | None = None
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> "Int8GemmWeights":
         w, offset = _offset_weights(q, bits)
         zt = offset - zero[:, 0].round().to(torch.int32)   # zero: uint8 levels (or float ones)
         col = w.sum(dim=1, dtype=torch.int32) + q.shape[1] * zt
-        return cls(w, zt, col, scale[:, 0].float(), offset)
+        return cls(w, zt, col, scale[:, 0].float(), offset, bool(zt.any()), col.float(), zt.float())
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """xa = activation levels - 128 (int8 [m, k]); their zero point(s) and scale(s), scalars or [m, 1]:
-        sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa + (128 - az) (sum wa + k (offset - z)),
-        with wa = q - offset; float32 (x) the scales."""
+        """xa = activation levels - 128 (int8 [m, k]); x_zero = their zero point(s) - 128 and x_scale their
+        scale(s), float32 scalars or [m, 1] per token:
+        sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa - (az - 128) (sum wa + k (offset - z)),
+        with wa = q - offset. The GEMM is exact in int32; the two corrections are added in float32 (one rounding
+        each, relative 6e-8) and the scales multiplied: five operations after the GEMM, because at one token a
+        layer's cost is the count of its operations."""
         acc = torch._int_mm(xa, self.weight.t())
-        if self.weight.shape[1] > INT32_SAFE_K:
-            acc = acc.long()
-        acc += xa.sum(dim=1, keepdim=True, dtype=acc.dtype) * self.zero_term
-        acc += (128 - x_zero.round().to(acc.dtype)) * self.col_term
-        return acc.float() * (x_scale * self.scale)
+        y = torch.addcmul(acc.float(), x_zero, self.col_f, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
+        if self.asymmetric:
+            y.addcmul_(xa.sum(dim=1, keepdim=True, dtype=torch.float32), self.zero_f)
+        return y.mul_(x_scale).mul_(self.scale)
 
     def levels(self) -> torch.Tensor:
         return (self.weight.to(torch.int16) + self.offset).to(torch.uint8)
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale)
+        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale, self.col_f, self.zero_f)
 
 
 def cpu_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,

@@ -81,6 +81,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("act_zero", torch.zeros((), dtype=torch.float32) if static else None)
         self.quantize_output = quantize_output and scheme.kv_bits is not None
         self.cpu_weights = None           # the CPU kernel's form of the weights, held instead of weight_packed
+        self._static_grid = None          # static activations: their grid in float32, kept between calls
         self._scale16: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @classmethod
@@ -140,7 +141,7 @@ class PackedLinear(nn.Module):
         return self.cpu_weights
 
     def _apply(self, fn, *args, **kwargs):
-        self._scale16 = None
+        self._scale16 = self._static_grid = None
         if self.cpu_weights is None:
             return super()._apply(fn, *args, **kwargs)
         q = self.levels()                  # planar words move (every device reads them); the CPU form is rebuilt
@@ -192,12 +193,19 @@ class PackedLinear(nn.Module):
         return s.activations.quantize(x, s.a_bits)
 
     def _int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The activation levels - 128 (int8), their zero point(s) and scale(s): the fake-quant path's grid."""
+        """The activation levels - 128 (int8) on the fake-quant path's grid, their zero point(s) - 128 and
+        scale(s) (float32; static ones kept, made again when the calibrated range changes)."""
         s, xf = self.scheme, x.float()
-        scale, zero = ((self.act_scale, self.act_zero) if s.static_activations
-                       else s.activations.integer_qparams(xf, s.a_bits))
-        xq = torch.clamp(torch.round(xf / scale) + zero, 0, 2**s.a_bits - 1)
-        return (xq - 128).to(torch.int8), zero, scale
+        if s.static_activations:
+            key = (self.act_scale.data_ptr(), self.act_scale._version, self.act_zero.data_ptr(), self.act_zero._version)
+            if self._static_grid is None or self._static_grid[0] != key:
+                self._static_grid = (key, self.act_scale.detach().float().clone(), self.act_zero.detach().float() - 128)
+            _, scale, zero = self._static_grid
+        else:
+            scale, zero = s.activations.integer_qparams(xf, s.a_bits)
+            zero = zero - 128
+        xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129)
+        return xq.to(torch.int8), zero, scale
 
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         w = self.cpu_weights or self.convert_for_cpu()

@@ -110,9 +110,12 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 
 def per_token_qparams(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token grid of `per_token_fake_quant`: scale and integer zero point per row [..., 1] (float32)."""
-    xf = x.detach().float()
-    return qparams_from_range(xf.amin(dim=-1, keepdim=True).clamp(max=0), xf.amax(dim=-1, keepdim=True).clamp(min=0),
-                              bits)
+    # qparams_from_range's arithmetic, step for step, in place on fresh [..., 1] tensors: at one token (a decode
+    # step) each layer's cost is the count of its operations, not their size
+    lo, hi = torch.aminmax(x.detach().float(), dim=-1, keepdim=True)
+    qmax = 2**bits - 1
+    scale = hi.clamp_(min=0).sub_(lo.clamp_(max=0)).div_(qmax).clamp_(min=SCALE_EPS)
+    return scale, lo.div_(scale).neg_().round_().clamp_(0, qmax)
 
 
 def per_token_fake_quant(x: torch.Tensor, bits: int = 8) -> torch.Tensor:

@@ -85,6 +85,21 @@ def test_w8a8_integer_path_is_exact():
         assert not torch.equal(got.long(), a.long() @ a.long().t()), "probe refused an exact torch._int_mm"
 
 
+def test_a_new_static_range_reaches_the_integer_path():
+    """The static activations' grid is kept between calls for speed, and remade when the range changes."""
+    q = _quant_linear("w8a8", cin=576, cout=40)
+    p = PackedLinear.from_quant_linear(q)
+    x = torch.randn(2, 576)
+    torch.testing.assert_close(p(x), q(x), rtol=1e-5, atol=1e-5)
+    for m in (q, p):               # copied in place, as the calibration sets it
+        m.act_scale.copy_(torch.tensor(0.05))
+        m.act_zero.copy_(torch.tensor(100.0))
+    torch.testing.assert_close(p(x), q(x), rtol=1e-5, atol=1e-5)
+    p.act_zero.fill_(90.0)         # changed in place: the kept grid must notice
+    q.act_zero.fill_(90.0)
+    torch.testing.assert_close(p(x), q(x), rtol=1e-5, atol=1e-5)
+
+
 def test_the_int_mm_probe_refuses_a_saturating_gemm(monkeypatch):
     """vpmaddubsw (AVX2) adds pairs of u8 x s8 products in int16 with saturation: the probe must see it."""
     import lrq.packed as P
