@@ -66,14 +66,14 @@ def test_listing():
 @pytest.mark.heavy
 @pytest.mark.slow
 def test_the_readme_example_runs_as_written(tmp_path, data_dir):
-    """The README's Python API block, extracted and run in a fresh folder (the real default model)."""
+    """The documented Python API block (docs/api.md), extracted and run in a fresh folder (the real default model)."""
     import os
     import re
     import subprocess
     import sys
 
     from conftest import ROOT
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "api.md").read_text()
     block = re.search(r"<!-- api-example -->\s*```python\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "example.py").write_text(block)
     env = dict(os.environ, LRQ_BENCH_DATA=str(data_dir), PYTHONPATH=str(ROOT), TQDM_DISABLE="1")

@@ -4,7 +4,7 @@ recipes, loading an llm-compressor-style export (signed zero points, ragged last
 ranges, rescaled norms) into our QuantLinear modules, the adapters' place in the harness (never in the
 default sweep, not priced, a clear error without their environment), the paired report, and the study end
 to end with its reference (ours-only) variant on a tiny model. The adapters against the real
-llm-compressor were run here (see the README)."""
+llm-compressor were run here (see docs/crosscheck-llmcompressor.md)."""
 
 import json
 import math

@@ -587,7 +587,7 @@ def test_a_file_rewritten_in_place_with_its_mtime_restored_is_hashed_again(tmp_p
 
 def test_two_runs_on_one_store_compute_each_cell_once(tiny_model_dir, data_dir, tmp_path):
     results = tmp_path / "r.sqlite"
-    # one thread each: two runs of two threads on two cores spin against each other (README: OMP_NUM_THREADS=1)
+    # one thread each: two runs of two threads on two cores spin against each other (docs/running.md: OMP_NUM_THREADS=1)
     env = dict(os.environ, LRQ_BENCH_CACHE=str(cache_with_measurements(tmp_path / "cache")), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "bench.cli", "run", *QUICK, "--model", str(tiny_model_dir), "--methods", "rtn",
            "--schemes", "w4a16,w3a16", "--data-dir", str(data_dir), "--results", str(results), "--jobs", "1",

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not Path(args.llmc_python).is_file():
         print(f"no interpreter at {args.llmc_python}: create the llm-compressor venv first "
-              f"(see README, 'Cross-check against llm-compressor').", file=sys.stderr)
+              f"(see docs/crosscheck-llmcompressor.md).", file=sys.stderr)
         return 2
     load_methods()
     results = []
