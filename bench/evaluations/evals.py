@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def torch_quantile(x, q: float):
+    import torch   # the catalogue is read by processes that never compute a metric: torch only where one is
+    return torch.quantile(x, q)
+
+
 @dataclass(frozen=True)
 class Metric:
     """A stored metric, declared whole: its name, how a report labels and formats it, which way is better
@@ -47,6 +52,10 @@ class Metric:
     evaluation: str | None = None
     summary: bool = False       # a column of the leaderboard's summary (per text where its scope is "text")
     bounds: tuple[float | None, float | None] = (None, None)   # the values it can take (None: no bound)
+    # a KL metric (evaluation "kl"): how it is computed from the per-position KL divergences and top-1 matches of
+    # a text (float64 and bool tensors), and its column's heading in the leaderboard's KL table ("" : none)
+    from_positions: Any = field(default=None, compare=False, repr=False)
+    column: str = ""
 
     @property
     def gate_direction(self) -> str:
@@ -138,11 +147,14 @@ _METRICS = (
     Metric("eval_tokens_per_s", "eval tokens/s", None, "{:.0f}", "tokens/s", evaluation="perplexity",
            bounds=_POSITIVE),
     Metric("kld", "KLD", "lower", "{:.4f}", "nats/token", interval="mean", samples=("kl", "window_kld"),
-           **_TEXT, evaluation="kl", bounds=_POSITIVE),
-    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token", evaluation="kl", bounds=_POSITIVE),
-    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token", evaluation="kl", bounds=_POSITIVE),
+           **_TEXT, evaluation="kl", bounds=_POSITIVE, from_positions=lambda kl, top1: kl.mean(), column="KLD"),
+    Metric("kld_median", "KLD median", "lower", "{:.4f}", "nats/token", evaluation="kl", bounds=_POSITIVE,
+           from_positions=lambda kl, top1: kl.median(), column="median"),
+    Metric("kld_p99", "KLD 99th pct", "lower", "{:.3f}", "nats/token", evaluation="kl", bounds=_POSITIVE,
+           from_positions=lambda kl, top1: torch_quantile(kl, 0.99), column="p99"),
     Metric("top1_agree", "top-1 agreement", "higher", "{:.2f}", "%", percent=True, interval="mean",
-           samples=("kl", "window_top1"), **_TEXT, evaluation="kl", bounds=_SHARE),
+           samples=("kl", "window_top1"), **_TEXT, evaluation="kl", bounds=_SHARE,
+           from_positions=lambda kl, top1: top1.float().mean(), column="top-1 %"),
     Metric("top1_ties", "top-1 ties", None, "{:.0f}", "positions", evaluation="kl", bounds=_POSITIVE),
     Metric("acc", "accuracy", "higher", "{:.1f}", "%", percent=True, interval="acc", samples=("per_example",),
            **_TASK, bounds=_SHARE),
@@ -208,8 +220,10 @@ def bounds_note() -> str:
             + "; ".join(f"{', '.join(labels)} {bound}" for bound, labels in by_bound.items()) + ".")
 
 
-# What the KL comparison with the FP model stores per perplexity text (bench.evaluations.kl)
-KL_METRICS = ("kld", "kld_median", "kld_p99", "top1_agree")
+# What the KL comparison with the FP model stores per perplexity text (bench.evaluations.kl), in its table's order
+KL_METRICS = tuple(m.name for m in _METRICS if m.from_positions is not None)
+# The metrics of an evaluation text (a perplexity, or a KL statistic of one): their rows say how it was evaluated
+TEXT_METRICS = tuple(m.name for m in _METRICS if m.interval == "ppl" or m.evaluation == "kl")
 # Flips against the FP model per task (Dutta et al. 2024), derived in the reports from per-example scores
 FLIP_KINDS = ("right_to_wrong", "wrong_to_right")
 

@@ -309,7 +309,7 @@ def ensure_reference(model: nn.Module, wins: list[torch.Tensor], key: str, preci
 def summary(token_kl: torch.Tensor, token_top1: torch.Tensor, top1_ties: int | None = None) -> dict[str, float]:
     """The stored KL metrics of one text: mean, median and 99th percentile KL over positions, top-1 agreement
     and (where counted) the positions where either model's top token was an exact tie."""
+    from bench.evaluations.evals import KL_METRICS, METRICS
     kl = token_kl.double()
-    out = {"kld": float(kl.mean()), "kld_median": float(kl.median()),
-           "kld_p99": float(torch.quantile(kl, 0.99)), "top1_agree": float(token_top1.float().mean())}
+    out = {m: float(METRICS[m].from_positions(kl, token_top1)) for m in KL_METRICS}
     return out | ({} if top1_ties is None else {"top1_ties": float(top1_ties)})

@@ -54,7 +54,7 @@ def eval_setting(r: Row) -> str | None:
     """How a perplexity / KL row's text was evaluated (tokens scored, window length, partial window), None for
     rows of no evaluation text (a quantization's statistics, tasks)."""
     ev = (r.config or {}).get("eval") if isinstance(r.config, dict) else None
-    if not isinstance(ev, dict) or r.metric not in ("ppl", "kld", "kld_median", "kld_p99", "top1_agree", "top1_ties"):
+    if not isinstance(ev, dict) or r.metric not in E.TEXT_METRICS:
         return None
     tokens = ev.get("max_tokens") or "all"
     return (f"{tokens if tokens == 'all' else f'{tokens:,}'} tokens per text in windows of {ev.get('seq_len', '?')}"
@@ -552,16 +552,16 @@ def _kl_section(mdf: pd.DataFrame, stats: dict, datasets: list[str]) -> list[str
     for key in sorted(k for k in stats if k[0] != FP):
         line = [key[0], key[1]]
         for d in datasets:
-            cs, t1 = stats[key].get((d, "kld")), stats[key].get((d, "top1_agree"))
-            rtn = stats.get(("rtn", key[1]), {}).get((d, "kld"))
-            line += [fmt_stat(cs) if cs else "-",
-                     _fmt_seeds("kld_median", vals.get((*key, d, "kld_median"))),
-                     _fmt_seeds("kld_p99", vals.get((*key, d, "kld_p99"))), fmt_stat(t1) if t1 else "-",
-                     "-" if key[0] == "rtn" or not (cs and rtn) else _fmt_cmp(S.compare(cs, rtn), "diff")]
+            for m in E.KL_METRICS:   # the catalogue's order: with an interval where it has one, else over seeds
+                st = stats[key].get((d, m)) if E.METRICS[m].interval else None
+                line.append(fmt_stat(st) if st else "-" if E.METRICS[m].interval else
+                            _fmt_seeds(m, vals.get((*key, d, m))))
+            cs, rtn = stats[key].get((d, "kld")), stats.get(("rtn", key[1]), {}).get((d, "kld"))
+            line.append("-" if key[0] == "rtn" or not (cs and rtn) else _fmt_cmp(S.compare(cs, rtn), "diff"))
         body.append(line)
     heads = ["method", "scheme"]
     for d in datasets:
-        heads += [f"{d} KLD", f"{d} median", f"{d} p99", f"{d} top-1 %", f"{d} KLD - RTN's"]
+        heads += [f"{d} {E.METRICS[m].column}" for m in E.KL_METRICS] + [f"{d} KLD - RTN's"]
     cfg = kl.iloc[-1]["config"].get("kl", {})
     return ["### KL divergence from the FP model", "",
             f"Per predicted position, KL(P_FP || P_quantized) over the whole vocabulary in nats, on the perplexity "
