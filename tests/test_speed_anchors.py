@@ -117,3 +117,63 @@ def test_llama_cpp_runs_the_builtin_gguf_and_its_made_copies(tmp_path):
             runner.close()
         assert wall > 0 and cpu > 0 and tok_s > 0 and cpu_s > 0
     assert anchors.version()["llama_cpp_python"] == llama_cpp.__version__
+
+
+class _FakeRunner:
+    """Stands in for llama.cpp: records the tokens it is given, answers fixed times."""
+
+    def __init__(self):
+        self.calls, self.closed = [], False
+
+    def decode(self, prompt, steps):
+        self.calls.append(("decode", list(prompt), steps))
+        return 2.0, 1.5
+
+    def prefill(self, ids):
+        self.calls.append(("prefill", list(ids)))
+        return 1000.0, 0.01
+
+    def close(self):
+        self.closed = True
+
+
+def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """An anchor is measured in every round, in the rotation, on the same tokens as our models; the profile of
+    first packed scheme (w4a16-g128 where measured) is taken; the JSON and Markdown carry the anchor's figures and the ratio; the results store does
+    not get the anchor's rows."""
+    runner = _FakeRunner()
+    order = []
+    real = speed_cpu.decode
+    monkeypatch.setattr(speed_cpu, "decode", lambda model, prompt, steps: (order.append(id(model)),
+                                                                          real(model, prompt, steps))[1])
+    monkeypatch.setattr(anchors, "available", lambda: True)
+
+    def fake_build_anchors(model_name, chosen, threads, n_ctx):
+        assert chosen == ["llama.cpp"] and threads == 1 and n_ctx >= 16
+        info = {"gguf": "m.Q4_1.gguf", "gguf_sha256": "cd" * 32, "gguf_bytes": 1}
+        return [speed_cpu.Candidate("llama.cpp Q4_1", None, "anchor", "Q4_1", 1, runner=runner, info=info)], {}
+
+    monkeypatch.setattr(speed_cpu, "build_anchors", fake_build_anchors)
+    out, store = tmp_path / "a", tmp_path / "r.sqlite"
+    assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
+                       "--schemes", "w4a16", "--rounds", "2", "--prefill", "16", "--decode", "2",
+                       "--anchors", "llama.cpp", "--out", str(out), "--results", str(store)]) == 0
+    doc = json.loads((out / "speed.json").read_text())
+    names = [r["candidate"] for r in doc["rows"]]
+    assert names[:3] == ["dense bf16", "dense fp32", "w4a16"] and names[-1] == "llama.cpp Q4_1"
+    assert len([c for c in runner.calls if c[0] == "decode"]) == 2 and runner.closed
+    decodes = [c for c in runner.calls if c[0] == "decode"]
+    assert all(len(c[1]) == 16 and c[2] == 2 for c in decodes)
+    assert [c[1] for c in runner.calls if c[0] == "prefill"][0][:16] == decodes[0][1]   # the same tokens
+    # the anchor is first in round 1's rotation slot n-1 and moves up by one in round 2: our models' order shows it
+    n = len(names)
+    timed = order[-2 * (n - 1):]
+    assert timed[n - 1:] == timed[1:n - 1] + timed[:1]
+    anchor = doc["rows"][-1]
+    assert anchor["kind"] == "anchor" and anchor["decode_ms"] == 2.0 and anchor["gguf_sha256"] == "cd" * 32
+    assert doc["profile"]["candidate"] == "w4a16"
+    assert ("w4a16 +int8 head" in names) == doc["profile"]["head_dominates"]
+    md = (out / "speed.md").read_text()
+    assert "| output head " in md and "llama.cpp Q4_1" in md
+    from bench.common.store import ResultStore
+    assert not any("llama" in r.scheme for r in ResultStore(store).rows())

@@ -22,7 +22,7 @@ Anchors (bench.studies.anchors): where llama-cpp-python is installed (or `--anch
 GGUF the model comes from, run by llama.cpp as Q4_1 (as shipped), Q8_0 and BF16, joins the same rounds; their
 weight memory is the resident memory the loaded GGUF added (its weights mapped and touched, plus llama.cpp's KV
 cache and compute buffers), with the file's size beside it. With anchors, the w4a16-g128 model's decode is also
-profiled (`profile_decode`: where its time goes); when its bf16 output head costs at least as much as all its
+profiled (`profile_decode`: where its time goes; the first packed scheme without w4a16-g128); when its bf16 output head costs at least as much as all its
 quantized linears together, a copy with an int8 head (`Int8Head`, the nearest torch kernel to the Q8_0 head of the
 Q4_1 GGUF) is measured as an extra candidate; the defaults do not change.
 """
@@ -92,10 +92,10 @@ class Int8Head(nn.Module):
         return y.reshape(*x.shape[:-1], -1)
 
 
-def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None) -> list[Candidate]:
+def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, dense: bool = True) -> list[Candidate]:
     """The dense model in bf16 and float32, and each scheme's packed model held in `dtype`, each with the resident
     memory its building left in the process. A scheme named `<scheme> +int8 head` is that scheme's packed model
-    with its output head replaced by Int8Head."""
+    with its output head replaced by Int8Head. `dense=False`: the schemes only (after a first build)."""
     from bench.common.models import load_model
     from bench.evaluations import data as D
     from lrq.methods import get_method, load_methods
@@ -104,12 +104,12 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None) ->
     load_methods()
     # one throwaway build first: what the first load and calibration leave for good (imported code, cached texts,
     # the tokenizer) must not be counted as the first candidate's weights
-    loaded = load_model(model_name)
-    if any(get_method("rtn").needs_calibration(get_scheme(s.removesuffix(HEAD_INT8))) for s in schemes):
+    loaded = load_model(model_name) if dense else None
+    if dense and any(get_method("rtn").needs_calibration(get_scheme(s.removesuffix(HEAD_INT8))) for s in schemes):
         D.calibration_set(loaded.tokenizer, D.resolve_data_dir(data_dir), "c4", 16, 512)
     del loaded
     out = []
-    for name in ("dense bf16", "dense fp32", *schemes):
+    for name in (("dense bf16", "dense fp32") if dense else ()) + tuple(schemes):
         before = _rss()
         loaded = load_model(model_name)
         model, tok = loaded.model.eval(), loaded.tokenizer
@@ -295,15 +295,16 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     cands = build(model_name, schemes, dtype, data_dir)
     profiled, extra = None, {}
     if anchors:
-        target = next((c for c in cands if c.name == "w4a16-g128"), None)
+        packed = [c for c in cands if c.kind == "packed"]   # w4a16-g128, the anchor's comparison, else the first
+        target = next((c for c in packed if c.name == "w4a16-g128"), packed[0] if packed else None)
         if target is not None:
             ids = torch.arange(100, 116).unsqueeze(0) % target.model.config.vocab_size
             profiled = {"candidate": target.name, **profile_decode(target.model, ids, 8)}
             profiled["head_dominates"] = head_dominates(profiled)
-            print("profile of w4a16-g128 decode: " + ", ".join(
+            print(f"profile of {target.name} decode: " + ", ".join(
                 f"{g['group']} {g['ms_per_token']:.1f} ms" for g in profiled["groups"]), flush=True)
             if profiled["head_dominates"]:
-                cands += build(model_name, [target.name + HEAD_INT8], dtype, data_dir)[2:]
+                cands += build(model_name, [target.name + HEAD_INT8], dtype, data_dir, dense=False)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
         cands += anchor_cands
     try:
