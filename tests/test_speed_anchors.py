@@ -59,7 +59,7 @@ def test_markdown_names_llama_cpp_its_gguf_the_ratio_and_the_profile():
     ratio = speed_cpu.anchor_ratio(doc)
     assert ratio == {"ratio": 2.25, "cpu_ratio": 2.0, "target": 1.5, "met": False}
     md = speed_cpu.markdown(doc)
-    assert "llama-cpp-python 0.3.36" in md and "ab" * 32 in md and "token_embd Q8_0" in md
+    assert "|\n\nllama.cpp: llama-cpp-python 0.3.36" in md and "ab" * 32 in md and "token_embd Q8_0" in md
     assert "w4a16-g128 decode vs llama.cpp Q4_1: 2.25x slower" in md and "not met" in md
     assert "| output head " in md and "| framework/Python overhead " in md and "does not dominate" in md
     assert "does not dominate" not in speed_cpu.markdown(_doc(profile_head_ms=25.0))
@@ -139,8 +139,8 @@ class _FakeRunner:
 
 def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """An anchor is measured in every round, in the rotation, on the same tokens as our models; the profile of
-    first packed scheme (w4a16-g128 where measured) is taken; the JSON and Markdown carry the anchor's figures and the ratio; the results store does
-    not get the anchor's rows."""
+    first packed scheme (w4a16-g128 where measured) is taken; --int8-head adds its int8-head copy; the JSON and
+    Markdown carry the anchor's figures; the results store does not get the anchor's rows."""
     runner = _FakeRunner()
     order = []
     real = speed_cpu.decode
@@ -157,7 +157,7 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     out, store = tmp_path / "a", tmp_path / "r.sqlite"
     assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
                        "--schemes", "w4a16", "--rounds", "2", "--prefill", "16", "--decode", "2",
-                       "--anchors", "llama.cpp", "--out", str(out), "--results", str(store)]) == 0
+                       "--anchors", "llama.cpp", "--int8-head", "--out", str(out), "--results", str(store)]) == 0
     doc = json.loads((out / "speed.json").read_text())
     names = [r["candidate"] for r in doc["rows"]]
     assert names[:3] == ["dense bf16", "dense fp32", "w4a16"] and names[-1] == "llama.cpp Q4_1"
@@ -172,8 +172,9 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     anchor = doc["rows"][-1]
     assert anchor["kind"] == "anchor" and anchor["decode_ms"] == 2.0 and anchor["gguf_sha256"] == "cd" * 32
     assert doc["profile"]["candidate"] == "w4a16"
-    assert ("w4a16 +int8 head" in names) == doc["profile"]["head_dominates"]
+    assert names[3] == "w4a16 +int8 head"   # asked for with --int8-head, whatever the profile says
+    assert doc["profile"]["unprofiled_ms_per_token"] > 0
     md = (out / "speed.md").read_text()
-    assert "| output head " in md and "llama.cpp Q4_1" in md
+    assert "| output head " in md and "llama.cpp Q4_1" in md and "`w4a16 +int8 head` above" in md
     from bench.common.store import ResultStore
     assert not any("llama" in r.scheme for r in ResultStore(store).rows())

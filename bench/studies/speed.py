@@ -9,10 +9,10 @@ triton.testing.do_bench on a GPU) of every scheme's PackedLinear forward against
 the weight bytes of each. `e2e` on the CPU: the default model quantized with RTN (weights only matter here) and
 packed, every format beside the dense model in one process, interleaved (bench.studies.speed_cpu: decode ms/token,
 prefill tokens/s, resident weight memory, ratios against the faster dense model; llama.cpp running the same GGUF
-joins the rounds where llama-cpp-python is installed, `pip install -e '.[anchors]'`: bench.studies.anchors); on a GPU, or with `--shape`, a
-random-weight model of a named shape with a static KV cache and CUDA graphs (bench.studies.speed_e2e). Both print a
-Markdown table and write JSON with the hardware and versions; `--results` also stores the figures in the results
-store (dataset "speed_...") so the report shows them.
+joins the rounds where llama-cpp-python is installed, `pip install -e '.[anchors]'`: bench.studies.anchors); on a
+GPU, or with `--shape`, a random-weight model of a named shape with a static KV cache and CUDA graphs
+(bench.studies.speed_e2e). Both print a Markdown table and write JSON with the hardware and versions;
+`--results` also stores the figures in the results store (dataset "speed_...") so the report shows them.
 """
 
 from __future__ import annotations
@@ -142,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="auto", help="e2e on the CPU: what the packed models are held in")
     ap.add_argument("--anchors", default=None,
                     help="e2e on the CPU: llama.cpp (run the model's GGUF as Q4_1, Q8_0 and BF16 in the same rounds; "
-                         "needs pip install -e '.[anchors]') or none; default: llama.cpp where it is installed and the model "
-                         "comes from a GGUF")
+                         "needs pip install -e '.[anchors]') or none; default: llama.cpp where it is installed "
+                         "and the model comes from a GGUF")
+    ap.add_argument("--int8-head", action="store_true",
+                    help="e2e on the CPU with anchors: also measure the profiled scheme with an int8 output head "
+                         "(otherwise only when its profile shows the head costing as much as all quantized linears)")
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if args.what == "e2e" and not (args.shape or args.device == "cuda"):
@@ -172,7 +175,8 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
     from lrq.io import atomic_write_text
     chosen = anchors.resolve(args.anchors, args.model)
     doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
-                        args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen)
+                        args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen,
+                        int8_head=args.int8_head)
     print(speed_cpu.markdown(doc))
     ratio = speed_cpu.anchor_ratio(doc)
     if ratio:

@@ -22,9 +22,10 @@ Anchors (bench.studies.anchors): where llama-cpp-python is installed (or `--anch
 GGUF the model comes from, run by llama.cpp as Q4_1 (as shipped), Q8_0 and BF16, joins the same rounds; their
 weight memory is the resident memory the loaded GGUF added (its weights mapped and touched, plus llama.cpp's KV
 cache and compute buffers), with the file's size beside it. With anchors, the w4a16-g128 model's decode is also
-profiled (`profile_decode`: where its time goes; the first packed scheme without w4a16-g128); when its bf16 output head costs at least as much as all its
-quantized linears together, a copy with an int8 head (`Int8Head`, the nearest torch kernel to the Q8_0 head of the
-Q4_1 GGUF) is measured as an extra candidate; the defaults do not change.
+profiled (`profile_decode`: where its time goes; the first packed scheme where w4a16-g128 is not measured); when
+its bf16 output head costs at least as much as all its quantized linears together, or --int8-head asks, a copy with
+an int8 head (`Int8Head`, the nearest torch kernel to the Q8_0 head of the Q4_1 GGUF) is measured as an extra
+candidate; the defaults do not change.
 """
 
 from __future__ import annotations
@@ -208,7 +209,9 @@ def profile_decode(model: nn.Module, prompt: torch.Tensor, steps: int = 8) -> di
     """Where `steps` greedy decode steps after `prompt` spend their time, under torch.profiler: each top-level aten
     op (one not inside another aten op) goes to the group of the nearest module it runs in (a PackedLinear: the
     quantized linears; the output head; anything else: attention/SDPA, RoPE, norms, the embedding, residual adds,
-    the argmax), and the wall time inside no aten op is framework/Python overhead. ms per token, and shares."""
+    the argmax), and the wall time inside no aten op is framework/Python overhead. ms per token, and shares; the
+    profiler adds its own cost to every op (most of it lands in the overhead), so the same steps are also timed
+    without it first (`unprofiled_ms_per_token`)."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from lrq.packed import PackedLinear
@@ -229,6 +232,7 @@ def profile_decode(model: nn.Module, prompt: torch.Tensor, steps: int = 8) -> di
             label(m, PROFILE_GROUPS[0])
     label(model.get_output_embeddings(), PROFILE_GROUPS[1])
     try:
+        plain_ms, _ = decode(model, prompt, steps)
         out = model(prompt, use_cache=True, logits_to_keep=1)
         cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -253,7 +257,7 @@ def profile_decode(model: nn.Module, prompt: torch.Tensor, steps: int = 8) -> di
         if p is None:   # top-level: no aten op above it
             us[group] += e.time_range.elapsed_us()
     us[PROFILE_GROUPS[3]] = max(wall_us - sum(us.values()), 0.0)
-    return {"steps": steps, "wall_ms_per_token": wall_us / 1e3 / steps,
+    return {"steps": steps, "wall_ms_per_token": wall_us / 1e3 / steps, "unprofiled_ms_per_token": plain_ms,
             "groups": [{"group": g, "ms_per_token": us[g] / 1e3 / steps, "share": us[g] / wall_us}
                        for g in PROFILE_GROUPS]}
 
@@ -286,7 +290,7 @@ def build_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int)
 
 
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
-        data_dir: str | None, anchors: list[str] | None = None) -> dict:
+        data_dir: str | None, anchors: list[str] | None = None, int8_head: bool = False) -> dict:
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
@@ -303,7 +307,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
             profiled["head_dominates"] = head_dominates(profiled)
             print(f"profile of {target.name} decode: " + ", ".join(
                 f"{g['group']} {g['ms_per_token']:.1f} ms" for g in profiled["groups"]), flush=True)
-            if profiled["head_dominates"]:
+            if profiled["head_dominates"] or int8_head:
                 cands += build(model_name, [target.name + HEAD_INT8], dtype, data_dir, dense=False)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
         cands += anchor_cands
@@ -359,7 +363,8 @@ def markdown(doc: dict) -> str:
         tabulate(body, headers=["candidate", "held in", "decode ms/token", "decode CPU ms", "prefill tok/s",
                                 "weight MiB", "decode vs dense", "prefill vs dense", "memory vs bf16"],
                  tablefmt="github", disable_numparse=True), ""])
-    return lines + _anchor_markdown(doc)
+    extra = _anchor_markdown(doc)
+    return lines + ("\n" + extra if extra else "")
 
 
 def _anchor_markdown(doc: dict) -> str:
@@ -382,16 +387,27 @@ def _anchor_markdown(doc: dict) -> str:
     prof = doc.get("profile")
     if prof:
         body = [[g["group"], f"{g['ms_per_token']:.2f}", f"{100 * g['share']:.0f} %"] for g in prof["groups"]]
-        out += [f"Where {prof['candidate']}'s decode time goes (torch.profiler, {prof['steps']} steps after a 16-token "
-                f"prompt, {prof['wall_ms_per_token']:.1f} ms/token under the profiler; top-level aten ops by the "
-                f"module they run in, overhead = wall time inside no aten op):", "",
+        out += [f"Where {prof['candidate']}'s decode time goes (torch.profiler, {prof['steps']} steps after a "
+                f"16-token prompt, {prof['wall_ms_per_token']:.1f} ms/token under the profiler, "
+                f"{prof.get('unprofiled_ms_per_token', float('nan')):.1f} without it; top-level aten ops by the "
+                f"module they run in, overhead = wall time inside no aten op, the profiler's own per-op cost "
+                f"mostly included):", "",
                 tabulate(body, headers=["group", "ms/token", "share"], tablefmt="github", disable_numparse=True),
-                "", f"The head {'dominates' if prof['head_dominates'] else 'does not dominate'} (it costs "
-                f"{'at least' if prof['head_dominates'] else 'less than'} all the quantized linears together)"
-                + (f"; `{prof['candidate']}{HEAD_INT8}` above is the same model with an int8 per-channel head "
-                   f"(torch `_weight_int8pack_mm`; llama.cpp's file holds its tied head as Q8_0)."
-                   if prof["head_dominates"] else "."), ""]
+                "", _head_sentence(prof, doc), ""]
     return "\n".join(out)
+
+
+def _head_sentence(prof: dict, doc: dict) -> str:
+    by = {r["candidate"]: r for r in doc["rows"]}
+    text = (f"The head {'dominates' if prof['head_dominates'] else 'does not dominate'} (it costs "
+            f"{'at least' if prof['head_dominates'] else 'less than'} all the quantized linears together)")
+    head_row, ours = by.get(prof["candidate"] + HEAD_INT8), by.get(prof["candidate"])
+    if head_row and ours:
+        text += (f"; `{head_row['candidate']}` above is the same model with an int8 per-channel head (torch "
+                 f"`_weight_int8pack_mm`; llama.cpp's Q4_1 file holds its tied head as Q8_0, groups of 32)"
+                 f"{'' if prof['head_dominates'] else ', measured because --int8-head asked for it'}: decode "
+                 f"{head_row['decode_ms']:.1f} ms/token against {ours['decode_ms']:.1f} with the bf16 head")
+    return text + "."
 
 
 def svg(doc: dict, width: int = 560, bar: int = 22) -> str:
