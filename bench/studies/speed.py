@@ -191,8 +191,9 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             atomic_write_text(folder / name, text)
-    if args.results:   # the leaderboard's rows are our formats; the anchors stay in the study's own files
-        _store([r for r in doc["rows"] if r["kind"] != "anchor"], "e2e-cpu", args.results, args.model)
+    if args.results:   # the leaderboard gets our formats; anchors and the int8-head copy stay in the study's files
+        _store([r for r in doc["rows"] if r["kind"] != "anchor" and not r["candidate"].endswith(speed_cpu.HEAD_INT8)],
+               "e2e-cpu", args.results, args.model)
     return 0
 
 
