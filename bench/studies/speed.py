@@ -2,16 +2,17 @@
 
     python -m bench.studies.speed layers [--shapes smollm2|llama2-7b] [--ms 1,16,64,256,2048] [--out layers.json]
     python -m bench.studies.speed e2e    [--schemes w4a16,w8a8,...] [--prefill 512] [--decode 32] [--rounds 5]
-                                         [--threads 1] [--out reports/speed-cpu]
+                                         [--threads 1] [--anchors llama.cpp|none] [--out reports/speed-cpu]
 
 `layers`: per-layer latency (median of torch.utils.benchmark's blocked autorange on the CPU, of
 triton.testing.do_bench on a GPU) of every scheme's PackedLinear forward against the bf16 nn.Linear, and
 the weight bytes of each. `e2e` on the CPU: the default model quantized with RTN (weights only matter here) and
 packed, every format beside the dense model in one process, interleaved (bench.studies.speed_cpu: decode ms/token,
-prefill tokens/s, resident weight memory, ratios against the faster dense model); on a GPU, or with `--shape`, a
-random-weight model of a named shape with a static KV cache and CUDA graphs (bench.studies.speed_e2e). Both print a
-Markdown table and write JSON with the hardware and versions; `--results` also stores the figures in the results
-store (dataset "speed_...") so the report shows them.
+prefill tokens/s, resident weight memory, ratios against the faster dense model; llama.cpp running the same GGUF
+joins the rounds where llama-cpp-python is installed, `pip install -e '.[anchors]'`: bench.studies.anchors); on a
+GPU, or with `--shape`, a random-weight model of a named shape with a static KV cache and CUDA graphs
+(bench.studies.speed_e2e). Both print a Markdown table and write JSON with the hardware and versions;
+`--results` also stores the figures in the results store (dataset "speed_...") so the report shows them.
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="e2e on the CPU: torch threads (default 1)")
     ap.add_argument("--rounds", type=int, default=5, help="e2e on the CPU: interleaved rounds (medians over them)")
     ap.add_argument("--precision", default="auto", help="e2e on the CPU: what the packed models are held in")
+    ap.add_argument("--anchors", default=None,
+                    help="e2e on the CPU: llama.cpp (run the model's GGUF as Q4_1, Q8_0 and BF16 in the same rounds; "
+                         "needs pip install -e '.[anchors]') or none; default: llama.cpp where it is installed "
+                         "and the model comes from a GGUF")
+    ap.add_argument("--int8-head", action="store_true",
+                    help="e2e on the CPU with anchors: also measure the profiled scheme with an int8 output head "
+                         "(otherwise only when its profile shows the head costing as much as all quantized linears)")
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if args.what == "e2e" and not (args.shape or args.device == "cuda"):
@@ -163,11 +171,17 @@ def main(argv: list[str] | None = None) -> int:
 def _e2e_cpu(args, schemes: list[str]) -> int:
     """`e2e` on the CPU: every candidate interleaved in one process (bench.studies.speed_cpu); `--out` is a folder
     (speed.json, speed.md and decode.svg) or a .json file."""
-    from bench.studies import speed_cpu
+    from bench.studies import anchors, speed_cpu
     from lrq.io import atomic_write_text
+    chosen = anchors.resolve(args.anchors, args.model)
     doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
-                        args.rounds, args.prefill, args.decode, args.data_dir)
+                        args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen,
+                        int8_head=args.int8_head)
     print(speed_cpu.markdown(doc))
+    ratio = speed_cpu.anchor_ratio(doc)
+    if ratio:
+        print(f"w4a16-g128 decode vs llama.cpp Q4_1: {ratio['ratio']:.2f}x (CPU time {ratio['cpu_ratio']:.2f}x); "
+              f"target <= {ratio['target']}x: {'met' if ratio['met'] else 'NOT met'}", flush=True)
     if args.out:
         out = Path(args.out)
         files = ({out.name: dumps_json(doc, indent=2, default=str)} if out.suffix == ".json" else
@@ -177,8 +191,9 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             atomic_write_text(folder / name, text)
-    if args.results:
-        _store(doc["rows"], "e2e-cpu", args.results, args.model)
+    if args.results:   # the leaderboard gets our formats; anchors and the int8-head copy stay in the study's files
+        _store([r for r in doc["rows"] if r["kind"] != "anchor" and not r["candidate"].endswith(speed_cpu.HEAD_INT8)],
+               "e2e-cpu", args.results, args.model)
     return 0
 
 

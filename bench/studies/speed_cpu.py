@@ -17,6 +17,15 @@ Measures: decode, ms per generated token after a 16-token prompt (the prompt exc
 last position's logits computed); prefill, tokens/s of one forward of `--prefill` tokens computing the last
 position's logits only; weight memory, the resident memory the model added to the process when it was built
 (measured with the allocator's free memory returned to the system, not summed from buffers).
+
+Anchors (bench.studies.anchors): where llama-cpp-python is installed (or `--anchors llama.cpp` asks for it), the
+GGUF the model comes from, run by llama.cpp as Q4_1 (as shipped), Q8_0 and BF16, joins the same rounds; their
+weight memory is the resident memory the loaded GGUF added (its weights mapped and touched, plus llama.cpp's KV
+cache and compute buffers), with the file's size beside it. With anchors, the w4a16-g128 model's decode is also
+profiled (`profile_decode`: where its time goes; the first packed scheme where w4a16-g128 is not measured); when
+its bf16 output head costs at least as much as all its quantized linears together, or --int8-head asks, a copy with
+an int8 head (`Int8Head`, the nearest torch kernel to the Q8_0 head of the Q4_1 GGUF) is measured as an extra
+candidate; the defaults do not change.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,13 +43,20 @@ from torch import nn
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
 
+HEAD_INT8 = " +int8 head"        # the suffix of a packed candidate whose output head is Int8Head
+PROFILE_GROUPS = ("quantized linears", "output head", "attention/SDPA, RoPE, norms and other ops",
+                  "framework/Python overhead")
+
+
 @dataclass
 class Candidate:
     name: str
-    model: nn.Module
-    kind: str                      # "dense" or "packed"
+    model: nn.Module | None        # None for an anchor (its runner times it)
+    kind: str                      # "dense", "packed" or "anchor"
     dtype: str                     # what its activations and unquantized parts compute in
     weight_rss_bytes: int
+    runner: object = None          # an anchor's runner (decode/prefill like this module's functions)
+    info: dict = field(default_factory=dict)
     decode_ms: list[float] = field(default_factory=list)
     decode_cpu_ms: list[float] = field(default_factory=list)
     prefill_tok_s: list[float] = field(default_factory=list)
@@ -57,9 +74,29 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None) -> list[Candidate]:
+class Int8Head(nn.Module):
+    """An output head as int8 levels per output channel (symmetric, absmax / 127) through torch's
+    `_weight_int8pack_mm`: the nearest torch CPU kernel to llama.cpp's Q8_0 head (which scales groups of 32)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        s = w.abs().amax(1).clamp_min(1e-12) / 127
+        self.register_buffer("q", torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        self.register_buffer("s_bf16", s.bfloat16())
+        self.register_buffer("s_fp32", s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bf16 = x.dtype == torch.bfloat16
+        x2 = (x if bf16 else x.float()).reshape(-1, x.shape[-1]).contiguous()
+        y = torch._weight_int8pack_mm(x2, self.q, self.s_bf16 if bf16 else self.s_fp32)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, dense: bool = True) -> list[Candidate]:
     """The dense model in bf16 and float32, and each scheme's packed model held in `dtype`, each with the resident
-    memory its building left in the process."""
+    memory its building left in the process. A scheme named `<scheme> +int8 head` is that scheme's packed model
+    with its output head replaced by Int8Head. `dense=False`: the schemes only (after a first build)."""
     from bench.common.models import load_model
     from bench.evaluations import data as D
     from lrq.methods import get_method, load_methods
@@ -68,12 +105,12 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None) ->
     load_methods()
     # one throwaway build first: what the first load and calibration leave for good (imported code, cached texts,
     # the tokenizer) must not be counted as the first candidate's weights
-    loaded = load_model(model_name)
-    if any(get_method("rtn").needs_calibration(get_scheme(s)) for s in schemes):
+    loaded = load_model(model_name) if dense else None
+    if dense and any(get_method("rtn").needs_calibration(get_scheme(s.removesuffix(HEAD_INT8))) for s in schemes):
         D.calibration_set(loaded.tokenizer, D.resolve_data_dir(data_dir), "c4", 16, 512)
     del loaded
     out = []
-    for name in ("dense bf16", "dense fp32", *schemes):
+    for name in (("dense bf16", "dense fp32") if dense else ()) + tuple(schemes):
         before = _rss()
         loaded = load_model(model_name)
         model, tok = loaded.model.eval(), loaded.tokenizer
@@ -84,11 +121,13 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None) ->
         else:
             held = dtype
             model.to(held)
-            scheme, rtn = get_scheme(name), get_method("rtn")
+            scheme, rtn = get_scheme(name.removesuffix(HEAD_INT8)), get_method("rtn")
             calib = (D.calibration_set(tok, D.resolve_data_dir(data_dir), "c4", 16, 512)
                      if rtn.needs_calibration(scheme) else None)
             rtn.quantize(model, scheme, rtn.config("quick"), calib)
             pack_model(model)
+            if name.endswith(HEAD_INT8):
+                model.lm_head = Int8Head(model.get_output_embeddings().weight)
         del loaded, calib
         _warm(model)   # what a format converts or caches at its first forward is part of what it holds
         out.append(Candidate(name, model, "dense" if name.startswith("dense") else "packed",
@@ -128,12 +167,16 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
     vocab = cands[0].model.config.vocab_size
     ids = torch.randint(min(100, vocab // 2), min(1000, vocab), (1, prefill_len), generator=gen)
     n = len(cands)
+    listed = ids[0].tolist()
     for r in range(rounds):
         for c in cands[r % n:] + cands[:r % n]:
-            wall, cpu = decode(c.model, ids[:, :16], decode_steps)
+            if c.runner is not None:   # an anchor: the same tokens, timed the same way by its runner
+                wall, cpu = c.runner.decode(listed[:16], decode_steps)
+            else:
+                wall, cpu = decode(c.model, ids[:, :16], decode_steps)
             c.decode_ms.append(wall)
             c.decode_cpu_ms.append(cpu)
-            tok_s, cpu_s = prefill(c.model, ids)
+            tok_s, cpu_s = c.runner.prefill(listed) if c.runner is not None else prefill(c.model, ids)
             c.prefill_tok_s.append(tok_s)
             c.prefill_cpu_s.append(cpu_s)
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{c.name} {c.decode_ms[-1]:.1f} ms" for c in cands), flush=True)
@@ -157,23 +200,145 @@ def rows(cands: list[Candidate]) -> list[dict]:
                     "decode_vs_dense": med(best_decode.decode_ms) / med(c.decode_ms),
                     "prefill_vs_dense": med(c.prefill_tok_s) / med(best_prefill.prefill_tok_s),
                     "memory_vs_dense_bf16": c.weight_rss_bytes / max(best_memory.weight_rss_bytes, 1),
-                    "dense_reference": {"decode": best_decode.name, "prefill": best_prefill.name}})
+                    "dense_reference": {"decode": best_decode.name, "prefill": best_prefill.name}, **c.info})
     return out
 
 
+@torch.no_grad()
+def profile_decode(model: nn.Module, prompt: torch.Tensor, steps: int = 8) -> dict:
+    """Where `steps` greedy decode steps after `prompt` spend their time, under torch.profiler: each top-level aten
+    op (one not inside another aten op) goes to the group of the nearest module it runs in (a PackedLinear: the
+    quantized linears; the output head; anything else: attention/SDPA, RoPE, norms, the embedding, residual adds,
+    the argmax), and the wall time inside no aten op is framework/Python overhead. ms per token, and shares; the
+    profiler adds its own cost to every op (most of it lands in the overhead), so the same steps are also timed
+    without it first (`unprofiled_ms_per_token`)."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+    from lrq.packed import PackedLinear
+    stack, handles = [], []
+
+    def label(module: nn.Module, group: str) -> None:
+        def enter(_m, _args):
+            rf = record_function(f"lrq.group::{group}")
+            rf.__enter__()
+            stack.append(rf)
+
+        def leave(_m, _args, _out):
+            stack.pop().__exit__(None, None, None)
+        handles.extend([module.register_forward_pre_hook(enter), module.register_forward_hook(leave)])
+
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            label(m, PROFILE_GROUPS[0])
+    label(model.get_output_embeddings(), PROFILE_GROUPS[1])
+    try:
+        plain_ms, _ = decode(model, prompt, steps)
+        out = model(prompt, use_cache=True, logits_to_keep=1)
+        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
+                cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+            wall_us = 1e6 * (time.perf_counter() - t0)
+    finally:
+        for h in handles:
+            h.remove()
+    us = dict.fromkeys(PROFILE_GROUPS[:3], 0.0)
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        group, p = PROFILE_GROUPS[2], e.cpu_parent
+        named = False
+        while p is not None and not p.name.startswith("aten::"):
+            if not named and p.name.startswith("lrq.group::"):
+                group, named = p.name.split("::", 1)[1], True
+            p = p.cpu_parent
+        if p is None:   # top-level: no aten op above it
+            us[group] += e.time_range.elapsed_us()
+    us[PROFILE_GROUPS[3]] = max(wall_us - sum(us.values()), 0.0)
+    return {"steps": steps, "wall_ms_per_token": wall_us / 1e3 / steps, "unprofiled_ms_per_token": plain_ms,
+            "groups": [{"group": g, "ms_per_token": us[g] / 1e3 / steps, "share": us[g] / wall_us}
+                       for g in PROFILE_GROUPS]}
+
+
+def head_dominates(profile: dict) -> bool:
+    """The output head costs at least as much as all the quantized linears together."""
+    ms = {g["group"]: g["ms_per_token"] for g in profile["groups"]}
+    return ms[PROFILE_GROUPS[1]] >= ms[PROFILE_GROUPS[0]]
+
+
+def build_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int) -> tuple[list[Candidate], dict]:
+    """llama.cpp's candidates (Q4_1, Q8_0, BF16 of the model's GGUF), each warmed, with the resident memory it
+    added; and what the report names about them (version, files and their SHA-256)."""
+    if "llama.cpp" not in anchors:
+        return [], {}
+    from bench.studies import anchors as A
+    files = A.gguf_files(A.source_gguf(model_name))
+    cands = []
+    for kind in A.LLAMA_CPP_TYPES:
+        f = files[kind]
+        before = _rss()
+        runner = A.LlamaCppRunner(f["path"], threads, n_ctx)
+        runner.decode(list(range(16)), 2)
+        runner.prefill(list(range(64)))
+        cands.append(Candidate(f"llama.cpp {kind}", None, "anchor", kind, _rss() - before, runner=runner,
+                               info={"gguf": Path(f["path"]).name, "gguf_sha256": f["sha256"],
+                                     "gguf_bytes": f["bytes"]}))
+    return cands, {"llama.cpp": {**A.version(), "n_threads": threads, "n_batch": n_ctx, "flash_attn": False,
+                                 "files": {k: {**v, "path": Path(v["path"]).name} for k, v in files.items()}}}
+
+
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
-        data_dir: str | None) -> dict:
+        data_dir: str | None, anchors: list[str] | None = None, int8_head: bool = False) -> dict:
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
     decided = Precision.decide(precision, "cpu")
     dtype = torch.bfloat16 if decided.used == "bf16" else torch.float32
     cands = build(model_name, schemes, dtype, data_dir)
-    measure(cands, rounds, prefill_len, decode_steps)
+    profiled, extra = None, {}
+    if anchors:
+        packed = [c for c in cands if c.kind == "packed"]   # w4a16-g128, the anchor's comparison, else the first
+        target = next((c for c in packed if c.name == "w4a16-g128"), packed[0] if packed else None)
+        if target is not None:
+            ids = torch.arange(100, 116).unsqueeze(0) % target.model.config.vocab_size
+            profiled = {"candidate": target.name, **profile_decode(target.model, ids, 8)}
+            profiled["head_dominates"] = head_dominates(profiled)
+            print(f"profile of {target.name} decode: " + ", ".join(
+                f"{g['group']} {g['ms_per_token']:.1f} ms" for g in profiled["groups"]), flush=True)
+            if profiled["head_dominates"] or int8_head:
+                cands += build(model_name, [target.name + HEAD_INT8], dtype, data_dir, dense=False)
+        anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
+        cands += anchor_cands
+    try:
+        measure(cands, rounds, prefill_len, decode_steps)
+    finally:
+        for c in cands:
+            if c.runner is not None:
+                c.runner.close()
     hw = hardware()
-    return {"what": "e2e-cpu", "model": model_name, "threads": threads, "rounds": rounds, "prefill": prefill_len,
-            "decode_steps": decode_steps, "precision": decided.info(), "machine": cpu_label(hw),
-            "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands)}
+    doc = {"what": "e2e-cpu", "model": model_name, "threads": threads, "rounds": rounds, "prefill": prefill_len,
+           "decode_steps": decode_steps, "precision": decided.info(), "machine": cpu_label(hw),
+           "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands),
+           "anchors": extra}
+    if profiled:
+        doc["profile"] = profiled
+    return doc
+
+
+ANCHOR_TARGET = 1.5   # issue W: our w4a16-g128 decode within 1.5x of llama.cpp Q4_1's
+
+
+def anchor_ratio(doc: dict) -> dict | None:
+    """Our w4a16-g128 decode ms/token over llama.cpp Q4_1's (wall and CPU), against the target."""
+    by = {r["candidate"]: r for r in doc["rows"]}
+    ours, ref = by.get("w4a16-g128"), by.get("llama.cpp Q4_1")
+    if not (ours and ref):
+        return None
+    ratio = ours["decode_ms"] / ref["decode_ms"]
+    return {"ratio": ratio, "cpu_ratio": ours["decode_cpu_ms"] / ref["decode_cpu_ms"], "target": ANCHOR_TARGET,
+            "met": ratio <= ANCHOR_TARGET}
 
 
 def markdown(doc: dict) -> str:
@@ -184,7 +349,7 @@ def markdown(doc: dict) -> str:
              f"{r['weight_rss_bytes'] / 2**20:.0f}", f"{r['decode_vs_dense']:.2f}x", f"{r['prefill_vs_dense']:.2f}x",
              f"{r['memory_vs_dense_bf16']:.2f}x"] for r in doc["rows"]]
     ref = doc["rows"][0]["dense_reference"]
-    return "\n".join([
+    lines = "\n".join([
         f"# CPU speed, {doc['model']}, batch 1, {doc['threads']} thread(s)", "",
         f"Machine: {doc['machine']} (flags {', '.join(doc['hardware'].get('cpu_bf16_flags') or []) or 'no bf16'}); "
         f"torch {doc['versions'].get('torch')}; revision {doc['git_rev'][:12]}; packed models held in "
@@ -198,6 +363,51 @@ def markdown(doc: dict) -> str:
         tabulate(body, headers=["candidate", "held in", "decode ms/token", "decode CPU ms", "prefill tok/s",
                                 "weight MiB", "decode vs dense", "prefill vs dense", "memory vs bf16"],
                  tablefmt="github", disable_numparse=True), ""])
+    extra = _anchor_markdown(doc)
+    return lines + ("\n" + extra if extra else "")
+
+
+def _anchor_markdown(doc: dict) -> str:
+    from tabulate import tabulate
+    out = []
+    lc = (doc.get("anchors") or {}).get("llama.cpp")
+    if lc:
+        files = ", ".join(f"{k}: {v['path']} (SHA-256 {v['sha256']}, {v['bytes'] / 2**20:.0f} MiB; token_embd "
+                          f"{v['tensor_types']['head'].get('token_embd.weight', '?')})" for k, v in lc["files"].items())
+        out += [f"llama.cpp: llama-cpp-python {lc['llama_cpp_python']} (its vendored llama.cpp, built from the "
+                f"sdist), n_threads = n_threads_batch = {lc['n_threads']}, n_batch = n_ubatch = {lc['n_batch']}, "
+                f"flash attention off, batch 1; its weight memory is the resident memory the loaded GGUF added "
+                f"(weights, KV cache and compute buffers). Files: {files}. Q8_0 and BF16 were made from the Q4_1 "
+                f"file by llama_model_quantize (allow_requantize). Build: {lc['system_info']}", ""]
+    ratio = anchor_ratio(doc)
+    if ratio:
+        out += [f"**w4a16-g128 decode vs llama.cpp Q4_1: {ratio['ratio']:.2f}x slower** (wall; CPU time "
+                f"{ratio['cpu_ratio']:.2f}x); target within {ratio['target']}x: "
+                f"{'met' if ratio['met'] else 'not met'}.", ""]
+    prof = doc.get("profile")
+    if prof:
+        body = [[g["group"], f"{g['ms_per_token']:.2f}", f"{100 * g['share']:.0f} %"] for g in prof["groups"]]
+        out += [f"Where {prof['candidate']}'s decode time goes (torch.profiler, {prof['steps']} steps after a "
+                f"16-token prompt, {prof['wall_ms_per_token']:.1f} ms/token under the profiler, "
+                f"{prof.get('unprofiled_ms_per_token', float('nan')):.1f} without it; top-level aten ops by the "
+                f"module they run in, overhead = wall time inside no aten op, the profiler's own per-op cost "
+                f"mostly included):", "",
+                tabulate(body, headers=["group", "ms/token", "share"], tablefmt="github", disable_numparse=True),
+                "", _head_sentence(prof, doc), ""]
+    return "\n".join(out)
+
+
+def _head_sentence(prof: dict, doc: dict) -> str:
+    by = {r["candidate"]: r for r in doc["rows"]}
+    text = (f"The head {'dominates' if prof['head_dominates'] else 'does not dominate'} (it costs "
+            f"{'at least' if prof['head_dominates'] else 'less than'} all the quantized linears together)")
+    head_row, ours = by.get(prof["candidate"] + HEAD_INT8), by.get(prof["candidate"])
+    if head_row and ours:
+        text += (f"; `{head_row['candidate']}` above is the same model with an int8 per-channel head (torch "
+                 f"`_weight_int8pack_mm`; llama.cpp's Q4_1 file holds its tied head as Q8_0, groups of 32)"
+                 f"{'' if prof['head_dominates'] else ', measured because --int8-head asked for it'}: decode "
+                 f"{head_row['decode_ms']:.1f} ms/token against {ours['decode_ms']:.1f} with the bf16 head")
+    return text + "."
 
 
 def svg(doc: dict, width: int = 560, bar: int = 22) -> str:
@@ -212,7 +422,7 @@ def svg(doc: dict, width: int = 560, bar: int = 22) -> str:
     for i, r in enumerate(rows_):
         y = 30 + i * bar
         w = (width - left - 70) * r["decode_ms"] / top
-        colour = "#888" if r["kind"] == "dense" else "#3b7dd8"
+        colour = {"dense": "#888", "anchor": "#d8843b"}.get(r["kind"], "#3b7dd8")
         parts += [f'<text x="8" y="{y + 15}">{html.escape(r["candidate"])}</text>',
                   f'<rect x="{left}" y="{y + 3}" width="{w:.1f}" height="{bar - 6}" fill="{colour}"/>',
                   f'<text x="{left + w + 4:.1f}" y="{y + 15}">{r["decode_ms"]:.1f}</text>']
