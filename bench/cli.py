@@ -371,8 +371,10 @@ def cmd_run(args) -> int:
     hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
     if external:   # the checkpoint read whole against its reference before any work (exit 2 naming file and field)
-        from baselines.external import check_against_reference
-        check_against_reference(external["overrides"]["checkpoint"], loaded.model, args.model)
+        from bench.common.models import same_model
+        from lrq.external import check_against_reference
+        ckpt = external["overrides"]["checkpoint"]
+        check_against_reference(ckpt, loaded.model, args.model, same_model(args.model, ckpt))
 
     # explicit --set wins over the profile; a checkpoint read as it is takes none of the methods' settings
     overrides = user_overrides if external else dict(prof.method_settings) | user_overrides
@@ -574,9 +576,9 @@ def cmd_plan(args) -> int:
 
 
 def _external_checkpoint(args) -> dict | None:
-    """`--model` names a checkpoint quantized elsewhere (baselines.external): the run scores it as one cell
+    """`--model` names a checkpoint quantized elsewhere (lrq.external): the run scores it as one cell
     beside its reference FP model, which becomes the run's model. None for an ordinary model."""
-    from baselines.external import describe, quantization_config
+    from lrq.external import describe, quantization_config
     if not quantization_config(args.model):
         if args.reference_model:
             raise UserError(f"--reference-model applies to a quantized checkpoint, and {args.model!r} is not one.")

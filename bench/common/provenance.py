@@ -11,18 +11,9 @@ from pathlib import Path
 
 import torch
 
+from lrq.measure import package_versions
+
 PACKAGES = ("lrq-bench", "torch", "triton", "transformers", "lm_eval", "datasets", "gguf", "numpy")
-
-
-def package_versions(names) -> dict[str, str]:
-    """Python's and each installed package's version (absent packages left out)."""
-    out = {"python": platform.python_version()}
-    for p in names:
-        try:
-            out[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 @functools.lru_cache(maxsize=1)

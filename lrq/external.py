@@ -541,14 +541,13 @@ class External(Method):
         return apply_checkpoint(model, config["checkpoint"])
 
 
-def check_against_reference(folder: str | Path, model: nn.Module, reference: str) -> None:
-    """Before any work: the checkpoint is not its own reference, it reads whole against the reference model
-    (every check of `apply_checkpoint`), and the reference is the model it was quantized from, as far as the
-    tensors they share say (the token embeddings, which no method of either side changes)."""
-    from bench.common.models import model_fingerprint, source_folder
+def check_against_reference(folder: str | Path, model: nn.Module, reference: str, is_itself: bool) -> None:
+    """Before any work: the checkpoint is not its own reference (`is_itself`: the harness compares the two
+    models' identities, bench.common.models.same_model), it reads whole against the reference model (every
+    check of `apply_checkpoint`), and the reference is the model it was quantized from, as far as the tensors
+    they share say (the token embeddings, which no method of either side changes)."""
     folder = Path(folder).expanduser().resolve()
-    src = source_folder(reference)
-    if (src is not None and src.resolve() == folder) or model_fingerprint(reference) == model_fingerprint(str(folder)):
+    if is_itself:
         raise UserError(f"the reference model {reference!r} is the checkpoint {folder} itself: scored against itself "
                         f"it would show KLD 0 and top-1 agreement 1. Pass the floating-point model it was quantized "
                         f"from with --reference-model.")
