@@ -281,6 +281,7 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
 @register
 class AWQ(Method):
     name = "awq"
+    walk_measured_at_width = True   # the planner prices many-token cells at the model's widths
     summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
     settings = AWQConfig
     presets = {"quick": AWQConfig(n_samples=32, search_tokens=4096), "paper": AWQConfig()}

@@ -205,6 +205,7 @@ def relative_output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> 
 @register
 class GPTQ(Method):
     name = "gptq"
+    walk_measured_at_width = True   # the planner prices many-token cells at the model's widths
     summary = "GPTQ: column-wise rounding with inverse-Hessian error feedback, true-sequential, act-order"
     settings = GPTQConfig
     presets = {"quick": GPTQConfig(), "paper": GPTQConfig()}

@@ -78,6 +78,9 @@ class Method:
     learnable_fraction: ClassVar[float] = 0.0
     # The report shows this method's learnable-parameter count against the named method's, per scheme.
     compare_learnables_with: ClassVar[str | None] = None
+    # Its quantization walks the blocks with calibration statistics whose cost the FLOP profile's narrow random
+    # blocks misprice: with many calibration tokens the planner measures one block at the model's own widths.
+    walk_measured_at_width: ClassVar[bool] = False
     # Runs another stack in its own environment (an adapter): never in the default sweep, not priced by
     # the planner; named explicitly (`--methods llmc-gptq`).
     external: ClassVar[bool] = False

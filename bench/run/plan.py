@@ -234,9 +234,14 @@ def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, e
     stages: dict[str, dict[str, tuple[float, float]]] = {
         "quant": {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))}
     L = shape.layers
-    if method is not None and measure:
-        measured_training(stages["quant"], shape, method, scheme, cfg, seq)
-        measured_walk(stages["quant"], shape, method, scheme, cfg, n, seq)
+    if method is not None and measure and scheme is not None:
+        try:   # the cell's settings resolved once for both probes
+            resolved = dict(method.resolve(scheme, dict(cfg)))
+        except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
+            resolved = None
+        if resolved is not None:
+            measured_training(stages["quant"], shape, method, scheme, cfg, resolved, seq)
+            measured_walk(stages["quant"], shape, method, scheme, cfg, resolved, n, seq)
     probe = measured_eval(shape, eval_seq) if measure and (eval_tokens or tasks) else None
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
@@ -662,7 +667,7 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
 
 
 def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict,
-                      seq: int) -> None:
+                      resolved: dict, seq: int) -> None:
     """Replace the FLOP-scaled training of a long block-wise cell (MEASURE_TRAINING_FROM_STEPS) by its measured
     step: kinds `probe:<key>:step` (calls: blocks x steps) and `probe:<key>:block` (calls: blocks), priced by
     `seconds` from the cache of measured steps."""
@@ -673,10 +678,6 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
     # only compiled steps (the eager profile prices eager ones), only many of them, only a block this machine
     # trains in seconds (a 70B block would take minutes and gigabytes to probe: its FLOP-scaled price stands)
     if steps < MEASURE_TRAINING_FROM_STEPS or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
-        return
-    try:
-        resolved = method.resolve(scheme, dict(cfg))
-    except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
         return
     if not resolved.get("compile"):
         return
@@ -693,8 +694,7 @@ def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, m
 # priced at the model's own widths: the FLOP rates of the profile's narrow random blocks are several times lower
 # than a 576-wide block's large matmuls reach (on the Zen 4 the profile priced the long preset's GPTQ w4a8 at
 # 4,281 s of quantization against 1,394 s measured for 24 of its 30 blocks).
-MEASURE_WALK_FROM_TOKENS = 65536
-MEASURE_WALK_KINDS = ("gptq", "awq")
+MEASURE_WALK_FROM_TOKENS = 65536     # (which methods: Method.walk_measured_at_width)
 _WALK_PROBE_WINDOWS = (2, 2, 8)      # a discarded warm-up, then the two measured calibration sizes
 
 
@@ -727,17 +727,14 @@ def _measure_walk(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dic
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def measured_walk(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict, n: int,
-                  seq: int) -> None:
-    """Replace the FLOP-scaled price of a GPTQ or AWQ cell with many calibration tokens (MEASURE_WALK_FROM_TOKENS)
+def measured_walk(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict,
+                  resolved: dict, n: int, seq: int) -> None:
+    """Replace the FLOP-scaled price of a cell of a method whose walk is measured at the model's widths
+    (`Method.walk_measured_at_width`: GPTQ, AWQ) with many calibration tokens (MEASURE_WALK_FROM_TOKENS)
     by its work formula priced at the rate measured at the model's widths (`_measure_walk`): kinds
     `probe:<key>:flop` (calls: the formula's FLOPs) and `probe:<key>:block` (calls: blocks)."""
-    if scheme is None or not any(k in work for k in MEASURE_WALK_KINDS) or n * seq < MEASURE_WALK_FROM_TOKENS \
+    if scheme is None or not method.walk_measured_at_width or n * seq < MEASURE_WALK_FROM_TOKENS \
             or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
-        return
-    try:
-        resolved = method.resolve(scheme, dict(cfg))
-    except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
         return
     keep = {k: v for k, v in dict(resolved).items() if k not in ("preset",)}
     key = {"method": method.name, "scheme": scheme.name, "shape": shape.probe_shape(), "seq": int(seq),
