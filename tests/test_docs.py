@@ -38,3 +38,27 @@ def test_the_readme_commands_are_what_ci_runs():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
     for command in ("bash setup.sh", "python -m pytest -q", "python -m pytest -q -m heavy"):
         assert command in readme and command.split(" ", 1)[1] in ci.replace("bash setup.sh \"$VENV\"", "setup.sh"), command
+
+
+TRIPLE = re.compile(r"([+-]?\d+\.\d+)x?\s+\[([+-]?\d+\.\d+),\s+([+-]?\d+\.\d+)\]")
+
+
+def _rounded(value, like):
+    """`value` (a string from the claims page) rounded half away from zero to the decimals of `like`."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    places = Decimal(1).scaleb(-len(like.split(".")[1]))
+    return Decimal(value).quantize(places, rounding=ROUND_HALF_UP)
+
+
+def test_the_readme_headline_intervals_are_the_claims_pages_rounded():
+    """Every 'estimate [low, high]' the README's summary quotes is one of reports/paper-claims/claims.md's, rounded."""
+    summary = (ROOT / "README.md").read_text().split("## Quick start")[0]
+    quoted = TRIPLE.findall(summary)
+    assert len(quoted) >= 5, "the README's summary quotes the claims page's intervals"
+    stored = TRIPLE.findall((ROOT / "reports" / "paper-claims" / "claims.md").read_text())
+    from decimal import Decimal
+
+    missing = [q for q in quoted
+               if not any(all(_rounded(s, r) == Decimal(r) for s, r in zip(t, q)) for t in stored)]
+    assert not missing, f"README intervals not on the claims page (rounded): {missing}"
