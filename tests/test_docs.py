@@ -62,3 +62,30 @@ def test_the_readme_headline_intervals_are_the_claims_pages_rounded():
     missing = [q for q in quoted
                if not any(all(_rounded(s, r) == Decimal(r) for s, r in zip(t, q)) for t in stored)]
     assert not missing, f"README intervals not on the claims page (rounded): {missing}"
+
+
+def test_the_readme_headline_numbers_are_the_long_runs_leaderboard_rounded():
+    """The KLD and perplexity pairs the README's summary quotes are reports/long-smollm2-135m's cells, rounded."""
+    board = (ROOT / "reports" / "long-smollm2-135m" / "leaderboard.md").read_text()
+    table = board.split("### Summary", 1)[1].split("\n\n|", 1)[1].split("\n\n", 1)[0]  # the first table after it
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in ("|" + table).splitlines()]
+    header = rows[0]
+    kld, ppl = header.index("WikiText-2 KLD"), header.index("WikiText-2 ppl")
+    cell = {(r[0], r[1]): r for r in rows[2:]}
+
+    def at(method, scheme, column, decimals):
+        value = cell[(method, scheme)][column].strip("*").split()[0]
+        return str(_rounded(value, "0." + "0" * decimals))
+
+    summary = " ".join((ROOT / "README.md").read_text().split("## Quick start")[0].split())
+    expected = [
+        f"KL divergence {at('flexround', 'w3a16', kld, 2)} against {at('lrq', 'w3a16', kld, 2)}",
+        f"perplexity {at('flexround', 'w3a16', ppl, 1)} against {at('lrq', 'w3a16', ppl, 1)}",
+        f"KLD {at('flexround', 'w4a8', kld, 3)} against {at('lrq', 'w4a8', kld, 3)}",
+        f"perplexity {at('flexround', 'w4a8', ppl, 1)} against {at('lrq', 'w4a8', ppl, 1)}",
+        f"KLD {at('lrq', 'w4a8', kld, 3)} against {at('gptq', 'w4a8', kld, 3)}",
+        f"KLD {at('lrq', 'w3a16', kld, 2)} against {at('awq', 'w3a16', kld, 2)}",
+        f"{at('lrq', 'w4a8', kld, 3)} against {at('awq', 'w4a8', kld, 3)}",
+    ]
+    missing = [phrase for phrase in expected if phrase not in summary]
+    assert not missing, f"the README's summary does not say what the long run's leaderboard holds: {missing}"
