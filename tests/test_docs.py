@@ -12,15 +12,24 @@ def _pages():
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+def _anchors(page):
+    """The anchors GitHub gives a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
+
+
 def test_every_relative_link_resolves():
     broken = []
     for page in _pages():
         for target in LINK.findall(page.read_text()):
-            if re.match(r"[a-z]+://|mailto:|#", target):
+            if re.match(r"[a-z]+://|mailto:", target):
                 continue
-            path = (page.parent / target.split("#")[0]).resolve()
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
             if not path.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)} -> {target} (no such heading)")
     assert not broken, "links to nothing: " + ", ".join(broken)
 
 
