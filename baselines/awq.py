@@ -286,6 +286,7 @@ class AWQ(Method):
     presets = {"quick": AWQConfig(n_samples=32, search_tokens=4096), "paper": AWQConfig()}
     cost_rank = 5
     blockwise = True
+    probe_walk = True     # activation scales and the scale search walked per block: priced at the model's widths
     checkpoints = True    # resumes at its next block (a long cell is hours on a CPU)
 
     def needs_calibration(self, scheme: Scheme) -> bool:

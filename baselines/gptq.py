@@ -210,6 +210,7 @@ class GPTQ(Method):
     presets = {"quick": GPTQConfig(), "paper": GPTQConfig()}
     cost_rank = 5
     blockwise = True
+    probe_walk = True     # Hessians / activation scales walked per block: priced at the model's widths
     checkpoints = True    # resumes at its next block (a long cell is hours on a CPU)
 
     def needs_calibration(self, scheme: Scheme) -> bool:

@@ -108,3 +108,29 @@ def test_bench_stages_import_downward_only():
                                                  or t.startswith(("bench.cli", "bench.studies"))))
     assert not wrong, f"a stage importing a later one (or the CLI, the studies): {wrong}"
     assert _stage("bench.run.cell") == 2 and _stage("bench.cli") is None
+
+
+# The planner and the runner ask a method what they need (lrq.methods.Method's declarations), never name one: a new
+# method is a new module, not an edit of bench/run/. The profiles are the one exception: a profile is a named choice
+# of methods (the first look runs RTN), data rather than logic.
+NAMES_A_METHOD_ALLOWED = {"bench/run/profiles.py"}
+
+
+def _method_literals(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and (node.value in names or node.value.split(":", 1)[0] in names and ":" in node.value)]
+
+
+def test_bench_run_names_no_method():
+    from lrq.methods import load_methods
+    names = set(load_methods())
+    found = {str(p.relative_to(ROOT)): hits for p in sorted((ROOT / "bench" / "run").rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in NAMES_A_METHOD_ALLOWED and (hits := _method_literals(p, names))}
+    assert not found, f"bench/run/ names methods (declare what it needs on lrq.methods.Method instead): {found}"
+
+
+def test_the_method_name_check_finds_one(tmp_path):
+    p = tmp_path / "x.py"
+    p.write_text('KINDS = ("gptq", "other")\nm = "external:" + label\nprint("the gptq walk")\n')
+    assert _method_literals(p, {"gptq", "external"}) == [(1, "gptq"), (2, "external:")]
