@@ -158,8 +158,6 @@ def dataset_table(df: pd.DataFrame, dataset: str, metrics: list[str] | None = No
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-RECON_METRICS = ["n_learnable", "mean_block_calib_before", "mean_block_calib_after",
-                 "mean_block_heldout_before", "mean_block_heldout_after"]
 
 
 def _blocks_worse_lines(rows: list[Row]) -> list[str]:
@@ -336,7 +334,7 @@ def _flip_stats(out: dict, task_scores: dict) -> None:
                 continue
             r2w, w2r = S.flips(ref, q)
             per_task[task] = [a + b for a, b in zip(r2w, w2r)]
-            for kind, v in (("flips", per_task[task]), ("right_to_wrong", r2w), ("wrong_to_right", w2r)):
+            for kind, v in zip(E.FLIP_METRICS, (per_task[task], r2w, w2r)):
                 cs = out[key].setdefault((task, kind), S.CellStat(E.METRICS[kind].interval, metric=kind))
                 cs.seeds[seed], cs.samples[seed] = S.acc_estimate(v), v
         zs = [per_task[t] for t in E.ZERO_SHOT if t in per_task]
@@ -589,7 +587,7 @@ def _flips_section(stats: dict) -> list[str]:
             continue
         line = [key[0], key[1]]
         for t in tasks:
-            a, b, tot = (stats[key].get((t, k)) for k in ("right_to_wrong", "wrong_to_right", "flips"))
+            a, b, tot = (stats[key].get((t, k)) for k in E.FLIP_KINDS + (E.FLIPS,))
             if a and b and tot:
                 e, n = tot.first(), tot.first().n
                 line.append(f"{100 * e.value:.1f} [{100 * e.lo:.1f}, {100 * e.hi:.1f}] "
@@ -646,7 +644,7 @@ def seed_rankings(stats: dict, seedless: set | None = None) -> list[dict]:
         single = sorted(set(all_cells) - set(cells))
         if not seeds or len(cells) < 2:
             continue
-        lower = E.metric(col[1]).better == "lower" or col[1] in ("flips", "right_to_wrong", "wrong_to_right")
+        lower = E.metric(col[1]).better == "lower" or col[1] in E.FLIP_METRICS
 
         def per_seed(cs):
             if len(cs.seeds) == 1:
@@ -786,17 +784,16 @@ def markdown_section(srows: list[Row], prec: str) -> list[str]:
         parts += ["### Quantization cost", "", "Wall time and peak resident memory of the quantization step; "
                   "bits per weight include scales and zero points. For block-wise methods, blocks_time_s sums "
                   "every block's time, including blocks an interrupted earlier run finished (resumed_blocks).",
-                  "", dataset_table(mdf, "quant", ["bits_per_weight", "quant_time_s", "blocks_time_s",
-                                                   "resumed_blocks", "quant_peak_rss_bytes"]), ""]
+                  "", dataset_table(mdf, "quant", E.table_metrics("cost")), ""]
     parts += planned_section(srows)
-    recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(RECON_METRICS)]
+    recon = mdf[(mdf["dataset"] == "quant") & mdf["metric"].isin(E.table_metrics("recon"))]
     if not recon.empty:
         parts += ["### Block reconstruction (LRQ paper, Figure 2)", "",
                   "Learnable scale parameters, and each block's output error (the reconstruction loss) averaged "
                   "over blocks, on the calibration samples it was trained on and on held-out samples it never "
                   "saw, before (RTN start) and after training. FlexRound should fit the calibration set better; "
                   "LRQ should generalize better.", "",
-                  dataset_table(mdf, "quant", RECON_METRICS), ""]
+                  dataset_table(mdf, "quant", E.table_metrics("recon")), ""]
         parts += _param_ratio(recon)
         parts += _blocks_worse_lines(srows)
     parts += _task_section(mdf, stats)
