@@ -5,15 +5,15 @@ virtual environment, never imported there by anything but this file.
 
 It loads the model folder in float32, builds a DataLoader over exactly the calibration windows it was
 given (batch 1, in order; their SHA-256 must match the job's), runs `oneshot` with the recipe the job
-describes and measures it (bench.common.measure, which needs only psutil and torch). It then writes, for each
+describes and measures it (lrq.measure, which needs only psutil and torch). It then writes, for each
 of the seven linears of every decoder block, the weight as compressed-tensors fake-quantizes it
 (`forward_quantize`), its scale and zero point, and for static activation schemes the input scale and
 zero point; every other decoder parameter (norms that AWQ/SmoothQuant rescaled); llm-compressor's own
 quantized forward on the first window's start (the reference our loaded copy must reproduce); and a
 JSON record of the run (time, versions, the recipe, the windows that reached the embedding).
 
-Nothing here imports lrq or baselines (this environment pins its own transformers and compressed-tensors);
-of the harness only bench.common.measure and bench.common.provenance, which need nothing but psutil and torch.
+Nothing here imports baselines or the harness (bench), and of lrq only lrq.measure, which needs nothing but
+psutil and torch (this environment pins its own transformers and compressed-tensors).
 """
 
 from __future__ import annotations
@@ -80,8 +80,7 @@ def run(job_path: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from llmcompressor import oneshot
 
-    from bench.common.measure import measure
-    from bench.common.provenance import package_versions
+    from lrq.measure import measure, package_versions
 
     ids = load_file(job["calib_path"])["input_ids"]
     if tokens_sha256(ids) != job["calib_sha256"]:

@@ -371,8 +371,9 @@ def cmd_run(args) -> int:
     hf_logging.disable_progress_bar()   # the terminal shows one bar, the run's (worker output goes to their logs)
     loaded = load_model(args.model)  # bad model names fail before any work; also warms the cache
     if external:   # the checkpoint read whole against its reference before any work (exit 2 naming file and field)
-        from baselines.external import check_against_reference
-        check_against_reference(external["overrides"]["checkpoint"], loaded.model, args.model)
+        from lrq.external import check_against_reference
+        check_against_reference(external["overrides"]["checkpoint"], loaded.model, args.model,
+                                itself=_same_weights(args.model, external["overrides"]["checkpoint"]))
 
     # explicit --set wins over the profile; a checkpoint read as it is takes none of the methods' settings
     overrides = user_overrides if external else dict(prof.method_settings) | user_overrides
@@ -573,10 +574,20 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _same_weights(reference: str, folder: str) -> bool:
+    """Whether the model `reference` names is the checkpoint in `folder` itself: its folder, or the same content
+    (bench.common.models' identity of weights)."""
+    from bench.common.models import model_fingerprint, source_folder
+    folder_path = Path(folder).expanduser().resolve()
+    src = source_folder(reference)
+    return (src is not None and src.resolve() == folder_path) or \
+        model_fingerprint(reference) == model_fingerprint(str(folder_path))
+
+
 def _external_checkpoint(args) -> dict | None:
-    """`--model` names a checkpoint quantized elsewhere (baselines.external): the run scores it as one cell
-    beside its reference FP model, which becomes the run's model. None for an ordinary model."""
-    from baselines.external import describe, quantization_config
+    """`--model` names a checkpoint quantized elsewhere (lrq.external, read by the `external` method): the run
+    scores it as one cell beside its reference FP model, which becomes the run's model. None for an ordinary model."""
+    from lrq.external import describe, quantization_config
     if not quantization_config(args.model):
         if args.reference_model:
             raise UserError(f"--reference-model applies to a quantized checkpoint, and {args.model!r} is not one.")

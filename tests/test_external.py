@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from baselines.external import apply_checkpoint, describe, quantization_config
+from lrq.external import apply_checkpoint, describe, quantization_config
 from bench.cli import main
 from bench.common.store import ResultStore
 from conftest import tiny_model

@@ -430,7 +430,7 @@ def test_a_sharded_checkpoint_missing_a_shard_or_a_tensor_is_refused(exported, t
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-    from baselines.external import apply_checkpoint
+    from lrq.external import apply_checkpoint
     monkeypatch.setenv("LRQ_BENCH_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "sharded"
     shutil.copytree(exported, folder)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import platform
 import subprocess
@@ -11,18 +10,11 @@ from pathlib import Path
 
 import torch
 
+from lrq.measure import package_versions   # noqa: F401  (re-exported: what the harness records)
+
 PACKAGES = ("lrq-bench", "torch", "triton", "transformers", "lm_eval", "datasets", "gguf", "numpy")
 
 
-def package_versions(names) -> dict[str, str]:
-    """Python's and each installed package's version (absent packages left out)."""
-    out = {"python": platform.python_version()}
-    for p in names:
-        try:
-            out[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 @functools.lru_cache(maxsize=1)

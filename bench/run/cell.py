@@ -33,7 +33,7 @@ from lrq import precision, progress
 from lrq.precision import Precision
 from bench.evaluations import data as D
 from bench.evaluations.evals import PERPLEXITY
-from bench.common.measure import measure
+from lrq.measure import measure
 from bench.common.cache import cache_root
 from bench.common.models import load_model, model_fingerprint
 from bench.evaluations.perplexity import VERSION as PPL_VERSION

@@ -203,7 +203,7 @@ def available_cpus() -> int:
 
 def run_job(job: Job, emit: Callable[[str, list], None], cell_fn: CellFn) -> float:
     """Run one cell here with `cell_fn(cell, todo, emit)`; return its wall time. In-process and in workers."""
-    from bench.common.measure import measure
+    from lrq.measure import measure
     with measure() as m:
         cell_fn(job.cell, set(job.todo), emit)
     return m.wall_s

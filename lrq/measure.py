@@ -1,7 +1,8 @@
 """Wall time, CPU time and peak memory of a step: resident set size sampled in a thread, CUDA peak from torch.
 
 The one memory meter of the project (results, studies, and the llm-compressor worker, which imports it
-in its own environment: it needs only psutil and torch). On a shared machine CPU time (user + system,
+in its own environment: it needs only psutil and torch, and lrq/__init__ imports nothing at import time);
+`package_versions` says what a measured run ran with. On a shared machine CPU time (user + system,
 all threads) is the steadier figure: wall time also counts the time other processes held the cores."""
 
 from __future__ import annotations
@@ -53,3 +54,16 @@ def measure(interval: float = 0.02):
         m.peak_rss_bytes = max(m.peak_rss_bytes, proc.memory_info().rss)
         if cuda:
             m.peak_cuda_bytes = torch.cuda.max_memory_allocated()
+
+
+def package_versions(names) -> dict[str, str]:
+    """Python's and each installed package's version (absent packages left out)."""
+    import importlib.metadata
+    import platform
+    out = {"python": platform.python_version()}
+    for p in names:
+        try:
+            out[p] = importlib.metadata.version(p)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
