@@ -281,12 +281,12 @@ def awq_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict, scheme: Sche
 @register
 class AWQ(Method):
     name = "awq"
-    walk_measured_at_width = True   # the planner prices many-token cells at the model's widths
     summary = "AWQ: activation-aware per-channel scale search folded into the preceding op, then clipping, RTN"
     settings = AWQConfig
     presets = {"quick": AWQConfig(n_samples=32, search_tokens=4096), "paper": AWQConfig()}
     cost_rank = 5
     blockwise = True
+    probe_walk = True     # activation scales and the scale search walked per block: priced at the model's widths
     checkpoints = True    # resumes at its next block (a long cell is hours on a CPU)
 
     def needs_calibration(self, scheme: Scheme) -> bool:

@@ -205,12 +205,12 @@ def relative_output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> 
 @register
 class GPTQ(Method):
     name = "gptq"
-    walk_measured_at_width = True   # the planner prices many-token cells at the model's widths
     summary = "GPTQ: column-wise rounding with inverse-Hessian error feedback, true-sequential, act-order"
     settings = GPTQConfig
     presets = {"quick": GPTQConfig(), "paper": GPTQConfig()}
     cost_rank = 5
     blockwise = True
+    probe_walk = True     # Hessians / activation scales walked per block: priced at the model's widths
     checkpoints = True    # resumes at its next block (a long cell is hours on a CPU)
 
     def needs_calibration(self, scheme: Scheme) -> bool:

@@ -12,9 +12,8 @@ zero point; every other decoder parameter (norms that AWQ/SmoothQuant rescaled);
 quantized forward on the first window's start (the reference our loaded copy must reproduce); and a
 JSON record of the run (time, versions, the recipe, the windows that reached the embedding).
 
-Nothing here imports the methods of lrq or baselines (this environment pins its own transformers and
-compressed-tensors); of this project only lrq.measure (the meter and package versions), which needs nothing but
-psutil and torch (lrq/__init__.py imports nothing eagerly).
+Nothing here imports baselines or the harness (bench), and of lrq only lrq.measure, which needs nothing but
+psutil and torch (this environment pins its own transformers and compressed-tensors).
 """
 
 from __future__ import annotations
@@ -81,8 +80,7 @@ def run(job_path: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from llmcompressor import oneshot
 
-    from lrq.measure import measure
-    from lrq.measure import package_versions
+    from lrq.measure import measure, package_versions
 
     ids = load_file(job["calib_path"])["input_ids"]
     if tokens_sha256(ids) != job["calib_sha256"]:

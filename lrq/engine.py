@@ -281,6 +281,16 @@ class ReconstructionMethod(Method):
         return {"walk": (*self.work(shape, scheme, c0, n, seq)["walk"], t0),
                 kind: (*self.work(shape, scheme, c1, n, seq)[kind], max(t1 - t0, 1e-6))}
 
+    training_probe_settings: ClassVar[tuple[str, ...]] = (
+        "batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank", "rank_fraction", "s1_init",
+        "search_grid", "recon_act_quant", "let")
+
+    def training(self, cfg: ReconConfig) -> tuple[int, int]:
+        return int(cfg.iters), int(cfg.batch_size)
+
+    def training_probe_config(self, cfg: ReconConfig, steps: int, compiled: bool) -> ReconConfig:
+        return cfg | {"iters": steps, "heldout_samples": 1, "error_samples": 1, "compile": "on" if compiled else "off"}
+
     # ---- settings ---------------------------------------------------------------------------------
     def resolve(self, scheme: Scheme, config: Mapping) -> ReconConfig:
         cfg = self.typed(config)

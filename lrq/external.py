@@ -10,25 +10,22 @@ model's. The cell runs on the reference FP model it names (`--reference-model`, 
 metadata names) so it is scored on the same windows, KL reference and task examples as every cell of that
 model, and compares paired with them.
 
-The method is `external`; its cells are named from the checkpoint (`external:<producer>-w4g128`) and keyed
-by the checkpoint's content fingerprint. One of our own exports read back this way reproduces its cell's
-numbers exactly (tests/test_external.py).
+The method is `external` (baselines/external.py, the plug-in that reads through this module); its cells are
+named from the checkpoint (`external:<producer>-w4g128`) and keyed by the checkpoint's content fingerprint. One
+of our own exports read back this way reproduces its cell's numbers exactly (tests/test_external.py).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lrq.config import MethodConfig
 from lrq.errors import UserError
 from lrq.io import plain_text
-from lrq.methods import Calibration, Method, register
 from lrq.schemes import SCHEMES, Scheme, activation_mode_for
 
 
@@ -510,44 +507,13 @@ def _copy_other_tensors(model: nn.Module, rest: dict[str, torch.Tensor], folder:
     return replaced
 
 
-@dataclass(frozen=True, eq=False)
-class ExternalConfig(MethodConfig):
-    """The checkpoint read (its folder) and its content fingerprint (the cell's identity)."""
-    checkpoint: str = ""
-    fingerprint: str = ""
-
-
-@register
-class External(Method):
-    """Load a checkpoint quantized elsewhere into the reference model (module docstring)."""
-
-    name = "external"
-    summary = "a checkpoint quantized by another tool (compressed-tensors or GPTQ format), read as it is"
-    external = True
-    provides_activation_ranges = True   # a static-activation checkpoint stores its input_scale: scored from it
-    settings = ExternalConfig
-    presets = {"quick": ExternalConfig(), "paper": ExternalConfig()}
-
-    def display_name(self, config: dict[str, Any]) -> str:
-        return describe(config["checkpoint"])["method"] if config.get("checkpoint") else self.name
-
-    def needs_calibration(self, scheme: Scheme) -> bool:
-        return False
-
-    def _quantize(self, model: nn.Module, scheme: Scheme, config: ExternalConfig,
-                  calib: Calibration | None) -> dict[str, Any]:
-        if not config.get("checkpoint"):
-            raise UserError("the external method reads a checkpoint: run `lrq-bench run --model <its folder>`.")
-        return apply_checkpoint(model, config["checkpoint"])
-
-
-def check_against_reference(folder: str | Path, model: nn.Module, reference: str, is_itself: bool) -> None:
-    """Before any work: the checkpoint is not its own reference (`is_itself`: the harness compares the two
-    models' identities, bench.common.models.same_model), it reads whole against the reference model (every
-    check of `apply_checkpoint`), and the reference is the model it was quantized from, as far as the tensors
-    they share say (the token embeddings, which no method of either side changes)."""
+def check_against_reference(folder: str | Path, model: nn.Module, reference: str, itself: bool) -> None:
+    """Before any work: the checkpoint is not its own reference (`itself`: the caller found the reference's
+    weights to be the checkpoint's, by its folder or its content fingerprint), it reads whole against the
+    reference model (every check of `apply_checkpoint`), and the reference is the model it was quantized from,
+    as far as the tensors they share say (the token embeddings, which no method of either side changes)."""
     folder = Path(folder).expanduser().resolve()
-    if is_itself:
+    if itself:
         raise UserError(f"the reference model {reference!r} is the checkpoint {folder} itself: scored against itself "
                         f"it would show KLD 0 and top-1 agreement 1. Pass the floating-point model it was quantized "
                         f"from with --reference-model.")

@@ -1,15 +1,12 @@
 """Wall time, CPU time and peak memory of a step: resident set size sampled in a thread, CUDA peak from torch.
 
 The one memory meter of the project (results, studies, and the llm-compressor worker, which imports it
-in its own environment: it needs only psutil and torch), with the package versions a measurement names. It
-lives in lrq/, the lowest layer, so that everything above (the harness, and the worker that runs beside the
-baselines) can read it without importing upward. On a shared machine CPU time (user + system,
+in its own environment: it needs only psutil and torch, and lrq/__init__ imports nothing at import time);
+`package_versions` says what a measured run ran with. On a shared machine CPU time (user + system,
 all threads) is the steadier figure: wall time also counts the time other processes held the cores."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import threading
 import time
 from contextlib import contextmanager
@@ -61,6 +58,8 @@ def measure(interval: float = 0.02):
 
 def package_versions(names) -> dict[str, str]:
     """Python's and each installed package's version (absent packages left out)."""
+    import importlib.metadata
+    import platform
     out = {"python": platform.python_version()}
     for p in names:
         try:

@@ -78,9 +78,6 @@ class Method:
     learnable_fraction: ClassVar[float] = 0.0
     # The report shows this method's learnable-parameter count against the named method's, per scheme.
     compare_learnables_with: ClassVar[str | None] = None
-    # Its quantization walks the blocks with calibration statistics whose cost the FLOP profile's narrow random
-    # blocks misprice: with many calibration tokens the planner measures one block at the model's own widths.
-    walk_measured_at_width: ClassVar[bool] = False
     # Runs another stack in its own environment (an adapter): never in the default sweep, not priced by
     # the planner; named explicitly (`--methods llmc-gptq`).
     external: ClassVar[bool] = False
@@ -110,6 +107,24 @@ class Method:
         copy of a small random model with the quick preset plus `settings` and returns (seconds, config);
         `steps`: training steps to time where the method trains."""
         return {}
+
+    # Its quantization of a block walks calibration statistics (Hessians, activation scales) at a rate that grows
+    # with the block's widths: the planner prices a cell with many calibration tokens by measuring one block at
+    # the model's own widths (bench.run.plan.measured_walk).
+    probe_walk: ClassVar[bool] = False
+    # The resolved settings that a measured training step depends on (bench.run.plan.measured_training keys its
+    # cache of measured steps by them; a method that trains declares them).
+    training_probe_settings: ClassVar[tuple[str, ...]] = ()
+
+    def training(self, cfg: MethodConfig) -> tuple[int, int] | None:
+        """(training steps per block, calibration windows per step) of a method that trains block by block with
+        the settings `cfg`; None for one that does not train (the planner then measures no training step)."""
+        return None
+
+    def training_probe_config(self, cfg: MethodConfig, steps: int, compiled: bool) -> MethodConfig:
+        """`cfg` as the planner's probe of one training step runs it: `steps` steps per block, the fewest held-out
+        and error windows, the step `compiled` or not. Only a method whose `training` is not None needs it."""
+        raise NotImplementedError(f"{self.name} declares no training (Method.training), so no training probe")
 
     def extra_memory(self, shape, tokens: int = 0) -> int:
         """Bytes beyond the weights, activation streams and training state at the method's peak, for a model of
@@ -249,6 +264,14 @@ def method_class(name: str) -> type[Method]:
         return methods[name.strip().lower()]
     except KeyError:
         raise UserError(f"unknown method {name!r}: choose from {', '.join(sorted(methods))}.") from None
+
+
+def method_of_row(display: str) -> str:
+    """The registered method that names its rows `display` (Method.display_name): the name itself, or for a method
+    naming its rows `<method>:<label>` (one reading a checkpoint names it after the checkpoint) the part before
+    the colon."""
+    head = display.split(":", 1)[0]
+    return head if ":" in display and head.strip().lower() in load_methods() else display
 
 
 def get_method(name: str, device: torch.device | str | None = None, checkpoint_dir: str | None = None) -> Method:

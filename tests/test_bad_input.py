@@ -132,7 +132,7 @@ def test_method_names_are_case_normalized_and_cells_deduplicated(tiny_model_dir,
 
 
 def test_a_valid_key_of_one_selected_method_is_accepted():
-    from bench.cli import _checked_overrides
+    from bench.cli.args import _checked_overrides
     assert _checked_overrides(["iters=5"], ["rtn", "lrq"]) == {"iters": "5"}
 
 

@@ -88,7 +88,7 @@ def test_variants_pair_our_settings_with_the_adapters():
 def test_adapters_are_external_methods():
     """Never in the default sweep, refused by the planner, a clear error without their environment."""
     import lrq
-    from bench.cli import _methods
+    from bench.cli.args import _methods
     from bench.run.plan import SHAPES, plan_cells
     from lrq.methods import Calibration, get_method
     assert {"llmc-gptq", "llmc-awq", "llmc-smoothquant"} <= set(lrq.list_methods())

@@ -228,3 +228,19 @@ def test_a_source_tree_without_an_install_finds_the_same_methods(monkeypatch):
     monkeypatch.setattr(M.importlib, "import_module", imported.append)
     M.load_methods()
     assert sorted(imported) == sorted(v.split(":")[0] for v in installed.values())
+
+
+def test_one_declaration_makes_a_row_of_the_cost_table(monkeypatch):
+    """The quantization's cost table lists the catalogue's metrics of table "cost" (Metric.table), in its order:
+    a cost a plug-in measures is one declaration, not an edit of the report's list."""
+    from bench.reports import report as R
+    monkeypatch.setattr(E, "METRICS", dict(E.METRICS))
+    E.declare_metric(E.Metric("quant_energy_j", "quant energy (J)", "lower", "{:.0f}", "J", table="cost"))
+    rows = _rows() + [Row("m", "gptq", "w4a16", "quant", "quant_time_s", 12.5, {}),
+                      Row("m", "gptq", "w4a16", "quant", "quant_energy_j", 4321.0, {})]
+    assert E.table_metrics("cost")[:2] == ["bits_per_weight", "quant_time_s"]
+    assert E.table_metrics("cost")[-1] == "quant_energy_j"
+    md = R.markdown_report(rows)
+    head = next(line for line in md.splitlines() if "quant_time_s" in line and line.startswith("|"))
+    assert head.index("quant_time_s") < head.index("quant_energy_j")
+    assert any("4321" in line and line.startswith("| gptq") for line in md.splitlines())

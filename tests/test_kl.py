@@ -193,7 +193,7 @@ def test_the_gate_tracks_kld_in_its_direction(tmp_path, capsys):
 def test_one_declaration_makes_a_task(monkeypatch):
     """A new lm-eval task is one Task in the catalogue: the command line, the planner and the report know it."""
     from bench.run import plan as P
-    from bench.cli import _task_names
+    from bench.cli.args import _task_names
     new = E.Task("sciq", "SciQ", "sciq/test.jsonl", {"output_type": "multiple_choice"}, "acc", 4, 80, 1000)
     monkeypatch.setattr(E, "TASKS", dict(E.TASKS, sciq=new))
     monkeypatch.setattr(E, "ALL_TASKS", tuple(E.TASKS))

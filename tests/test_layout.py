@@ -60,17 +60,25 @@ def test_the_check_finds_a_cycle():
 
 # The layers, lowest first: lrq (quantization: formats, kernels, block-wise methods), baselines (the other
 # methods, plug-ins registered through the `lrq_bench.methods` entry points), bench (the harness). An import
-# points down or sideways, never up:
-UPWARD_ALLOWED: dict = {}   # none left: the external reader and the meter live in lrq/ (issue Y 5)
+# points down or sideways, never up: nothing in lrq/ or baselines/ imports bench.
 LAYER = {"lrq": 0, "baselines": 1, "bench": 2}
 
 
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if LAYER[t.split(".")[0]] > LAYER[m.split(".")[0]])
+
+
 def test_imports_point_one_way():
-    graph = _graph()
-    up = sorted((m, t) for m, targets in graph.items() for t in targets
-                if LAYER[t.split(".")[0]] > LAYER[m.split(".")[0]])
-    assert not [u for u in up if u[0].startswith("lrq")], f"lrq/ imports above itself: {up}"
-    assert set(up) <= set(UPWARD_ALLOWED), f"an import pointing up: {sorted(set(up) - set(UPWARD_ALLOWED))}"
+    """No exception: the external-checkpoint reader (lrq.external) and the meter the llm-compressor worker uses
+    (lrq.measure) live in lrq/, so nothing in lrq/ or baselines/ imports bench (or lrq/ baselines)."""
+    up = _upward(_graph())
+    assert not up, f"imports pointing up (move what they need down, or pass it in): {up}"
+
+
+def test_the_check_finds_an_upward_import():
+    assert _upward({"baselines.x": {"bench.common.models", "lrq.arch"}, "lrq.y": {"baselines.x"},
+                    "bench.z": {"lrq.arch"}}) == [("baselines.x", "bench.common.models"), ("lrq.y", "baselines.x")]
 
 
 def test_methods_are_found_through_entry_points():
@@ -102,3 +110,29 @@ def test_bench_stages_import_downward_only():
                                                  or t.startswith(("bench.cli", "bench.studies"))))
     assert not wrong, f"a stage importing a later one (or the CLI, the studies): {wrong}"
     assert _stage("bench.run.cell") == 2 and _stage("bench.cli") is None
+
+
+# The planner and the runner ask a method what they need (lrq.methods.Method's declarations), never name one: a new
+# method is a new module, not an edit of bench/run/. The profiles are the one exception: a profile is a named choice
+# of methods (the first look runs RTN), data rather than logic.
+NAMES_A_METHOD_ALLOWED = {"bench/run/profiles.py"}
+
+
+def _method_literals(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and (node.value in names or node.value.split(":", 1)[0] in names and ":" in node.value)]
+
+
+def test_bench_run_names_no_method():
+    from lrq.methods import load_methods
+    names = set(load_methods())
+    found = {str(p.relative_to(ROOT)): hits for p in sorted((ROOT / "bench" / "run").rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in NAMES_A_METHOD_ALLOWED and (hits := _method_literals(p, names))}
+    assert not found, f"bench/run/ names methods (declare what it needs on lrq.methods.Method instead): {found}"
+
+
+def test_the_method_name_check_finds_one(tmp_path):
+    p = tmp_path / "x.py"
+    p.write_text('KINDS = ("gptq", "other")\nm = "external:" + label\nprint("the gptq walk")\n')
+    assert _method_literals(p, {"gptq", "external"}) == [(1, "gptq"), (2, "external:")]

@@ -254,7 +254,7 @@ def test_a_preset_keeps_its_steps_and_calibration_under_the_default_profile(pres
         raise _Captured(cells)
 
     monkeypatch.setattr(bench.run.sweep, "run_cells", capture)
-    monkeypatch.setattr("bench.cli._announce_estimate", lambda *a, **k: None)
+    monkeypatch.setattr("bench.cli.run._announce_estimate", lambda *a, **k: None)
     with pytest.raises(_Captured) as got:
         main(["run", "--preset", preset, "--model", str(tiny_model_dir), "--methods", "lrq", "--schemes", "w3a16",
               "--no-fp", "--tasks", "none", "--datasets", "wikitext2", "--max-eval-tokens", "512",

@@ -188,7 +188,7 @@ def test_long_training_is_priced_from_a_step_measured_at_the_cells_shape(tmp_pat
     calls = []
     real = P._measure_training
     monkeypatch.setattr(P, "_measure_training", lambda *a: calls.append(1) or real(*a))
-    P.measured_training(work, shape, m, scheme, cfg, dict(m.resolve(scheme, dict(cfg))), 32)
+    P.measured_training(work, shape, m, scheme, cfg, 32)
     assert "train_lrq" not in work and len(calls) == 1
     (step_kind,) = [k for k in work if k.endswith(":step")]
     assert work[step_kind][0] == 2 * 3000
@@ -198,9 +198,9 @@ def test_long_training_is_priced_from_a_step_measured_at_the_cells_shape(tmp_pat
     assert abs(P.seconds({k: v for k, v in work.items() if k.startswith("probe:")}, {"kinds": {}}) - expect) < 1e-9
     # cached: the same cell is not measured again; a quick (eager) cell is never measured
     again = dict(m.work(shape, scheme, cfg, 8, 32))
-    P.measured_training(again, shape, m, scheme, cfg, dict(m.resolve(scheme, dict(cfg))), 32)
+    P.measured_training(again, shape, m, scheme, cfg, 32)
     quick = dict(m.work(shape, scheme, m.config("quick", {}), 8, 32))
-    P.measured_training(quick, shape, m, scheme, m.config("quick", {}), dict(m.resolve(scheme, m.config("quick", {}))), 32)
+    P.measured_training(quick, shape, m, scheme, m.config("quick", {}), 32)
     assert len(calls) == 1 and "train_lrq" in quick
 
 
@@ -222,7 +222,7 @@ def test_long_gptq_and_awq_are_priced_at_the_models_widths(tmp_path, monkeypatch
     calls = []
     real = P._measure_walk
     monkeypatch.setattr(P, "_measure_walk", lambda *a: calls.append(1) or real(*a))
-    P.measured_walk(work, shape, m, scheme, cfg, dict(m.resolve(scheme, dict(cfg))), 16, 32)
+    P.measured_walk(work, shape, m, scheme, cfg, 16, 32)
     assert len(calls) == 1 and method not in work and len(work) == 2
     (flop_kind,) = [k for k in work if k.endswith(":flop")]
     assert work[flop_kind][0] == flops and work[flop_kind.replace(":flop", ":block")][0] == 3
@@ -237,16 +237,16 @@ def test_long_gptq_and_awq_are_priced_at_the_models_widths(tmp_path, monkeypatch
     assert probe["block_s"] == pytest.approx(max(t1 - f1 * probe["flop_s"], 0.0), rel=1e-9, abs=1e-12)
     # cached; a cell with less calibration than the threshold keeps the FLOP-scaled price
     again = dict(m.work(shape, scheme, cfg, 16, 32))
-    P.measured_walk(again, shape, m, scheme, cfg, dict(m.resolve(scheme, dict(cfg))), 16, 32)
+    P.measured_walk(again, shape, m, scheme, cfg, 16, 32)
     small = dict(m.work(shape, scheme, cfg, 4, 32))
-    P.measured_walk(small, shape, m, scheme, cfg, dict(m.resolve(scheme, dict(cfg))), 4, 32)
+    P.measured_walk(small, shape, m, scheme, cfg, 4, 32)
     assert len(calls) == 1 and again == work and method in small
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
-    # the planner asks the method (Method.walk_measured_at_width), it names none: one that does not say so keeps
-    # its FLOP-scaled price
-    monkeypatch.setattr(type(m), "walk_measured_at_width", False)
+    # the planner asks the method (Method.probe_walk), it names none: one that does not say so keeps its
+    # FLOP-scaled price
+    monkeypatch.setattr(type(m), "probe_walk", False)
     plain = dict(m.work(shape, scheme, cfg, 16, 32))
-    P.measured_walk(plain, shape, m, scheme, cfg, dict(m.resolve(scheme, dict(cfg))), 16, 32)
+    P.measured_walk(plain, shape, m, scheme, cfg, 16, 32)
     assert method in plain and len(calls) == 1
 
 

@@ -402,11 +402,3 @@ def model_fingerprint(name: str) -> str:
         _HUB_REVS[name] = _hub_revision(name)
     rev = _HUB_REVS[name]
     return f"hub:{name}@{rev}" if rev else f"hub:{name}@unresolved"
-
-
-def same_model(reference: str, folder: str | Path) -> bool:
-    """`reference` (a name, hub id or path) is the model in `folder` itself: the same source folder, or the same
-    contents (lrq.external's reference check refuses scoring a checkpoint against itself)."""
-    folder = Path(folder).expanduser().resolve()
-    src = source_folder(reference)
-    return (src is not None and src.resolve() == folder) or model_fingerprint(reference) == model_fingerprint(str(folder))

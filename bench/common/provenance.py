@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import platform
 import subprocess
@@ -11,9 +10,11 @@ from pathlib import Path
 
 import torch
 
-from lrq.measure import package_versions
+from lrq.measure import package_versions   # noqa: F401  (re-exported: what the harness records)
 
 PACKAGES = ("lrq-bench", "torch", "triton", "transformers", "lm_eval", "datasets", "gguf", "numpy")
+
+
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,6 +56,9 @@ class Metric:
     # a text (float64 and bool tensors), and its column's heading in the leaderboard's KL table ("" : none)
     from_positions: Any = field(default=None, compare=False, repr=False)
     column: str = ""
+    # the leaderboard table that lists it, in the catalogue's order (bench.reports.report): "cost" the
+    # quantization's cost per cell, "recon" the block-wise methods' reconstruction statistics; "": none of them
+    table: str = ""
 
     @property
     def gate_direction(self) -> str:
@@ -167,20 +170,21 @@ _METRICS = (
            bounds=_SHARE),
     Metric("wrong_to_right", "wrong to right vs FP", None, "{:.1f}", "%", percent=True, interval="acc",
            bounds=_SHARE),
-    Metric("bits_per_weight", "bits/weight", None, "{:.3f}", bounds=_POSITIVE),
-    Metric("n_learnable", "learnable parameters", None, "{:,.0f}", bounds=_POSITIVE),
-    Metric("quant_time_s", "quant time (s)", "lower", "{:.1f}", "s", bounds=_POSITIVE),
-    Metric("quant_peak_rss_bytes", "quant peak RSS", None, "bytes", bounds=_POSITIVE),
+    Metric("bits_per_weight", "bits/weight", None, "{:.3f}", bounds=_POSITIVE, table="cost"),
+    Metric("n_learnable", "learnable parameters", None, "{:,.0f}", bounds=_POSITIVE, table="recon"),
+    Metric("quant_time_s", "quant time (s)", "lower", "{:.1f}", "s", bounds=_POSITIVE, table="cost"),
+    Metric("blocks_time_s", "blocks time (s)", None, "{:.1f}", "s", bounds=_POSITIVE, table="cost"),
+    Metric("resumed_blocks", "resumed blocks", None, "{:.0f}", bounds=_POSITIVE, table="cost"),
+    Metric("quant_peak_rss_bytes", "quant peak RSS", None, "bytes", bounds=_POSITIVE, table="cost"),
     Metric("quant_peak_cuda_bytes", "quant peak CUDA memory", None, "bytes", bounds=_POSITIVE),
-    Metric("blocks_time_s", "blocks time (s)", None, "{:.1f}", "s", bounds=_POSITIVE),
     # the planner's price of the unit's stage, stored with it by the run that announced it (bench.run.sweep)
     Metric("planned_time_s", "planned time (s)", None, "{:.1f}", "s", bounds=_POSITIVE),
-    Metric("resumed_blocks", "resumed blocks", None, "{:.0f}", bounds=_POSITIVE),
     Metric("compiled_blocks", "compiled blocks", None, "{:.0f}", bounds=_POSITIVE),
-    Metric("mean_block_calib_before", "block error, calibration, before", "lower", bounds=_POSITIVE),
-    Metric("mean_block_calib_after", "block error, calibration, after", "lower", bounds=_POSITIVE),
-    Metric("mean_block_heldout_before", "block error, held-out, before", "lower", bounds=_POSITIVE),
-    Metric("mean_block_heldout_after", "block error, held-out, after", "lower", bounds=_POSITIVE),
+    Metric("mean_block_calib_before", "block error, calibration, before", "lower", bounds=_POSITIVE, table="recon"),
+    Metric("mean_block_calib_after", "block error, calibration, after", "lower", bounds=_POSITIVE, table="recon"),
+    Metric("mean_block_heldout_before", "block error, held-out, before", "lower", bounds=_POSITIVE,
+           table="recon"),
+    Metric("mean_block_heldout_after", "block error, held-out, after", "lower", bounds=_POSITIVE, table="recon"),
     Metric("prefill_tok_s", "prefill tokens/s", "higher", "{:.1f}", bounds=_POSITIVE),
     Metric("decode_tok_s", "decode tokens/s", "higher", "{:.2f}", bounds=_POSITIVE),
     Metric("model_bytes", "model size", None, "bytes", bounds=_POSITIVE),
@@ -226,6 +230,14 @@ KL_METRICS = tuple(m.name for m in _METRICS if m.from_positions is not None)
 TEXT_METRICS = tuple(m.name for m in _METRICS if m.interval == "ppl" or m.evaluation == "kl")
 # Flips against the FP model per task (Dutta et al. 2024), derived in the reports from per-example scores
 FLIP_KINDS = ("right_to_wrong", "wrong_to_right")
+FLIPS = "flips"                                 # ... and their sum, a cell's share of examples flipped
+FLIP_METRICS = (FLIPS,) + FLIP_KINDS
+
+
+def table_metrics(table: str) -> list[str]:
+    """The metrics the leaderboard's `table` lists (Metric.table), in the catalogue's order: a metric declared
+    with that table (declare_metric) is a row of it without more code."""
+    return [m.name for m in METRICS.values() if m.table == table]
 
 
 def metric(name: str) -> Metric:

@@ -41,7 +41,7 @@ from bench.evaluations.perplexity import NonFiniteResult, check_finite_perplexit
 from bench.common.provenance import git_revision, hardware, versions
 from bench.common.store import SCHEMA_VERSION, Row, unit_key
 from lrq.errors import UserError
-from lrq.methods import Method, method_class
+from lrq.methods import Method, method_class, method_of_row
 from lrq.quantize_model import model_bits_per_weight
 from lrq.schemes import Scheme, get_scheme
 
@@ -572,7 +572,7 @@ def _derive(cfg: dict, dataset: str, data_dir) -> dict[str, set[str]]:
     tasks = cfg.get("tasks") if isinstance(cfg.get("tasks"), dict) else {}
     method = str(cfg.get("method", ""))
     try:
-        req = Request(model=str(cfg["model"]), method="external" if method.startswith("external:") else method,
+        req = Request(model=str(cfg["model"]), method=method_of_row(method),
                       scheme=str(cfg["scheme"]), datasets=(dataset,) if dataset in PERPLEXITY or ev else (),
                       preset=str(cfg.get("preset", "quick")), overrides=dict(cfg.get("method_config") or {}),
                       calib=CalibSettings(**{k: calib[k] for k in ("dataset", "n_samples", "seq_len", "sampling")

@@ -234,14 +234,9 @@ def stage_work(shape: ModelShape, method, scheme, cfg: dict, n: int, seq: int, e
     stages: dict[str, dict[str, tuple[float, float]]] = {
         "quant": {} if method is None else dict(method.work(shape, scheme, cfg, n, seq))}
     L = shape.layers
-    if method is not None and measure and scheme is not None:
-        try:   # the cell's settings resolved once for both probes
-            resolved = dict(method.resolve(scheme, dict(cfg)))
-        except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
-            resolved = None
-        if resolved is not None:
-            measured_training(stages["quant"], shape, method, scheme, cfg, resolved, seq)
-            measured_walk(stages["quant"], shape, method, scheme, cfg, resolved, n, seq)
+    if method is not None and measure:
+        measured_training(stages["quant"], shape, method, scheme, cfg, seq)
+        measured_walk(stages["quant"], shape, method, scheme, cfg, n, seq)
     probe = measured_eval(shape, eval_seq) if measure and (eval_tokens or tasks) else None
     for ds, tokens in eval_tokens.items():
         windows = max(1, tokens // eval_seq)
@@ -606,8 +601,7 @@ def _machine_key() -> dict:
 
 
 def _probe_key(shape: ModelShape, method, scheme, resolved: dict) -> dict:
-    keep = {k: resolved.get(k) for k in ("batch_size", "compile", "autocast", "train_precision", "rank_rule", "rank",
-                                          "rank_fraction", "s1_init", "search_grid", "recon_act_quant", "let")}
+    keep = {k: resolved.get(k) for k in method.training_probe_settings}
     return {"method": method.name, "scheme": scheme.name, "shape": shape.probe_shape(),
             "settings": keep, "probe": 2} | _machine_key()   # 2: the median of timed steps (1: two runs' difference)
 
@@ -626,13 +620,6 @@ def _probe_model(shape: ModelShape, seq: int):
     return LlamaForCausalLM(mc).eval(), mc
 
 
-def _probe_config(method, cfg: dict, **over):
-    """The cell's settings `cfg` as a probe quantizes with them, `over` replacing some (fixed settings and the
-    preset's name are the method's own)."""
-    c = {k: v for k, v in cfg.items() if k != "preset" and k not in method.settings.fixed_settings()}
-    return method.config(cfg.get("preset", "quick"), c | over)
-
-
 def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, compiled: bool) -> dict:
     """Seconds per training step and per block (beyond the steps) of `method` on one random block of `shape`, its
     step compiled as the cell's is."""
@@ -643,7 +630,7 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     # the cell resumes from (a --sync folder would commit it)
     method = type(method)(device=method.device)
     model0, mc = _probe_model(shape, seq)
-    bs = int(cfg.get("batch_size", 1))
+    bs = method.training(cfg)[1]
     n = 2 * bs + 1
     ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(0))
     calib = Calibration(ids, {"dataset": "random", "n_samples": n, "seq_len": seq, "seed": 0})
@@ -651,8 +638,7 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
     # the first run compiles from cold (and warms torch's caches): discarded, as a real cell pays that once while
     # its later blocks compile warm
     for steps in _PROBE_STEPS:
-        conf = _probe_config(method, cfg, iters=steps, heldout_samples=1, error_samples=1,
-                             compile="on" if compiled else "off")
+        conf = method.training_probe_config(cfg, steps, compiled)
         model = copy.deepcopy(model0)
         t = time.perf_counter()
         measured = method.quantize(model, scheme, conf, calib) or {}
@@ -667,34 +653,40 @@ def _measure_training(shape: ModelShape, method, scheme, cfg: dict, seq: int, co
 
 
 def measured_training(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict,
-                      resolved: dict, seq: int) -> None:
+                      seq: int) -> None:
     """Replace the FLOP-scaled training of a long block-wise cell (MEASURE_TRAINING_FROM_STEPS) by its measured
     step: kinds `probe:<key>:step` (calls: blocks x steps) and `probe:<key>:block` (calls: blocks), priced by
     `seconds` from the cache of measured steps."""
     kind = f"train_{method.name}"
-    if kind not in work or scheme is None:
+    cfg = method.typed(cfg)   # the settings parsed upstream (a cell's, the command line's), never parsed again
+    if kind not in work or scheme is None or method.training(cfg) is None:
         return
-    steps = int(cfg.get("iters", 0)) * shape.layers
+    steps_per_block, batch = method.training(cfg)
+    steps = steps_per_block * shape.layers
     # only compiled steps (the eager profile prices eager ones), only many of them, only a block this machine
     # trains in seconds (a 70B block would take minutes and gigabytes to probe: its FLOP-scaled price stands)
     if steps < MEASURE_TRAINING_FROM_STEPS or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
+        return
+    try:
+        resolved = method.resolve(scheme, cfg)
+    except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
         return
     if not resolved.get("compile"):
         return
     key = _probe_key(shape, method, scheme, resolved) | {"seq": int(seq)}
     digest = _cached_probe(key, lambda: _measure_training(shape, method, scheme, cfg, seq, True),
                            f"measuring a {method.name} training step at this cell's shape (batch "
-                           f"{key['settings']['batch_size']} x {seq}, compiled; about a minute, once) ...")
+                           f"{batch} x {seq}, compiled; about a minute, once) ...")
     del work[kind]
     work[f"probe:{digest}:step"] = (float(steps), 0.0)
     work[f"probe:{digest}:block"] = (float(shape.layers), 0.0)
 
 
-# GPTQ's and AWQ's cells with this many calibration tokens or more (the long and paper presets) have their work
+# The cells of a method that walks calibration statistics per block (Method.probe_walk: GPTQ, AWQ) with this many calibration tokens or more (the long and paper presets) have their work
 # priced at the model's own widths: the FLOP rates of the profile's narrow random blocks are several times lower
 # than a 576-wide block's large matmuls reach (on the Zen 4 the profile priced the long preset's GPTQ w4a8 at
 # 4,281 s of quantization against 1,394 s measured for 24 of its 30 blocks).
-MEASURE_WALK_FROM_TOKENS = 65536     # (which methods: Method.walk_measured_at_width)
+MEASURE_WALK_FROM_TOKENS = 65536
 _WALK_PROBE_WINDOWS = (2, 2, 8)      # a discarded warm-up, then the two measured calibration sizes
 
 
@@ -711,7 +703,7 @@ def _measure_walk(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dic
     model0, mc = _probe_model(shape, seq)
     one = replace(shape, layers=1, vocab=_PROBE_VOCAB, tied=False, mlp="gated", sliding_window=None,
                   sliding_layers=0)   # the probe's block, as the work formula describes it
-    conf = _probe_config(method, cfg)
+    conf = method.typed(cfg)
     points = []
     for n in _WALK_PROBE_WINDOWS:
         ids = torch.randint(0, mc.vocab_size, (n, seq), generator=torch.Generator().manual_seed(n))
@@ -727,14 +719,18 @@ def _measure_walk(shape: ModelShape, method, scheme, cfg: dict, seq: int) -> dic
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def measured_walk(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict,
-                  resolved: dict, n: int, seq: int) -> None:
-    """Replace the FLOP-scaled price of a cell of a method whose walk is measured at the model's widths
-    (`Method.walk_measured_at_width`: GPTQ, AWQ) with many calibration tokens (MEASURE_WALK_FROM_TOKENS)
+def measured_walk(work: dict[str, tuple[float, float]], shape: ModelShape, method, scheme, cfg: dict, n: int,
+                  seq: int) -> None:
+    """Replace the FLOP-scaled price of a cell of a method that walks calibration statistics (Method.probe_walk) with many calibration tokens (MEASURE_WALK_FROM_TOKENS)
     by its work formula priced at the rate measured at the model's widths (`_measure_walk`): kinds
     `probe:<key>:flop` (calls: the formula's FLOPs) and `probe:<key>:block` (calls: blocks)."""
-    if scheme is None or not method.walk_measured_at_width or n * seq < MEASURE_WALK_FROM_TOKENS \
+    if scheme is None or not method.probe_walk or n * seq < MEASURE_WALK_FROM_TOKENS \
             or shape.block_params() > MEASURE_TRAINING_MAX_BLOCK_PARAMS:
+        return
+    cfg = method.typed(cfg)   # the settings parsed upstream, never parsed again
+    try:
+        resolved = method.resolve(scheme, cfg)
+    except Exception:  # noqa: BLE001 - settings the method refuses are said by the run itself
         return
     keep = {k: v for k, v in dict(resolved).items() if k not in ("preset",)}
     key = {"method": method.name, "scheme": scheme.name, "shape": shape.probe_shape(), "seq": int(seq),

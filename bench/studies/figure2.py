@@ -102,7 +102,7 @@ BASE_SETTINGS = ("iters", "batch_size", "heldout_samples", "error_samples")   # 
 
 
 def _settings(args, methods: list[str]) -> dict:
-    from bench.cli import _checked_overrides  # the CLI's own KEY=VALUE parsing and key check
+    from bench.cli.args import _checked_overrides  # the CLI's own KEY=VALUE parsing and key check
     extra = _checked_overrides(args.set, methods)
     return dict(zip(BASE_SETTINGS, (args.iters, args.batch_size, args.heldout, args.error_samples))) | extra
 
