@@ -167,3 +167,10 @@ def test_html_in_a_real_browser(report, tmp_path):
         print(f"screenshot: {shot}")
     finally:
         driver.quit()
+
+
+def test_a_missing_browser_fails_with_the_install_command(monkeypatch):
+    # never a skip: without chromium/chromedriver the browser test fails, naming the command that installs them
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(pytest.fail.Exception, match=r"bash setup\.sh.*apt-get install chromium chromium-driver"):
+        _browser()
