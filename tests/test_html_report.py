@@ -167,3 +167,16 @@ def test_html_in_a_real_browser(report, tmp_path):
         print(f"screenshot: {shot}")
     finally:
         driver.quit()
+
+
+def test_a_missing_browser_fails_with_the_install_command(monkeypatch):
+    # never a skip: without chromium/chromedriver the browser test fails, naming the command that installs them
+    monkeypatch.setenv("PATH", "/nonexistent")
+    try:
+        _browser()
+    except BaseException as e:          # a skip (Skipped) must not pass this test: it is caught and checked here
+        outcome = e
+    else:
+        outcome = None
+    assert type(outcome) is pytest.fail.Exception, f"a missing browser must fail the test, got {outcome!r}"
+    assert re.search(r"bash setup\.sh.*apt-get install chromium chromium-driver", str(outcome)), str(outcome)
