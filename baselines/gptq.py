@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from lrq import precision
-from lrq.arch import decoder_blocks, set_submodule
+from lrq.arch import INPUT_GROUPS, decoder_blocks, set_submodule
 from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks, walk_time_stats
 from lrq.calibration import calibrate_static_activations
 from lrq.config import MethodConfig, setting
@@ -58,12 +58,7 @@ from lrq.quantize_model import quant_linear_for, quantized_block_restorer
 from lrq.schemes import Scheme
 
 # Linears sharing one input, in the order a block computes them (true-sequential GPTQ).
-SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
+SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = tuple(group for _, group in INPUT_GROUPS.values())
 MAX_DAMP_RETRIES = 8
 @dataclass(frozen=True, eq=False)
 class GPTQConfig(MethodConfig):

@@ -11,12 +11,19 @@ from torch import nn
 
 from lrq.errors import UserError
 
+# The block layout, declared once. Input groups: linears sharing one input, in the order a block computes
+# them; each with the module whose output is that input (a norm, or the projection feeding it), which is where
+# a per-channel scale of the group's inputs can be folded. Methods, the planner and the workers read these.
+INPUT_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "vo": ("self_attn.v_proj", ("self_attn.o_proj",)),
+    "gate_up": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    "up_down": ("mlp.up_proj", ("mlp.down_proj",)),
+}
 # Every decoder block of a supported model has exactly these linears (attribute paths within the block).
-LINEAR_NAMES: tuple[str, ...] = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)
+LINEAR_NAMES: tuple[str, ...] = tuple(name for _, group in INPUT_GROUPS.values() for name in group)
 KV_LINEARS = ("self_attn.k_proj", "self_attn.v_proj")
+ATTENTION_LINEARS: tuple[str, ...] = tuple(n for n in LINEAR_NAMES if n.startswith("self_attn."))
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 

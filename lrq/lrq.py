@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lrq.arch import ATTENTION_LINEARS
 from lrq.config import setting
 from lrq.engine import ReconConfig, ReconstructionMethod, recon_presets
 from lrq.errors import UserError
@@ -37,7 +38,7 @@ def official_rank(cout: int, cin: int) -> int | None:
     return min(1024, cout, cin)
 
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION = tuple(name.split(".")[-1] for name in ATTENTION_LINEARS)  # q, k, v, o
 RankRule = Literal["official", "llama2-7b-like", "uniform", "fraction"]
 RANK_RULES: tuple[str, ...] = RankRule.__args__
 

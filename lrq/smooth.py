@@ -30,16 +30,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from lrq.arch import block_linears, decoder_blocks
+from lrq.arch import INPUT_GROUPS, block_linears, decoder_blocks
 from lrq.calibration import run_calibration
 from lrq.errors import UserError
 
+# the input groups of the block layout (lrq/arch.py), in the canonical order of the `pairs` setting
 PAIRS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "qkv": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    "gate_up": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    "vo": ("self_attn.v_proj", ("self_attn.o_proj",)),
-    "up_down": ("mlp.up_proj", ("mlp.down_proj",)),
-}
+    name: INPUT_GROUPS[name] for name in ("qkv", "gate_up", "vo", "up_down")}
 DEFAULT_PAIRS: tuple[str, ...] = ("qkv", "gate_up")
 SCALE_RANGE = (1e-5, 1e5)
 
