@@ -77,3 +77,17 @@ def test_gemv_split_k_rule():
     assert G.gemv_split(1, 4096, 11008, 4, 132, c) == 16              # 32 tiles of 128 rows, 86 K blocks: capped
     assert G.gemv_split(1, 11008, 4096, 4, 132, c) == 6               # 86 tiles -> ~4 programs per SM
     assert G.gemv_split(16, 4096, 256, 4, 132, G.GEMV_CONFIGS[16]) == 1   # two K blocks: nothing to share
+
+
+def test_every_gemv_launch_at_the_gpu_shapes_is_compiled_offline():
+    """What the GPU session launches (decode shapes, M = 1..16, the four schemes, H200's 132 SMs) is among the
+    variants tests/test_kernel_aot.py compiles for sm_90/sm_80 (same configuration and constexprs, bf16)."""
+    from lrq.kernels import aot
+    checked = {(v.config, tuple((k, x) for k, x in v.constexprs if k != "DT"))
+               for v in aot.variants() if v.kernel == "gemv" and dict(v.constexprs)["DT"] == "bf16"}
+    for n, k in ((4096, 11008), (11008, 4096), (4096, 4096)):
+        for bits, group in ((4, None), (4, 128), (3, None), (8, None)):
+            for m in (1, 2, 4, 8, 16):
+                (kernel, c, ce), = G.compilations(m, n, k, bits, group, torch.bfloat16)
+                key = ((c.block_m, c.block_n, 0, c.num_warps, c.num_stages), tuple(sorted(ce.items())))
+                assert kernel == "gemv" and key in checked, (m, n, k, bits, group, ce)
