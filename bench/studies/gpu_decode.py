@@ -234,7 +234,8 @@ def judge_targets(doc: dict) -> list[dict]:
         "4-bit decode speedup vs bf16 at M=1..16 (worst)": worst(r.get("speedup_vs_bf16") for r in four),
         "speedup vs torch int4 at M=1, 4096x4096 g128":
             t4[0]["torch_int4_ms"] / best_ours[0] if best_ours else None,
-        "int8 prefill speedup vs bf16 at M>=512 (worst)": worst(r["bf16_ms"] / r["int8_ms"] for r in i8 if r["m"] >= 512),
+        "int8 prefill speedup vs bf16 at M>=512 (worst)":
+            worst(r["bf16_ms"] / r["int8_ms"] for r in i8 if r["m"] >= 512),
         "int8 decode speed vs w8a16 at M=1":
             worst(r["w8a16_gemv_ms"] / r["int8_ms"] for r in i8 if r["m"] == 1 and "w8a16_gemv_ms" in r),
         "e2e decode speedup vs bf16, w4a16": (e2e.get("w4a16") or {}).get("decode_speedup_vs_bf16"),
@@ -321,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "copy_bw":
             doc[name], complete = stage_copy_bw(device, args.smoke, timer), True
         elif name == "decode":
-            bps = (doc.get("copy_bw") or {}).get("bytes_per_s") or stage_copy_bw(device, args.smoke, timer)["bytes_per_s"]
+            bps = ((doc.get("copy_bw") or {}).get("bytes_per_s")
+                   or stage_copy_bw(device, args.smoke, timer)["bytes_per_s"])
             doc[name], complete = stage_decode(device, args.smoke, timer, deadline, doc.get(name, []), bps, dispatcher)
         elif name == "int8":
             doc[name], complete = stage_int8(device, args.smoke, timer, deadline, doc.get(name, []))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared script for a lent GPU machine (<= 8 minutes + the paper-regime stage): issue X's kernel
-# measurements (bench/studies/gpu_decode.py, reports/gpu/<date>/), then the end-to-end benchmark on a Llama-2-7B-shaped random model (8 blocks, static
-# KV cache, CUDA graphs), then LRQ and FlexRound in the paper's regime on the default model's blocks for
+# measurements (bench/studies/gpu_decode.py, reports/gpu/<date>/), then the end-to-end benchmark on a
+# Llama-2-7B-shaped random model (8 blocks, static KV cache, CUDA graphs), then LRQ and FlexRound in the paper's regime
+# on the default model's blocks for
 # STAGE_BUDGET seconds (bench/studies/gpu_stage.py: first, middle and last blocks first, then every block;
 # results after every (block, method), continued by the next session from reports/figure2-gpu/). Results go
 # to $OUT (the device tool brings it back) and reports/gpu/, with the machine's versions; each step writes

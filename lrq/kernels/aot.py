@@ -139,7 +139,8 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
                                                          "WBC": WB, "DT": dt}.items()))))
     if unaligned:   # the odd-shape specialisation of every configuration, at 4 bits, per channel, bf16
         out += [Variant(v.kernel, v.config, v.constexprs, aligned=False) for v in list(out)
-                if dict(v.constexprs).get("P0", dict(v.constexprs).get("BITS")) in (4, None) and dict(v.constexprs).get("GROUP", 0) == 0
+                if dict(v.constexprs).get("P0", dict(v.constexprs).get("BITS")) in (4, None)
+                and dict(v.constexprs).get("GROUP", 0) == 0
                 and dict(v.constexprs).get("DT") in ("bf16", "int8") and not dict(v.constexprs).get("STATIC")]
     return out
 
