@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lrq.kernels import aot
+from lrq.kernels.gemv import GEMV_CONFIGS
 from lrq.kernels.int8_gemm import INT8_BUCKETS
 from lrq.kernels.wq_gemm import WQ_BUCKETS
 
@@ -39,7 +40,18 @@ def test_every_kernel_configuration_fits_sm90_and_sm80(rows):
             if kernel == "wq_gemm":
                 assert {("GROUP=0" in r["variant"], "DT=bf16" in r["variant"]) for r in mine} == \
                        {(True, True), (True, False), (False, True), (False, False)}
-    assert {r["kernel"] for r in rows} == {"wq_gemm", "int8_gemm", "wq_dequant", "act_quant"}
+    assert {r["kernel"] for r in rows} == {"wq_gemm", "int8_gemm", "wq_dequant", "act_quant", "gemv"}
+    # the decode GEMV: both configurations on both targets, bits 3/4/8, per channel and group 128, split K and
+    # not, the odd-shape specialisation; its 16-token configuration on the tensor cores (mma.sync on both)
+    for gc in GEMV_CONFIGS.values():
+        mine = [r for r in rows if r["kernel"] == "gemv" and r["config"].startswith(f"{gc.block_m}x{gc.block_n}x")]
+        assert {r["target"] for r in mine} == {"sm_90", "sm_80"}
+        assert {(b, g) for r in mine for b in (3, 4, 8) for g in (0, 128)
+                if f"BITS={b} " in r["variant"] and f"GROUP={g} " in r["variant"]} == \
+               {(b, g) for b in (3, 4, 8) for g in (0, 128)}
+        assert {"ATOMIC=True" in r["variant"] for r in mine} == {True, False} and any(not r["aligned"] for r in mine)
+        assert all(r["spill_stores"] == 0 == r["spill_loads"] for r in mine)
+        assert all(r["needs_tensor_cores"] == (gc.block_m > 1) for r in mine)
     assert all(r["tensor_cores"] for r in rows if r["needs_tensor_cores"])
     assert summary["failed"] == 0 and summary["max_shared"]["sm_90"] <= aot.LIMITS[90]
 

@@ -71,8 +71,10 @@ def variant_of(kernel: str, config, constexprs: dict, aligned: bool = True) -> V
     return Variant(kernel, _cfg(config), tuple(sorted(constexprs.items())), aligned)
 
 
-def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False) -> list[Variant]:
-    """Every (kernel, configuration, constexprs) the checks compile."""
+def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_full: bool = False) -> list[Variant]:
+    """Every (kernel, configuration, constexprs) the checks compile. The decode GEMV: each configuration at
+    bits 3/4/8, per channel and group 128, bf16, split K (atomics), plus fp16 without split at 4 bits;
+    `gemv_full` adds every dtype x epilogue combination (52 variants instead of 14; ~3 min on 2 loaded cores)."""
     from lrq.kernels.common import TileConfig
     from lrq.kernels.int8_gemm import ACT_QUANT_CONFIG, INT8_BUCKETS
     from lrq.kernels.wq_gemm import DEQUANT_CONFIG, WQ_BUCKETS, fit_group
@@ -119,9 +121,26 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False) -> li
         for dt in DTYPES:
             out.append(Variant("act_quant", _cfg(ACT_QUANT_CONFIG), tuple(sorted(
                 {"STATIC": static, "INTERPRET": False, "BLOCK_K": ACT_QUANT_CONFIG.block_k, "DT": dt}.items()))))
+    # the decode GEMV (lrq.kernels.gemv): both configurations, bits 3/4/8, per channel and group 128, both
+    # activation dtypes, split K (atomics) and not
+    from lrq.kernels.gemv import GEMV_CONFIGS, WB
+    for gc in GEMV_CONFIGS.values():
+        for bits in BITS:
+            for group in GROUPS:
+                for dt in DTYPES:
+                    for atomic in (False, True):
+                        if not gemv_full and (dt, atomic) != ("bf16", True) and (dt, atomic, bits, group) != \
+                                ("fp16", False, 4, 0):
+                            continue
+                        out.append(Variant("gemv", (gc.block_m, gc.block_n, 0, gc.num_warps, gc.num_stages),
+                                           tuple(sorted({"BITS": bits, "GROUP": group, "HAS_BIAS": True,
+                                                         "ATOMIC": atomic, "UPCAST": False, "PREC": "tf32",
+                                                         "BLOCK_M": gc.block_m, "BLOCK_N": gc.block_n,
+                                                         "WBC": WB, "DT": dt}.items()))))
     if unaligned:   # the odd-shape specialisation of every configuration, at 4 bits, per channel, bf16
         out += [Variant(v.kernel, v.config, v.constexprs, aligned=False) for v in list(out)
-                if dict(v.constexprs).get("P0") in (4, None) and dict(v.constexprs).get("GROUP", 0) == 0
+                if dict(v.constexprs).get("P0", dict(v.constexprs).get("BITS")) in (4, None)
+                and dict(v.constexprs).get("GROUP", 0) == 0
                 and dict(v.constexprs).get("DT") in ("bf16", "int8") and not dict(v.constexprs).get("STATIC")]
     return out
 
@@ -133,6 +152,7 @@ _INTS_D = {  # integer arguments that are multiples of 16 for LLM shapes (Triton
     "int8_gemm": ("N", "K", "off1", "off2", "stride_xm", "stride_wn", "stride_ym", "k_split"),
     "wq_dequant": ("N", "K", "off1", "off2", "stride_wn", "stride_on"),
     "act_quant": ("K", "stride_xm", "stride_am"),
+    "gemv": ("N", "K", "stride_xm", "stride_ym"),
 }
 
 
@@ -148,6 +168,10 @@ def _signature(kernel: str, ce: dict) -> dict:
                 "sw_ptr": "*fp16", "wz_ptr": "*u8", "wsum_ptr": "*i32", "b_ptr": "*fp16",
                 "y_ptr": "*fp32" if ce["ATOMIC"] else act}
         ints = ("M", "N", "K", "off1", "off2", "stride_xm", "stride_wn", "stride_sn", "stride_ym", "k_split")
+    elif kernel == "gemv":
+        ptrs = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*fp16",
+                "y_ptr": "*fp32" if ce["ATOMIC"] else act}
+        ints = ("M", "N", "K", "stride_xm", "stride_ym", "kb_per_split")
     elif kernel == "wq_dequant":
         ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "o_ptr": act}
         ints = ("N", "K", "off1", "off2", "stride_wn", "stride_sn", "stride_on")
@@ -159,8 +183,8 @@ def _signature(kernel: str, ce: dict) -> dict:
 
 
 def _kernel_fn(kernel: str):
-    from lrq.kernels import int8_gemm, wq_gemm
-    return {"wq_gemm": wq_gemm._wq_gemm_kernel, "wq_dequant": wq_gemm._wq_dequant_kernel,
+    from lrq.kernels import gemv, int8_gemm, wq_gemm
+    return {"gemv": gemv._gemv_kernel, "wq_gemm": wq_gemm._wq_gemm_kernel, "wq_dequant": wq_gemm._wq_dequant_kernel,
             "act_quant": int8_gemm._act_quant_kernel, "int8_gemm": int8_gemm._int8_gemm_kernel}[kernel]
 
 
@@ -218,8 +242,11 @@ def compile_variant(v: Variant, cc: int) -> dict:
     row["shared_bytes"] = int(c.metadata.shared)
     row["shared_limit"] = LIMITS[cc]
     row.update(_ptxas(ptx, cc))
-    row["tensor_cores"] = any(op in ptx for op in TENSOR_CORE_OPS[cc])
-    row["needs_tensor_cores"] = v.kernel in ("wq_gemm", "int8_gemm")
+    # the GEMV's 16-token tiles are below wgmma's 64-row minimum: on sm_90 too they use mma.sync (tensor cores)
+    ops = TENSOR_CORE_OPS[cc] + (("mma.sync",) if v.kernel == "gemv" else ())
+    row["tensor_cores"] = any(op in ptx for op in ops)
+    # the GEMV's 16-token configuration multiplies with tl.dot; its M = 1 one is elementwise by design
+    row["needs_tensor_cores"] = v.kernel in ("wq_gemm", "int8_gemm") or (v.kernel == "gemv" and bm > 1)
     return row
 
 
@@ -246,10 +273,11 @@ def _worker(payload: str) -> list[dict]:
 
 
 def run(targets=(90, 80), jobs: int = 2, extra: list[tuple[str, tuple]] = (), unaligned: bool = False,
-        only: list[Variant] | None = None, cold: bool = True) -> list[dict]:
+        only: list[Variant] | None = None, cold: bool = True, gemv_full: bool = False) -> list[dict]:
     """Compile every variant for every target in `jobs` worker processes; rows in variant order. `cold`:
     an empty Triton cache, so every compile time is a first use's (what a GPU's cold start pays)."""
-    todo = [(asdict(v), cc) for v in (only if only is not None else variants(extra, unaligned)) for cc in targets]
+    todo = [(asdict(v), cc) for v in (only if only is not None else variants(extra, unaligned, gemv_full))
+            for cc in targets]
     jobs = max(1, min(jobs, len(todo)))
     chunks = [todo[i::jobs] for i in range(jobs)]
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -333,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="an additional configuration to check (e.g. a deliberately oversized one)")
     ap.add_argument("--only-extra", action="store_true", help="check only the --extra configurations")
     ap.add_argument("--unaligned", action="store_true", help="also the odd-shape specialisation")
+    ap.add_argument("--gemv-full", action="store_true", help="every dtype/epilogue variant of the decode GEMV")
     ap.add_argument("--warm-cache", action="store_true", help="use Triton's own cache (compile times then mean little)")
     args = ap.parse_args(argv)
     targets = tuple(int(t) for t in args.targets.split(","))
@@ -346,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         only = [v for v in variants(args.extra) if v.kernel in extra_kernels
                 and v.config in {c for _, c in args.extra}]
     t = time.time()
-    rows = run(targets, args.jobs, args.extra, args.unaligned, only, cold=not args.warm_cache)
+    rows = run(targets, args.jobs, args.extra, args.unaligned, only, cold=not args.warm_cache,
+               gemv_full=args.gemv_full)
     print(format_table(rows))
     s = summary(rows)
     s["wall_s"] = round(time.time() - t, 1)

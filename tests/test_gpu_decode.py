@@ -1,0 +1,65 @@
+"""Issue X's GPU driver (bench/studies/gpu_decode.py) on the CPU under the interpreter, tiny shapes: the files it
+writes, targets.json's exact shape, resuming a cut run, argument checks, and the target judging on GPU-like rows."""
+
+import json
+
+import pytest
+
+from bench.studies import gpu_decode as GD
+
+
+def test_smoke_writes_json_markdown_and_targets(tmp_path):
+    assert GD.main(["--smoke", "--out-dir", str(tmp_path), "--only", "correctness,copy_bw,decode"]) == 0
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert list(doc["stages"]) == ["correctness", "copy_bw", "decode"] and all(
+        v["complete"] for v in doc["stages"].values())
+    assert doc["correctness"] and all(r["ok"] for r in doc["correctness"])
+    assert {r["scheme"] for r in doc["correctness"]} == set(GD.SCHEMES)
+    assert all(r["chosen"] == "gemv" and r["chosen_by"] == "static" for r in doc["decode"])
+    assert doc["machine"]["git_rev"] and doc["machine"]["torch"] and len(doc["dispatch"]) == len(doc["decode"])
+    t = json.loads((tmp_path / "targets.json").read_text())
+    assert list(t) == ["targets"] and [e["name"] for e in t["targets"]] == list(GD.GOALS)
+    assert all(list(e) == ["name", "measured", "goal", "met"] for e in t["targets"])
+    assert all(e["measured"] is None and e["met"] is False for e in t["targets"]), "CPU timings judge nothing"
+    assert "| target | measured | goal | met |" in (tmp_path / "decode.md").read_text()
+
+
+def test_resume_keeps_finished_stages_and_rows(tmp_path):
+    cut = {"stages": {"correctness": {"complete": True, "s": 1.0}, "decode": {"complete": False, "s": 9.0}},
+           "correctness": [{"scheme": "marker", "ok": True}],
+           "decode": [{"scheme": "w4a16", "m": 1, "n": 48, "k": 160, "bf16_ms": 123.0, "chosen": "gemv",
+                       "chosen_by": "static", "chosen_ms": 1.0}]}
+    (tmp_path / "decode.json").write_text(json.dumps(cut))
+    assert GD.main(["--smoke", "--resume", "--out-dir", str(tmp_path), "--only", "correctness,decode"]) == 0
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["correctness"] == [{"scheme": "marker", "ok": True}]          # not rerun
+    kept = [r for r in doc["decode"] if r["bf16_ms"] == 123.0]
+    assert len(kept) == 1 and doc["stages"]["decode"]["complete"]
+    assert len(doc["decode"]) == len(GD.SCHEMES) * 2 + 1                    # the others measured now
+
+
+def test_arguments_are_checked(tmp_path):
+    with pytest.raises(SystemExit):
+        GD.main(["--smoke", "--out-dir", str(tmp_path), "--only", "decode,latency"])
+    with pytest.raises(SystemExit):
+        GD.main(["--out-dir", str(tmp_path)])                               # no GPU and no --smoke
+    with pytest.raises(SystemExit):
+        GD.main(["--smoke", "--out-dir", str(tmp_path), "--budget-s", "0"])
+    GD.main(["--smoke", "--out-dir", str(tmp_path), "--budget-s", "0.001", "--only", "decode"])
+    assert json.loads((tmp_path / "decode.json").read_text())["stages"]["decode"]["complete"] is False
+
+
+def test_targets_are_judged_from_gpu_rows():
+    dec = [{"scheme": s, "m": m, "n": n, "k": k, "chosen_ms": 1.0, "bandwidth_fraction": 0.8,
+            "speedup_vs_bf16": 3.5 if m > 1 else 2.0} for s in ("w4a16", "w4a16-g128") for m in (1, 16)
+           for n, k in GD.DECODE_SHAPES]
+    dec.append({"scheme": "w4a16-g128", "m": 1, "n": 4096, "k": 4096, "chosen_ms": 1.0, "gemv_ms": 0.01,
+                "wq_gemm_ms": 0.05, "torch_int4_ms": 0.011})
+    i8 = [{"m": 1, "bf16_ms": 1, "int8_ms": 0.5, "w8a16_gemv_ms": 0.4}, {"m": 512, "bf16_ms": 2.0, "int8_ms": 1.0}]
+    e2e = {"bf16": {"prefill_speedup_vs_bf16": 1.0}, "w4a16": {"decode_speedup_vs_bf16": 2.6,
+                                                              "prefill_speedup_vs_bf16": 0.9},
+           "w8a8": {"decode_speedup_vs_bf16": 1.6, "prefill_speedup_vs_bf16": 1.2}}
+    t = {e["name"]: e for e in GD.judge_targets({"on_gpu": True, "decode": dec, "int8": i8, "e2e": e2e})}
+    got = {n: (round(e["measured"], 3), e["met"]) for n, e in t.items()}
+    assert list(got.values()) == [(0.8, True), (2.0, False), (1.1, True), (2.0, True), (0.8, False), (2.6, True),
+                                  (1.6, True), (0.9, False)]

@@ -1,0 +1,93 @@
+"""The decode GEMV (lrq.kernels.gemv) under Triton's interpreter (conftest sets TRITON_INTERPRET=1) against the
+float reference (the dequantized planar weight times x): w4a16 per channel, w4a16-g128, w3a16, w8a16; M = 1, 3, 16;
+K not a multiple of the K block, N odd, split K (float32 atomics) and not, bias; refusals of what does not fit."""
+
+import pytest
+import torch
+
+import lrq.kernels.gemv as G
+import lrq.kernels.wq_gemm as WQ
+from lrq.packing import pack_planar
+from lrq.quant import n_groups
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # tests/test_kernels.py's
+
+
+def _layer(n, k, bits, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), generator=g)
+    ng = n_groups(k, group)
+    scale = (torch.rand(n, ng, generator=g) * 0.1 + 0.01).half()
+    zero = torch.randint(0, 2**bits, (n, ng), generator=g).to(torch.uint8)
+    return pack_planar(q, bits), scale, zero
+
+
+def _rel(y, ref):
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+@pytest.mark.parametrize("bits,group", [(4, None), (4, 128), (3, None), (8, None)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gemv_equals_the_float_reference(bits, group, m):
+    # K = 300: not a multiple of any K block (128 / 160 / 64 columns), a ragged last group; N = 37: odd, < a tile
+    n, k = 37, 300
+    packed, scale, zero = _layer(n, k, bits, group, bits * 10 + m)
+    w = G.repack_gemv(packed, scale, zero, bits, group, k)
+    b = torch.randn(n)
+    for dtype, split in ((torch.float32, 1), (torch.float16, 2), (torch.bfloat16, 3)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = G.gemv_matmul(x, w, b if split != 1 else None, split=split)
+        ref = WQ.reference_wq_matmul(x, packed, scale, zero, bits, group, k, b if split != 1 else None)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert _rel(y, ref) < TOL[dtype], (dtype, split)
+
+
+def test_gemv_layout_is_what_the_docstring_says():
+    """4 bits, K = 300: blocks of 8 * 16 = 128 columns, 3 blocks -> 48 words per row, transposed [48, N];
+    column r of a block sits in word r % 16 at bit (r // 16) * 4; 3 bits use 10 levels per word."""
+    q = torch.randint(0, 16, (5, 300), generator=torch.Generator().manual_seed(0))
+    words = G.repack_levels(q, 4)
+    assert words.shape == (48, 5) and words.dtype == torch.int32 and words.is_contiguous()
+    for n, kk in ((0, 0), (4, 17), (2, 129), (3, 299)):
+        blk, r = divmod(kk, 128)
+        word = int(words[blk * 16 + r % 16, n]) & 0xFFFFFFFF
+        assert (word >> (r // 16) * 4) & 15 == q[n, kk]
+    assert G.repack_levels(torch.zeros(2, 300, dtype=torch.long), 3).shape == (2 * 16, 2)   # 160-column blocks
+
+
+def test_gemv_refuses_what_does_not_fit():
+    packed, scale, zero = _layer(8, 96, 4, 24, 0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.repack_gemv(packed, scale, zero, 4, 24, 96)
+    packed, scale, zero = _layer(8, 64, 4, None, 0)
+    w = G.repack_gemv(packed, scale, zero, 4, None, 64)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        G.gemv_matmul(torch.randn(17, 64), w)
+    with pytest.raises(ValueError, match="input features"):
+        G.gemv_matmul(torch.randn(1, 65), w)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        G.gemv_matmul(torch.randn(1, 64).double(), w)
+    with pytest.raises(ValueError, match="2- to 8-bit"):
+        G.repack_levels(torch.zeros(2, 8, dtype=torch.long), 9)
+
+
+def test_gemv_split_k_rule():
+    c = G.GEMV_CONFIGS[1]
+    assert G.gemv_split(1, 4096, 4096, 4, 0, c) == 1                  # no GPU: no split
+    assert G.gemv_split(1, 4096, 11008, 4, 132, c) == 16              # 32 tiles of 128 rows, 86 K blocks: capped
+    assert G.gemv_split(1, 11008, 4096, 4, 132, c) == 6               # 86 tiles -> ~4 programs per SM
+    assert G.gemv_split(16, 4096, 256, 4, 132, G.GEMV_CONFIGS[16]) == 1   # two K blocks: nothing to share
+
+
+def test_every_gemv_launch_at_the_gpu_shapes_is_compiled_offline():
+    """What the GPU session launches (decode shapes, M = 1..16, the four schemes, H200's 132 SMs) is among the
+    variants tests/test_kernel_aot.py compiles for sm_90/sm_80 (same configuration and constexprs, bf16)."""
+    from lrq.kernels import aot
+    checked = {(v.config, tuple((k, x) for k, x in v.constexprs if k != "DT"))
+               for v in aot.variants() if v.kernel == "gemv" and dict(v.constexprs)["DT"] == "bf16"}
+    for n, k in ((4096, 11008), (11008, 4096), (4096, 4096)):
+        for bits, group in ((4, None), (4, 128), (3, None), (8, None)):
+            for m in (1, 2, 4, 8, 16):
+                (kernel, c, ce), = G.compilations(m, n, k, bits, group, torch.bfloat16)
+                key = ((c.block_m, c.block_n, 0, c.num_warps, c.num_stages), tuple(sorted(ce.items())))
+                assert kernel == "gemv" and key in checked, (m, n, k, bits, group, ce)
