@@ -7,23 +7,8 @@ import torch
 
 import lrq.kernels.gemv as G
 import lrq.kernels.wq_gemm as WQ
-from lrq.packing import pack_planar
-from lrq.quant import n_groups
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # tests/test_kernels.py's
-
-
-def _layer(n, k, bits, group, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2**bits, (n, k), generator=g)
-    ng = n_groups(k, group)
-    scale = (torch.rand(n, ng, generator=g) * 0.1 + 0.01).half()
-    zero = torch.randint(0, 2**bits, (n, ng), generator=g).to(torch.uint8)
-    return pack_planar(q, bits), scale, zero
-
-
-def _rel(y, ref):
-    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+from test_kernels import TOL, _layer, _rel   # the other kernels' layer maker, tolerances and error measure
 
 
 @pytest.mark.parametrize("bits,group", [(4, None), (4, 128), (3, None), (8, None)])
@@ -31,7 +16,7 @@ def _rel(y, ref):
 def test_gemv_equals_the_float_reference(bits, group, m):
     # K = 300: not a multiple of any K block (128 / 160 / 64 columns), a ragged last group; N = 37: odd, < a tile
     n, k = 37, 300
-    packed, scale, zero = _layer(n, k, bits, group, bits * 10 + m)
+    packed, scale, zero, _ = _layer(n, k, bits, group, bits * 10 + m)
     w = G.repack_gemv(packed, scale, zero, bits, group, k)
     b = torch.randn(n)
     for dtype, split in ((torch.float32, 1), (torch.float16, 2), (torch.bfloat16, 3)):
@@ -56,10 +41,10 @@ def test_gemv_layout_is_what_the_docstring_says():
 
 
 def test_gemv_refuses_what_does_not_fit():
-    packed, scale, zero = _layer(8, 96, 4, 24, 0)
+    packed, scale, zero, _ = _layer(8, 96, 4, 24, 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         G.repack_gemv(packed, scale, zero, 4, 24, 96)
-    packed, scale, zero = _layer(8, 64, 4, None, 0)
+    packed, scale, zero, _ = _layer(8, 64, 4, None, 0)
     w = G.repack_gemv(packed, scale, zero, 4, None, 64)
     with pytest.raises(ValueError, match="at most 16 tokens"):
         G.gemv_matmul(torch.randn(17, 64), w)
