@@ -165,20 +165,18 @@ class Int8Weights:
 @dataclass
 class Int8GemmWeights:
     weight: torch.Tensor       # int8 [n, k]: q - offset
-    zero_term: torch.Tensor    # int32 [n]: offset - z
-    col_term: torch.Tensor     # int32 [n]: sum_k (q - offset) + k (offset - z)
+    zero_term: torch.Tensor    # float32 [n]: offset - z (integers, exact)
+    col_term: torch.Tensor     # float32 [n]: sum_k (q - offset) + k (offset - z) (integers, exact below 2^24)
     scale: torch.Tensor        # float32 [n]
     offset: int
     asymmetric: bool = True    # some zero_term != 0 (a symmetric grid skips the activations' row sums)
-    col_f: torch.Tensor | None = None    # float32 copies of col_term and zero_term for the epilogue
-    zero_f: torch.Tensor | None = None
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> "Int8GemmWeights":
         w, offset = _offset_weights(q, bits)
         zt = offset - zero[:, 0].round().to(torch.int32)   # zero: uint8 levels (or float ones)
         col = w.sum(dim=1, dtype=torch.int32) + q.shape[1] * zt
-        return cls(w, zt, col, scale[:, 0].float(), offset, bool(zt.any()), col.float(), zt.float())
+        return cls(w, zt.float(), col.float(), scale[:, 0].float(), offset, bool(zt.any()))
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """xa = activation levels - 128 (int8 [m, k]); x_zero = their zero point(s) - 128 and x_scale their
@@ -188,16 +186,16 @@ class Int8GemmWeights:
         each, relative 6e-8) and the scales multiplied: five operations after the GEMM, because at one token a
         layer's cost is the count of its operations."""
         acc = torch._int_mm(xa, self.weight.t())
-        y = torch.addcmul(acc.float(), x_zero, self.col_f, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
+        y = torch.addcmul(acc.float(), x_zero, self.col_term, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
         if self.asymmetric:
-            y.addcmul_(xa.sum(dim=1, keepdim=True, dtype=torch.float32), self.zero_f)
+            y.addcmul_(xa.sum(dim=1, keepdim=True, dtype=torch.float32), self.zero_term)
         return y.mul_(x_scale).mul_(self.scale)
 
     def levels(self) -> torch.Tensor:
         return (self.weight.to(torch.int16) + self.offset).to(torch.uint8)
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale, self.col_f, self.zero_f)
+        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale)
 
 
 def cpu_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,
