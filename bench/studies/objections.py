@@ -98,12 +98,10 @@ def load(path: str) -> list[Variant]:
     return list(variants.values())
 
 
-def _geomean(xs) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
-def _mean(xs) -> float:
-    return sum(xs) / len(xs)
+def _heldout(v: Variant, blocks) -> float:
+    """A variant's held-out block error after training: the geometric mean over `blocks` of each block's mean
+    over its windows."""
+    return math.exp(sum(math.log(sum(v.blocks[b]) / len(v.blocks[b])) for b in blocks) / len(blocks))
 
 
 def _paired(a: Variant, b: Variant, blocks) -> list[tuple[int, tuple | None]]:
@@ -154,10 +152,10 @@ def answer(path: str) -> dict:
         if all(complete[m] for m in METHODS):
             rows = []
             for m in METHODS:
-                cells = {_factor_text(v.factor(authors[m]), v): _geomean([_mean(v.blocks[b]) for b in blocks])
+                cells = {_factor_text(v.factor(authors[m]), v): _heldout(v, blocks)
                          for v in complete[m]}
                 rows.append((m, cells))
-            best = {m: min(complete[m], key=lambda v: _geomean([_mean(v.blocks[b]) for b in blocks]))
+            best = {m: min(complete[m], key=lambda v: _heldout(v, blocks))
                     for m in METHODS}
             one = {m: next((v for v in complete[m] if v.lr is None), None) for m in METHODS}
             tables.append({"scheme": scheme, "blocks": blocks, "rows": rows, "regime": one["lrq"].regime
