@@ -19,6 +19,11 @@ scales in bf16 and float32 (they are small), and a float16 input runs in float32
 one thread: bf16 is vectorized (the int4 GEMM 2x faster than bf16 BLAS at batch 1, 2.5x slower at 512 tokens);
 float32 takes a scalar path, exact but 10 to 100x slower than float32 BLAS. The bf16 kernels round their output
 to bf16, so a float32 input cannot be run as bf16 pieces to float32 accuracy.
+
+So the 4-bit form chooses per call by the number of tokens (`DEQUANTIZE_FROM_M`): below it the int4 kernel; from it
+(prefill; every call in float32) the levels are read straight out of the kernel's packing into a transient float32
+buffer, dequantized in place and run through the dense GEMM (BLAS), the buffer dropped after the call. Still one
+copy of the weights held; the transient one is one layer's, at prefill.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ from lrq.quant import _group_view
 KERNEL_GROUPS = (256, 128, 64, 32)   # the group sizes torch's int4 CPU kernel accepts
 N_BLOCK = 16                         # its output features come in blocks of 16
 INT8_K_MULTIPLE = 16                 # _weight_int8pack_mm crashes or errs on other depths (torch 2.13, Zen 4)
+# From how many tokens a 4-bit layer dequantizes its weight into a transient buffer and runs the dense GEMM instead
+# of the int4 kernel, per activation dtype. Measured on a Zen 4 (AVX512-BF16), one thread, 576 x 1536 g128,
+# interleaved (docs/cpu-kernels.md): bf16 int4 kernel 0.99 ms against 0.97 ms at 48 tokens, 2.6 against 1.6 at
+# 128, 10.5 against 5.0 at 512; float32 (the int4 kernel's scalar path) 1.5 against 0.44 ms already at 1 token.
+DEQUANTIZE_FROM_M = {torch.bfloat16: 48, torch.float32: 1}
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -79,6 +89,27 @@ def _int4pack_source(n: int, k: int) -> torch.Tensor:
     return src
 
 
+def _unpack_int4pack_t(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The levels of torch's int4 CPU packing of an [n, k] matrix written, transposed, into out [k, n] (any dtype:
+    the copy converts). The packing, as torch 2.13 lays it out on the CPU: output features in blocks of 64 (k rows
+    of 32 bytes, the low nibble feature j and the high one j + 32), then one block of the remaining n mod 64 features
+    (k rows, the low nibble feature 2j and the high one 2j + 1). Int4Weights.build checks this reading against the
+    levels it packed and keeps the int4 kernel alone where it differs (another torch's layout)."""
+    k, n = out.shape
+    flat, full = packed.reshape(-1), n // 64 * 64
+    if full:
+        v = flat[:full * k // 2].view(full // 64, k, 32).transpose(0, 1)    # [k, blocks, 32]
+        o = out[:, :full].view(k, full // 64, 2, 32)
+        o[:, :, 0].copy_(v & 15)
+        o[:, :, 1].copy_(v >> 4)
+    if n > full:
+        v = flat[full * k // 2:].view(k, (n - full) // 2)
+        o = out[:, full:].view(k, (n - full) // 2, 2)
+        o[..., 0].copy_(v & 15)
+        o[..., 1].copy_(v >> 4)
+    return out
+
+
 @dataclass
 class Int4Weights:
     packed: torch.Tensor                          # uint8 [n_pad, k_pad / 2], torch's int4 CPU layout
@@ -86,6 +117,7 @@ class Int4Weights:
     group: int
     n: int
     k: int
+    decodable: bool = False                       # the packing read back equals the levels (checked when built)
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None) -> "Int4Weights":
@@ -97,18 +129,37 @@ class Int4Weights:
         ours = (torch.arange(k_pad // g) * g // (group_size or k_pad)).clamp(max=scale.shape[1] - 1)
         s, z = scale.float()[:, ours], zero.float()[:, ours]           # [n, kernel groups]
         sz = F.pad(torch.stack([s.t(), ((8 - z) * s).t()], dim=-1), (0, 0, 0, n_pad - n))
-        return cls(_int4pack(levels), by_dtype(sz), g, n, k)
+        packed = _int4pack(levels)
+        decodable = torch.equal(_unpack_int4pack_t(packed, torch.empty(k_pad, n_pad, dtype=torch.uint8)),
+                                levels.t().to(torch.uint8))
+        return cls(packed, by_dtype(sz), g, n, k, decodable)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         k_pad = self.packed.shape[1] * 2
         if k_pad != self.k:
             x = F.pad(x, (0, k_pad - self.k))
         xr = run_dtype(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, self.scales[xr.dtype])
+        if self.decodable and xr.shape[0] >= DEQUANTIZE_FROM_M[xr.dtype]:
+            y = xr @ self.dequantized_t(xr.dtype)          # a transient [k_pad, n_pad] copy, dropped after the call
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, self.scales[xr.dtype])
         return (y if y.shape[1] == self.n else y[:, :self.n]).to(x.dtype)
+
+    def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight, transposed ([k_pad, n_pad], contiguous, the GEMM's operand as is): the levels read straight
+        from the kernel's packing into a float32 buffer, then (q - 8) * s + zero in place per kernel group
+        (float32: torch's bf16 elementwise steps are both slower and rounded twice), cast once to `dtype`."""
+        n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
+        w = _unpack_int4pack_t(self.packed, torch.empty(k_pad, n_pad))
+        sz = self.scales[torch.float32]                                 # [k_pad / group, n_pad, 2]
+        s = sz[..., 0]
+        w.view(-1, self.group, n_pad).mul_(s[:, None]).add_((sz[..., 1] - 8 * s)[:, None])
+        return w if dtype == torch.float32 else w.to(dtype)
 
     def levels(self) -> torch.Tensor:
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
+        if self.decodable:
+            return _unpack_int4pack_t(self.packed, torch.empty(k_pad, n_pad, dtype=torch.uint8))[:self.k, :self.n].t().contiguous()
         q = torch.empty(n_pad * k_pad, dtype=torch.uint8)
         q[_int4pack_source(n_pad, k_pad)] = _nibbles(self.packed).to(torch.uint8)
         return q.view(n_pad, k_pad)[:self.n, :self.k].contiguous()

@@ -157,8 +157,10 @@ def test_cpu_kernels_match_fake_quant_on_odd_shapes(scheme_name, n, k):
 
 
 @pytest.mark.parametrize("scheme_name", CPU_FORMATS)
-def test_no_format_unpacks_or_dequantizes_per_call(monkeypatch, scheme_name):
-    """Packed once: a forward after packing neither unpacks bits nor dequantizes a weight."""
+def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme_name):
+    """Packed once: a bf16 decode step after packing neither unpacks bits nor dequantizes a weight; a prefill-sized
+    call of a 4-bit form reads its own packing into a transient dense weight (the faster path there), and nothing
+    else unpacks (no planar words, no repacking)."""
     import lrq.cpu_kernels as K
     import lrq.packed as P
     import lrq.packing as B
@@ -166,13 +168,55 @@ def test_no_format_unpacks_or_dequantizes_per_call(monkeypatch, scheme_name):
     p = PackedLinear.from_quant_linear(q)
     calls = []
     for mod, name in ((P, "unpack_planar"), (P, "dequantize"), (B, "_unpack"), (K, "_int4pack"),
-                      (K, "_int4pack_source")):
+                      (K, "_int4pack_source"), (K, "_unpack_int4pack_t")):
         if hasattr(mod, name):
-            monkeypatch.setattr(mod, name, lambda *a, _n=name, **kw: calls.append(_n))
+            monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=getattr(mod, name), **kw: calls.append(_n) or _f(*a, **kw))
+    held = p.storage_bytes()
     with torch.no_grad():
-        for x in (torch.randn(1, 576), torch.randn(2, 70, 576).bfloat16()):
-            p(x)
-    assert calls == []
+        p(torch.randn(1, 576).bfloat16())
+        assert calls == []
+        p(torch.randn(2, 70, 576).bfloat16())
+    assert calls == (["_unpack_int4pack_t"] if isinstance(p.cpu_weights, K.Int4Weights) else [])
+    assert p.storage_bytes() == held
+
+
+@pytest.mark.parametrize("n,k,group", [(576, 1536, 128), (100, 300, None), (48, 576, 64), (24, 64, 32)])
+def test_int4_prefill_path_reads_the_kernels_packing_exactly(n, k, group):
+    """The 4-bit form's prefill path reads torch's int4 packing back (blocks of 64 features and a remainder block):
+    the levels equal those packed, the dense weight equals (q - z) * s, and both paths of `mm` agree: float32 to
+    float32 rounding, bf16 to bf16 rounding. Where the reading does not match the packing (another torch's layout),
+    the int4 kernel runs at every size."""
+    import lrq.cpu_kernels as K
+    g = torch.Generator().manual_seed(n + k)
+    ng = -(-k // (group or k))
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s, z = torch.rand(n, ng, generator=g) * 0.01 + 1e-3, torch.randint(0, 16, (n, ng), generator=g).float()
+    w = K.Int4Weights.build(q, s, z, group)
+    assert w.decodable
+    cols = torch.arange(k) // (group or k)
+    ref = (q.float() - z[:, cols]) * s[:, cols]
+    torch.testing.assert_close(w.dequantized_t()[:k, :n].t(), ref, rtol=1e-6, atol=1e-7)
+    small, large = torch.randn(1, k, generator=g), torch.randn(K.DEQUANTIZE_FROM_M[torch.bfloat16] + 3, k, generator=g)
+    for x in (small, large):
+        torch.testing.assert_close(w.mm(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
+        y = w.mm(x.bfloat16())
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), x @ ref.t(), rtol=2e-2, atol=2e-2)
+    kernel_only = K.Int4Weights(**{**w.__dict__, "decodable": False})
+    torch.testing.assert_close(kernel_only.mm(large.bfloat16()).float(), w.mm(large.bfloat16()).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_int4_layout_check_refuses_a_reading_that_differs(monkeypatch):
+    import lrq.cpu_kernels as K
+    monkeypatch.setattr(K, "_unpack_int4pack_t", lambda packed, out: out.zero_())
+    w = K.Int4Weights.build(torch.randint(0, 16, (64, 128)), torch.rand(64, 1), torch.full((64, 1), 8.0), None)
+    assert not w.decodable
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                        lambda *a, _f=torch.ops.aten._weight_int4pack_mm_for_cpu: calls.append(1) or _f(*a))
+    w.mm(torch.randn(200, 128).bfloat16())
+    assert calls == [1]
 
 
 def test_memory_counts_what_is_held():
