@@ -22,7 +22,7 @@ def _claims_store(path, lrq_held, fr_held, lrq_ppl_shift):
                             regime | {"eval": {"window_nll": w}}, seed=0))
         if held is not None:
             from bench.studies.paper_claims import param_counts
-            from bench.run.plan import SHAPES
+            from bench.run.shapes import SHAPES
             n = param_counts(SHAPES["smollm2-135m"], "fraction")[m]
             be = [{"calib_before": 10.0, "calib_after": 5.0 + 0.1 * i, "heldout_before": 11.0,
                    "heldout_after": held + 0.1 * i} for i in range(6)]

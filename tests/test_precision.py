@@ -6,11 +6,13 @@ bar's progress inside cells."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench.run import plan as P
+from bench.run import profile
 from bench.run.cell import EvalSettings, Request, settle
 from bench.cli import main
 from bench.common.store import ResultStore
@@ -137,7 +139,7 @@ def test_bf16_store_keys_are_those_of_earlier_releases_and_fp32_are_new(data_dir
     """A bf16 cell's quantization is keyed as before the precision became a choice, and the committed CI
     reference (its perplexity units written again on 2026-12-02, when the output head became float32 and the
     evaluation keys name it) is found under the keys settled today; an fp32 cell is a different cell."""
-    ref = json.loads((P.Path(__file__).resolve().parents[1] / "reports/reference/ci_sweep.json").read_text())
+    ref = json.loads((Path(__file__).resolve().parents[1] / "reports/reference/ci_sweep.json").read_text())
     key = {(r["method"], r["scheme"], r["dataset"]): r["unit_key"] for r in ref
            if r["dataset"] == "quant" or r["metric"] == "ppl"}   # (the KL unit of a text has a key of its own)
     for method, scheme in (("fp", "fp"), ("rtn", "w3a16")):
@@ -248,7 +250,7 @@ def test_profiles_are_per_precision_and_say_when_the_machine_was_busy(monkeypatc
     said = []
     fake = {"kinds": {}, "device": "cpu", "precision": "fp32",
             "load": {"busy": True, "others_cpu_share": 0.6, "cpus": 2, "loadavg_before": 2.5, "seconds": 12.0}}
-    monkeypatch.setattr(P, "measure_profile", lambda device, precision: fake)
+    monkeypatch.setattr(profile, "measure_profile", lambda device, precision: fake)
     P.load_or_measure_profile("cpu", precision="fp32", say=said.append)
     assert said[0].startswith("measuring this machine") and "fp32" in said[0]
     assert any("other processes used 60 % of the 2 CPUs" in s and "--remeasure" in s for s in said)

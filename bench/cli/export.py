@@ -29,7 +29,7 @@ def cmd_export(args) -> int:
     target = _check_export_target(args.out, args.model, _export_request(cell), args.overwrite,   # before any work
                                   args.data_dir)
     if not args.allow_ragged:                          # a group size the loaders refuse: said before quantizing
-        from bench.run.plan import load_shape
+        from bench.run.shapes import load_shape
         from lrq.export import group_fit_problem
         try:
             shape = load_shape(args.model)

@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     elif time.time() > deadline - 40:
         stage("plan_profile", t, skipped="budget")
     else:
-        from bench.run.plan import measure_profile
+        from bench.run.profile import measure_profile
         prof = measure_profile(device)
         out.with_name("plan-profile-gpu.json").write_text(dumps_json(prof, indent=1, default=str))
         stage("plan_profile", t, file=str(out.with_name("plan-profile-gpu.json")))

@@ -92,7 +92,7 @@ def param_counts(shape, rule: str, rank: int = 1024, fraction: float = 0.25, gro
 
 
 def claim_params(shape, rows) -> dict:
-    from bench.run.plan import SHAPES
+    from bench.run.shapes import SHAPES
     from lrq.schemes import get_scheme
     lines, verdicts = [], []
     for sh in (shape, SHAPES["llama-2-7b"]):
@@ -429,7 +429,7 @@ def claim_rank(all_rows) -> dict:
 
 def build(store_path: str, model: str, figure2: list[str] = (), rank_stores: list[str] = (),
           long: list[str] = ()) -> dict:
-    from bench.run.plan import load_shape
+    from bench.run.shapes import load_shape
     from bench.common.provenance import git_revision
     from bench.common.store import ResultStore
     if not Path(store_path).exists():

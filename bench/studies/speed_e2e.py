@@ -33,7 +33,7 @@ def random_model(shape: str, layers: int, device: str, seed: int = 0) -> nn.Modu
     """A Llama of a named shape (bench.run.plan.SHAPES) with `layers` decoder blocks and random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.run.plan import load_shape
+    from bench.run.shapes import load_shape
     s = load_shape(shape)
     cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                       num_hidden_layers=layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
