@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lrq.arch import LINEAR_NAMES
 from lrq.config import MethodConfig, setting
 from lrq.errors import UserError
 from lrq.methods import Calibration, Method, register
@@ -239,7 +240,7 @@ class LLMCompressorMethod(Method):
             save_file({"input_ids": ids}, str(work / "calib.safetensors"))
             job = {"model_dir": str(work / "model"), "calib_path": str(work / "calib.safetensors"),
                    "calib_sha256": tokens_sha256(ids), "recipe": recipe, "threads": threads,
-                   "out_dir": str(work / "out"), "pipeline": None}
+                   "out_dir": str(work / "out"), "pipeline": None, "linear_names": list(LINEAR_NAMES)}
             (work / "job.json").write_text(json.dumps(job, indent=2))
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                        TQDM_DISABLE=os.environ.get("TQDM_DISABLE", "1"), HF_HUB_OFFLINE="1",

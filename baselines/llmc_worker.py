@@ -6,7 +6,7 @@ virtual environment, never imported there by anything but this file.
 It loads the model folder in float32, builds a DataLoader over exactly the calibration windows it was
 given (batch 1, in order; their SHA-256 must match the job's), runs `oneshot` with the recipe the job
 describes and measures it (lrq.measure, which needs only psutil and torch). It then writes, for each
-of the seven linears of every decoder block, the weight as compressed-tensors fake-quantizes it
+linear of every decoder block (the job names them, from lrq.arch), the weight as compressed-tensors fake-quantizes it
 (`forward_quantize`), its scale and zero point, and for static activation schemes the input scale and
 zero point; every other decoder parameter (norms that AWQ/SmoothQuant rescaled); llm-compressor's own
 quantized forward on the first window's start (the reference our loaded copy must reproduce); and a
@@ -24,8 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 CHECK_TOKENS = 32
 LLMC_PACKAGES = ("llmcompressor", "compressed-tensors", "torch", "transformers", "accelerate", "numpy")
 EXPORT_FILE, EXPORT_META = "llmc_export.safetensors", "llmc_result.json"
@@ -75,6 +73,7 @@ def run(job_path: Path) -> int:
     job = json.loads(Path(job_path).read_text())
     import torch
     threads = int(job["threads"])
+    linear_names = job["linear_names"]   # a block's linears, as lrq.arch names them (the parent says which)
     torch.set_num_threads(threads)
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,7 +113,7 @@ def run(job_path: Path) -> int:
     with torch.no_grad():
         layers = model.model.layers
         for i, layer in enumerate(layers):
-            for lname in LINEAR_NAMES:
+            for lname in linear_names:
                 mod = layer.get_submodule(lname)
                 full = f"model.layers.{i}.{lname}"
                 scheme = getattr(mod, "quantization_scheme", None)
@@ -132,7 +131,7 @@ def run(job_path: Path) -> int:
                 quant_args[full] = {"weights": scheme.weights.model_dump(mode="json"),
                                     "input_activations": None if scheme.input_activations is None
                                     else scheme.input_activations.model_dump(mode="json")}
-        linear_params = {f"model.layers.{i}.{n}.{p}" for i in range(len(layers)) for n in LINEAR_NAMES
+        linear_params = {f"model.layers.{i}.{n}.{p}" for i in range(len(layers)) for n in linear_names
                          for p in ("weight", "bias")}
         for name, p in model.named_parameters():
             if name.startswith("model.layers.") and name not in linear_params \

@@ -104,6 +104,29 @@ def test_adapters_are_external_methods():
     assert llmc.VENV_COMMAND.endswith(f"llmcompressor=={llmc.LLMC_VERSION}")
 
 
+def test_the_worker_is_told_the_blocks_linears(tmp_path):
+    """The llm-compressor worker names no projection itself: the job it is given lists a block's linears as
+    lrq.arch says them (one place for the shape of a block, issue Y)."""
+    import json
+    import stat
+    from pathlib import Path
+
+    from baselines import llmc_worker
+    from lrq.arch import LINEAR_NAMES
+    from lrq.methods import Calibration, get_method
+    assert not any(n.rsplit(".", 1)[-1] in Path(llmc_worker.__file__).read_text() for n in LINEAR_NAMES)
+    seen = tmp_path / "job_seen.json"
+    py = tmp_path / "venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)   # a stand-in interpreter: passes the import probe, keeps the job, then fails
+    py.write_text(f'#!/bin/sh\n[ "$1" = "-c" ] && exit 0\ncp "$2" {seen}\nexit 3\n')
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    m = get_method("llmc-gptq")
+    calib = Calibration(torch.zeros(2, 8, dtype=torch.long), {}, _train_tokenizer())
+    with pytest.raises(RuntimeError, match="failed with exit 3"):
+        m.quantize(tiny_model("llama"), get_scheme("w4a16"), m.config("quick", {"venv": str(tmp_path / "venv")}), calib)
+    assert json.loads(seen.read_text())["linear_names"] == list(LINEAR_NAMES)
+
+
 # ---- loading an export ------------------------------------------------------------------------------
 
 def _fake_export(model, scheme, gen):
