@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from lrq import precision
-from lrq.arch import block_linears, decoder_blocks, set_submodule
+from lrq.arch import INPUT_GROUPS, QK_LINEARS, block_linears, decoder_blocks, group_scope, set_submodule
 from lrq.blockwise import BlockContext, method_checkpoint, run_block, walk_blocks, walk_time_stats
 from lrq.calibration import calibrate_static_activations
 from lrq.errors import UserError
@@ -65,8 +65,8 @@ from lrq.schemes import Scheme
 from lrq.smooth import PAIRS, exact_pairs, fold_stats, merge_fold_stats, consumers, fold_scales, to_consumer_space, to_producer_space
 
 # pair -> module whose output measures the scale's effect (its input is the pair's shared input)
-INSPECT = {"qkv": "self_attn", "vo": "self_attn.o_proj", "gate_up": "mlp", "up_down": "mlp.down_proj"}
-NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+INSPECT = {g: group_scope(g) for g in INPUT_GROUPS}   # qkv: self_attn, vo: o_proj, gate_up: mlp, up_down: down_proj
+NO_CLIP = QK_LINEARS
 @dataclass(frozen=True, eq=False)
 class AWQConfig(MethodConfig):
     """AWQ's settings (the reference implementation's defaults; quick: fewer windows and search tokens)."""

@@ -23,7 +23,19 @@ INPUT_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
 # Every decoder block of a supported model has exactly these linears (attribute paths within the block).
 LINEAR_NAMES: tuple[str, ...] = tuple(name for _, group in INPUT_GROUPS.values() for name in group)
 KV_LINEARS = ("self_attn.k_proj", "self_attn.v_proj")
+QK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj")   # their outputs meet in the attention scores (after RoPE)
 ATTENTION_LINEARS: tuple[str, ...] = tuple(n for n in LINEAR_NAMES if n.startswith("self_attn."))
+
+
+def group_scope(group: str) -> str:
+    """The smallest module holding every linear of an input group (`INPUT_GROUPS`): the group's own linear where it
+    has one (vo: o_proj), else their common parent (qkv: self_attn, gate_up: mlp). Its output is where a change
+    of the group's weights shows first."""
+    parts = [name.split(".") for name in INPUT_GROUPS[group][1]]
+    common = [p[0] for p in zip(*parts) if len(set(p)) == 1]
+    return ".".join(common)
+
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 

@@ -68,3 +68,18 @@ def test_smoothing_alone_keeps_the_fp_model(arch):
     with torch.no_grad():
         a, b = fp(calib).logits, m(calib).logits
     assert float((a - b).abs().max() / a.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_each_input_groups_scope_holds_exactly_its_linears(arch):
+    """`lrq.arch.group_scope` (where AWQ compares a group's output) is, in every family, the smallest module that
+    holds all of the group's linears and none of another group's inputs."""
+    from lrq.arch import INPUT_GROUPS, block_linears, decoder_blocks, group_scope
+    block = decoder_blocks(tiny_model(arch))[0]
+    lins = block_linears(block)
+    for g, (_, members) in INPUT_GROUPS.items():
+        scope = block.get_submodule(group_scope(g))
+        held = {n for n, m in lins.items() if any(m is s for s in scope.modules())}
+        assert set(members) <= held, (g, held)
+        assert all(not group_scope(g).startswith(n) for n in lins if n not in members)
+    assert {group_scope(g) for g in INPUT_GROUPS} == {"self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj"}
