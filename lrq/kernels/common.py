@@ -5,8 +5,8 @@ Configurations. Each kernel declares a few tile configurations per range of M (d
 a GPU the first call for a new (bucket, N, K, constexprs) times each of that bucket's configurations
 (at most two: a cold Triton cache compiles each once, 0.3-1.5 s) and keeps the fastest;
 `LRQ_KERNEL_TUNE=0` skips the timing and takes the bucket's first configuration, and so does a first call
-inside a CUDA-graph capture (nothing can be timed there; not kept, so a later eager call still tunes). Under the interpreter
-(TRITON_INTERPRET=1, the CPU) the bucket's first configuration is used, or the one a test passes.
+inside a CUDA-graph capture (nothing can be timed there; not kept, so a later eager call still tunes). Under
+the interpreter (TRITON_INTERPRET=1, the CPU) the bucket's first configuration is used, or the one a test passes.
 Every configuration is compiled ahead of time for sm_90 and sm_80 by `lrq.kernels.aot` in the test
 suite (shared memory, registers, spills), so a configuration that cannot run on those GPUs never ships.
 """
