@@ -177,6 +177,10 @@ class PackedLinear(nn.Module):
             self.convert_for_cpu(q)
         return out
 
+    def __getstate__(self):
+        """Pickles and deep copies leave the runners behind (closures over this layer's tensors): remade at first use."""
+        return {**self.__dict__, "_kernels": None}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.cpu_weights is not None:   # the portable form, whatever this module holds

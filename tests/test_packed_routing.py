@@ -4,6 +4,9 @@ directly, since `forward` on a CPU tensor takes the CPU kernels): outputs agains
 rule's choice per M, runners built once and rebuilt when a buffer changes, measured choices reusing and dropping
 the runners they built, and what a CUDA-graph capture may do (nothing measured, nothing converted)."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -105,6 +108,9 @@ def test_runners_are_built_once_and_rebuilt_when_a_buffer_changes(monkeypatch):
         m.zero = m.zero.clone()                           # a buffer replaced by another tensor: remade
         m._forward_gpu(x1)
         assert calls["repack"] == 4
+        clone = copy.deepcopy(m)                          # copies and pickles leave them behind
+        assert m.runners and clone.runners == {} and pickle.loads(pickle.dumps(m)).runners == {}
+        assert torch.equal(clone._forward_gpu(x1), y3)
         m.to(torch.float32)                               # a move or cast (_apply) drops them
         assert m.runners == {} and m.runner_bytes() == 0
 
