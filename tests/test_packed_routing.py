@@ -167,6 +167,17 @@ def test_inside_a_capture_nothing_is_measured_or_converted(monkeypatch):
     assert [(c.m, c.kernel, c.source) for c in d.records] == [(1, "gemv", "static"), (3, "gemv", "static-capture")]
     assert y3.shape == (3, N)
 
+    # a choice from the cache file, for a layer that has not built its runner, is not converted inside a capture
+    key = D.Dispatcher.key(torch.device("cpu"), "w8a16", 1, N, K, torch.float32)
+    d2 = D.Dispatcher(timer=lambda fn: pytest.fail("measured"))
+    d2.table[key] = {"scheme": "w8a16", "m": 1, "n": N, "k": K, "kernel": "gemv", "source": "measured"}
+    with D.using(d2):
+        _packed("w8a16", seed=9)._forward_gpu(x)
+        monkeypatch.setattr(D, "capturing", lambda: False)
+        _packed("w8a16", seed=9)._forward_gpu(x)
+    assert [(c.kernel, c.source) for c in d2.records] == [("wq_gemm", "static-capture"), ("gemv", "cached")]
+    assert calls["repack"] == 2
+
 
 def test_the_dispatch_cache_file_is_under_lrq_bench_cache(monkeypatch, tmp_path):
     from bench.common.cache import cache_root
@@ -183,6 +194,16 @@ def test_the_dispatch_cache_file_is_under_lrq_bench_cache(monkeypatch, tmp_path)
     assert D.default_cache_file() is None
     monkeypatch.setattr(D, "_DEFAULT", None)
     assert D.default_dispatcher() is D.default_dispatcher() and D.default_dispatcher().cache_file is None
+
+
+def test_a_cached_kernel_that_is_no_longer_a_candidate_is_decided_again():
+    """A table written where torch's int4 kernel existed, read where it is not a candidate (here: the CPU)."""
+    key = D.Dispatcher.key(torch.device("cpu"), "w4a16", 1, N, K, torch.float32)
+    d = D.Dispatcher(timer=None)
+    d.table[key] = {"scheme": "w4a16", "m": 1, "n": N, "k": K, "kernel": "torch_int4", "source": "measured"}
+    with D.using(d):
+        _packed("w4a16")._forward_gpu(torch.randn(1, K))
+    assert [(c.kernel, c.source) for c in d.records] == [("gemv", "static")]
 
 
 def test_a_pinned_kernel_is_used_where_it_is_a_candidate(monkeypatch):

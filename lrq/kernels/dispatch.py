@@ -188,22 +188,20 @@ class Dispatcher:
         key = self.key(x.device, scheme, m, n, k, x.dtype)
         ok, why = candidates(bits, group_size, m, n, k, x.device)
         ready = [name for name in ok if name == "wq_gemm" or name in (runners or {})]
+        forced = os.environ.get("LRQ_DISPATCH_KERNEL")
+        c = None
         if key in self.chosen:
             c = self.chosen[key]
-            if runners is not None and c.kernel not in ready and capturing():   # decided, but not built here
-                c = Choice(scheme, m, n, k, static_rule(ready), "static-capture", skipped=why)
-            return self._record(key, c)
-        forced = os.environ.get("LRQ_DISPATCH_KERNEL")
-        if forced in ok:
+        elif forced in ok:
             c = Choice(scheme, m, n, k, forced, "forced", skipped=why)
-        elif key in self.table:
+        elif key in self.table and self.table[key].get("kernel") in ok:
             c = Choice(**{**self.table[key], "source": "cached"})
-        elif capturing():
-            c = Choice(scheme, m, n, k, static_rule(ready), "static-capture", skipped=why)
-            return self._record(key, c)      # this layer's, for this capture: not kept for the key
-        elif self.timer is None:
+        if (c is None or c.kernel not in ready) and capturing():
+            # nothing may be timed or converted now: the static rule among what is ready, for this capture only
+            return self._record(key, Choice(scheme, m, n, k, static_rule(ready), "static-capture", skipped=why))
+        if c is None and self.timer is None:
             c = Choice(scheme, m, n, k, static_rule(ok), "static", skipped=why)
-        else:
+        elif c is None:
             c = self._measure(x, packed, scale, zero, bits, group_size, k, scheme, ok, why, runners)
             self.table[key] = asdict(c)
             if self.cache_file:
