@@ -15,8 +15,20 @@ activation levels (per-tensor static or per-token, exactly the grid of the fake-
 torch._int_mm is exact (int_mm_ok); elsewhere their activations are fake-quantized and the weights take the
 weight-only kernels. Nothing is unpacked or dequantized per call. The planar words come back (lrq.packing) for
 the state dict, the export and a move to the GPU.
-On a GPU the fused kernels of lrq.kernels run instead (weight-only: the dequantize-GEMM; w8a8/w4a8:
-the activation-quantization kernel and the int8 tensor-core GEMM), reading the same buffers.
+On a GPU the kernels of lrq.kernels run instead (w8a8/w4a8: the activation-quantization kernel and the int8
+tensor-core GEMM, reading the same buffers). Weight-only formats go through the process-wide dispatcher
+(lrq.kernels.dispatch.default_dispatcher): per (device, scheme, M, N, K, dtype) it picks the decode GEMV
+(lrq.kernels.gemv, M <= 16), the fused GEMM (lrq.kernels.wq_gemm, which reads the planar buffers as they are) or
+torch's int4 kernel, measured once on a GPU, by the static rule elsewhere (GEMV at M <= 16, else the GEMM). Each
+layer keeps the runners it built (`PackedLinear.runners`): weights converted once per kernel and device, never
+per call, remade when a buffer moves or changes (data_ptr / _version, like `kernel_scale`).
+
+Memory: the GEMV (and torch's int4 kernel) read their own layout, so a layer that runs one holds a SECOND copy of
+its weights beside the planar words (about the same bytes at 4 and 8 bits, 3.2/3 of them at 3 bits, plus
+transposed scales and zero points). The planar words are kept: the GEMM (prefill, M > 16) and the state dict read
+them. Runners no call chose are dropped after a measured choice; `runner_bytes()` counts what is held and
+`storage_bytes()` includes it. Under CUDA graphs: choose (warm up) every shape before capturing; a captured graph
+reads the converted copies, so capture again after changing the weights.
 """
 
 from __future__ import annotations
@@ -83,6 +95,7 @@ class PackedLinear(nn.Module):
         self.cpu_weights = None           # the CPU kernel's form of the weights, held instead of weight_packed
         self._static_grid = None          # static activations: their grid in float32, kept between calls
         self._scale16: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._kernels: dict | None = None  # weight-only GPU path: {"key", "runners": kernel -> Runner, "chosen"}
 
     @classmethod
     @torch.no_grad()
@@ -118,9 +131,22 @@ class PackedLinear(nn.Module):
         return dequantize(self.levels(), self.scale, self.zero, self.group_size, dtype)
 
     def storage_bytes(self) -> int:
-        """Bytes held: the buffers, and the CPU kernel's form of the weights where it replaced the planar words."""
+        """Bytes held: the buffers, the CPU kernel's form of the weights where it replaced the planar words, and
+        the GPU kernels' converted copies (runner_bytes) beside them."""
         held = self.cpu_weights.nbytes() if self.cpu_weights is not None else 0
-        return sum(b.numel() * b.element_size() for b in self.buffers()) + held
+        return sum(b.numel() * b.element_size() for b in self.buffers()) + held + self.runner_bytes()
+
+    def runner_bytes(self) -> int:
+        """Bytes of the weight copies the GPU kernels' runners converted for themselves (a second copy of the
+        weights when the GEMV runs; 0 for the GEMM, which reads the planar buffers)."""
+        return sum(r.nbytes for r in self.runners.values())
+
+    @property
+    def runners(self) -> dict:
+        """kernel name -> lrq.kernels.dispatch.Runner, as built for the current buffers (empty before the first GPU
+        call or after they moved or changed)."""
+        return self._kernels["runners"] if self._kernels is not None and self._kernels["key"] == self._runner_key() \
+            else {}
 
     # ---- the CPU kernels' form ----------------------------------------------------------------
     def integer_activations(self) -> bool:
@@ -141,7 +167,7 @@ class PackedLinear(nn.Module):
         return self.cpu_weights
 
     def _apply(self, fn, *args, **kwargs):
-        self._scale16 = self._static_grid = None
+        self._scale16 = self._static_grid = self._kernels = None
         if self.cpu_weights is None:
             return super()._apply(fn, *args, **kwargs)
         q = self.levels()                  # planar words move (every device reads them); the CPU form is rebuilt
@@ -151,12 +177,17 @@ class PackedLinear(nn.Module):
             self.convert_for_cpu(q)
         return out
 
+    def __getstate__(self):
+        """Pickles and deep copies leave the runners behind (closures over this layer's tensors): remade at first use."""
+        return {**self.__dict__, "_kernels": None}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.cpu_weights is not None:   # the portable form, whatever this module holds
             destination[prefix + "weight_packed"] = self.planar_words()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._kernels = None
         if self.cpu_weights is not None and prefix + "weight_packed" in state_dict:   # converted again when run
             self._buffers["weight_packed"] = torch.empty(self.out_features, planar_words(self.in_features, self.bits),
                                                          dtype=torch.int32)
@@ -175,6 +206,40 @@ class PackedLinear(nn.Module):
         if self._scale16 is None or self._scale16[0] != key:
             self._scale16 = (key, self.scale.to(torch.float16))
         return self._scale16[1]
+
+    def _runner_key(self) -> tuple:
+        """What the runners were converted from: the buffers' device, storage and version (remade on any change)."""
+        def state(t):
+            if t is None:
+                return None
+            try:
+                return t.data_ptr(), t._version
+            except RuntimeError:   # an inference-mode tensor has no version counter (nor can change outside it)
+                return t.data_ptr(), None
+        return (None if self.weight_packed is None else self.weight_packed.device,
+                state(self.weight_packed), state(self.scale), state(self.zero))
+
+    def _runner(self, x: torch.Tensor):
+        """The weight-only runner for this call: the kernel this layer chose for (M, dtype), else the process-wide
+        dispatcher's choice (measured on a GPU before any capture; see lrq.kernels.dispatch); runners built once."""
+        from lrq.kernels import dispatch as D
+        key = self._runner_key()
+        if self._kernels is None or self._kernels["key"] != key:
+            self._kernels = {"key": key, "runners": {}, "chosen": {}}
+        runners, chosen = self._kernels["runners"], self._kernels["chosen"]
+        m = x.numel() // max(x.shape[-1], 1)
+        kernel = chosen.get((m, x.dtype))
+        if kernel is None:
+            c = D.default_dispatcher().choose(x, self.weight_packed, self.kernel_scale(), self.zero, self.bits,
+                                              self.group_size, self.in_features, runners=runners)
+            kernel = chosen[(m, x.dtype)] = c.kernel
+            for name in [r for r in runners if r not in chosen.values()]:   # built for measuring, not chosen
+                del runners[name]
+        run = runners.get(kernel)
+        if run is None:
+            run = runners[kernel] = D.build_runner(kernel, self.weight_packed, self.kernel_scale(), self.zero,
+                                                   self.bits, self.group_size, self.in_features)
+        return run
 
     def _int8_gpu(self, x: torch.Tensor) -> torch.Tensor:
         from lrq.kernels.int8_gemm import int8_matmul, weight_sums
@@ -224,9 +289,8 @@ class PackedLinear(nn.Module):
         if self.scheme.static_activations:
             return F.linear(self._float_activations(x), self.dequantized_weight(x.dtype),
                             None if self.bias is None else self.bias.to(x.dtype))
-        from lrq.kernels.wq_gemm import wq_matmul   # the fused dequantize-GEMM, which dispatches large M itself
-        return wq_matmul(self._float_activations(x), self.weight_packed, self.kernel_scale(), self.zero, self.bits,
-                         self.group_size, self.in_features, self.bias)
+        x = self._float_activations(x)
+        return self._runner(x)(x, self.bias)   # the dispatcher's kernel (GEMV, GEMM or torch int4), see _runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._forward_cpu(x) if x.device.type == "cpu" else self._forward_gpu(x)

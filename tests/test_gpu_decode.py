@@ -16,7 +16,11 @@ def test_smoke_writes_json_markdown_and_targets(tmp_path):
     assert doc["correctness"] and all(r["ok"] for r in doc["correctness"])
     assert {r["scheme"] for r in doc["correctness"]} == set(GD.SCHEMES)
     assert all(r["chosen"] == "gemv" and r["chosen_by"] == "static" for r in doc["decode"])
-    assert doc["machine"]["git_rev"] and doc["machine"]["torch"] and len(doc["dispatch"]) == len(doc["decode"])
+    assert doc["machine"]["git_rev"] and doc["machine"]["torch"]
+    # one dispatch record per distinct key (the smoke plan's last row repeats a shape of its table)
+    keys = [(r["scheme"], r["m"], r["n"], r["k"]) for r in doc["decode"]]
+    assert [(c["scheme"], c["m"], c["n"], c["k"]) for c in doc["dispatch"]] == list(dict.fromkeys(keys))
+    assert len(keys) == len(set(keys)) + 1
     t = json.loads((tmp_path / "targets.json").read_text())
     assert list(t) == ["targets"] and [e["name"] for e in t["targets"]] == list(GD.GOALS)
     assert all(list(e) == ["name", "measured", "goal", "met"] for e in t["targets"])
@@ -63,3 +67,20 @@ def test_targets_are_judged_from_gpu_rows():
     got = {n: (round(e["measured"], 3), e["met"]) for n, e in t.items()}
     assert list(got.values()) == [(0.8, True), (2.0, False), (1.1, True), (2.0, True), (0.8, False), (2.6, True),
                                   (1.6, True), (0.9, False)]
+
+
+def test_e2e_stage_carries_the_dispatchers_choices_into_json_and_markdown(tmp_path):
+    """The end-to-end JSON's per-format `dispatch` records (kernel per layer shape) and the kernels' weight copies
+    reach decode.json's e2e stage and a table in decode.md."""
+    choice = {"scheme": "w4a16", "m": 1, "n": 4096, "k": 11008, "kernel": "gemv", "source": "measured",
+              "times_ms": {"gemv": 0.011, "wq_gemm": 0.02}, "dropped": {}, "skipped": {}, "key": "H200|w4a16|1",
+              "calls": 8}
+    e2e = {"rows": [{"scheme": "bf16", "dispatch": [], "kernel_copy_bytes": 0},
+                    {"scheme": "w4a16", "decode_speedup_vs_bf16": 2.0, "weight_bytes": 100, "kernel_copy_bytes": 90,
+                     "dispatch": [choice]}]}
+    (tmp_path / "e2e.json").write_text(json.dumps(e2e))
+    assert GD.main(["--smoke", "--out-dir", str(tmp_path), "--only", "e2e", "--e2e", str(tmp_path / "e2e.json")]) == 0
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["e2e"]["w4a16"]["dispatch"] == [choice] and doc["e2e"]["w4a16"]["kernel_copy_bytes"] == 90
+    md = (tmp_path / "decode.md").read_text()
+    assert "| w4a16 | 1 | 4096x11008 | gemv | measured | 8 | gemv 0.0110, wq_gemm 0.0200 |" in md

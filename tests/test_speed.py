@@ -66,6 +66,37 @@ def test_e2e_static_cache_runner_on_a_named_shape(tmp_path):
     assert doc["model"].startswith("smollm2-135m (1 layers")
 
 
+def test_e2e_row_records_the_dispatchers_choices_and_the_kernel_copies(monkeypatch):
+    """The GPU e2e path's dispatch plumbing, run on the CPU: the packed layers take their GPU forward (Triton's
+    interpreter) on a tiny Llama, so the row lists the kernel the dispatcher chose per layer shape at the shapes the
+    warm-up runs (the prefill's M and M = 1, the ones a GPU run then captures), how many layers took it, and the
+    GEMV's second copy of the weights beside the stored bytes."""
+    from conftest import tiny_config
+    from transformers import LlamaForCausalLM
+
+    from bench.studies import speed_e2e
+    from lrq.packed import PackedLinear
+
+    def tiny(shape, layers, device, seed=0):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(tiny_config(layers=layers)).to(torch.bfloat16).eval()
+    monkeypatch.setattr(speed_e2e, "random_model", tiny)
+    monkeypatch.setattr(PackedLinear, "convert_for_cpu", lambda self, levels=None: None)   # keep the planar words
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: self._forward_gpu(x))
+    monkeypatch.setenv("LRQ_DISPATCH_CACHE", "")
+    row = speed_e2e.measure_format("tiny", 2, "w4a16", "cpu", prefill=20, decode=2, graphs=False, reps=1)
+    got = {(d["n"], d["k"], d["m"]): (d["kernel"], d["source"], d["calls"]) for d in row["dispatch"]}
+    # per block: q, o 64x64; k, v 32x64; gate, up 160x64; down 64x160 -> two layers each
+    shapes = {(64, 64): 4, (32, 64): 4, (160, 64): 4, (64, 160): 2}
+    assert got == {**{(n, k, 20): ("wq_gemm", "static", c) for (n, k), c in shapes.items()},
+                   **{(n, k, 1): ("gemv", "static", c) for (n, k), c in shapes.items()}}
+    # the GEMV copy per layer: K padded to blocks of 8 x 16 = 128 columns, 4 bytes per 8 levels, fp16 scale + uint8 zero
+    copy = sum(c * (-(-k // 128) * 16 * 4 * n + 3 * n) for (n, k), c in shapes.items())
+    assert row["kernel_copy_bytes"] == copy
+    assert row["resident_weight_bytes"] == row["weight_bytes"] + row["kernel_copy_bytes"]
+    assert "gemv (static, 4)" in speed_e2e.dispatch_line(row["dispatch"])
+
+
 def test_e2e_runner_keeps_decode_positions():
     """Repeated prefills and decode blocks never run past the static cache (positions are reset)."""
     from bench.studies import speed_e2e

@@ -10,8 +10,9 @@ device, bits 3/4/8, g128, odd shapes, M = 1/3/16), copy_bw (device-to-device cop
 int4 kernel where it applies, and the dispatcher's measured choice; 4096x4096 g128 at M = 1 beside torch int4),
 int8 (w8a8 prefill at M = 512/2048/4096 on 4096x11008: our int8 GEMM and torch._int_mm with the activation
 quantization in torch, beside bf16; w8a8 decode at M = 1 beside the w8a16 GEMV), e2e (read from the
-end-to-end benchmark's JSON, --e2e). Budget: every timed row checks the deadline (--budget-s) first; what does
-not fit is left out and the stage marked incomplete.
+end-to-end benchmark's JSON, --e2e: speedups, memory with the kernels' weight copies, and the kernel the
+dispatcher chose per layer shape, also as a table in decode.md). Budget: every timed row checks the deadline
+(--budget-s) first; what does not fit is left out and the stage marked incomplete.
 """
 
 from __future__ import annotations
@@ -208,7 +209,8 @@ def stage_e2e(path):
         return None, False
     rows = json.loads(Path(path).read_text())["rows"]
     return {r["scheme"]: {k: r.get(k) for k in ("decode_speedup_vs_bf16", "prefill_speedup_vs_bf16",
-                                                 "decode_ms_per_token", "prefill_tok_s", "peak_gpu_bytes")}
+                                                 "decode_ms_per_token", "prefill_tok_s", "weight_bytes",
+                                                 "kernel_copy_bytes", "peak_gpu_bytes", "dispatch")}
             for r in rows}, True
 
 
@@ -266,6 +268,14 @@ def markdown(doc: dict) -> str:
     for r in doc.get("int8", []):
         lines.append(f"| {r['m']} | {r['n']}x{r['k']} | {f(r['bf16_ms'])} | {f(r['ours_ms'])} | "
                      f"{f(r.get('torch_int_mm_ms'))} | {f(r.get('w8a16_gemv_ms'))} | {r['int8_kept']} |")
+    e2e_choices = [(scheme, d) for scheme, v in (doc.get("e2e") or {}).items() for d in (v.get("dispatch") or [])]
+    if e2e_choices:
+        lines += ["", "End to end, the dispatcher's choice per layer shape (layers: how many took it):", "",
+                  "| scheme | M | N x K | kernel | how | layers | times ms |", "|---|---|---|---|---|---|---|"]
+        for scheme, d in e2e_choices:
+            times = ", ".join(f"{k} {v:.4f}" for k, v in (d.get("times_ms") or {}).items()) or "-"
+            lines.append(f"| {scheme} | {d['m']} | {d['n']}x{d['k']} | {d['kernel']} | {d['source']} | "
+                         f"{d.get('calls', '-')} | {times} |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in doc.get("targets", []):
         lines.append(f"| {t['name']} | {f(t['measured'], 3)} | {t['goal']} | {'yes' if t['met'] else 'no'} |")

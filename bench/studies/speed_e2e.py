@@ -11,7 +11,12 @@ ranges from one forward of the FP model on random tokens), then
 * decode: one greedy step (forward of one token at the next cache position, argmax, position + 1)
   captured as a CUDA graph; replayed `decode` times from the prefilled cache -> ms/token (median of
   blocks of replays, CUDA events);
-* weight memory (parameters + buffers) and peak GPU memory (torch's allocator) of the whole run;
+* weight memory (parameters + buffers), the weight copies the GPU kernels converted for themselves during the
+  warm-up (`kernel_copy_bytes`: the decode GEMV reads its own layout, a second copy beside the planar words the
+  GEMM and the state dict keep; lrq.packed), their sum (`resident_weight_bytes`), what torch's allocator holds
+  after the warm-up and its peak over the whole run (both include those copies: they are allocator tensors);
+* which kernel the dispatcher chose per layer shape and M (`dispatch`: lrq.kernels.dispatch's records of a
+  dispatcher made for this format, measured on the GPU during the eager warm-up, before any capture);
 * the bandwidth floor of a decode step: (weight bytes + the KV cache read at that context) / 4.3 TB/s,
   and how far the measured step is above it.
 When capture fails (an operation the graph cannot hold) the row says why and times eager steps
@@ -145,7 +150,9 @@ class _Runner:
         self._set_length(self.prefill_len)
 
     def capture(self):
-        """Warm up eagerly (kernels compiled and tuned, the cache allocated), then capture both steps."""
+        """Warm up eagerly (kernels compiled and tuned, the cache allocated, and the weight-only kernel of every
+        layer chosen and its weights converted, at exactly the shapes captured below: the prefill's M and M = 1;
+        nothing can be measured or converted inside a capture), then capture both steps."""
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
         self.prefill()
         self._step()
@@ -205,8 +212,26 @@ def _median(v: list[float]) -> float:
     return v[len(v) // 2]
 
 
+def kernel_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the weight copies the packed layers' GPU kernels converted for themselves (lrq.packed.runner_bytes)."""
+    from lrq.packed import PackedLinear
+    return sum(m.runner_bytes() for m in model.modules() if isinstance(m, PackedLinear))
+
+
 def measure_format(shape: str, layers: int, scheme: str, device: str, prefill: int, decode: int,
                    graphs: bool = True, reps: int = 5) -> dict:
+    """One format's row; its weight-only layers ask a dispatcher made for this format (its records are the row's
+    `dispatch`; measured choices are shared through the dispatcher's cache file)."""
+    from lrq.kernels import dispatch as D
+    dispatcher = D.Dispatcher(D.default_cache_file())
+    with D.using(dispatcher):
+        row = _measure_format(shape, layers, scheme, device, prefill, decode, graphs, reps)
+    row["dispatch"] = dispatcher.report()
+    return row
+
+
+def _measure_format(shape: str, layers: int, scheme: str, device: str, prefill: int, decode: int,
+                    graphs: bool, reps: int) -> dict:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -222,6 +247,8 @@ def measure_format(shape: str, layers: int, scheme: str, device: str, prefill: i
     t = time.perf_counter()
     r.capture()
     warm_s = time.perf_counter() - t
+    copies = kernel_copy_bytes(model)
+    allocated = torch.cuda.memory_allocated() if dev.type == "cuda" else None
     prefill_ms = _median(_timed_ms(r.prefill, dev, reps))
     # decode: from the prefilled cache, `decode` greedy steps, timed in blocks
     r.reset()
@@ -235,11 +262,18 @@ def measure_format(shape: str, layers: int, scheme: str, device: str, prefill: i
            if dev.type == "cuda" else "cpu", "cuda_graphs": r.graphs, "graph_error": r.graph_error,
            "prefill_tokens": prefill, "prefill_ms": prefill_ms, "prefill_tok_s": prefill / prefill_ms * 1e3,
            "decode_steps": block * reps, "decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms,
-           "weight_bytes": weights, "decode_floor_ms": floor_ms, "decode_vs_floor": decode_ms / floor_ms,
+           "weight_bytes": weights, "kernel_copy_bytes": copies, "resident_weight_bytes": weights + copies,
+           "allocated_after_warmup_bytes": allocated,
+           "decode_floor_ms": floor_ms, "decode_vs_floor": decode_ms / floor_ms,
            "warmup_s": warm_s,
            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else None}
     del r, model
     return row
+
+
+def dispatch_line(records: list[dict]) -> str:
+    """`NxK M=m kernel (source, layers)` per record, for the log."""
+    return ", ".join(f"{r['n']}x{r['k']} M={r['m']} {r['kernel']} ({r['source']}, {r['calls']})" for r in records)
 
 
 def run(shape: str, layers: int, schemes: list[str], device: str, prefill: int, decode: int,
@@ -258,9 +292,12 @@ def run(shape: str, layers: int, schemes: list[str], device: str, prefill: int, 
         rel = (f"  x{base['decode_ms_per_token'] / row['decode_ms_per_token']:.2f} decode, "
                f"x{row['prefill_tok_s'] / base['prefill_tok_s']:.2f} prefill vs bf16") if base else ""
         print(f"{name:<11} prefill {row['prefill_tok_s']:10.0f} tok/s  decode {row['decode_ms_per_token']:8.3f} ms/tok "
-              f"(floor {row['decode_floor_ms']:.3f})  weights {row['weight_bytes'] / 2**20:8.0f} MiB  "
+              f"(floor {row['decode_floor_ms']:.3f})  weights {row['weight_bytes'] / 2**20:8.0f} MiB "
+              f"+ kernel copies {row['kernel_copy_bytes'] / 2**20:6.0f} MiB  "
               f"peak {(row['peak_gpu_bytes'] or 0) / 2**20:8.0f} MiB{rel}"
               + ("" if row["cuda_graphs"] or device != "cuda" else f"  [eager: {row['graph_error']}]"), flush=True)
+        if row.get("dispatch"):
+            print("            dispatch: " + dispatch_line(row["dispatch"]), flush=True)
     base = rows[0] if "error" not in rows[0] else None
     for row in rows:
         if base and "error" not in row:

@@ -4,8 +4,9 @@ bucketed by M, and a bounded autotuner.
 Configurations. Each kernel declares a few tile configurations per range of M (decode, small, large). On
 a GPU the first call for a new (bucket, N, K, constexprs) times each of that bucket's configurations
 (at most two: a cold Triton cache compiles each once, 0.3-1.5 s) and keeps the fastest;
-`LRQ_KERNEL_TUNE=0` skips the timing and takes the bucket's first configuration. Under the interpreter
-(TRITON_INTERPRET=1, the CPU) the bucket's first configuration is used, or the one a test passes.
+`LRQ_KERNEL_TUNE=0` skips the timing and takes the bucket's first configuration, and so does a first call
+inside a CUDA-graph capture (nothing can be timed there; not kept, so a later eager call still tunes). Under
+the interpreter (TRITON_INTERPRET=1, the CPU) the bucket's first configuration is used, or the one a test passes.
 Every configuration is compiled ahead of time for sm_90 and sm_80 by `lrq.kernels.aot` in the test
 suite (shared memory, registers, spills), so a configuration that cannot run on those GPUs never ships.
 """
@@ -71,6 +72,11 @@ class Buckets:
         return k_split, cdiv(k, k_split)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (nothing may be timed or synchronized then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def tune_enabled() -> bool:
     return os.environ.get("LRQ_KERNEL_TUNE", "1") != "0"
 
@@ -128,6 +134,8 @@ class Tuner:
     def pick(self, key: tuple, candidates: tuple[TileConfig, ...], launch) -> TileConfig:
         if key in self.best:
             return self.best[key]
+        if capturing():          # a shape first seen inside a CUDA-graph capture: untimed, not kept
+            return candidates[0]
         if len(candidates) == 1:
             self.best[key] = candidates[0]
             return candidates[0]
