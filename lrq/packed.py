@@ -13,8 +13,9 @@ the layout of the torch CPU kernel for its format (lrq.cpu_kernels) and holds on
 fewer through the int4 GEMM, 5 to 8 bits through the int8 weight GEMM, W8A8 and W4A8 through torch._int_mm on the
 activation levels (per-tensor static or per-token, exactly the grid of the fake-quant path), where this CPU's
 torch._int_mm is exact (int_mm_ok); elsewhere their activations are fake-quantized and the weights take the
-weight-only kernels. Nothing is unpacked or dequantized per call. The planar words come back (lrq.packing) for
-the state dict, the export and a move to the GPU.
+weight-only kernels. Nothing is unpacked or dequantized at decode; at prefill sizes the weight-only forms
+dequantize a transient copy of one layer for the dense GEMM, which is faster there (lrq.cpu_kernels). The planar
+words come back (lrq.packing) for the state dict, the export and a move to the GPU.
 On a GPU the kernels of lrq.kernels run instead (w8a8/w4a8: the activation-quantization kernel and the int8
 tensor-core GEMM, reading the same buffers). Weight-only formats go through the process-wide dispatcher
 (lrq.kernels.dispatch.default_dispatcher): per (device, scheme, M, N, K, dtype) it picks the decode GEMV
