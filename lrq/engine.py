@@ -410,7 +410,7 @@ class ReconstructionMethod(Method):
             "resolved_config": cfg.as_dict(), "train_samples": n_train, "heldout_samples": n_held,
             # what the training steps really ran at: bf16 autocast only where the preset and the run allow it
             "train_precision": (("authors: fp16 model and freeze, steps under fp16 autocast with a GradScaler"
-                                 if _scheme_key(scheme) in self.authors_amp else
+                                 if self._fp16_steps(scheme, cfg) else
                                  "authors: fp16 model and freeze, fp32 steps") if authors else
                                 "bf16" if cfg.autocast and precision.current(self.device) == "bf16" else "fp32"),
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
@@ -454,6 +454,11 @@ class ReconstructionMethod(Method):
                         "the steps or the learning rate do not suit this model (--set lr=..., --set iters=...)",
                         i, out["calib_after"], out["calib_before"])
         return out
+
+    def _fp16_steps(self, scheme: Scheme, cfg: ReconConfig) -> bool:
+        """train_precision=authors where the authors' script trains the scheme under fp16 autocast with a
+        GradScaler (`authors_amp`)."""
+        return cfg.train_precision == "authors" and _scheme_key(scheme) in self.authors_amp
 
     def _swap_in_learnables(self, ctx: BlockContext, scheme: Scheme, cfg: ReconConfig, act_qparams: dict,
                             gen: torch.Generator, state: Any) -> dict[str, LearnableQuantLinear]:
@@ -500,7 +505,7 @@ class ReconstructionMethod(Method):
         dev = next(block.parameters()).device    # the walk put the block on the compute device
         # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16; with
         # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
-        amp = cfg.train_precision == "authors" and _scheme_key(scheme) in self.authors_amp
+        amp = self._fp16_steps(scheme, cfg)
         if cfg.train_precision == "authors":
             autocast = precision.authors_fp16(dev, enabled=amp)
         else:
