@@ -654,9 +654,11 @@ class _Training:
     first: int = 0                      # the step this process starts at (> 0: resumed)
     loss: float = math.nan
     skipped: int = 0                    # fp16 steps that overflowed, skipped as the GradScaler does
-    step_times: list[float] = field(default_factory=list)   # wall time of every step (the first: compiling)
+    # wall time of every step (the first includes a compiled step's first call): what the planner's probe prices
+    # (bench.run.plan._measure_training) and what a cell's stats report beside it
+    step_times: list[float] = field(default_factory=list)
     train_before: float = 0.0           # seconds of training before the resumed step
-    curve: list[dict] = field(default_factory=list)
+    curve: list[dict] = field(default_factory=list)         # the curve's points so far (`curve_every`)
 
     def curve_point(self, step: int, loss: float) -> dict:
         with _frozen(self.ctx.block, self.learn):
@@ -695,7 +697,7 @@ class _Training:
             self.sched.step()
 
     def saved(self, key: str, iters: int, step: int, train_s: float, resumed: list) -> dict:
-        """The training state to save before `step` (`ReconstructionMethod._load_train_state` checks it)."""
+        """The training state, `step` steps done, to resume from (`ReconstructionMethod._load_train_state`)."""
         return {"key": key, "block": self.ctx.index, "iters": iters, "step": step,
                 "params": [p.detach().clone() for p in self.params], "opt": self.opt.state_dict(),
                 "sched": self.sched.state_dict() if self.sched is not None else None,
