@@ -618,7 +618,7 @@ class _frozen:
         return False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Windows:
     """A block's calibration windows, (inputs, targets) each: the training ones, and the Figure-2 error windows:
     the first `error_samples` training windows and (up to as many) held-out ones."""
