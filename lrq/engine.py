@@ -26,7 +26,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -410,7 +410,7 @@ class ReconstructionMethod(Method):
             "resolved_config": cfg.as_dict(), "train_samples": n_train, "heldout_samples": n_held,
             # what the training steps really ran at: bf16 autocast only where the preset and the run allow it
             "train_precision": (("authors: fp16 model and freeze, steps under fp16 autocast with a GradScaler"
-                                 if _scheme_key(scheme) in self.authors_amp else
+                                 if self._fp16_steps(scheme, cfg) else
                                  "authors: fp16 model and freeze, fp32 steps") if authors else
                                 "bf16" if cfg.autocast and precision.current(self.device) == "bf16" else "fp32"),
             "block_errors": [{k: b[k] for k in ("calib_before", "calib_after", "heldout_before", "heldout_after")}
@@ -423,6 +423,7 @@ class ReconstructionMethod(Method):
 
     def _reconstruct_block(self, ctx: BlockContext, scheme: Scheme, cfg: ReconConfig, act_qparams: dict, n_train: int,
                            seed: int) -> dict:
+        """The module docstring's steps 1 to 5 on one block (the walk checkpoints it): its statistics."""
         block, i, kw = ctx.block, ctx.index, ctx.kwargs
         x_all, y_all = ctx.q_inputs.data, ctx.fp_targets.data
         if not (torch.isfinite(x_all).all() and torch.isfinite(y_all).all()):
@@ -430,6 +431,40 @@ class ReconstructionMethod(Method):
                             f"calibration data is broken (check the model's FP perplexity and the calibration text).")
         gen = torch.Generator().manual_seed(seed * 100_003 + i)
         state = self.prepare_block(ctx, cfg, n_train)
+        learn = self._swap_in_learnables(ctx, scheme, cfg, act_qparams, gen, state)
+        groups, params = self._trainable(block, learn, state, cfg)
+        n_learn = sum(p.numel() for p in params)
+        self.init_learnables(ctx, learn, state, cfg, n_train)
+        win = _Windows.of(x_all, y_all, n_train, cfg.error_samples)
+        with _frozen(block, learn):  # at initialisation the learnables are exactly RTN: measure that fast
+            out = {"block": i, "n_learnable": n_learn, "calib_before": block_error(block, *win.calib, kw),
+                   "heldout_before": block_error(block, *win.heldout, kw)}
+        if cfg.iters > 0:
+            t = self._start_training(ctx, scheme, cfg, learn, groups, params, gen, win, n_train, out)
+            self._train_steps(t, cfg, out)
+        for name, m in learn.items():   # the authors freeze in fp16, after .half() of the whole model
+            set_submodule(block, name, m.freeze(half=cfg.train_precision == "authors"))
+        for p in params:
+            p.requires_grad_(False)
+        self.finish_block(ctx, state, cfg, n_train)
+        out["calib_after"] = block_error(block, *win.calib, kw)
+        out["heldout_after"] = block_error(block, *win.heldout, kw)
+        if made_worse(out):
+            log.warning("block %d: training ended with a higher calibration error than its RTN start (%.4g > %.4g): "
+                        "the steps or the learning rate do not suit this model (--set lr=..., --set iters=...)",
+                        i, out["calib_after"], out["calib_before"])
+        return out
+
+    def _fp16_steps(self, scheme: Scheme, cfg: ReconConfig) -> bool:
+        """train_precision=authors where the authors' script trains the scheme under fp16 autocast with a
+        GradScaler (`authors_amp`)."""
+        return cfg.train_precision == "authors" and _scheme_key(scheme) in self.authors_amp
+
+    def _swap_in_learnables(self, ctx: BlockContext, scheme: Scheme, cfg: ReconConfig, act_qparams: dict,
+                            gen: torch.Generator, state: Any) -> dict[str, LearnableQuantLinear]:
+        """Step 1: every linear of the block replaced by its learnable quantizer (s1/z by min/max or the
+        clipping search), in the block's order (the generator draws LRQ's U in that order)."""
+        block, i = ctx.block, ctx.index
         learn: dict[str, LearnableQuantLinear] = {}
         for name, lin in block_linears(block).items():
             w = lin.weight.detach().float()
@@ -443,147 +478,100 @@ class ReconstructionMethod(Method):
                                     **self.learnable_kwargs(state, name))
             set_submodule(block, name, m)
             learn[name] = m
+        return learn
+
+    def _trainable(self, block: nn.Module, learn: dict, state: Any, cfg: ReconConfig
+                   ) -> tuple[list[dict], list[nn.Parameter]]:
+        """The optimizer's parameter groups and their parameters, the only ones of the block left trainable."""
         for p in block.parameters():
             p.requires_grad_(False)
         groups = self.param_groups(learn, state, cfg)
         params = [p for g in groups for p in g["params"]]
         for p in params:
             p.requires_grad_(True)
-        n_learn = sum(p.numel() for p in params)
-        self.init_learnables(ctx, learn, state, cfg, n_train)
+        return groups, params
 
-        xt, yt, xh, yh = x_all[:n_train], y_all[:n_train], x_all[n_train:], y_all[n_train:]
-        # Figure-2 errors: the first `error_samples` training windows vs (up to as many) held-out windows.
-        ne = cfg.error_samples
-        xe, ye, xh, yh = xt[:ne], yt[:ne], xh[:ne], yh[:ne]
-        with _frozen(block, learn):  # at initialisation the learnables are exactly RTN: measure that fast
-            out = {"block": i, "n_learnable": n_learn,
-                   "calib_before": block_error(block, xe, ye, kw), "heldout_before": block_error(block, xh, yh, kw)}
+    def _start_training(self, ctx: BlockContext, scheme: Scheme, cfg: ReconConfig, learn: dict, groups: list[dict],
+                        params: list[nn.Parameter], gen: torch.Generator, win: _Windows, n_train: int,
+                        out: dict) -> _Training:
+        """Step 3's set-up: Adam, the schedule, the first batch order, the steps' precision and module (compiled
+        or not); continued from the saved training state where there is one of this block (`train_state_path`),
+        else with the curve's first point (when `curve_every`)."""
+        block, i = ctx.block, ctx.index
+        opt = torch.optim.Adam(groups)
+        sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.iters, eta_min=0.0)
+                 if cfg.lr_schedule == "cosine" else None)
+        order = torch.randperm(n_train, generator=gen)
+        dev = next(block.parameters()).device    # the walk put the block on the compute device
+        # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16; with
+        # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
+        amp = self._fp16_steps(scheme, cfg)
+        if cfg.train_precision == "authors":
+            autocast = precision.authors_fp16(dev, enabled=amp)
+        else:
+            autocast = precision.autocast(dev, enabled=cfg.autocast)
+        scaler = torch.amp.GradScaler(dev.type) if amp else None
+        t = _Training(ctx, learn, params, win, n_train, dev, block, autocast, gen, opt, sched, scaler, order)
+        saved = self._load_train_state(i, cfg.iters, params)
+        t.fwd = self._step_module(t, cfg, out)
+        if saved is not None:   # continue an interrupted training exactly where its last save left it
+            t.restore(saved)
+            out["resumed"] = list(saved.get("resumed", [])) + [{"step": t.first, "train_s_before": t.train_before}]
+            log.info("block %d: training resumed at step %d of %d from %s", i, t.first, cfg.iters,
+                     self.train_state_path)
+        elif self.curve_every:
+            t.curve = [t.curve_point(0, math.nan)]
+        return t
 
-        iters, bs = cfg.iters, cfg.batch_size
-        if iters > 0:
-            opt = torch.optim.Adam(groups)
-            sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=iters, eta_min=0.0)
-                     if cfg.lr_schedule == "cosine" else None)
-            order = torch.randperm(n_train, generator=gen)
-            pos = 0
-            dev = next(block.parameters()).device    # the walk put the block on the compute device
-            # bf16 autocast when the preset allows it (`autocast`) and the run's precision is bf16; with
-            # train_precision=authors, fp16 autocast and a GradScaler where the authors' script uses them, fp32 else
-            amp = cfg.train_precision == "authors" and _scheme_key(scheme) in self.authors_amp
-            if cfg.train_precision == "authors":
-                autocast = precision.authors_fp16(dev, enabled=amp)
-            else:
-                autocast = precision.autocast(dev, enabled=cfg.autocast)
-            scaler = torch.amp.GradScaler(dev.type) if amp else None
-            skipped = 0
-            saved = self._load_train_state(i, iters, params)
-            fwd = compiled_step(block, cfg.compile is True and not self._compile_refused, dev)
-            if fwd is not block:
-                why = check_compiled_step(fwd, block, params, xt[:bs].to(dev), yt[:bs].to(dev), kw, autocast)
-                if why:   # every later block runs eagerly too: the same code generator would build its step
-                    self._compile_refused = f"block {i}: the compiled training step is wrong here: {why}"
-                    log.warning("%s; training eagerly from this block on (--set compile=off skips the "
-                                "compilation).", self._compile_refused)
-                    fwd = block
-            out["compiled"] = fwd is not block
-            if self._compile_refused:
-                out["compile_refused"] = self._compile_refused
-            loss_val = math.nan
-            # wall time of every step (the first includes a compiled step's first call): what the planner's
-            # probe prices (bench.run.plan._measure_training) and what a cell's stats report beside it
-            step_times: list[float] = []
-            first, train_before = 0, 0.0
-            if saved is not None:   # continue an interrupted training exactly where its last save left it
-                with torch.no_grad():
-                    for p, t in zip(params, saved["params"]):
-                        p.copy_(t)
-                opt.load_state_dict(saved["opt"])
-                if sched is not None:
-                    sched.load_state_dict(saved["sched"])
-                if scaler is not None:
-                    scaler.load_state_dict(saved["scaler"])
-                gen.set_state(saved["gen"])
-                order, pos, first = saved["order"], saved["pos"], saved["step"]
-                loss_val, skipped, step_times = saved["loss"], saved["skipped"], list(saved["step_times"])
-                train_before = saved["train_s"]
-                curve = list(saved["curve"])
-                out["resumed"] = list(saved.get("resumed", [])) + [{"step": first, "train_s_before": train_before}]
-                log.info("block %d: training resumed at step %d of %d from %s", i, first, iters,
-                         self.train_state_path)
-            elif self.curve_every:
-                with _frozen(block, learn):
-                    curve = [_curve_point(0, math.nan, block, (xe, ye), (xh, yh), kw)]
-            bar = tqdm(range(first, iters), desc=f"block {i + 1}/{ctx.n_blocks}", initial=first, total=iters,
-                       leave=False)
-            t_loop = t_step = time.perf_counter()
-            for step in bar:
-                if pos + bs > n_train:
-                    order, pos = torch.randperm(n_train, generator=gen), 0
-                idx = order[pos:pos + bs]
-                pos += bs
-                with torch.enable_grad(), autocast:
-                    y = fwd(xt[idx].to(dev), **kw)
-                    y = y[0] if isinstance(y, tuple) else y
-                    loss = block_loss(y, yt[idx].to(dev))
-                loss_val = loss.item()
-                opt.zero_grad(set_to_none=True)
-                if scaler is not None:   # a step whose fp16 forward overflowed is skipped, as the GradScaler does
-                    skipped += not math.isfinite(loss_val)
-                    if skipped > max(100, iters // 10):
-                        raise ReconstructionError(f"block {i}: {skipped} of {step + 1} fp16 steps overflowed "
-                                                  f"(lr {cfg.lr}): train_precision=authors diverges here.")
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    if not math.isfinite(loss_val):
-                        raise ReconstructionError(
-                            f"block {i}: the reconstruction loss became {loss_val} at step {step} (lr {cfg.lr}). "
-                            f"Lower the learning rate (--set lr=...) or turn on fp32 (--set autocast=False).")
-                    loss.backward()
-                    opt.step()
-                if sched is not None:
-                    sched.step()
-                if step % 10 == 0 or step == iters - 1:
-                    bar.set_postfix(loss=f"{loss_val:.4g}")
-                progress.update(f"block {i + 1}/{ctx.n_blocks} step {step + 1}/{iters}",
-                                (i + (step + 1) / iters) / ctx.n_blocks)
-                if self.curve_every and ((step + 1) % self.curve_every == 0 or step == iters - 1):
-                    with _frozen(block, learn):
-                        curve.append(_curve_point(step + 1, loss_val, block, (xe, ye), (xh, yh), kw))
-                now = time.perf_counter()
-                step_times.append(now - t_step)
-                t_step = now
-                if self.train_state_path and self.curve_every and (step + 1) % self.curve_every == 0 \
-                        and step < iters - 1:
-                    self._save_train_state({
-                        "key": self.train_state_key, "block": i, "iters": iters, "step": step + 1,
-                        "params": [p.detach().clone() for p in params], "opt": opt.state_dict(),
-                        "sched": sched.state_dict() if sched is not None else None,
-                        "scaler": scaler.state_dict() if scaler is not None else None,
-                        "gen": gen.get_state(), "order": order, "pos": pos, "loss": loss_val,
-                        "skipped": skipped, "step_times": step_times, "curve": curve,
-                        "train_s": train_before + now - t_loop, "resumed": out.get("resumed", [])})
-            out["final_loss"] = loss_val
-            out["train_s"] = train_before + time.perf_counter() - t_loop
-            out["step_s"] = statistics.median(step_times[1:] or step_times)
-            if scaler is not None:
-                out["amp_skipped_steps"] = skipped
-            if self.curve_every:
-                out["curve"] = curve
-        for name, m in learn.items():   # the authors freeze in fp16, after .half() of the whole model
-            set_submodule(block, name, m.freeze(half=cfg.train_precision == "authors"))
-        for p in params:
-            p.requires_grad_(False)
-        self.finish_block(ctx, state, cfg, n_train)
-        out["calib_after"] = block_error(block, xe, ye, kw)
-        out["heldout_after"] = block_error(block, xh, yh, kw)
-        if made_worse(out):
-            log.warning("block %d: training ended with a higher calibration error than its RTN start (%.4g > %.4g): "
-                        "the steps or the learning rate do not suit this model (--set lr=..., --set iters=...)",
-                        i, out["calib_after"], out["calib_before"])
-        return out
+    def _step_module(self, t: _Training, cfg: ReconConfig, out: dict) -> nn.Module:
+        """The module the training steps call: the block, or its compiled step where `compile` is on and the
+        compiled step passes `check_compiled_step` (after a failure, every later block of the run is eager)."""
+        block, bs, dev = t.ctx.block, cfg.batch_size, t.dev
+        fwd = compiled_step(block, cfg.compile is True and not self._compile_refused, dev)
+        if fwd is not block:
+            xt, yt = t.win.train
+            why = check_compiled_step(fwd, block, t.params, xt[:bs].to(dev), yt[:bs].to(dev), t.ctx.kwargs,
+                                      t.autocast)
+            if why:   # every later block runs eagerly too: the same code generator would build its step
+                self._compile_refused = f"block {t.ctx.index}: the compiled training step is wrong here: {why}"
+                log.warning("%s; training eagerly from this block on (--set compile=off skips the "
+                            "compilation).", self._compile_refused)
+                fwd = block
+        out["compiled"] = fwd is not block
+        if self._compile_refused:
+            out["compile_refused"] = self._compile_refused
+        return fwd
+
+    def _train_steps(self, t: _Training, cfg: ReconConfig, out: dict) -> None:
+        """Step 3: the training steps from `t.first` on, each reported, the curve measured and the training
+        state saved every `curve_every` steps; the loss, times and curve into `out`."""
+        ctx, iters = t.ctx, cfg.iters
+        i = ctx.index
+        bar = tqdm(range(t.first, iters), desc=f"block {i + 1}/{ctx.n_blocks}", initial=t.first, total=iters,
+                   leave=False)
+        t_loop = t_step = time.perf_counter()
+        for step in bar:
+            t.step(step, cfg)
+            if step % 10 == 0 or step == iters - 1:
+                bar.set_postfix(loss=f"{t.loss:.4g}")
+            progress.update(f"block {i + 1}/{ctx.n_blocks} step {step + 1}/{iters}",
+                            (i + (step + 1) / iters) / ctx.n_blocks)
+            if self.curve_every and ((step + 1) % self.curve_every == 0 or step == iters - 1):
+                t.curve.append(t.curve_point(step + 1, t.loss))
+            now = time.perf_counter()
+            t.step_times.append(now - t_step)
+            t_step = now
+            if self.train_state_path and self.curve_every and (step + 1) % self.curve_every == 0 \
+                    and step < iters - 1:
+                self._save_train_state(t.saved(self.train_state_key, iters, step + 1,
+                                               t.train_before + now - t_loop, out.get("resumed", [])))
+        out["final_loss"] = t.loss
+        out["train_s"] = t.train_before + time.perf_counter() - t_loop
+        out["step_s"] = statistics.median(t.step_times[1:] or t.step_times)
+        if t.scaler is not None:
+            out["amp_skipped_steps"] = t.skipped
+        if self.curve_every:
+            out["curve"] = t.curve
 
     def _load_train_state(self, block: int, iters: int, params: list[nn.Parameter]) -> dict | None:
         """The saved training of this block (see `train_state_path`), or None where there is none, or where
@@ -628,3 +616,109 @@ class _frozen:
         for name, m in self.learn.items():
             set_submodule(self.block, name, m)
         return False
+
+
+@dataclass(frozen=True, eq=False)
+class _Windows:
+    """A block's calibration windows, (inputs, targets) each: the training ones, and the Figure-2 error windows:
+    the first `error_samples` training windows and (up to as many) held-out ones."""
+    train: tuple[torch.Tensor, torch.Tensor]
+    calib: tuple[torch.Tensor, torch.Tensor]
+    heldout: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, x_all: torch.Tensor, y_all: torch.Tensor, n_train: int, n_err: int) -> _Windows:
+        xt, yt, xh, yh = x_all[:n_train], y_all[:n_train], x_all[n_train:], y_all[n_train:]
+        return cls((xt, yt), (xt[:n_err], yt[:n_err]), (xh[:n_err], yh[:n_err]))
+
+
+@dataclass(eq=False)
+class _Training:
+    """One block's training in progress: what it trains and how its steps run, and where it stands: the
+    optimizer's, the schedule's, the GradScaler's and the generator's state, the batch order, the step, the
+    loss, the curve and step times so far (what a saved training state keeps besides the learnables)."""
+    ctx: BlockContext
+    learn: dict[str, LearnableQuantLinear]
+    params: list[nn.Parameter]
+    win: _Windows
+    n_train: int
+    dev: torch.device
+    fwd: nn.Module                      # what the steps call: the block, or its compiled step
+    autocast: Any
+    gen: torch.Generator
+    opt: torch.optim.Optimizer
+    sched: Any                          # the cosine schedule, or None (constant learning rates)
+    scaler: Any                         # fp16 autocast's GradScaler, or None
+    order: torch.Tensor                 # the batch order of the current pass over the training windows
+    pos: int = 0                        # where the next batch starts in `order`
+    first: int = 0                      # the step this process starts at (> 0: resumed)
+    loss: float = math.nan
+    skipped: int = 0                    # fp16 steps that overflowed, skipped as the GradScaler does
+    # wall time of every step (the first includes a compiled step's first call): what the planner's probe prices
+    # (bench.run.plan._measure_training) and what a cell's stats report beside it
+    step_times: list[float] = field(default_factory=list)
+    train_before: float = 0.0           # seconds of training before the resumed step
+    curve: list[dict] = field(default_factory=list)         # the curve's points so far (`curve_every`)
+
+    def curve_point(self, step: int, loss: float) -> dict:
+        with _frozen(self.ctx.block, self.learn):
+            return _curve_point(step, loss, self.ctx.block, self.win.calib, self.win.heldout, self.ctx.kwargs)
+
+    def step(self, step: int, cfg: ReconConfig) -> None:
+        """One training step on the next batch (a new batch order after each pass over the windows)."""
+        bs, i, dev = cfg.batch_size, self.ctx.index, self.dev
+        if self.pos + bs > self.n_train:
+            self.order, self.pos = torch.randperm(self.n_train, generator=self.gen), 0
+        idx = self.order[self.pos:self.pos + bs]
+        self.pos += bs
+        xt, yt = self.win.train
+        with torch.enable_grad(), self.autocast:
+            y = self.fwd(xt[idx].to(dev), **self.ctx.kwargs)
+            y = y[0] if isinstance(y, tuple) else y
+            loss = block_loss(y, yt[idx].to(dev))
+        self.loss = loss.item()
+        self.opt.zero_grad(set_to_none=True)
+        if self.scaler is not None:   # a step whose fp16 forward overflowed is skipped, as the GradScaler does
+            self.skipped += not math.isfinite(self.loss)
+            if self.skipped > max(100, cfg.iters // 10):
+                raise ReconstructionError(f"block {i}: {self.skipped} of {step + 1} fp16 steps overflowed "
+                                          f"(lr {cfg.lr}): train_precision=authors diverges here.")
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            if not math.isfinite(self.loss):
+                raise ReconstructionError(
+                    f"block {i}: the reconstruction loss became {self.loss} at step {step} (lr {cfg.lr}). "
+                    f"Lower the learning rate (--set lr=...) or turn on fp32 (--set autocast=False).")
+            loss.backward()
+            self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+
+    def saved(self, key: str, iters: int, step: int, train_s: float, resumed: list) -> dict:
+        """The training state, `step` steps done, to resume from (`ReconstructionMethod._load_train_state`)."""
+        return {"key": key, "block": self.ctx.index, "iters": iters, "step": step,
+                "params": [p.detach().clone() for p in self.params], "opt": self.opt.state_dict(),
+                "sched": self.sched.state_dict() if self.sched is not None else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "gen": self.gen.get_state(), "order": self.order, "pos": self.pos, "loss": self.loss,
+                "skipped": self.skipped, "step_times": self.step_times, "curve": self.curve,
+                "train_s": train_s, "resumed": resumed}
+
+    def restore(self, saved: dict) -> None:
+        """Continue from a state `saved` wrote: the learnables, the optimizer, ..., exactly as they were."""
+        with torch.no_grad():
+            for p, t in zip(self.params, saved["params"]):
+                p.copy_(t)
+        self.opt.load_state_dict(saved["opt"])
+        if self.sched is not None:
+            self.sched.load_state_dict(saved["sched"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(saved["scaler"])
+        self.gen.set_state(saved["gen"])
+        self.order, self.pos, self.first = saved["order"], saved["pos"], saved["step"]
+        self.loss, self.skipped, self.step_times = saved["loss"], saved["skipped"], list(saved["step_times"])
+        self.train_before = saved["train_s"]
+        self.curve = list(saved["curve"])
+

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -427,99 +429,161 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
             stats.update(candidates=grid * 2**bits, scored=None, bounded=None)
         return search_qparams_exhaustive.__wrapped__(w, bits, group_size, grid, norm)
     rows = w.shape[0]
-    qmax = 2**bits - 1
-    Z = qmax + 1
-    C = grid * Z                                          # candidates per group, index (i - 1) * Z + zp
-    flat, valid, lo, hi, ng = _search_groups(w, group_size)
-    N, g = flat.shape
-    width = hi - lo
-    # every candidate step, with exactly the exhaustive search's float32 operations
-    delta = torch.stack([(width * i / grid / qmax).clamp(min=SCALE_EPS) for i in range(1, grid + 1)], dim=1)
-    # the tails' own bounds cut the candidates scored by about half; worth their cost on long rows only
-    split = g > 256
-    first = min(4, C)
-    coarse = torch.arange(grid - 1, -1, -5).flip(0)
-    Gc = len(coarse)
-    # rows per chunk: pass 1 bounds the Gc coarse widths of each; pass 2 a few dozen widths per row at most
-    step1 = max(1, chunk_elems // (max(Gc, 8) * (2 * qmax + 2) * 8))
-    step = max(1, chunk_elems // (32 * (2 * qmax + 2) * 8))
-    chunks = [slice(a, min(a + step1, N)) for a in range(0, N, step1)]
-    pad = None if bool(valid.all()) else valid
-    srt = _sorted_groups(flat, valid)
-    n = srt[1].double()
-    p = norm
-    # Pass 1: squared errors of every 5th width (the widest first) for every zero point, their power-mean
-    # bounds, and the `first` most promising candidates scored exactly: e0.
+    s = _Search.of(w, bits, group_size, grid, norm, chunk_elems, margin)
+    first = _search_pass1(s)
+    best, scored, bounded = _search_pass2(s, first, *_in_play(s, first))
+    if stats is not None:
+        stats.update(candidates=s.C, scored=scored, bounded=bounded)
+    scale = s.delta.gather(1, (best // s.Z)[:, None])[:, 0]
+    return scale.reshape(rows, s.ng), (best % s.Z).float().reshape(rows, s.ng)
+
+
+@dataclass(frozen=True, eq=False)
+class _Search:
+    """What the passes of `search_qparams` share: the groups, every candidate's step, the groups sorted, the
+    coarse widths and the row chunks. Candidate (i, zp) of a group has index (i - 1) * Z + zp, of C."""
+    flat: torch.Tensor                  # [N, g] the groups (`_search_groups`)
+    valid: torch.Tensor                 # [N, g]
+    pad: torch.Tensor | None            # `valid`, or None where no group is padded (`_score_candidates`)
+    delta: torch.Tensor                 # [N, grid] every width's step
+    srt: tuple                          # the groups sorted (`_sorted_groups`)
+    n: torch.Tensor                     # [N] float64 group sizes
+    ng: int                             # groups per row
+    qmax: int
+    grid: int
+    norm: float
+    margin: float
+    split: bool                         # the tighter, split bounds (`_score_bounds`)
+    first: int                          # candidates pass 1 scores exactly per group
+    coarse: torch.Tensor                # every 5th width, the widest first included
+    chunks: list[slice]                 # rows per chunk of pass 1 and the pruning
+    step: int                           # rows per chunk of pass 2
+
+    @property
+    def Z(self) -> int:                 # the zero points per width
+        return self.qmax + 1
+
+    @property
+    def C(self) -> int:                 # the candidates per group
+        return self.grid * self.Z
+
+    @classmethod
+    def of(cls, w: torch.Tensor, bits: int, group_size: int | None, grid: int, norm: float, chunk_elems: int,
+           margin: float) -> _Search:
+        qmax = 2**bits - 1
+        flat, valid, lo, hi, ng = _search_groups(w, group_size)
+        N, g = flat.shape
+        width = hi - lo
+        # every candidate step, with exactly the exhaustive search's float32 operations
+        delta = torch.stack([(width * i / grid / qmax).clamp(min=SCALE_EPS) for i in range(1, grid + 1)], dim=1)
+        coarse = torch.arange(grid - 1, -1, -5).flip(0)
+        # rows per chunk: pass 1 bounds the coarse widths of each; pass 2 a few dozen widths per row at most
+        step1 = max(1, chunk_elems // (max(len(coarse), 8) * (2 * qmax + 2) * 8))
+        step = max(1, chunk_elems // (32 * (2 * qmax + 2) * 8))
+        chunks = [slice(a, min(a + step1, N)) for a in range(0, N, step1)]
+        pad = None if bool(valid.all()) else valid
+        srt = _sorted_groups(flat, valid)
+        # the tails' own bounds cut the candidates scored by about half; worth their cost on long rows only
+        return cls(flat, valid, pad, delta, srt, srt[1].double(), ng, qmax, grid, norm, margin, split=g > 256,
+                   first=min(4, grid * (qmax + 1)), coarse=coarse, chunks=chunks, step=step)
+
+
+class _Pass1(NamedTuple):
+    """Pass 1 of `search_qparams`, per group: the candidates scored and their scores, the coarse widths'
+    squared errors and power-mean bounds for every zero point, and e0, the best score found (float64)."""
+    cand: torch.Tensor                  # [N, first]
+    score: torch.Tensor                 # [N, first]
+    sq: torch.Tensor                    # [N, Gc, Z] float64
+    table: torch.Tensor                 # [N, Gc, Z]
+    e0: torch.Tensor                    # [N]
+
+
+def _search_pass1(s: _Search) -> _Pass1:
+    """Squared errors of every 5th width (the widest first) for every zero point, their power-mean bounds,
+    and the `first` most promising candidates scored exactly: e0."""
+    N, Z, first, p = len(s.flat), s.Z, s.first, s.norm
     cand0 = torch.empty(N, first, dtype=torch.long)
     score0 = torch.empty(N, first)
-    sq0 = torch.empty(N, Gc, Z, dtype=torch.float64)
-    table0 = torch.empty(N, Gc, Z)
-    for sl in chunks:
-        dl = delta[sl]
-        sq = _score_bounds(tuple(t[sl] for t in srt), dl[:, coarse], qmax, norm, False, squares=True)
+    sq0 = torch.empty(N, len(s.coarse), Z, dtype=torch.float64)
+    table0 = torch.empty(N, len(s.coarse), Z)
+    for sl in s.chunks:
+        dl = s.delta[sl]
+        sq = _score_bounds(tuple(t[sl] for t in s.srt), dl[:, s.coarse], s.qmax, s.norm, False, squares=True)
         sq0[sl] = sq
-        b = n[sl, None, None].float() ** (1 - p / 2) * sq.float() ** (p / 2)                  # [R, Gc, Z]
+        b = s.n[sl, None, None].float() ** (1 - p / 2) * sq.float() ** (p / 2)                # [R, Gc, Z]
         table0[sl] = b
         R = len(b)
         top = b.reshape(R, -1).topk(first, dim=1, largest=False, sorted=False).indices
-        cand = coarse[top // Z] * Z + top % Z
+        cand = s.coarse[top // Z] * Z + top % Z
         cand0[sl] = cand
         rows0 = torch.arange(sl.start, sl.stop).repeat_interleave(first)
-        score0[sl] = _score_candidates(flat, pad, rows0, dl.gather(1, cand // Z).reshape(-1),
-                                       (cand % Z).float().reshape(-1), qmax, norm).reshape(R, first)
-    e0 = score0.amin(1).double()
-    # Which candidates are still in play: not ruled out by the extreme weights (`_extreme_bounds`) nor, via
-    # the nearest coarse width on either side, by the squared errors' slow change with the step (above).
-    # (A pruning test only, in float32: its rounding is far inside the margin.)
+        score0[sl] = _score_candidates(s.flat, s.pad, rows0, dl.gather(1, cand // Z).reshape(-1),
+                                       (cand % Z).float().reshape(-1), s.qmax, s.norm).reshape(R, first)
+    return _Pass1(cand0, score0, sq0, table0, score0.amin(1).double())
+
+
+def _in_play(s: _Search, one: _Pass1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which candidates [N, grid, Z] are still in play after pass 1: not ruled out by the extreme weights
+    (`_extreme_bounds`, also returned, [N, grid]) nor, via the nearest coarse width on either side, by the
+    squared errors' slow change with the step (`search_qparams`); and which non-coarse widths [N, grid] pass 2
+    must bound. (A pruning test only, in float32: its rounding is far inside the margin.)"""
+    N, Z, grid, qmax, margin, p, n, e0 = len(s.flat), s.Z, s.grid, s.qmax, s.margin, s.norm, s.n, one.e0
+    Gc = len(s.coarse)
     T = ((e0 * (1 + margin)) ** (2 / p) * n ** (1 - 2 / p)).sqrt().float()[:, None, None]     # T, [N, 1, 1]
-    xnorm = srt[3].gather(1, srt[1][:, None]).sqrt().float()[:, :, None]                    # ||x||, [N, 1, 1]
+    xnorm = s.srt[3].gather(1, s.srt[1][:, None]).sqrt().float()[:, :, None]                # ||x||, [N, 1, 1]
     zp = torch.arange(Z, dtype=torch.float32)
     kmax = torch.maximum(zp, qmax - zp) * n.sqrt().float()[:, None]                         # ||k|| <= this
-    reach0 = sq0.sqrt().float().mul_(1 - margin)                                            # [N, Gc, Z]
+    reach0 = one.sq.sqrt().float().mul_(1 - margin)                                         # [N, Gc, Z]
     j = torch.arange(grid)
     left = ((j - 4).clamp(min=0) // 5).clamp(max=Gc - 1)        # the coarse width at or below j (or the first)
     right = (j // 5).clamp(max=Gc - 1)                            # at or above j
     live = torch.empty(N, grid, Z, dtype=torch.bool)
     ext = torch.empty(N, grid)
-    for sl in chunks:
-        ext[sl] = _extreme_bounds(flat[sl], valid[sl], delta[sl], qmax, norm)
-        d = delta[sl][:, :, None]                                                            # [R, G, 1]
+    for sl in s.chunks:
+        ext[sl] = _extreme_bounds(s.flat[sl], s.valid[sl], s.delta[sl], qmax, s.norm)
+        d = s.delta[sl][:, :, None]                                                          # [R, G, 1]
         knorm = torch.minimum((xnorm[sl] + T[sl]) / d, kmax[sl][:, None, :])               # [R, G, Z]
         keep = (ext[sl].double() * (1 - margin) <= e0[sl, None])[:, :, None].expand(-1, -1, Z).clone()
         for side in (left, right):
-            dc = delta[sl][:, coarse[side], None]
+            dc = s.delta[sl][:, s.coarse[side], None]
             keep &= reach0[sl][:, side] <= (dc - d).abs_() * knorm + T[sl]
         live[sl] = keep
-    live[:, coarse] = True            # the coarse widths have their bounds already; pass 2 takes them as they are
+    live[:, s.coarse] = True          # the coarse widths have their bounds already; pass 2 takes them as they are
     need = live.any(-1)
-    need[:, coarse] = False
+    need[:, s.coarse] = False
+    return live, ext, need
+
+
+def _search_pass2(s: _Search, one: _Pass1, live: torch.Tensor, ext: torch.Tensor, need: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every candidate in play bounded in closed form (with `split`, the tighter bounds, also on the coarse
+    widths still alive), each group its own widths; those whose bound does not exceed e0 are scored exactly.
+    Per group: the best candidate, how many were scored, and how many widths got closed-form bounds."""
+    N, Z, C, first, margin, coarse, e0 = len(s.flat), s.Z, s.C, s.first, s.margin, s.coarse, one.e0
     order = torch.sort(need.sum(1), stable=True).indices
     best = torch.empty(N, dtype=torch.long)
     scored = torch.empty(N, dtype=torch.long)
-    bounded = torch.full((N,), Gc, dtype=torch.long)
-    # Pass 2: every candidate in play bounded in closed form (with `split`, the tighter bounds, also on the
-    # coarse widths still alive), each group its own widths; those whose bound does not exceed e0 are
-    # scored exactly.
-    for a in range(0, N, step):
-        idx = order[a:a + step]
-        dl = delta[idx]
+    bounded = torch.full((N,), len(coarse), dtype=torch.long)
+    for a in range(0, N, s.step):
+        idx = order[a:a + s.step]
+        dl = s.delta[idx]
         R = len(idx)
-        grp = tuple(t[idx] for t in srt)
+        grp = tuple(t[idx] for t in s.srt)
         bound = torch.where(live[idx], ext[idx].double()[:, :, None], math.inf)               # [R, G, Z]
-        bound[:, coarse] = torch.maximum(bound[:, coarse], table0[idx].double())
+        bound[:, coarse] = torch.maximum(bound[:, coarse], one.table[idx].double())
         todo = need[idx]
-        if split:   # straight to the tighter bounds, on the widths in play and the coarse ones still alive
+        if s.split:   # straight to the tighter bounds, on the widths in play and the coarse ones still alive
             todo = todo | (bound * (1 - margin) <= e0[idx, None, None]).any(-1)
         cols = _row_lists(todo)
         if cols is not None:
-            vals = _score_bounds(grp, dl.gather(1, cols), qmax, norm, split).double()
+            vals = _score_bounds(grp, dl.gather(1, cols), s.qmax, s.norm, s.split).double()
             bound.scatter_reduce_(1, cols[:, :, None].expand(-1, -1, Z), vals, "amax")
         bounded[idx] += todo.sum(1)
         bound = bound.reshape(R, C) * (1 - margin)
-        c0, s0 = cand0[idx], score0[idx]
+        c0, s0 = one.cand[idx], one.score[idx]
         bound.scatter_(1, c0, math.inf)
         r2, c2 = (bound <= e0[idx, None]).nonzero(as_tuple=True)
-        sc = _score_candidates(flat, pad, idx[r2], dl[r2, c2 // Z], (c2 % Z).float(), qmax, norm)
+        sc = _score_candidates(s.flat, s.pad, idx[r2], dl[r2, c2 // Z], (c2 % Z).float(), s.qmax, s.norm)
         pr = torch.cat([torch.arange(R)[:, None].expand(R, first).reshape(-1), r2])
         pc, ps = torch.cat([c0.reshape(-1), c2]), torch.cat([s0.reshape(-1), sc])
         # the lowest score wins, then the lowest candidate index (the exhaustive search's order)
@@ -527,7 +591,4 @@ def search_qparams(w: torch.Tensor, bits: int, group_size: int | None = None, gr
         win = torch.where(ps == low[pr], pc, C)
         best[idx] = torch.full((R,), C).scatter_reduce(0, pr, win, "amin")
         scored[idx] = first + torch.bincount(r2, minlength=R)
-    if stats is not None:
-        stats.update(candidates=C, scored=scored, bounded=bounded)
-    scale = delta.gather(1, (best // Z)[:, None])[:, 0]
-    return scale.reshape(rows, ng), (best % Z).float().reshape(rows, ng)
+    return best, scored, bounded

@@ -136,3 +136,62 @@ def test_the_method_name_check_finds_one(tmp_path):
     p = tmp_path / "x.py"
     p.write_text('KINDS = ("gptq", "other")\nm = "external:" + label\nprint("the gptq walk")\n')
     assert _method_literals(p, {"gptq", "external"}) == [(1, "gptq"), (2, "external:")]
+
+
+# No function (method, nested function) of lrq/, baselines/ or bench/ (the studies apart: one-off scripts) is over
+# MAX_FUNCTION_LINES lines, counted from its `def` to its last line, docstring included (issue Y: code easy to live
+# in). The functions over it when the guard came, each with its length then: an entry may only shrink, and goes
+# when its function is split (a stale entry fails too, so the list says what is still to do).
+MAX_FUNCTION_LINES = 100
+LONG_FUNCTIONS_ALLOWED = {
+    "bench/reports/html_report.py::_model_section": 109,
+}
+
+
+def _function_lengths(path: Path) -> dict[str, int]:
+    """Every function of the file by qualified name (Class.method, outer.inner), with its length in lines."""
+    found: dict[str, int] = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found[prefix + child.name] = child.end_lineno - child.lineno + 1
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def _long_functions(root: Path) -> dict[str, int]:
+    return {f"{p.relative_to(root).as_posix()}::{name}": n
+            for pkg in ("lrq", "baselines", "bench") for p in sorted((root / pkg).rglob("*.py"))
+            if p.relative_to(root).parts[:2] != ("bench", "studies")
+            for name, n in _function_lengths(p).items() if n > MAX_FUNCTION_LINES}
+
+
+def test_no_long_functions():
+    long = _long_functions(ROOT)
+    new = {k: n for k, n in long.items() if k not in LONG_FUNCTIONS_ALLOWED}
+    assert not new, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {new}"
+    grown = {k: (LONG_FUNCTIONS_ALLOWED[k], n) for k, n in long.items() if n > LONG_FUNCTIONS_ALLOWED[k]}
+    assert not grown, f"allowed long functions grew (allowed, now): {grown}; split them instead"
+    done = sorted(set(LONG_FUNCTIONS_ALLOWED) - set(long))
+    assert not done, f"no longer over {MAX_FUNCTION_LINES} lines (or gone): remove from LONG_FUNCTIONS_ALLOWED: {done}"
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "lrq").mkdir()
+    (tmp_path / "bench" / "studies").mkdir(parents=True)
+    (tmp_path / "lrq" / "m.py").write_text(f"class A:\n    def short(self):\n        return 1\n\n"
+                                           f"    def long(self):\n    {body.replace(chr(10), chr(10) + '    ')}\n\n"
+                                           f"def outer():\n    def inner():\n    {body.replace(chr(10), chr(10) + '    ')}\n"
+                                           f"    return inner\n")
+    (tmp_path / "bench" / "studies" / "s.py").write_text(f"def study():\n{body}\n")
+    assert _long_functions(tmp_path) == {"lrq/m.py::A.long": MAX_FUNCTION_LINES + 1,
+                                         "lrq/m.py::outer": MAX_FUNCTION_LINES + 3,
+                                         "lrq/m.py::outer.inner": MAX_FUNCTION_LINES + 1}

@@ -200,3 +200,20 @@ def test_the_study_runs_and_checks_identity(tmp_path):
     # the naive loop is the definition too
     w = torch.randn(5, 30)
     assert all(torch.equal(a, b) for a, b in zip(naive_search(w, 3, 10, grid=20), search_qparams(w, 3, 10, grid=20)))
+
+
+
+def test_the_search_of_a_revision_loads():
+    """`--against REV` loads `lrq/quant.py` as it was at REV, a module of its own (one with dataclasses too);
+    HEAD's searches as the imported one does (skipped outside a git checkout)."""
+    import subprocess
+    from pathlib import Path
+
+    from bench.studies.s1_search import search_at_revision
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    name, search = search_at_revision("HEAD")
+    w = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    assert name.startswith("fast@")
+    assert all(torch.equal(a, b) for a, b in zip(search(w, 3, 64), search_qparams(w, 3, 64)))

@@ -5,7 +5,7 @@
     python -m bench.studies.block_step --profile 15                     # plus torch.profiler's top operators
     python -m bench.studies.block_step --batch 2 --seq 1024 --fp32 --compile   # eager vs torch.compile
 
-The loop body is the engine's (lrq/engine.py, `_reconstruct_block`): the block's forward under the same
+The loop body is the engine's (lrq/engine.py, `_Training.step`): the block's forward under the same
 autocast, the authors' loss, backward, Adam. The steps alternate (plain, FlexRound, LRQ, plain, ...) so
 all see the same machine; "plain" is the floor, the block's own weights trained with no quantizer. Medians
 of `--steps` steps after `--warmup`, split into forward, backward and optimizer. Inputs are the block's

@@ -111,6 +111,7 @@ def search_at_revision(rev: str) -> tuple[str, Callable]:
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"lrq_quant_{full[:12]}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod    # as an import does: a dataclass of the module looks the module up there
     spec.loader.exec_module(mod)
     return f"fast@{full[:7]}", mod.search_qparams
 
