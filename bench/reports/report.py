@@ -95,13 +95,15 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
     if not e2e.empty:
         hw = e2e.iloc[-1]["config"]
         wide = e2e.pivot_table(index="scheme", columns="metric", values="value", aggfunc="last")
+        def mib(v, digits):
+            return "-" if v is None or v != v else f"{v / 2**20:.{digits}f} MiB"
         body = [[sch, f"{r.get('prefill_tok_s', float('nan')):.1f}", f"{r.get('decode_tok_s', float('nan')):.2f}",
-                 f"{r.get('model_bytes', float('nan')) / 2**20:.1f} MiB",
-                 f"{r.get('peak_rss_bytes', float('nan')) / 2**20:.0f} MiB"] for sch, r in wide.iterrows()]
+                 mib(r.get("resident_weight_bytes"), 1), mib(r.get("peak_gpu_bytes"), 0)] for sch, r in wide.iterrows()]
         parts += ["### Inference speed (end to end)", "",
-                  f"Prefill and greedy decode of the packed model vs bf16, {hw.get('threads', '?')} thread(s); "
-                  "model bytes = every parameter and buffer.", "",
-                  tabulate(body, headers=["scheme", "prefill tok/s", "decode tok/s", "model size", "peak RSS"],
+                  f"Prefill and greedy decode of the packed model vs bf16 ({md_text(hw.get('device', '?'))}); "
+                  "weights held = every parameter and buffer plus the copies the GPU kernels made for themselves "
+                  "(bench.studies.speed_e2e), peak = torch's allocator over the run.", "",
+                  tabulate(body, headers=["scheme", "prefill tok/s", "decode tok/s", "weights held", "peak GPU memory"],
                            tablefmt="github", disable_numparse=True), ""]
     parts += _cpu_speed_section(mdf[mdf["dataset"] == "speed_e2e_cpu"])
     lay = mdf[(mdf["dataset"] == "speed_layers") & mdf["metric"].str.endswith(" ms")]
