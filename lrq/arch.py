@@ -20,6 +20,10 @@ INPUT_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gate_up": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
     "up_down": ("mlp.up_proj", ("mlp.down_proj",)),
 }
+# Where a family puts another module in front of a group's linears (the first of these the block has wins over the
+# group's producer above): Gemma 2/3's MLP reads pre_feedforward_layernorm (its post_attention_layernorm sits on the
+# attention output before the residual add).
+ALT_PRODUCERS: dict[str, tuple[str, ...]] = {"gate_up": ("pre_feedforward_layernorm",)}
 # Every decoder block of a supported model has exactly these linears (attribute paths within the block).
 LINEAR_NAMES: tuple[str, ...] = tuple(name for _, group in INPUT_GROUPS.values() for name in group)
 KV_LINEARS = ("self_attn.k_proj", "self_attn.v_proj")

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from lrq.arch import INPUT_GROUPS, block_linears, decoder_blocks
+from lrq.arch import ALT_PRODUCERS, INPUT_GROUPS, block_linears, decoder_blocks
 from lrq.calibration import run_calibration
 from lrq.errors import UserError
 
@@ -49,10 +49,6 @@ def parse_pairs(pairs: str | Iterable[str]) -> tuple[str, ...]:
         raise UserError(f"unknown smoothing pair(s) {', '.join(unknown)}: choose from {', '.join(PAIRS)} "
                         f"(e.g. --set pairs=qkv,gate_up).")
     return tuple(p for p in PAIRS if p in names)
-
-
-#: the norm a pair's consumers read when the block has it, in place of PAIRS' default producer
-ALT_PRODUCERS: dict[str, tuple[str, ...]] = {"gate_up": ("pre_feedforward_layernorm",)}
 
 
 def producer_name(block: nn.Module, pair: str) -> str:
@@ -117,8 +113,8 @@ def consumers(block: nn.Module, pair: str) -> list[nn.Module]:
 
 def _kv_repeat(block: nn.Module) -> tuple[int, int, int]:
     """(KV heads, query heads per KV head, head dim) of the block's attention."""
-    v = block.get_submodule("self_attn.v_proj")
-    o = block.get_submodule("self_attn.o_proj")
+    v_name, (o_name,) = PAIRS["vo"]
+    v, o = block.get_submodule(v_name), block.get_submodule(o_name)
     head_dim = getattr(block.self_attn, "head_dim", None) or block.self_attn.config.head_dim
     n_kv = v.out_features // head_dim
     rep = o.in_features // v.out_features

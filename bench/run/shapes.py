@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lrq.arch import SUPPORTED_MODEL_TYPES
 from lrq.errors import UserError
 
 
 #: model types whose decoder block the planner's cost model describes as it is (the others are priced as the
 #: same widths in that form, and their estimate is labelled rough)
-KNOWN_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+KNOWN_BLOCKS = SUPPORTED_MODEL_TYPES + ("gemma3",)   # the models lrq.arch supports; gemma3: the multimodal config
 
 
 @dataclass(frozen=True)
