@@ -146,7 +146,7 @@ class Int4Weights:
         if self.decodable and xr.shape[0] >= DEQUANTIZE_FROM_M[xr.dtype]:
             y = xr @ self.dequantized_t(xr.dtype)          # a transient [k_pad, n_pad] copy, dropped after the call
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, self.scales[xr.dtype])
+            y = torch._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, self.scales[xr.dtype])
         return (y if y.shape[1] == self.n else y[:, :self.n]).to(x.dtype)
 
     def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -206,7 +206,7 @@ class Int8Weights:
             return F.linear(xr, self.dequantized(xr.dtype)).to(x.dtype)
         for j, (w, width) in enumerate(zip(self.chunks, self.widths)):
             xj = F.pad(xr[:, a:a + width], (0, w.shape[1] - width)).contiguous()
-            y = y + torch.ops.aten._weight_int8pack_mm(xj, w, self.unit[xr.dtype]).float() * self.scales[j]
+            y = y + torch._weight_int8pack_mm(xj, w, self.unit[xr.dtype]).float() * self.scales[j]
             a += width
         sums = _group_view(x.float(), self.group_size, 0.0).sum(-1)     # [m, n_groups]
         return (y + sums @ self.zero_term).to(x.dtype)

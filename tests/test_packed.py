@@ -214,8 +214,8 @@ def test_int4_layout_check_refuses_a_reading_that_differs(monkeypatch):
     w = K.Int4Weights.build(torch.randint(0, 16, (64, 128)), torch.rand(64, 1), torch.full((64, 1), 8.0), None)
     assert not w.decodable
     calls = []
-    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu",
-                        lambda *a, _f=torch.ops.aten._weight_int4pack_mm_for_cpu: calls.append(1) or _f(*a))
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu",
+                        lambda *a, _f=torch._weight_int4pack_mm_for_cpu: calls.append(1) or _f(*a))
     w.mm(torch.randn(200, 128).bfloat16())
     assert calls == [1]
 
