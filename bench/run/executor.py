@@ -274,96 +274,10 @@ class LocalExecutor:
     # leave every other worker blocked on it forever, and the run would hang. With one pipe per worker a
     # death breaks only that worker's pipe, which the driver sees as end-of-file.
     def _run_processes(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
-        ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
-        running: dict[int, tuple] = {}        # job index -> (process, job, reader)
-        ended: set[int] = set()               # jobs whose final message arrived
-        by_index = {j.index: j for j in jobs}
         log_dir = self._log_dir()
         logs = {j.index: log_dir / _log_name(j) for j in jobs}
         tqdm.write(f"worker output (progress, warnings) of each cell: {log_dir}/", file=sys.stderr)
-        board = ProgressBoard(jobs, weights)
-        queue = JobQueue(jobs, sink, board)
-
-        def handle(msg) -> None:
-            kind, idx, payload = msg
-            job = by_index[idx]
-            if kind == "unit":
-                sink.unit(job, *payload)
-                return
-            if kind == "progress":
-                _on_progress(board, sink, job, *payload)
-                return
-            ended.add(idx)
-            if kind == "done":
-                board.finish(idx)
-                sink.done(job, payload)
-            elif kind == "user_error":
-                raise UserError(payload)
-            else:
-                board.finish(idx, failed=True)
-                error, tb = payload
-                log.error("cell %s failed:\n%s", job.cell.label(), tb)
-                sink.failed(job, f"{error} (worker output: {logs[idx]})")
-
-        def finish(idx: int) -> None:
-            """The worker's pipe is closed: it exited after its final message, or it died."""
-            p, job, reader = running.pop(idx)
-            reader.close()
-            p.join(timeout=30)
-            if idx not in ended:
-                ended.add(idx)
-                board.finish(idx, failed=True)
-                code = p.exitcode
-                why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
-                sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
-                                 f"finished are stored; rerun the same command to finish the cell (worker "
-                                 f"output: {logs[idx]})")
-
-        try:
-            while queue or running:
-                while queue and len(running) < self.jobs:
-                    job = queue.next()
-                    if job is None:      # the cells left are being computed by another run: later
-                        break
-                    reader, writer = ctx.Pipe(duplex=False)
-                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index]), cell_fn,
-                                                          os.getpid()),
-                                    daemon=True, name=f"lrq-bench cell {job.cell.label()}")
-                    p.start()
-                    writer.close()  # the worker holds the only write end: its exit is our end-of-file
-                    running[job.index] = (p, job, reader)
-                    board.start(job.index)
-                readers = {r: idx for idx, (_, _, r) in running.items()}
-                if not readers:              # nothing of ours running: waiting on another run's cells
-                    board.refresh()
-                    time.sleep(WAIT_POLL_S)
-                    continue
-                for r in mp_connection.wait(list(readers), timeout=1.0):
-                    idx = readers[r]
-                    try:
-                        msg = r.recv()
-                    except (EOFError, OSError):  # closed, or cut mid-message by a killed worker
-                        finish(idx)
-                        continue
-                    handle(msg)
-                # a worker whose pipe stays open after it ended (a stray child holding the write end)
-                for idx, (p, _, r) in list(running.items()):
-                    if not p.is_alive() and not r.poll():
-                        finish(idx)
-                board.refresh()   # elapsed time and ETA move even while no message arrives
-        except BaseException:
-            for p, _, _ in running.values():
-                p.terminate()
-            for p, _, _ in running.values():
-                p.join(timeout=10)
-                if p.is_alive():         # a worker that ignores SIGTERM: SIGKILL
-                    p.kill()
-                    p.join(timeout=5)
-            raise
-        finally:
-            for _, _, r in running.values():
-                r.close()
-            board.close()
+        _WorkerProcesses(jobs, sink, cell_fn, self.jobs, self.threads, logs, ProgressBoard(jobs, weights)).run()
 
 
     def _log_dir(self) -> Path:
@@ -374,6 +288,119 @@ class LocalExecutor:
             d = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
         d.mkdir(parents=True, exist_ok=True)
         return d
+
+
+class _WorkerProcesses:
+    """One run of `LocalExecutor._run_processes`: a spawned worker process per cell, at most `slots` at a time,
+    each with its own one-way pipe to the driver; the driver reads the pipes, stores what arrives and notices
+    a worker that died."""
+
+    def __init__(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, slots: int, threads: int,
+                 logs: dict[int, Path], board: ProgressBoard):
+        self.ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
+        self.sink, self.cell_fn, self.slots, self.threads, self.logs, self.board = \
+            sink, cell_fn, slots, threads, logs, board
+        self.running: dict[int, tuple] = {}        # job index -> (process, job, reader)
+        self.ended: set[int] = set()               # jobs whose final message arrived
+        self.by_index = {j.index: j for j in jobs}
+        self.queue = JobQueue(jobs, sink, board)
+
+    def run(self) -> None:
+        try:
+            while self.queue or self.running:
+                self._start_more()
+                if not self.running:         # nothing of ours running: waiting on another run's cells
+                    self.board.refresh()
+                    time.sleep(WAIT_POLL_S)
+                    continue
+                self._receive()
+                self._reap_silent()
+                self.board.refresh()   # elapsed time and ETA move even while no message arrives
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            for _, _, r in self.running.values():
+                r.close()
+            self.board.close()
+
+    def _start_more(self) -> None:
+        """Start queued cells while a slot is free and the sink lets one start."""
+        while self.queue and len(self.running) < self.slots:
+            job = self.queue.next()
+            if job is None:      # the cells left are being computed by another run: later
+                break
+            reader, writer = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_worker, args=(job, writer, self.threads, str(self.logs[job.index]),
+                                                       self.cell_fn, os.getpid()),
+                                 daemon=True, name=f"lrq-bench cell {job.cell.label()}")
+            p.start()
+            writer.close()  # the worker holds the only write end: its exit is our end-of-file
+            self.running[job.index] = (p, job, reader)
+            self.board.start(job.index)
+
+    def _receive(self) -> None:
+        """Take the messages that arrive within a second; a pipe that closed ends its worker."""
+        readers = {r: idx for idx, (_, _, r) in self.running.items()}
+        for r in mp_connection.wait(list(readers), timeout=1.0):
+            idx = readers[r]
+            try:
+                msg = r.recv()
+            except (EOFError, OSError):  # closed, or cut mid-message by a killed worker
+                self._finish(idx)
+                continue
+            self._handle(msg)
+
+    def _reap_silent(self) -> None:
+        """A worker whose pipe stays open after it ended (a stray child holding the write end)."""
+        for idx, (p, _, r) in list(self.running.items()):
+            if not p.is_alive() and not r.poll():
+                self._finish(idx)
+
+    def _handle(self, msg) -> None:
+        kind, idx, payload = msg
+        job = self.by_index[idx]
+        if kind == "unit":
+            self.sink.unit(job, *payload)
+            return
+        if kind == "progress":
+            _on_progress(self.board, self.sink, job, *payload)
+            return
+        self.ended.add(idx)
+        if kind == "done":
+            self.board.finish(idx)
+            self.sink.done(job, payload)
+        elif kind == "user_error":
+            raise UserError(payload)
+        else:
+            self.board.finish(idx, failed=True)
+            error, tb = payload
+            log.error("cell %s failed:\n%s", job.cell.label(), tb)
+            self.sink.failed(job, f"{error} (worker output: {self.logs[idx]})")
+
+    def _finish(self, idx: int) -> None:
+        """The worker's pipe is closed: it exited after its final message, or it died."""
+        p, job, reader = self.running.pop(idx)
+        reader.close()
+        p.join(timeout=30)
+        if idx not in self.ended:
+            self.ended.add(idx)
+            self.board.finish(idx, failed=True)
+            code = p.exitcode
+            why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+            self.sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
+                                  f"finished are stored; rerun the same command to finish the cell (worker "
+                                  f"output: {self.logs[idx]})")
+
+    def _stop(self) -> None:
+        """Interrupted or failed: end every running worker, SIGTERM first, then SIGKILL."""
+        for p, _, _ in self.running.values():
+            p.terminate()
+        for p, _, _ in self.running.values():
+            p.join(timeout=10)
+            if p.is_alive():         # a worker that ignores SIGTERM: SIGKILL
+                p.kill()
+                p.join(timeout=5)
 
 
 def _log_name(job: Job) -> str:
