@@ -68,6 +68,60 @@ def _build_recipe(spec: dict[str, Any]):
     return recipe
 
 
+def _count_windows(model):
+    """Count, by SHA-256, the token windows that actually reach the model (a pre-hook on its embedding); returns
+    the counts (filled as the model runs) and the hook's handle."""
+    import torch
+    seen: dict[str, int] = {}
+
+    def record(_module, args, kwargs):  # the windows that actually reach the model
+        x = args[0] if args else kwargs.get("input")
+        for row in x.reshape(-1, x.shape[-1]):
+            key = hashlib.sha256(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+            seen[key] = seen.get(key, 0) + 1
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(record, with_kwargs=True)
+    return seen, hook
+
+
+def _export_linears(model, linear_names: list[str], tensors: dict, quant_args: dict[str, Any]) -> None:
+    """Into `tensors`, each block linear's weight as compressed-tensors fake-quantizes it, its scale and zero
+    point (and bias), and for a static activation scheme its input scale and zero point; into `quant_args`, its
+    quantization arguments."""
+    from compressed_tensors.quantization import forward_quantize
+    for i, layer in enumerate(model.model.layers):
+        for lname in linear_names:
+            mod = layer.get_submodule(lname)
+            full = f"model.layers.{i}.{lname}"
+            scheme = getattr(mod, "quantization_scheme", None)
+            if scheme is None or scheme.weights is None:
+                raise SystemExit(f"{full} was not quantized by llm-compressor")
+            tensors[f"{full}.weight"] = forward_quantize(mod, mod.weight.detach(), "weight",
+                                                         scheme.weights).float().contiguous()
+            tensors[f"{full}.weight_scale"] = mod.weight_scale.detach().float().contiguous()
+            tensors[f"{full}.weight_zero_point"] = mod.weight_zero_point.detach().float().contiguous()
+            if getattr(mod, "bias", None) is not None:
+                tensors[f"{full}.bias"] = mod.bias.detach().float().contiguous()
+            if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+                tensors[f"{full}.input_scale"] = mod.input_scale.detach().float().reshape(()).contiguous()
+                tensors[f"{full}.input_zero_point"] = mod.input_zero_point.detach().float().reshape(()).contiguous()
+            quant_args[full] = {"weights": scheme.weights.model_dump(mode="json"),
+                                "input_activations": None if scheme.input_activations is None
+                                else scheme.input_activations.model_dump(mode="json")}
+
+
+def _export_other_block_params(model, linear_names: list[str], tensors: dict) -> None:
+    """Into `tensors` as param:NAME, every other weight and bias of the decoder blocks (the norms AWQ and
+    SmoothQuant rescaled), without the quantization's own scales, zero points and observers."""
+    linear_params = {f"model.layers.{i}.{n}.{p}" for i in range(len(model.model.layers)) for n in linear_names
+                     for p in ("weight", "bias")}
+    for name, p in model.named_parameters():
+        if name.startswith("model.layers.") and name not in linear_params \
+                and "." + name.rsplit(".", 1)[-1] in (".weight", ".bias") \
+                and not any(q in name for q in ("_scale", "_zero_point", "_observer")):
+            tensors[f"param:{name}"] = p.detach().float().contiguous()
+
+
 def run(job_path: Path) -> int:
     """Run llm-compressor's oneshot on the job's model and calibration windows; write the export."""
     job = json.loads(Path(job_path).read_text())
@@ -90,15 +144,7 @@ def run(job_path: Path) -> int:
     unpinned = _disable_pinning_without_accelerator()
     recipe = _build_recipe(job["recipe"])
 
-    seen: dict[str, int] = {}
-
-    def record(_module, args, kwargs):  # the windows that actually reach the model
-        x = args[0] if args else kwargs.get("input")
-        for row in x.reshape(-1, x.shape[-1]):
-            key = hashlib.sha256(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
-            seen[key] = seen.get(key, 0) + 1
-
-    hook = model.get_input_embeddings().register_forward_pre_hook(record, with_kwargs=True)
+    seen, hook = _count_windows(model)
     batches = [{"input_ids": row.unsqueeze(0), "attention_mask": torch.ones_like(row).unsqueeze(0)} for row in ids]
     loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
     with measure() as meter:
@@ -107,37 +153,11 @@ def run(job_path: Path) -> int:
     hook.remove()
     expected = {hashlib.sha256(r.contiguous().numpy().tobytes()).hexdigest() for r in ids.to(torch.int64)}
 
-    from compressed_tensors.quantization import forward_quantize
     tensors: dict[str, torch.Tensor] = {}
     quant_args: dict[str, Any] = {}
     with torch.no_grad():
-        layers = model.model.layers
-        for i, layer in enumerate(layers):
-            for lname in linear_names:
-                mod = layer.get_submodule(lname)
-                full = f"model.layers.{i}.{lname}"
-                scheme = getattr(mod, "quantization_scheme", None)
-                if scheme is None or scheme.weights is None:
-                    raise SystemExit(f"{full} was not quantized by llm-compressor")
-                tensors[f"{full}.weight"] = forward_quantize(mod, mod.weight.detach(), "weight",
-                                                             scheme.weights).float().contiguous()
-                tensors[f"{full}.weight_scale"] = mod.weight_scale.detach().float().contiguous()
-                tensors[f"{full}.weight_zero_point"] = mod.weight_zero_point.detach().float().contiguous()
-                if getattr(mod, "bias", None) is not None:
-                    tensors[f"{full}.bias"] = mod.bias.detach().float().contiguous()
-                if scheme.input_activations is not None and not scheme.input_activations.dynamic:
-                    tensors[f"{full}.input_scale"] = mod.input_scale.detach().float().reshape(()).contiguous()
-                    tensors[f"{full}.input_zero_point"] = mod.input_zero_point.detach().float().reshape(()).contiguous()
-                quant_args[full] = {"weights": scheme.weights.model_dump(mode="json"),
-                                    "input_activations": None if scheme.input_activations is None
-                                    else scheme.input_activations.model_dump(mode="json")}
-        linear_params = {f"model.layers.{i}.{n}.{p}" for i in range(len(layers)) for n in linear_names
-                         for p in ("weight", "bias")}
-        for name, p in model.named_parameters():
-            if name.startswith("model.layers.") and name not in linear_params \
-                    and "." + name.rsplit(".", 1)[-1] in (".weight", ".bias") \
-                    and not any(q in name for q in ("_scale", "_zero_point", "_observer")):
-                tensors[f"param:{name}"] = p.detach().float().contiguous()
+        _export_linears(model, linear_names, tensors, quant_args)
+        _export_other_block_params(model, linear_names, tensors)
         check_ids = ids[:1, :CHECK_TOKENS].contiguous()
         tensors["check:input_ids"] = check_ids
         tensors["check:logits"] = model(input_ids=check_ids, use_cache=False).logits.float().contiguous()

@@ -279,75 +279,125 @@ def markdown_html(lines: list[str]) -> str:
 
 
 def _model_section(name: str, precision: str, rows: list[Row], history_rows: list[Row]) -> dict:
-    from bench.evaluations import stats as S
-    from bench.reports.report import (DETAILS, TASK_DATASETS, _escaped, _fmt_cmp, _verdict, cell_stats, fmt_stat, markdown_section,
-                              section_title)
+    from bench.reports.report import DETAILS, _escaped, cell_stats, markdown_section, section_title
     md = markdown_section([_escaped(r) for r in rows], precision)
     cut = md.index(DETAILS) if DETAILS in md else len(md)
     stats = cell_stats(rows)
-    by = defaultdict(dict)   # (method, scheme) -> metric/dataset -> row (the lowest seed's)
+    by = _rows_by_cell(rows)
+    schemes_all = _schemes_with_bits(by)
+    datasets = _ppl_datasets(rows)
+    tables = [_ppl_table(ds, by, stats, schemes_all) for ds in datasets]
+    kl_charts = _kl_charts(datasets, stats, schemes_all)
+    fig2 = _block_error_charts(by)
+    history, n_revs = _history(name, precision, datasets, history_rows)
+    return {"name": name, "title": section_title(name, precision), "kl_charts": kl_charts,
+            "head": markdown_html(md[:cut]), "details": markdown_html(md[cut:]),
+            "ppl_tables": tables, "fig2": fig2, "history": history, "n_revs": n_revs}
+
+
+def _rows_by_cell(rows: list[Row]) -> dict:
+    """(method, scheme) -> (dataset, metric) -> row (the lowest seed's)."""
+    by = defaultdict(dict)
     for r in sorted(rows, key=lambda r: -(r.seed or 0)):
         by[(r.method, r.scheme)][(r.dataset, r.metric)] = r
+    return by
+
+
+def _schemes_with_bits(by: dict) -> list[tuple[str, float | None]]:
+    """The quantized schemes in order, each with its bits per weight (None where no row records them)."""
     bits = {}
     for (m, s), v in by.items():
         b = v.get(("quant", "bits_per_weight"))
         if b is not None and m != "fp":
             bits.setdefault(s, b.value)
-    schemes_all = [(s, bits.get(s)) for s in scheme_order({k[1] for k in by if k[0] != "fp"})]
+    return [(s, bits.get(s)) for s in scheme_order({k[1] for k in by if k[0] != "fp"})]
+
+
+def _ppl_datasets(rows: list[Row]) -> list[str]:
+    """The texts with perplexities: WikiText-2 and C4 first, then the others by name (tasks apart)."""
+    from bench.reports.report import TASK_DATASETS
     datasets = [d for d in ("wikitext2", "c4") if any(r.dataset == d and r.metric == "ppl" for r in rows)]
     datasets += sorted({r.dataset for r in rows if r.metric == "ppl" and r.dataset not in TASK_DATASETS}
                        - set(datasets))
+    return datasets
 
-    def point(method, scheme, cs):
-        e = cs.first()
-        one = len(cs.seeds) == 1 and e.known
-        return (method, scheme, cs.value, e.lo if one else None, e.hi if one else None)
 
-    tables = []
-    for ds in datasets:
-        col = (ds, "ppl")
-        fp_stat = stats.get(("fp", "fp"), {}).get(col)
-        fp = fp_stat.value if fp_stat else None
-        entries = [(k, v[col], v.get(("quant", "bits_per_weight"))) for k, v in by.items() if col in v]
-        entries.sort(key=lambda e: (e[0][0] != "fp", e[0][0], e[0][1]))
-        overall = S.rank({k: stats[k].get(col) for k, _, _ in entries if k[0] != "fp"}, True)
-        trs, pts = [], []
-        for (method, scheme), r, b in entries:
-            cs = stats[(method, scheme)].get(col)
-            e = cs.first() if cs else None
-            ci = (f"{e.lo:.2f}-{e.hi:.2f}" if e and e.known else "unknown") if len(cs.seeds) == 1 else \
-                f"+-{cs.seed_sd:.2f} over {len(cs.seeds)} seeds"
-            vs_fp = S.compare(cs, fp_stat) if cs and fp_stat and method != "fp" else None
-            trs.append({"method": method, "scheme": scheme, "bits": _fmt("bits_per_weight", b.value if b else None),
-                        "ppl": _fmt("ppl", cs.value if cs else r.value), "value": cs.value if cs else r.value,
-                        "prov": _prov(r), "ci": ci, "mark": overall.marks.get((method, scheme), ""),
-                        "ratio": "-" if vs_fp is None else _fmt_cmp(vs_fp, False)})
-            if cs and method != "fp":
-                pts.append(point(method, scheme, cs))
-        schemes = scheme_order({k[1] for k, _, _ in entries if k[0] != "fp"})
-        grid, verdicts = [], [v for v in [_verdict("all schemes", overall, False)] if v]
-        per_scheme = {}
+def _point(method, scheme, cs):
+    """A chart point of a cell's statistic: its interval only where one seed measured it."""
+    e = cs.first()
+    one = len(cs.seeds) == 1 and e.known
+    return (method, scheme, cs.value, e.lo if one else None, e.hi if one else None)
+
+
+def _ppl_table(ds: str, by: dict, stats: dict, schemes_all: list[tuple[str, float | None]]) -> dict:
+    """One text's perplexity table, its method x scheme grid with verdicts, its protocol line and chart."""
+    from bench.evaluations import stats as S
+    from bench.reports.report import fmt_stat
+    col = (ds, "ppl")
+    fp_stat = stats.get(("fp", "fp"), {}).get(col)
+    fp = fp_stat.value if fp_stat else None
+    entries = [(k, v[col], v.get(("quant", "bits_per_weight"))) for k, v in by.items() if col in v]
+    entries.sort(key=lambda e: (e[0][0] != "fp", e[0][0], e[0][1]))
+    overall = S.rank({k: stats[k].get(col) for k, _, _ in entries if k[0] != "fp"}, True)
+    trs, pts = _ppl_rows(entries, stats, col, fp_stat, overall)
+    schemes = scheme_order({k[1] for k, _, _ in entries if k[0] != "fp"})
+    grid, verdicts = _ppl_grid(entries, stats, col, schemes, overall)
+    ev = entries[-1][1].config.get("eval", {}) if entries else {}
+    n = ev.get('windows', '?')
+    protocol = (f"{n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens ({ev.get('tokens', '?')} "
+                f"tokens), exp(mean window NLL); FP = {_fmt('ppl', fp)}.")
+    return {"dataset": ds, "rows": trs, "protocol": protocol, "schemes": schemes, "grid": grid,
+            "verdicts": verdicts, "fp_text": fmt_stat(fp_stat) if fp_stat else "",
+            "chart": scheme_chart(pts, schemes_all, f"{ds} perplexity",
+                                  ref=(fp, f"FP {fp:.2f}") if fp else None)}
+
+
+def _ppl_rows(entries: list, stats: dict, col: tuple[str, str], fp_stat, overall) -> tuple[list[dict], list[tuple]]:
+    """The table's rows (value, interval, rank mark, ratio to FP, provenance) and the chart's points."""
+    from bench.evaluations import stats as S
+    from bench.reports.report import _fmt_cmp
+    trs, pts = [], []
+    for (method, scheme), r, b in entries:
+        cs = stats[(method, scheme)].get(col)
+        e = cs.first() if cs else None
+        ci = (f"{e.lo:.2f}-{e.hi:.2f}" if e and e.known else "unknown") if len(cs.seeds) == 1 else \
+            f"+-{cs.seed_sd:.2f} over {len(cs.seeds)} seeds"
+        vs_fp = S.compare(cs, fp_stat) if cs and fp_stat and method != "fp" else None
+        trs.append({"method": method, "scheme": scheme, "bits": _fmt("bits_per_weight", b.value if b else None),
+                    "ppl": _fmt("ppl", cs.value if cs else r.value), "value": cs.value if cs else r.value,
+                    "prov": _prov(r), "ci": ci, "mark": overall.marks.get((method, scheme), ""),
+                    "ratio": "-" if vs_fp is None else _fmt_cmp(vs_fp, False)})
+        if cs and method != "fp":
+            pts.append(_point(method, scheme, cs))
+    return trs, pts
+
+
+def _ppl_grid(entries: list, stats: dict, col: tuple[str, str], schemes: list[str], overall
+              ) -> tuple[list[dict], list[str]]:
+    """The method x scheme grid, each cell marked by its rank within its scheme, and the verdicts (all schemes
+    together, then each scheme)."""
+    from bench.evaluations import stats as S
+    from bench.reports.report import _verdict, fmt_stat
+    grid, verdicts = [], [v for v in [_verdict("all schemes", overall, False)] if v]
+    per_scheme = {}
+    for s_name in schemes:
+        rk = S.rank({k: stats[k].get(col) for k, _, _ in entries if k[1] == s_name and k[0] != "fp"}, True)
+        per_scheme[s_name] = rk
+        v = _verdict(s_name, rk, False)
+        if v:
+            verdicts.append(v)
+    for m in sorted({k[0] for k, _, _ in entries} - {"fp"}):
+        cells = []
         for s_name in schemes:
-            rk = S.rank({k: stats[k].get(col) for k, _, _ in entries if k[1] == s_name and k[0] != "fp"}, True)
-            per_scheme[s_name] = rk
-            v = _verdict(s_name, rk, False)
-            if v:
-                verdicts.append(v)
-        for m in sorted({k[0] for k, _, _ in entries} - {"fp"}):
-            cells = []
-            for s_name in schemes:
-                cs = stats.get((m, s_name), {}).get(col)
-                cells.append({"text": fmt_stat(cs) if cs else "-", "title": f"{m} {s_name}",
-                              "mark": per_scheme[s_name].marks.get((m, s_name), "")})
-            grid.append({"method": m, "cells": cells})
-        ev = entries[-1][1].config.get("eval", {}) if entries else {}
-        n = ev.get('windows', '?')
-        protocol = (f"{n} window{'' if n == 1 else 's'} of {ev.get('seq_len', '?')} tokens ({ev.get('tokens', '?')} "
-                    f"tokens), exp(mean window NLL); FP = {_fmt('ppl', fp)}.")
-        tables.append({"dataset": ds, "rows": trs, "protocol": protocol, "schemes": schemes, "grid": grid,
-                       "verdicts": verdicts, "fp_text": fmt_stat(fp_stat) if fp_stat else "",
-                       "chart": scheme_chart(pts, schemes_all, f"{ds} perplexity",
-                                             ref=(fp, f"FP {fp:.2f}") if fp else None)})
+            cs = stats.get((m, s_name), {}).get(col)
+            cells.append({"text": fmt_stat(cs) if cs else "-", "title": f"{m} {s_name}",
+                          "mark": per_scheme[s_name].marks.get((m, s_name), "")})
+        grid.append({"method": m, "cells": cells})
+    return grid, verdicts
+
+
+def _kl_charts(datasets: list[str], stats: dict, schemes_all: list[tuple[str, float | None]]) -> list[dict]:
+    """Per text, the KL divergence and top-1 agreement (in %) of each quantized cell against the FP model."""
     kl_charts = []
     for ds in datasets:
         for metric, title, ylabel, ref in (
@@ -355,11 +405,16 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
                 ("top1_agree", f"{ds}: top-1 agreement with the FP model", f"{ds} top-1 agreement (%)",
                  (100.0, "FP (100 %)"))):
             scale = 100.0 if metric == "top1_agree" else 1.0
-            pts = [tuple(x * scale if isinstance(x, float) else x for x in point(m, s, v[(ds, metric)]))
+            pts = [tuple(x * scale if isinstance(x, float) else x for x in _point(m, s, v[(ds, metric)]))
                    for (m, s), v in stats.items() if m != "fp" and (ds, metric) in v]
             if pts:
                 kl_charts.append({"id": f"{metric}-{ds}", "title": title,
                                   "chart": scheme_chart(pts, schemes_all, ylabel, logy=False, ref=ref)})
+    return kl_charts
+
+
+def _block_error_charts(by: dict) -> list[dict]:
+    """Figure 2 per scheme: each method's per-block calibration and held-out output error."""
     fig2 = []
     for scheme in scheme_order({k[1] for k in by}):
         series = {}
@@ -373,6 +428,11 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
         if series:
             fig2.append({"scheme": scheme, "chart": lines_svg(series, "block (index from 0)", "block output error",
                                                                 index_ticks=True)})
+    return fig2
+
+
+def _history(name: str, precision: str, datasets: list[str], history_rows: list[Row]) -> tuple[list[dict], int]:
+    """The perplexities of the cells that several git revisions measured, and how many revisions those are."""
     mine = [r for r in history_rows if r.model == name and r.precision == precision and r.metric == "ppl"
             and r.dataset in datasets]
     revs_of = defaultdict(set)
@@ -383,10 +443,7 @@ def _model_section(name: str, precision: str, rows: list[Row], history_rows: lis
                 "when": r.created_at, "ppl": _fmt("ppl", r.value)}
                for r in sorted(mine, key=lambda r: (r.method, r.scheme, r.dataset, str(r.created_at)))
                if (r.method, r.scheme, r.dataset) in several]
-    return {"name": name, "title": section_title(name, precision), "kl_charts": kl_charts,
-            "head": markdown_html(md[:cut]), "details": markdown_html(md[cut:]),
-            "ppl_tables": tables, "fig2": fig2, "history": history,
-            "n_revs": len({r.git_rev for r in mine if (r.method, r.scheme, r.dataset) in several})}
+    return history, len({r.git_rev for r in mine if (r.method, r.scheme, r.dataset) in several})
 
 
 def html_report(latest_rows: list[Row], all_rows: list[Row] | None = None) -> str:

@@ -274,96 +274,10 @@ class LocalExecutor:
     # leave every other worker blocked on it forever, and the run would hang. With one pipe per worker a
     # death breaks only that worker's pipe, which the driver sees as end-of-file.
     def _run_processes(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, weights: Weights | None = None) -> None:
-        ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
-        running: dict[int, tuple] = {}        # job index -> (process, job, reader)
-        ended: set[int] = set()               # jobs whose final message arrived
-        by_index = {j.index: j for j in jobs}
         log_dir = self._log_dir()
         logs = {j.index: log_dir / _log_name(j) for j in jobs}
         tqdm.write(f"worker output (progress, warnings) of each cell: {log_dir}/", file=sys.stderr)
-        board = ProgressBoard(jobs, weights)
-        queue = JobQueue(jobs, sink, board)
-
-        def handle(msg) -> None:
-            kind, idx, payload = msg
-            job = by_index[idx]
-            if kind == "unit":
-                sink.unit(job, *payload)
-                return
-            if kind == "progress":
-                _on_progress(board, sink, job, *payload)
-                return
-            ended.add(idx)
-            if kind == "done":
-                board.finish(idx)
-                sink.done(job, payload)
-            elif kind == "user_error":
-                raise UserError(payload)
-            else:
-                board.finish(idx, failed=True)
-                error, tb = payload
-                log.error("cell %s failed:\n%s", job.cell.label(), tb)
-                sink.failed(job, f"{error} (worker output: {logs[idx]})")
-
-        def finish(idx: int) -> None:
-            """The worker's pipe is closed: it exited after its final message, or it died."""
-            p, job, reader = running.pop(idx)
-            reader.close()
-            p.join(timeout=30)
-            if idx not in ended:
-                ended.add(idx)
-                board.finish(idx, failed=True)
-                code = p.exitcode
-                why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
-                sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
-                                 f"finished are stored; rerun the same command to finish the cell (worker "
-                                 f"output: {logs[idx]})")
-
-        try:
-            while queue or running:
-                while queue and len(running) < self.jobs:
-                    job = queue.next()
-                    if job is None:      # the cells left are being computed by another run: later
-                        break
-                    reader, writer = ctx.Pipe(duplex=False)
-                    p = ctx.Process(target=_worker, args=(job, writer, self.threads, str(logs[job.index]), cell_fn,
-                                                          os.getpid()),
-                                    daemon=True, name=f"lrq-bench cell {job.cell.label()}")
-                    p.start()
-                    writer.close()  # the worker holds the only write end: its exit is our end-of-file
-                    running[job.index] = (p, job, reader)
-                    board.start(job.index)
-                readers = {r: idx for idx, (_, _, r) in running.items()}
-                if not readers:              # nothing of ours running: waiting on another run's cells
-                    board.refresh()
-                    time.sleep(WAIT_POLL_S)
-                    continue
-                for r in mp_connection.wait(list(readers), timeout=1.0):
-                    idx = readers[r]
-                    try:
-                        msg = r.recv()
-                    except (EOFError, OSError):  # closed, or cut mid-message by a killed worker
-                        finish(idx)
-                        continue
-                    handle(msg)
-                # a worker whose pipe stays open after it ended (a stray child holding the write end)
-                for idx, (p, _, r) in list(running.items()):
-                    if not p.is_alive() and not r.poll():
-                        finish(idx)
-                board.refresh()   # elapsed time and ETA move even while no message arrives
-        except BaseException:
-            for p, _, _ in running.values():
-                p.terminate()
-            for p, _, _ in running.values():
-                p.join(timeout=10)
-                if p.is_alive():         # a worker that ignores SIGTERM: SIGKILL
-                    p.kill()
-                    p.join(timeout=5)
-            raise
-        finally:
-            for _, _, r in running.values():
-                r.close()
-            board.close()
+        _WorkerProcesses(jobs, sink, cell_fn, self.jobs, self.threads, logs, ProgressBoard(jobs, weights)).run()
 
 
     def _log_dir(self) -> Path:
@@ -374,6 +288,119 @@ class LocalExecutor:
             d = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
         d.mkdir(parents=True, exist_ok=True)
         return d
+
+
+class _WorkerProcesses:
+    """One run of `LocalExecutor._run_processes`: a spawned worker process per cell, at most `slots` at a time,
+    each with its own one-way pipe to the driver; the driver reads the pipes, stores what arrives and notices
+    a worker that died."""
+
+    def __init__(self, jobs: list[Job], sink: Sink, cell_fn: CellFn, slots: int, threads: int,
+                 logs: dict[int, Path], board: ProgressBoard):
+        self.ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
+        self.sink, self.cell_fn, self.slots, self.threads, self.logs, self.board = \
+            sink, cell_fn, slots, threads, logs, board
+        self.running: dict[int, tuple] = {}        # job index -> (process, job, reader)
+        self.ended: set[int] = set()               # jobs whose final message arrived
+        self.by_index = {j.index: j for j in jobs}
+        self.queue = JobQueue(jobs, sink, board)
+
+    def run(self) -> None:
+        try:
+            while self.queue or self.running:
+                self._start_more()
+                if not self.running:         # nothing of ours running: waiting on another run's cells
+                    self.board.refresh()
+                    time.sleep(WAIT_POLL_S)
+                    continue
+                self._receive()
+                self._reap_silent()
+                self.board.refresh()   # elapsed time and ETA move even while no message arrives
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            for _, _, r in self.running.values():
+                r.close()
+            self.board.close()
+
+    def _start_more(self) -> None:
+        """Start queued cells while a slot is free and the sink lets one start."""
+        while self.queue and len(self.running) < self.slots:
+            job = self.queue.next()
+            if job is None:      # the cells left are being computed by another run: later
+                break
+            reader, writer = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_worker, args=(job, writer, self.threads, str(self.logs[job.index]),
+                                                       self.cell_fn, os.getpid()),
+                                 daemon=True, name=f"lrq-bench cell {job.cell.label()}")
+            p.start()
+            writer.close()  # the worker holds the only write end: its exit is our end-of-file
+            self.running[job.index] = (p, job, reader)
+            self.board.start(job.index)
+
+    def _receive(self) -> None:
+        """Take the messages that arrive within a second; a pipe that closed ends its worker."""
+        readers = {r: idx for idx, (_, _, r) in self.running.items()}
+        for r in mp_connection.wait(list(readers), timeout=1.0):
+            idx = readers[r]
+            try:
+                msg = r.recv()
+            except (EOFError, OSError):  # closed, or cut mid-message by a killed worker
+                self._finish(idx)
+                continue
+            self._handle(msg)
+
+    def _reap_silent(self) -> None:
+        """A worker whose pipe stays open after it ended (a stray child holding the write end)."""
+        for idx, (p, _, r) in list(self.running.items()):
+            if not p.is_alive() and not r.poll():
+                self._finish(idx)
+
+    def _handle(self, msg) -> None:
+        kind, idx, payload = msg
+        job = self.by_index[idx]
+        if kind == "unit":
+            self.sink.unit(job, *payload)
+            return
+        if kind == "progress":
+            _on_progress(self.board, self.sink, job, *payload)
+            return
+        self.ended.add(idx)
+        if kind == "done":
+            self.board.finish(idx)
+            self.sink.done(job, payload)
+        elif kind == "user_error":
+            raise UserError(payload)
+        else:
+            self.board.finish(idx, failed=True)
+            error, tb = payload
+            log.error("cell %s failed:\n%s", job.cell.label(), tb)
+            self.sink.failed(job, f"{error} (worker output: {self.logs[idx]})")
+
+    def _finish(self, idx: int) -> None:
+        """The worker's pipe is closed: it exited after its final message, or it died."""
+        p, job, reader = self.running.pop(idx)
+        reader.close()
+        p.join(timeout=30)
+        if idx not in self.ended:
+            self.ended.add(idx)
+            self.board.finish(idx, failed=True)
+            code = p.exitcode
+            why = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+            self.sink.failed(job, f"the worker process died ({why}); out of memory? Units it had "
+                                  f"finished are stored; rerun the same command to finish the cell (worker "
+                                  f"output: {self.logs[idx]})")
+
+    def _stop(self) -> None:
+        """Interrupted or failed: end every running worker, SIGTERM first, then SIGKILL."""
+        for p, _, _ in self.running.values():
+            p.terminate()
+        for p, _, _ in self.running.values():
+            p.join(timeout=10)
+            if p.is_alive():         # a worker that ignores SIGTERM: SIGKILL
+                p.kill()
+                p.join(timeout=5)
 
 
 def _log_name(job: Job) -> str:
@@ -484,87 +511,108 @@ class RayExecutor:
             opts = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": self.cpus_per_cell}
             threads = 1 if gpus else self.cpus_per_cell
             self.jobs = gpus or max(1, int(res.get("CPU", 1)) // self.cpus_per_cell)
-            inbox = ray.remote(num_cpus=0)(_Inbox).remote()
-            remote = ray.remote(_ray_cell).options(max_retries=0, **opts)  # retries are ours: counted, reported
-            by_index = {j.index: j for j in jobs}
-            received: dict[int, set[str]] = {j.index: set() for j in jobs}
-            attempts: dict[int, int] = {}
-            starts: dict[tuple[int, int], float] = {}  # (cell, attempt) running -> its start time
-            finished: set[tuple[int, int]] = set()    # (cell, attempt) whose last message arrived
-            refs: dict = {}
-
-            def submit(job: Job) -> None:
-                attempts[job.index] = attempts.get(job.index, 0) + 1
-                todo = frozenset(job.todo - received[job.index])
-                refs[remote.remote(Job(job.index, job.cell, todo), inbox, threads, attempts[job.index], cell_fn)] = job
-
-            board = ProgressBoard(jobs, weights)
-            queue = JobQueue(jobs, sink, board)
-
-            def drain() -> None:
-                for kind, idx, payload in ray.get(inbox.take.remote()):
-                    if kind == "progress":
-                        board.update(idx, *payload)
-                    elif kind == "start":
-                        starts[(idx, payload[0])] = payload[1]
-                        board.start(idx)
-                    elif kind == "end":
-                        finished.add((idx, payload[0]))
-                        self.intervals.append((starts.pop((idx, payload[0]), payload[1]), payload[1]))
-                    elif kind == "unit" and payload[0] not in received[idx]:
-                        received[idx].add(payload[0])
-                        sink.unit(by_index[idx], *payload)
-                board.refresh()
-
-            try:
-                while refs or queue:
-                    while (job := queue.next()) is not None:
-                        submit(job)
-                    if not refs:         # the cells left are being computed by another run
-                        board.refresh()
-                        time.sleep(WAIT_POLL_S)
-                        continue
-                    ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
-                    drain()
-                    for ref in ready:
-                        job = refs.pop(ref)
-                        try:
-                            kind, payload = ray.get(ref)
-                        except Exception as e:  # the worker or its node died
-                            kind, payload = "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
-                            starts.pop((job.index, attempts[job.index]), None)
-                        else:
-                            # the cell's messages were sent before it returned: wait until the last one is here
-                            deadline = time.monotonic() + self.LAST_MESSAGE_TIMEOUT_S
-                            while (job.index, attempts[job.index]) not in finished and time.monotonic() < deadline:
-                                time.sleep(0.05)
-                                drain()
-                            if (job.index, attempts[job.index]) not in finished:
-                                starts.pop((job.index, attempts[job.index]), None)
-                                kind, payload = "failed", (f"its last results did not reach the driver within "
-                                                           f"{self.LAST_MESSAGE_TIMEOUT_S:.0f} s", "")
-                        if kind == "done":
-                            board.finish(job.index)
-                            sink.done(job, payload)
-                        elif kind == "user_error":
-                            raise UserError(payload)
-                        elif attempts[job.index] <= self.retries:
-                            log.warning("cell %s failed (attempt %d of %d), retrying: %s", job.cell.label(),
-                                        attempts[job.index], self.retries + 1, payload[0])
-                            submit(job)
-                        else:
-                            board.finish(job.index, failed=True)
-                            log.error("cell %s failed after %d attempts:\n%s", job.cell.label(), attempts[job.index],
-                                      payload[1])
-                            sink.failed(job, f"{payload[0]} (after {attempts[job.index]} attempts)")
-            finally:
-                for ref in refs:
-                    ray.cancel(ref, force=True)
-                board.close()
+            _RayCells(self, ray, jobs, sink, cell_fn, opts, threads, weights).run()
         finally:
             if started:
                 ray.shutdown()
 
+
+class _RayCells:
+    """One run of `RayExecutor.run` on a started cluster: cells submitted as Ray tasks, their messages taken from
+    the inbox actor, each outcome stored, retried or reported."""
+
+    def __init__(self, ex: RayExecutor, ray, jobs: list[Job], sink: Sink, cell_fn: CellFn, opts: dict, threads: int,
+                 weights: Weights | None):
+        self.ex, self.ray, self.sink, self.cell_fn, self.threads = ex, ray, sink, cell_fn, threads
+        self.inbox = ray.remote(num_cpus=0)(_Inbox).remote()
+        self.remote = ray.remote(_ray_cell).options(max_retries=0, **opts)  # retries are ours: counted, reported
+        self.by_index = {j.index: j for j in jobs}
+        self.received: dict[int, set[str]] = {j.index: set() for j in jobs}
+        self.attempts: dict[int, int] = {}
+        self.starts: dict[tuple[int, int], float] = {}  # (cell, attempt) running -> its start time
+        self.finished: set[tuple[int, int]] = set()    # (cell, attempt) whose last message arrived
+        self.refs: dict = {}
+        self.board = ProgressBoard(jobs, weights)
+        self.queue = JobQueue(jobs, sink, self.board)
+
+    def run(self) -> None:
+        try:
+            while self.refs or self.queue:
+                while (job := self.queue.next()) is not None:
+                    self._submit(job)
+                if not self.refs:         # the cells left are being computed by another run
+                    self.board.refresh()
+                    time.sleep(WAIT_POLL_S)
+                    continue
+                ready, _ = self.ray.wait(list(self.refs), num_returns=1, timeout=0.5)
+                self._drain()
+                for ref in ready:
+                    job = self.refs.pop(ref)
+                    self._settle(job, *self._outcome(ref, job))
+        finally:
+            for ref in self.refs:
+                self.ray.cancel(ref, force=True)
+            self.board.close()
+
+    def _submit(self, job: Job) -> None:
+        self.attempts[job.index] = self.attempts.get(job.index, 0) + 1
+        todo = frozenset(job.todo - self.received[job.index])
+        ref = self.remote.remote(Job(job.index, job.cell, todo), self.inbox, self.threads, self.attempts[job.index],
+                                 self.cell_fn)
+        self.refs[ref] = job
+
+    def _drain(self) -> None:
+        """Take the inbox's messages: progress, attempts' start and end times, units not stored yet."""
+        for kind, idx, payload in self.ray.get(self.inbox.take.remote()):
+            if kind == "progress":
+                self.board.update(idx, *payload)
+            elif kind == "start":
+                self.starts[(idx, payload[0])] = payload[1]
+                self.board.start(idx)
+            elif kind == "end":
+                self.finished.add((idx, payload[0]))
+                self.ex.intervals.append((self.starts.pop((idx, payload[0]), payload[1]), payload[1]))
+            elif kind == "unit" and payload[0] not in self.received[idx]:
+                self.received[idx].add(payload[0])
+                self.sink.unit(self.by_index[idx], *payload)
+        self.board.refresh()
+
+    def _outcome(self, ref, job: Job) -> tuple[str, object]:
+        """The finished attempt's (kind, payload), once its last message is here (else it failed)."""
+        attempt = (job.index, self.attempts[job.index])
+        try:
+            kind, payload = self.ray.get(ref)
+        except Exception as e:  # the worker or its node died
+            kind, payload = "failed", (f"{type(e).__name__}: {e}", traceback.format_exc())
+            self.starts.pop(attempt, None)
+        else:
+            # the cell's messages were sent before it returned: wait until the last one is here
+            deadline = time.monotonic() + self.ex.LAST_MESSAGE_TIMEOUT_S
+            while attempt not in self.finished and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self._drain()
+            if attempt not in self.finished:
+                self.starts.pop(attempt, None)
+                kind, payload = "failed", (f"its last results did not reach the driver within "
+                                           f"{self.ex.LAST_MESSAGE_TIMEOUT_S:.0f} s", "")
+        return kind, payload
+
+    def _settle(self, job: Job, kind: str, payload) -> None:
+        """Store a done cell, stop on bad input, retry a failed one while attempts are left, else report it."""
+        if kind == "done":
+            self.board.finish(job.index)
+            self.sink.done(job, payload)
+        elif kind == "user_error":
+            raise UserError(payload)
+        elif self.attempts[job.index] <= self.ex.retries:
+            log.warning("cell %s failed (attempt %d of %d), retrying: %s", job.cell.label(),
+                        self.attempts[job.index], self.ex.retries + 1, payload[0])
+            self._submit(job)
+        else:
+            self.board.finish(job.index, failed=True)
+            log.error("cell %s failed after %d attempts:\n%s", job.cell.label(), self.attempts[job.index],
+                      payload[1])
+            self.sink.failed(job, f"{payload[0]} (after {self.attempts[job.index]} attempts)")
 
 class _Inbox:
     """A Ray actor holding the messages cells send to the driver until it takes them."""
