@@ -17,6 +17,14 @@ from typing import Callable
 from lrq.errors import UserError
 
 
+def cache_root() -> Path:
+    """Where lrq-bench keeps what it can recompute: $LRQ_BENCH_CACHE (a leading ~ is the home folder, as in a
+    shell), else ~/.cache/lrq-bench. Said here, in lrq, so that the kernels' dispatch table (lrq.kernels.dispatch)
+    and the harness (bench.common.cache) name one folder."""
+    root = os.environ.get("LRQ_BENCH_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "lrq-bench"
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -2,11 +2,4 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-
-def cache_root() -> Path:
-    """$LRQ_BENCH_CACHE (a leading ~ is the home folder, as in a shell), else ~/.cache/lrq-bench."""
-    root = os.environ.get("LRQ_BENCH_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "lrq-bench"
+from lrq.io import cache_root  # noqa: F401 (the folder's rule, said in lrq: the kernels' dispatch table uses it too)

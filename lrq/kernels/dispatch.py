@@ -39,6 +39,7 @@ import torch
 
 from lrq.kernels import gemv as G
 from lrq.kernels import wq_gemm as WQ
+from lrq.io import cache_root
 from lrq.kernels.common import capturing
 from lrq.packing import unpack_planar
 
@@ -239,13 +240,12 @@ class Dispatcher:
 
 
 def default_cache_file() -> Path | None:
-    """$LRQ_DISPATCH_CACHE (a file; empty: none), else kernels/dispatch.json under lrq-bench's cache folder:
-    $LRQ_BENCH_CACHE, else ~/.cache/lrq-bench (bench.common.cache.cache_root's rule; lrq may not import bench)."""
+    """$LRQ_DISPATCH_CACHE (a file; empty: none), else kernels/dispatch.json under lrq-bench's cache folder
+    (lrq.io.cache_root)."""
     explicit = os.environ.get("LRQ_DISPATCH_CACHE")
     if explicit is not None:
         return Path(explicit).expanduser() if explicit else None
-    root = os.environ.get("LRQ_BENCH_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "lrq-bench") / "kernels" / "dispatch.json"
+    return cache_root() / "kernels" / "dispatch.json"
 
 
 _DEFAULT: Dispatcher | None = None
