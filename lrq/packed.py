@@ -203,22 +203,15 @@ class PackedLinear(nn.Module):
         computes with its own scales."""
         if self.scale.dtype == torch.float16:
             return self.scale
-        key = (self.scale.data_ptr(), self.scale._version)   # remade whenever the scales move or change
+        key = _tensor_state(self.scale)   # remade whenever the scales move or change
         if self._scale16 is None or self._scale16[0] != key:
             self._scale16 = (key, self.scale.to(torch.float16))
         return self._scale16[1]
 
     def _runner_key(self) -> tuple:
         """What the runners were converted from: the buffers' device, storage and version (remade on any change)."""
-        def state(t):
-            if t is None:
-                return None
-            try:
-                return t.data_ptr(), t._version
-            except RuntimeError:   # an inference-mode tensor has no version counter (nor can change outside it)
-                return t.data_ptr(), None
         return (None if self.weight_packed is None else self.weight_packed.device,
-                state(self.weight_packed), state(self.scale), state(self.zero))
+                _tensor_state(self.weight_packed), _tensor_state(self.scale), _tensor_state(self.zero))
 
     def _runner(self, x: torch.Tensor):
         """The weight-only runner for this call: the kernel this layer chose for (M, dtype), else the process-wide
@@ -263,7 +256,7 @@ class PackedLinear(nn.Module):
         scale(s) (float32; static ones kept, made again when the calibrated range changes)."""
         s, xf = self.scheme, x.float()
         if s.static_activations:
-            key = (self.act_scale.data_ptr(), self.act_scale._version, self.act_zero.data_ptr(), self.act_zero._version)
+            key = (_tensor_state(self.act_scale), _tensor_state(self.act_zero))
             if self._static_grid is None or self._static_grid[0] != key:
                 self._static_grid = (key, self.act_scale.detach().float().clone(), self.act_zero.detach().float() - 128)
             _, scale, zero = self._static_grid
@@ -302,6 +295,18 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, "
                 f"bits={self.bits}, group={self.group_size}, packed")
+
+
+def _tensor_state(t: torch.Tensor | None) -> tuple | None:
+    """(storage pointer, version counter) of a tensor: what a copy made from it is keyed by, so that the copy is
+    remade when the tensor moves or changes in place. An inference-mode tensor has no version counter (nor can it
+    change outside inference mode): its pointer alone."""
+    if t is None:
+        return None
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:
+        return t.data_ptr(), None
 
 
 @torch.no_grad()
