@@ -42,8 +42,9 @@ N_BLOCK = 16                         # its output features come in blocks of 16
 INT8_K_MULTIPLE = 16                 # _weight_int8pack_mm crashes or errs on other depths (torch 2.13, Zen 4)
 # From how many tokens a 4-bit layer dequantizes its weight into a transient buffer and runs the dense GEMM instead
 # of the int4 kernel, per activation dtype. Measured on a Zen 4 (AVX512-BF16), one thread, 576 x 1536 g128,
-# interleaved (docs/cpu-kernels.md): bf16 int4 kernel 0.99 ms against 0.97 ms at 48 tokens, 2.6 against 1.6 at
-# 128, 10.5 against 5.0 at 512; float32 (the int4 kernel's scalar path) 1.5 against 0.44 ms already at 1 token.
+# interleaved (docs/packed-weights-and-export.md): bf16 int4 kernel 0.99 ms against 0.97 ms at 48 tokens, 2.6
+# against 1.6 at 128, 10.5 against 5.0 at 512; float32 (the int4 kernel's scalar path) 1.5 against 0.44 ms already
+# at 1 token.
 DEQUANTIZE_FROM_M = {torch.bfloat16: 48, torch.float32: 1}
 # The same for the int8 form (5-8-bit weight-only; W8A8/W4A8 where `_int_mm` is refused): `_weight_int8pack_mm` at
 # 16 / 64 / 512 tokens 0.42 / 4.4 / 39.6 ms against 0.57 / 3.6 / 15.8 ms dequantized + GEMM (576 x 1536, loaded).
@@ -93,12 +94,15 @@ def _int4pack_source(n: int, k: int) -> torch.Tensor:
     return src
 
 
-def _unpack_int4pack_t(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _unpack_int4pack_t(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The levels of torch's int4 CPU packing of an [n, k] matrix written, transposed, into out [k, n] (any dtype:
-    the copy converts). The packing, as torch 2.13 lays it out on the CPU: output features in blocks of 64 (k rows
-    of 32 bytes, the low nibble feature j and the high one j + 32), then one block of the remaining n mod 64 features
-    (k rows, the low nibble feature 2j and the high one 2j + 1). Int4Weights.build checks this reading against the
-    levels it packed and keeps the int4 kernel alone where it differs (another torch's layout)."""
+    the copy converts; default a new uint8 one). The packing, as torch 2.13 lays it out on the CPU: output features
+    in blocks of 64 (k rows of 32 bytes, the low nibble feature j and the high one j + 32), then one block of the
+    remaining n mod 64 features (k rows, the low nibble feature 2j and the high one 2j + 1). Int4Weights.build
+    checks this reading against the levels it packed and keeps the int4 kernel alone where it differs (another
+    torch's layout)."""
+    if out is None:
+        out = torch.empty(packed.shape[1] * 2, packed.shape[0], dtype=torch.uint8)
     k, n = out.shape
     flat, full = packed.reshape(-1), n // 64 * 64
     if full:
@@ -134,8 +138,7 @@ class Int4Weights:
         s, z = scale.float()[:, ours], zero.float()[:, ours]           # [n, kernel groups]
         sz = F.pad(torch.stack([s.t(), ((8 - z) * s).t()], dim=-1), (0, 0, 0, n_pad - n))
         packed = _int4pack(levels)
-        decodable = torch.equal(_unpack_int4pack_t(packed, torch.empty(k_pad, n_pad, dtype=torch.uint8)),
-                                levels.t().to(torch.uint8))
+        decodable = torch.equal(_unpack_int4pack_t(packed), levels.t().to(torch.uint8))
         return cls(packed, by_dtype(sz), g, n, k, decodable)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +168,7 @@ class Int4Weights:
     def levels(self) -> torch.Tensor:
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
         if self.decodable:
-            return _unpack_int4pack_t(self.packed, torch.empty(k_pad, n_pad, dtype=torch.uint8))[:self.k, :self.n].t().contiguous()
+            return _unpack_int4pack_t(self.packed)[:self.k, :self.n].t().contiguous()
         q = torch.empty(n_pad * k_pad, dtype=torch.uint8)
         q[_int4pack_source(n_pad, k_pad)] = _nibbles(self.packed).to(torch.uint8)
         return q.view(n_pad, k_pad)[:self.n, :self.k].contiguous()

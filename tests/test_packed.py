@@ -210,7 +210,7 @@ def test_int4_prefill_path_reads_the_kernels_packing_exactly(n, k, group):
 
 def test_int4_layout_check_refuses_a_reading_that_differs(monkeypatch):
     import lrq.cpu_kernels as K
-    monkeypatch.setattr(K, "_unpack_int4pack_t", lambda packed, out: out.zero_())
+    monkeypatch.setattr(K, "_unpack_int4pack_t", lambda packed, out=None, _f=K._unpack_int4pack_t: _f(packed, out).zero_())
     w = K.Int4Weights.build(torch.randint(0, 16, (64, 128)), torch.rand(64, 1), torch.full((64, 1), 8.0), None)
     assert not w.decodable
     calls = []
