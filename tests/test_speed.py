@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 import torch
 
 from bench.studies import speed
 from bench.common.store import ResultStore
+from lrq.errors import UserError
 
 
 def test_layer_latency_rows_and_store(tmp_path):
@@ -147,3 +150,29 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
     from bench.reports.report import markdown_report
     md = markdown_report(ResultStore(store).rows(latest=True))
     assert "### Inference speed on the CPU (end to end, interleaved)" in md and "| w8a8 " in md
+
+
+def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_own_forward(tiny_model_dir, data_dir,
+                                                                                           tmp_path):
+    """--runtime both: every model twice on the same weights (lrq.runtime.LeanDecoder, and the transformers
+    forward under a suffixed name); each row names its runtime, the ratios take the faster dense of either, and
+    only the lean rows reach the results store."""
+    from bench.common.store import ResultStore
+    from bench.studies import speed_cpu
+    out, store = tmp_path / "speed.json", tmp_path / "r.sqlite"
+    assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
+                       "--schemes", "w4a16", "--rounds", "2", "--prefill", "24", "--decode", "3",
+                       "--runtime", "both", "--out", str(out), "--results", str(store)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["candidate"]: r for r in doc["rows"]}
+    hf = speed_cpu.HF_SUFFIX
+    assert set(rows) == {n + s for n in ("dense bf16", "dense fp32", "w4a16") for s in ("", hf)}
+    assert all(r["runtime"] == ("hf eager" if n.endswith(hf) else "lean") for n, r in rows.items())
+    assert rows["w4a16"]["weight_rss_bytes"] == rows["w4a16" + hf]["weight_rss_bytes"]   # one model
+    best = min((r for r in rows.values() if r["kind"] == "dense"), key=lambda r: r["decode_ms"])
+    assert rows["w4a16"]["dense_reference"]["decode"] == best["candidate"]
+    stored = [r for r in ResultStore(store).rows(latest=True)]
+    assert stored and not any(hf in str(r) for r in stored)
+    with pytest.raises(UserError, match="--runtime lean: .*gemma3_text"):
+        from tests.conftest import tiny_model
+        speed_cpu.attach_runtime([speed_cpu.Candidate("g", tiny_model("gemma3"), "dense", "float32", 0)], "lean", 8)

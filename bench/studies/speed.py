@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="e2e on the CPU: llama.cpp (run the model's GGUF as Q4_1, Q8_0 and BF16 in the same rounds; "
                          "needs pip install -e '.[anchors]') or none; default: llama.cpp where it is installed "
                          "and the model comes from a GGUF")
+    ap.add_argument("--runtime", default="auto", choices=["auto", "lean", "hf", "both"],
+                    help="e2e on the CPU: lean (lrq.runtime), hf (the model's own forward), both, or auto (lean "
+                         "where the model can)")
     ap.add_argument("--int8-head", action="store_true",
                     help="e2e on the CPU with anchors: also measure the profiled scheme with an int8 output head "
                          "(otherwise only when its profile shows the head costing as much as all quantized linears)")
@@ -179,7 +182,7 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
     chosen = anchors.resolve(args.anchors, args.model)
     doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
                         args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen,
-                        int8_head=args.int8_head)
+                        int8_head=args.int8_head, runtime=args.runtime)
     print(speed_cpu.markdown(doc))
     ratio = speed_cpu.anchor_ratio(doc)
     if ratio:
@@ -195,7 +198,8 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
         for name, text in files.items():
             atomic_write_text(folder / name, text)
     if args.results:   # the leaderboard gets our formats; anchors and the int8-head copy stay in the study's files
-        _store([r for r in doc["rows"] if r["kind"] != "anchor" and not r["candidate"].endswith(speed_cpu.HEAD_INT8)],
+        _store([r for r in doc["rows"] if r["kind"] != "anchor"
+                and not r["candidate"].endswith((speed_cpu.HEAD_INT8, speed_cpu.HF_SUFFIX))],
                "e2e-cpu", args.results, args.model)
     return 0
 

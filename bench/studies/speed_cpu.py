@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lrq.errors import UserError
+
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
 
@@ -56,6 +58,7 @@ class Candidate:
     dtype: str                     # what its activations and unquantized parts compute in
     weight_rss_bytes: int
     runner: object = None          # an anchor's runner (decode/prefill like this module's functions)
+    lean: object = None            # the LeanDecoder (lrq.runtime) it runs through, or None: its own forward
     info: dict = field(default_factory=dict)
     decode_ms: list[float] = field(default_factory=list)
     decode_cpu_ms: list[float] = field(default_factory=list)
@@ -141,23 +144,44 @@ def _warm(model: nn.Module) -> None:
     prefill(model, torch.arange(64).unsqueeze(0) % model.config.vocab_size)
 
 
+def _stepper(target):
+    """(first, next): the logits of the last position after a prompt (from an empty cache) and after one more
+    token, through the model's own forward (a fresh cache) or a `LeanDecoder` (its cache reset)."""
+    from lrq.runtime import LeanDecoder
+    if isinstance(target, LeanDecoder):
+        def first(prompt):
+            target.reset()
+            return target.forward(prompt)
+        return first, target.forward
+    state = {}
+
+    def step(ids, **kw):
+        out = target(ids, use_cache=True, logits_to_keep=1, **kw)
+        state["cache"] = out.cache
+        return out.logits
+    return step, lambda ids: step(ids, cache=state["cache"])
+
+
 @torch.no_grad()
-def decode(model: nn.Module, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
-    """(wall, CPU) ms per greedy token after `prompt` (the prompt's own forward not timed)."""
-    out = model(prompt, use_cache=True, logits_to_keep=1)
-    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+def decode(target, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(wall, CPU) ms per greedy token after `prompt` (the prompt's own forward not timed); `target` is a model
+    (its own forward) or a LeanDecoder."""
+    first, step = _stepper(target)
+    nxt = first(prompt)[:, -1:].argmax(-1)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        out = model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
-        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+        nxt = step(nxt)[:, -1:].argmax(-1)
     return 1e3 * (time.perf_counter() - t0) / steps, 1e3 * (time.process_time() - c0) / steps
 
 
 @torch.no_grad()
-def prefill(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+def prefill(target, ids: torch.Tensor) -> tuple[float, float]:
     """(tokens/s wall, CPU seconds) of one forward of `ids`, the last position's logits only."""
     t0, c0 = time.perf_counter(), time.process_time()
-    model(ids, use_cache=False, logits_to_keep=1)
+    if isinstance(target, nn.Module):
+        target(ids, use_cache=False, logits_to_keep=1)
+    else:
+        _stepper(target)[0](ids)
     return ids.shape[1] / (time.perf_counter() - t0), time.process_time() - c0
 
 
@@ -173,10 +197,10 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
             if c.runner is not None:   # an anchor: the same tokens, timed the same way by its runner
                 wall, cpu = c.runner.decode(listed[:16], decode_steps)
             else:
-                wall, cpu = decode(c.model, ids[:, :16], decode_steps)
+                wall, cpu = decode(c.lean or c.model, ids[:, :16], decode_steps)
             c.decode_ms.append(wall)
             c.decode_cpu_ms.append(cpu)
-            tok_s, cpu_s = c.runner.prefill(listed) if c.runner is not None else prefill(c.model, ids)
+            tok_s, cpu_s = c.runner.prefill(listed) if c.runner is not None else prefill(c.lean or c.model, ids)
             c.prefill_tok_s.append(tok_s)
             c.prefill_cpu_s.append(cpu_s)
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{c.name} {c.decode_ms[-1]:.1f} ms" for c in cands), flush=True)
@@ -205,16 +229,17 @@ def rows(cands: list[Candidate]) -> list[dict]:
 
 
 @torch.no_grad()
-def profile_decode(model: nn.Module, prompt: torch.Tensor, steps: int = 8) -> dict:
+def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     """Where `steps` greedy decode steps after `prompt` spend their time, under torch.profiler: each top-level aten
     op (one not inside another aten op) goes to the group of the nearest module it runs in (a PackedLinear: the
     quantized linears; the output head; anything else: attention/SDPA, RoPE, norms, the embedding, residual adds,
     the argmax), and the wall time inside no aten op is framework/Python overhead. ms per token, and shares; the
     profiler adds its own cost to every op (most of it lands in the overhead), so the same steps are also timed
-    without it first (`unprofiled_ms_per_token`)."""
+    without it first (`unprofiled_ms_per_token`). `target`: a model (its own forward) or a LeanDecoder."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from lrq.packed import PackedLinear
+    model = target if isinstance(target, nn.Module) else target.model
     stack, handles = [], []
 
     def label(module: nn.Module, group: str) -> None:
@@ -232,14 +257,13 @@ def profile_decode(model: nn.Module, prompt: torch.Tensor, steps: int = 8) -> di
             label(m, PROFILE_GROUPS[0])
     label(model.get_output_embeddings(), PROFILE_GROUPS[1])
     try:
-        plain_ms, _ = decode(model, prompt, steps)
-        out = model(prompt, use_cache=True, logits_to_keep=1)
-        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+        plain_ms, _ = decode(target, prompt, steps)
+        first, step = _stepper(target)
+        nxt = first(prompt)[:, -1:].argmax(-1)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
-                cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+                nxt = step(nxt)[:, -1:].argmax(-1)
             wall_us = 1e6 * (time.perf_counter() - t0)
     finally:
         for h in handles:
@@ -289,26 +313,69 @@ def build_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int)
                                  "files": {k: {**v, "path": Path(v["path"]).name} for k, v in files.items()}}}
 
 
+RUNTIMES = ("auto", "lean", "hf", "both")
+PROFILE_STEPS = 8           # decode steps profile_decode times (with anchors)
+HF_SUFFIX = " [hf eager]"   # a candidate run through the model's own forward where --runtime both asks for both
+
+
+def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[Candidate]:
+    """Each model candidate set to run through `runtime`: `lean` (lrq.runtime.LeanDecoder, an error where the
+    model cannot), `hf` (the model's own forward), `auto` (lean where the model can, else its own forward, the
+    reason recorded), `both` (lean, plus a copy of the candidate on the same weights through its own forward,
+    named with HF_SUFFIX; its rows are not stored to a results store). Every row names its runtime."""
+    from lrq.runtime import LeanDecoder, lean_support
+    if runtime not in RUNTIMES:
+        raise UserError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    out = []
+    for c in cands:
+        if c.model is None:
+            out.append(c)
+            continue
+        why = None if runtime == "hf" else lean_support(c.model, max_len)
+        if runtime == "lean" and why:
+            raise UserError(f"--runtime lean: {c.name} cannot run through the lean runtime ({why}); use "
+                            f"--runtime auto or hf")
+        if runtime == "hf" or why:
+            c.info.update(runtime="hf eager", **({"lean_refused": why} if why else {}))
+            out.append(c)
+            continue
+        c.lean = LeanDecoder(c.model, max_len)
+        c.info["runtime"] = "lean"
+        out.append(c)
+        if runtime == "both":
+            out.append(Candidate(c.name + HF_SUFFIX, c.model, c.kind, c.dtype, c.weight_rss_bytes,
+                                 info={**c.info, "runtime": "hf eager"}))
+    for c in out:
+        if c.lean is not None:   # warmed as build warmed the model's own forward
+            decode(c.lean, torch.arange(16).unsqueeze(0) % c.model.config.vocab_size, 2)
+    return out
+
+
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
-        data_dir: str | None, anchors: list[str] | None = None, int8_head: bool = False) -> dict:
+        data_dir: str | None, anchors: list[str] | None = None, int8_head: bool = False,
+        runtime: str = "auto") -> dict:
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
     decided = Precision.decide(precision, "cpu")
     dtype = torch.bfloat16 if decided.used == "bf16" else torch.float32
     cands = build(model_name, schemes, dtype, data_dir)
+    max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
+    cands = attach_runtime(cands, runtime, max_len)
     profiled, extra = None, {}
     if anchors:
         packed = [c for c in cands if c.kind == "packed"]   # w4a16-g128, the anchor's comparison, else the first
         target = next((c for c in packed if c.name == "w4a16-g128"), packed[0] if packed else None)
         if target is not None:
             ids = torch.arange(100, 116).unsqueeze(0) % target.model.config.vocab_size
-            profiled = {"candidate": target.name, **profile_decode(target.model, ids, 8)}
+            profiled = {"candidate": target.name, **profile_decode(target.lean or target.model, ids,
+                                                                   PROFILE_STEPS)}
             profiled["head_dominates"] = head_dominates(profiled)
             print(f"profile of {target.name} decode: " + ", ".join(
                 f"{g['group']} {g['ms_per_token']:.1f} ms" for g in profiled["groups"]), flush=True)
             if profiled["head_dominates"] or int8_head:
-                cands += build(model_name, [target.name + HEAD_INT8], dtype, data_dir, dense=False)
+                cands += attach_runtime(build(model_name, [target.name + HEAD_INT8], dtype, data_dir,
+                                              dense=False), "hf" if runtime == "hf" else "auto", max_len)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
         cands += anchor_cands
     try:
@@ -319,7 +386,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
                 c.runner.close()
     hw = hardware()
     doc = {"what": "e2e-cpu", "model": model_name, "threads": threads, "rounds": rounds, "prefill": prefill_len,
-           "decode_steps": decode_steps, "precision": decided.info(), "machine": cpu_label(hw),
+           "decode_steps": decode_steps, "runtime": runtime, "precision": decided.info(), "machine": cpu_label(hw),
            "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands),
            "anchors": extra}
     if profiled:
@@ -343,7 +410,8 @@ def anchor_ratio(doc: dict) -> dict | None:
 
 def markdown(doc: dict) -> str:
     from tabulate import tabulate
-    body = [[r["candidate"], r["dtype"], f"{r['decode_ms']:.1f} ({r['decode_ms_range'][0]:.1f}-"
+    body = [[r["candidate"], r["dtype"], r.get("runtime", "llama.cpp" if r["kind"] == "anchor" else "hf eager"),
+             f"{r['decode_ms']:.1f} ({r['decode_ms_range'][0]:.1f}-"
              f"{r['decode_ms_range'][1]:.1f})", f"{r['decode_cpu_ms']:.1f}",
              f"{r['prefill_tok_s']:.0f} ({r['prefill_tok_s_range'][0]:.0f}-{r['prefill_tok_s_range'][1]:.0f})",
              f"{r['weight_rss_bytes'] / 2**20:.0f}", f"{r['decode_vs_dense']:.2f}x", f"{r['prefill_vs_dense']:.2f}x",
@@ -360,11 +428,21 @@ def markdown(doc: dict) -> str:
         f"last position's logits only. Weight memory: the resident memory each model added when it was built. "
         f"Ratios against the faster dense model per measure (decode: {ref['decode']}; prefill: {ref['prefill']}); "
         f"memory against dense bf16.", "",
-        tabulate(body, headers=["candidate", "held in", "decode ms/token", "decode CPU ms", "prefill tok/s",
+        _runtime_sentence(doc), "",
+        tabulate(body, headers=["candidate", "held in", "runtime", "decode ms/token", "decode CPU ms", "prefill tok/s",
                                 "weight MiB", "decode vs dense", "prefill vs dense", "memory vs bf16"],
                  tablefmt="github", disable_numparse=True), ""])
     extra = _anchor_markdown(doc)
     return lines + ("\n" + extra if extra else "")
+
+
+def _runtime_sentence(doc: dict) -> str:
+    """What the runtime column means, and why a model did not run through the lean runtime where it did not."""
+    refused = sorted({r["lean_refused"] for r in doc["rows"] if r.get("lean_refused")})
+    return ("Runtime: `lean` is lrq.runtime.LeanDecoder (the model's own modules and weights, a preallocated "
+            "key/value cache, fused norms, no per-call masks: the same logits up to float rounding); `hf eager` "
+            "the model's own transformers forward (a dynamic cache)" + (f"; not lean because {'; '.join(refused)}"
+                                                                      if refused else "") + ".")
 
 
 def _anchor_markdown(doc: dict) -> str:

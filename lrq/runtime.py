@@ -1,0 +1,140 @@
+"""A lean forward for generation with Llama-family causal LMs (llama, mistral, qwen2, qwen3), dense or packed.
+
+The Hugging Face forward is general: masks built per call, a cache object updated through Python, each norm six
+operations, module hooks. At batch 1 on a CPU a decode step of SmolLM2-135M is mostly such small operations, so
+they hide what a weight format buys. `LeanDecoder` runs the same computation with the model's own modules (its
+linears, dense or `PackedLinear`, its activation, its rotary embedding) and fewer operations around them:
+
+- a key/value cache allocated once for `max_len` positions, written in place (no per-step concatenation);
+- the rotary tables computed once by the model's own rotary module for every position (scaled variants included),
+  applied as x * cos + roll(x) * sin' (three operations; sin' carries rotate_half's sign);
+- RMSNorm as one fused `F.rms_norm` in float32, cast back and scaled by the weight (as the Hugging Face norm does);
+- `scaled_dot_product_attention` with grouped heads (no repeated keys), causal from the cache's start, a mask
+  only where a chunk of several tokens follows cached ones;
+- the head on the positions asked for only.
+
+What it refuses (a clear error; use the model's own forward): other families (Gemma's norms and soft-capping),
+a sliding window the cache would reach, rotary embeddings that change with the length (`dynamic`, `longrope`),
+batches with padding (every row has the same length here). Its outputs equal the model's forward up to the
+rounding of reordered float operations: `tests/test_runtime.py` checks logits and greedy tokens against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lrq.errors import UserError
+
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def lean_support(model: nn.Module, max_len: int) -> str | None:
+    """Why `model` cannot run through LeanDecoder with `max_len` positions, or None when it can."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    if kind not in LEAN_MODEL_TYPES:
+        return f"model type {kind!r} is not one of {', '.join(LEAN_MODEL_TYPES)}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) in _LENGTH_DEPENDENT_ROPE:
+        return f"its rotary embedding ({rope.get('rope_type', rope.get('type'))}) changes with the length"
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = window is not None and (kind == "mistral" or getattr(cfg, "use_sliding_window", False))
+    if uses_window and window < max_len:
+        return f"its sliding window ({window}) is shorter than the {max_len} positions asked for"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "it has no model.rotary_emb module to compute the rotary tables with"
+    return None
+
+
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face Llama/Qwen RMSNorm: normalized in float32, cast back, then scaled by the weight."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+
+
+class LeanDecoder:
+    """Batch-`batch` generation state for `model` (not copied; its weights are used as they are held)."""
+
+    def __init__(self, model: nn.Module, max_len: int, batch: int = 1):
+        why = lean_support(model, max_len)
+        if why:
+            raise UserError(f"the lean runtime cannot run this model: {why}. Use the model's own forward "
+                            f"(speed study: --runtime hf).")
+        self.model, self.max_len, self.batch = model, max_len, batch
+        inner, cfg = model.model, model.config
+        self.layers = list(inner.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.qk_norm = hasattr(attn, "q_norm")
+        emb = inner.embed_tokens.weight
+        dtype = emb.dtype if emb.is_floating_point() else torch.float32
+        shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, self.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=emb.device)
+        self.v = torch.zeros_like(self.k)
+        with torch.no_grad():
+            pos = torch.arange(max_len, device=emb.device)[None]
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=emb.device), pos)
+        half = self.head_dim // 2
+        sin = sin[0].clone()
+        sin[:, :half] = -sin[:, :half]            # roll(x, half) * sin' == rotate_half(x) * sin
+        self.cos, self.sin = cos[0], sin
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, -1), sin)
+
+    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, start: int, mask) -> torch.Tensor:
+        a, (b, t, _) = layer.self_attn, h.shape
+        end, hd = start + t, self.head_dim
+        q = a.q_proj(h).view(b, t, -1, hd)
+        k = a.k_proj(h).view(b, t, -1, hd)
+        v = a.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
+        cos, sin = self.cos[start:end, None], self.sin[start:end, None]    # [t, 1, hd] against [b, t, heads, hd]
+        self.k[i, :, :, start:end] = self._rope(k, cos, sin).transpose(1, 2)
+        self.v[i, :, :, start:end] = v
+        q = self._rope(q, cos, sin).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask,
+                                           is_causal=mask is None and start == 0 and t > 1,
+                                           scale=a.scaling, enable_gqa=True)
+        return a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Append `ids` [batch, t] to the sequence; the logits of its last `keep` positions [batch, keep, vocab]."""
+        b, t = ids.shape
+        start = self.length
+        if b != self.batch:
+            raise UserError(f"this LeanDecoder holds a cache for batch {self.batch}, got {b} rows")
+        if start + t > self.max_len:
+            raise UserError(f"{start + t} positions exceed the lean cache's {self.max_len}: make the LeanDecoder "
+                            f"with a larger max_len")
+        mask = None
+        if t > 1 and start > 0:   # a chunk after cached tokens: row j sees keys up to start + j
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
+        inner = self.model.model
+        x = inner.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, _rms(layer.input_layernorm, x), start, mask)
+            mlp = layer.mlp
+            h = _rms(layer.post_attention_layernorm, x)
+            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        self.length = start + t
+        return self.model.lm_head(_rms(inner.norm, x[:, -keep:]))
+
+    @torch.no_grad()
+    def greedy(self, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+        """From an empty cache: the `steps` greedy tokens after `prompt` [batch, t] ([batch, steps])."""
+        self.reset()
+        nxt = self.forward(prompt)[:, -1].argmax(-1, keepdim=True)
+        out = [nxt]
+        for _ in range(steps - 1):
+            nxt = self.forward(nxt)[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+        return torch.cat(out, dim=1)

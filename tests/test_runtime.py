@@ -1,0 +1,104 @@
+"""The lean generation runtime (lrq.runtime) computes what the model's own forward computes."""
+
+import pytest
+import torch
+
+from lrq.errors import UserError
+from lrq.methods import get_method, load_methods
+from lrq.packed import pack_model
+from lrq.runtime import LeanDecoder, lean_support
+from lrq.schemes import get_scheme
+from tests.conftest import tiny_config, tiny_model
+
+load_methods()
+
+
+def _qwen3(seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**{k: v for k, v in tiny_config("llama").to_dict().items()
+                         if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings")},
+                      head_dim=24, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+def _model(arch: str):
+    return _qwen3() if arch == "qwen3" else tiny_model(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_prefill_chunks_and_decode_steps_give_the_models_logits(arch):
+    model = _model(arch)
+    ids = torch.randint(0, 128, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    lean = LeanDecoder(model, max_len=32, batch=2)
+    got = [lean.forward(ids[:, :6], keep=6),         # from an empty cache: causal
+           lean.forward(ids[:, 6:11], keep=5)]       # a chunk after cached tokens: the offset mask
+    got += [lean.forward(ids[:, j:j + 1]) for j in range(11, 14)]   # one token at a time
+    torch.testing.assert_close(torch.cat(got, dim=1), ref, rtol=1e-4, atol=1e-4)
+    assert lean.length == 14
+    lean.reset()
+    torch.testing.assert_close(lean.forward(ids, keep=1), ref[:, -1:], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_tokens_equal_the_models_own_greedy_loop():
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(LeanDecoder(model, 32).greedy(prompt, 12), seq[:, 9:])
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a8", "w8a16"])
+def test_a_packed_model_runs_its_packed_layers_through_the_lean_runtime(scheme):
+    model = tiny_model("llama", hidden=192)
+    rtn = get_method("rtn")
+    rtn.quantize(model, get_scheme(scheme), rtn.config("quick"), None)
+    pack_model(model)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    calls = []
+    for m in model.modules():
+        if type(m).__name__ == "PackedLinear":
+            m.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1:]
+    n_hf = len(calls)
+    lean = LeanDecoder(model, 32)
+    torch.testing.assert_close(lean.forward(ids[:, :19]).float()[:, -1:], model(ids[:, :19]).logits[:, -1:],
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lean.forward(ids[:, 19:]), ref, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 4 * n_hf   # every packed layer ran in each of the four forwards (two of them lean)
+
+
+def test_bf16_model_agrees_within_bf16_rounding():
+    model = tiny_model("llama", seed=5).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1:].float()
+    got = LeanDecoder(model, 16).forward(ids).float()
+    assert got.dtype == ref.dtype and (got - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_what_it_cannot_run_is_refused_with_the_reason():
+    assert "gemma3_text" in lean_support(tiny_model("gemma3"), 16)
+    mistral = tiny_model("mistral")   # an 8-token sliding window
+    assert lean_support(mistral, 8) is None
+    with pytest.raises(UserError, match="sliding window \\(8\\).*--runtime hf"):
+        LeanDecoder(mistral, 64)
+    dyn = tiny_model("llama")
+    dyn.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "changes with the length" in lean_support(dyn, 16)
+    lean = LeanDecoder(tiny_model("llama"), 8)
+    with pytest.raises(UserError, match="exceed the lean cache's 8"):
+        lean.forward(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(UserError, match="batch 1, got 2"):
+        lean.forward(torch.zeros(2, 3, dtype=torch.long))
