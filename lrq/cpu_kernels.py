@@ -11,8 +11,12 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
 * `Int8Weights` (5 to 8 bits weight-only, and any group size the int4 kernel cannot represent): q - 2^(b-1) as
   int8 through `_weight_int8pack_mm`, one call per group (one in all per channel); the zero points add
   rowsum(x) * (2^(b-1) - z) * s.
-* `Int8GemmWeights` (W8A8, W4A8 with integer activations, per channel): q - 2^(b-1) as int8, multiplied with the
-  activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected in float32 after it.
+* `Int4Int8Weights` (W4A8 with integer activations, per channel): an Int4Weights; at decode the activation
+  levels (integers, exact in bf16) through the int4 kernel, at prefill its levels as a transient int8 weight
+  through torch._int_mm (see the class).
+* `Int8GemmWeights` (W8A8, more than 4 bits with integer activations, per channel): q - 2^(b-1) as int8,
+  multiplied with the activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected
+  in float32 after it.
 
 torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
 scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
@@ -233,6 +237,20 @@ class Int8Weights:
         return _nbytes(*self.chunks, self.scales, *self.unit.values(), self.zero_term)
 
 
+def _int8_corrected(acc: torch.Tensor, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
+                    col_term: torch.Tensor, zero_term: torch.Tensor, scale: torch.Tensor,
+                    asymmetric: bool) -> torch.Tensor:
+    """The float32 output of an int8 x int8 -> int32 GEMM acc = xa @ wa (wa = q - offset):
+    sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa - (az - 128) (sum wa + k (offset - z)).
+    The GEMM is exact in int32; the two corrections are added in float32 (one rounding each, relative 6e-8) and
+    the scales multiplied: five operations after the GEMM, because at one token a layer's cost is the count of
+    its operations."""
+    y = torch.addcmul(acc.float(), x_zero, col_term, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
+    if asymmetric:
+        y.addcmul_(xa.sum(dim=1, keepdim=True, dtype=torch.float32), zero_term)
+    return y.mul_(x_scale).mul_(scale)
+
+
 @dataclass
 class Int8GemmWeights:
     weight: torch.Tensor       # int8 [n, k]: q - offset
@@ -249,18 +267,11 @@ class Int8GemmWeights:
         col = w.sum(dim=1, dtype=torch.int32) + q.shape[1] * zt
         return cls(w, zt.float(), col.float(), scale[:, 0].float(), offset, bool(zt.any()))
 
-    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor, dtype=None) -> torch.Tensor:
         """xa = activation levels - 128 (int8 [m, k]); x_zero = their zero point(s) - 128 and x_scale their
-        scale(s), float32 scalars or [m, 1] per token:
-        sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa - (az - 128) (sum wa + k (offset - z)),
-        with wa = q - offset. The GEMM is exact in int32; the two corrections are added in float32 (one rounding
-        each, relative 6e-8) and the scales multiplied: five operations after the GEMM, because at one token a
-        layer's cost is the count of its operations."""
-        acc = torch._int_mm(xa, self.weight.t())
-        y = torch.addcmul(acc.float(), x_zero, self.col_term, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
-        if self.asymmetric:
-            y.addcmul_(xa.sum(dim=1, keepdim=True, dtype=torch.float32), self.zero_term)
-        return y.mul_(x_scale).mul_(self.scale)
+        scale(s), float32 scalars or [m, 1] per token (`dtype`, the model's, is not needed: float32 out)."""
+        return _int8_corrected(torch._int_mm(xa, self.weight.t()), xa, x_zero, x_scale, self.col_term,
+                               self.zero_term, self.scale, self.asymmetric)
 
     def levels(self) -> torch.Tensor:
         return (self.weight.to(torch.int16) + self.offset).to(torch.uint8)
@@ -269,10 +280,61 @@ class Int8GemmWeights:
         return _nbytes(self.weight, self.zero_term, self.col_term, self.scale)
 
 
+@dataclass
+class Int4Int8Weights:
+    """Weights of 4 bits or fewer, per channel, with integer activations (W4A8): held once, as Int4Weights (half
+    a byte a weight, where Int8GemmWeights would hold one). The activation levels minus their zero point are
+    integers within +-255, exact in bf16 and float32, so:
+
+    * decode (fewer than DEQUANTIZE_FROM_M tokens; every call in float32): those integers through the 4-bit
+      form's own path (torch's int4 kernel in bf16, which rounds its output to bf16 as it does for W4A16), times
+      the activation scale; a decode step reads half the bytes of an int8 weight;
+    * prefill: the levels read out of the int4 packing as int8 (q - 8) into a transient [k, n], the exact int32
+      GEMM torch._int_mm and Int8GemmWeights' corrections (the transient dropped after the call)."""
+    int4: Int4Weights
+    zero_term: torch.Tensor    # float32 [n]: 8 - z
+    col_term: torch.Tensor     # float32 [n]: sum_k (q - 8) + k (8 - z)
+    scale: torch.Tensor        # float32 [n]
+    asymmetric: bool = True
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> "Int4Int8Weights":
+        g = Int8GemmWeights.build(q, scale, zero, 4)      # its exact integer terms, offset 8
+        return cls(Int4Weights.build(q, scale, zero, None), g.zero_term, g.col_term, g.scale, g.asymmetric)
+
+    def integer_call(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether a call of m tokens in `dtype` (the model's) runs the int8 GEMM (`mm`) rather than the 4-bit
+        path (`mm_centred`): bf16 prefill."""
+        return dtype == torch.bfloat16 and self.int4.decodable and m >= DEQUANTIZE_FROM_M[torch.bfloat16]
+
+    def mm_centred(self, centred: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The 4-bit path: centred = activation levels - their zero point(s) (integers as float32 [m, k]), x_scale
+        their scale(s); run in bf16 where the model is, else float32. Float32 out."""
+        run = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        return self.int4.mm(centred.to(run)).float().mul_(x_scale)
+
+    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor, dtype=None) -> torch.Tensor:
+        """The int8 GEMM path, arguments as Int8GemmWeights.mm: the levels as a transient int8 weight."""
+        w = self.int4
+        n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
+        wa = _unpack_int4pack_t(w.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8)
+        acc = torch._int_mm(xa, wa[:w.k])
+        return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, xa, x_zero, x_scale, self.col_term,
+                               self.zero_term, self.scale, self.asymmetric)
+
+    def levels(self) -> torch.Tensor:
+        return self.int4.levels()
+
+    def nbytes(self) -> int:
+        return self.int4.nbytes() + _nbytes(self.zero_term, self.col_term, self.scale)
+
+
 def cpu_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,
-                integer_activations: bool) -> Int4Weights | Int8Weights | Int8GemmWeights:
+                integer_activations: bool) -> Int4Weights | Int8Weights | Int8GemmWeights | Int4Int8Weights:
     """The CPU form of levels q [n, k] with their scales and zero points [n, n_groups]."""
     if integer_activations and group_size is None:
+        if bits <= 4:
+            return Int4Int8Weights.build(q, scale, zero)
         return Int8GemmWeights.build(q, scale, zero, bits)
     if bits <= 4 and int4_grouping(q.shape[1], group_size) is not None:
         return Int4Weights.build(q, scale, zero, group_size)

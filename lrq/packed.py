@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
-from lrq.cpu_kernels import Int8GemmWeights, cpu_weights
+from lrq.cpu_kernels import Int4Int8Weights, Int8GemmWeights, cpu_weights
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
 from lrq.quant import dequantize, n_groups, per_tensor_fake_quant, per_token_fake_quant
@@ -266,10 +266,23 @@ class PackedLinear(nn.Module):
         xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129)
         return xq.to(torch.int8), zero, scale
 
+    def _centred_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation levels minus their zero point (integers, as float32) on the fake-quant path's grid, and
+        the scale(s): clamp(round(x / s) + z, 0, qmax) - z, computed as clamp(round(x / s), -z, qmax - z) (the
+        same integers, fewer operations: what a decode step pays for)."""
+        s, xf = self.scheme, x.float()
+        if s.static_activations:
+            scale, zero = self.act_scale.detach().float(), self.act_zero.detach().float()
+        else:
+            scale, zero = s.activations.integer_qparams(xf, s.a_bits)
+        return torch.div(xf, scale).round_().clamp_(zero.neg(), (2**s.a_bits - 1) - zero), scale
+
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         w = self.cpu_weights or self.convert_for_cpu()
         x2 = x.reshape(-1, x.shape[-1])
-        if isinstance(w, Int8GemmWeights):
+        if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
+            y = w.mm_centred(*self._centred_activations(x2), x.dtype).to(x.dtype)
+        elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
             y = w.mm(*self._int8_activations(x2)).to(x.dtype)
         else:
             y = w.mm(self._float_activations(x2))
