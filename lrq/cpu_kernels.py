@@ -307,11 +307,16 @@ class Int4Int8Weights:
         path (`mm_centred`): bf16 prefill."""
         return dtype == torch.bfloat16 and self.int4.decodable and m >= DEQUANTIZE_FROM_M[torch.bfloat16]
 
-    def mm_centred(self, centred: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The 4-bit path: centred = activation levels - their zero point(s) (integers as float32 [m, k]), x_scale
-        their scale(s); run in bf16 where the model is, else float32. Float32 out."""
-        run = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        return self.int4.mm(centred.to(run)).float().mul_(x_scale)
+    @staticmethod
+    def centred_dtype(dtype: torch.dtype) -> torch.dtype:
+        """What the 4-bit path runs in for a model held in `dtype`: bf16 where it is, else float32."""
+        return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+    def mm_centred(self, centred: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The 4-bit path: centred = activation levels - their zero point(s) (integers [m, k]) and x_scale their
+        scale(s), both in centred_dtype; the product in that dtype (in bf16 the scale and the product each round
+        to bf16, as the int4 kernel's output already does)."""
+        return self.int4.mm(centred).mul_(x_scale)
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor, dtype=None) -> torch.Tensor:
         """The int8 GEMM path, arguments as Int8GemmWeights.mm: the levels as a transient int8 weight."""

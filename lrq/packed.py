@@ -34,6 +34,8 @@ reads the converted copies, so capture again after changing the weights.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +44,8 @@ from lrq.arch import iter_linears, set_submodule, decoder_blocks
 from lrq.cpu_kernels import Int4Int8Weights, Int8GemmWeights, cpu_weights
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
-from lrq.quant import dequantize, n_groups, per_tensor_fake_quant, per_token_fake_quant
+from lrq.quant import (dequantize, n_groups, per_tensor_fake_quant, per_token_centred, per_token_fake_quant,
+                       per_token_qparams)
 from lrq.schemes import Scheme
 
 
@@ -266,24 +269,52 @@ class PackedLinear(nn.Module):
         xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129)
         return xq.to(torch.int8), zero, scale
 
-    def _centred_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activation levels minus their zero point (integers, as float32) on the fake-quant path's grid, and
-        the scale(s): clamp(round(x / s) + z, 0, qmax) - z, computed as clamp(round(x / s), -z, qmax - z) (the
-        same integers, fewer operations: what a decode step pays for)."""
-        s, xf = self.scheme, x.float()
+    def _dynamic_shared(self, x: torch.Tensor, form: str, compute):
+        """`compute()` for a dynamic activation grid, or what the previous packed layer computed for the very same
+        input tensor (unchanged since: same object, same version counter) and grid: q/k/v and gate/up read one
+        input, so a decode step quantizes it once instead of three and two times. Static grids are per layer, and
+        a tensor without a version counter (inference mode) is not shared."""
+        s = self.scheme
+        if s.static_activations:
+            return compute()
+        try:
+            version = x._version
+        except RuntimeError:   # an inference-mode tensor: nothing says it was not changed in place
+            return compute()
+        key = (form, s.a_mode, s.a_bits)
+        last = _LAST_ACTIVATIONS[0]
+        if last is not None and last[0]() is x and last[1] == version and last[2] == key:
+            return last[3]
+        value = compute()
+        _LAST_ACTIVATIONS[0] = (weakref.ref(x), version, key, value)
+        return value
+
+    def _centred_activations(self, x: torch.Tensor, run: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation levels minus their zero point on the fake-quant path's grid (integers within +-255, exact
+        in bf16) and the grid's scale(s), both in `run` (the int4 kernel's dtype): clamp(round(x / s) + z, 0, qmax)
+        - z, computed as clamp(round(x / s), -z, qmax - z): the same integers in fewer operations, which is what
+        a decode step pays for."""
+        s = self.scheme
+        if not s.static_activations and s.activations.integer_qparams is per_token_qparams:
+            centred, scale = per_token_centred(x, s.a_bits)   # the same integers, fewer operations
+            return centred.to(run), scale.to(run)
+        xf = x.float()
         if s.static_activations:
             scale, zero = self.act_scale.detach().float(), self.act_zero.detach().float()
         else:
             scale, zero = s.activations.integer_qparams(xf, s.a_bits)
-        return torch.div(xf, scale).round_().clamp_(zero.neg(), (2**s.a_bits - 1) - zero), scale
+        centred = torch.div(xf, scale).round_().clamp_(zero.neg(), (2**s.a_bits - 1) - zero)
+        return centred.to(run), scale.to(run)
 
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         w = self.cpu_weights or self.convert_for_cpu()
         x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
-            y = w.mm_centred(*self._centred_activations(x2), x.dtype).to(x.dtype)
+            run = w.centred_dtype(x.dtype)
+            y = w.mm_centred(*self._dynamic_shared(x, f"centred {run}", lambda: self._centred_activations(x2, run)))
+            y = y.to(x.dtype)
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
-            y = w.mm(*self._int8_activations(x2)).to(x.dtype)
+            y = w.mm(*self._dynamic_shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
         else:
             y = w.mm(self._float_activations(x2))
         if self.bias is not None:
@@ -308,6 +339,11 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, "
                 f"bits={self.bits}, group={self.group_size}, packed")
+
+
+# (weak reference to the input, its version, (form, activation mode, bits), the quantized activations) of the last
+# dynamic quantization a packed layer made on the CPU: PackedLinear._dynamic_shared
+_LAST_ACTIVATIONS: list = [None]
 
 
 def _tensor_state(t: torch.Tensor | None) -> tuple | None:

@@ -303,3 +303,44 @@ def test_the_kernels_read_fp16_scales_whatever_precision_the_module_keeps():
     x = torch.randn(3, 256)
     w = m32.dequantized_weight(torch.float32)
     torch.testing.assert_close(m32(x), x @ w.t() + m32.bias, rtol=0, atol=1e-5)
+
+
+def test_linears_reading_one_input_quantize_it_once(monkeypatch):
+    """Dynamic per-token activations: q/k/v and gate/up read the same tensor, so a forward quantizes it once per
+    group (4 quantizations a block, not 7), with outputs equal to quantizing per layer; a tensor changed in place
+    since (its version counter moved) is quantized again."""
+    import lrq.packed as P
+    from lrq.schemes import get_scheme
+    model = tiny_model("llama", hidden=192)
+    rtn = get_method("rtn")
+    rtn.quantize(model, get_scheme("w4a8"), rtn.config("quick"), None)
+    pack_model(model)
+    calls = []
+    monkeypatch.setattr(P.PackedLinear, "_dynamic_shared",
+                        lambda self, x, form, compute, _f=P.PackedLinear._dynamic_shared: calls.append(form) or
+                        _f(self, x, form, compute))
+    computed = []
+    orig_centred, orig_int8 = P.PackedLinear._centred_activations, P.PackedLinear._int8_activations
+    monkeypatch.setattr(P.PackedLinear, "_centred_activations",
+                        lambda self, *a: computed.append(1) or orig_centred(self, *a))
+    monkeypatch.setattr(P.PackedLinear, "_int8_activations", lambda self, x: computed.append(1) or orig_int8(self, x))
+    for ids in (torch.randint(0, 128, (1, 1)), torch.randint(0, 128, (1, 70))):   # decode, prefill-sized
+        calls.clear(), computed.clear()
+        with torch.no_grad():
+            shared = model(ids).logits
+        assert len(calls) == 7 * 2 and len(computed) == 4 * 2, (len(calls), len(computed))
+        monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])
+        with monkeypatch.context() as m:
+            m.setattr(P.PackedLinear, "_dynamic_shared", lambda self, x, form, compute: compute())
+            with torch.no_grad():
+                alone = model(ids).logits
+        assert torch.equal(shared, alone)
+    lin = decoder_blocks(model)[0].self_attn.q_proj
+    x = torch.randn(1, 192)
+    computed.clear()
+    with torch.no_grad():
+        a = lin(x)
+        lin(x)
+        x.mul_(2)           # changed in place: quantized again, and the output follows
+        b = lin(x)
+    assert len(computed) == 2 and not torch.equal(a, b)
