@@ -225,6 +225,7 @@ def test_int4_prefill_path_reads_the_kernels_packing_exactly(n, k, group):
     cols = torch.arange(k) // (group or k)
     ref = (q.float() - z[:, cols]) * s[:, cols]
     torch.testing.assert_close(w.dequantized_t()[:k, :n].t(), ref, rtol=1e-6, atol=1e-7)
+    assert torch.equal(w.dequantized_t(torch.bfloat16), w.dequantized_t().bfloat16())   # chunked: rounded once
     small, large = torch.randn(1, k, generator=g), torch.randn(K.DEQUANTIZE_FROM_M[torch.bfloat16] + 3, k, generator=g)
     for x in (small, large):
         torch.testing.assert_close(w.mm(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
