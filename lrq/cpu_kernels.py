@@ -249,17 +249,18 @@ class Int8Weights:
         return _nbytes(*self.chunks, self.scales, *self.unit.values(), self.zero_term)
 
 
-def _int8_corrected(acc: torch.Tensor, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
+def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
                     col_term: torch.Tensor, zero_term: torch.Tensor, scale: torch.Tensor,
                     asymmetric: bool) -> torch.Tensor:
     """The float32 output of an int8 x int8 -> int32 GEMM acc = xa @ wa (wa = q - offset):
     sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa - (az - 128) (sum wa + k (offset - z)).
     The GEMM is exact in int32; the two corrections are added in float32 (one rounding each, relative 6e-8) and
-    the scales multiplied: five operations after the GEMM, because at one token a layer's cost is the count of
-    its operations."""
+    the scales multiplied: four operations after the GEMM (rowsum = sum xa per row, float32 [m, 1], is computed
+    once for every linear reading the same activations), because at one token a layer's cost is the count of its
+    operations."""
     y = torch.addcmul(acc.float(), x_zero, col_term, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
     if asymmetric:
-        y.addcmul_(xa.sum(dim=1, keepdim=True, dtype=torch.float32), zero_term)
+        y.addcmul_(rowsum, zero_term)
     return y.mul_(x_scale).mul_(scale)
 
 
@@ -279,10 +280,13 @@ class Int8GemmWeights:
         col = w.sum(dim=1, dtype=torch.int32) + q.shape[1] * zt
         return cls(w, zt.float(), col.float(), scale[:, 0].float(), offset, bool(zt.any()))
 
-    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor, dtype=None) -> torch.Tensor:
+    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
+           rowsum: torch.Tensor | None = None) -> torch.Tensor:
         """xa = activation levels - 128 (int8 [m, k]); x_zero = their zero point(s) - 128 and x_scale their
-        scale(s), float32 scalars or [m, 1] per token (`dtype`, the model's, is not needed: float32 out)."""
-        return _int8_corrected(torch._int_mm(xa, self.weight.t()), xa, x_zero, x_scale, self.col_term,
+        scale(s), float32 scalars or [m, 1] per token; rowsum = xa's row sums (float32 [m, 1]; computed here where
+        not given). Float32 out."""
+        rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
+        return _int8_corrected(torch._int_mm(xa, self.weight.t()), rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)
 
     def levels(self) -> torch.Tensor:
@@ -330,13 +334,15 @@ class Int4Int8Weights:
         to bf16, as the int4 kernel's output already does)."""
         return self.int4.mm(centred).mul_(x_scale)
 
-    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor, dtype=None) -> torch.Tensor:
+    def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
+           rowsum: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 GEMM path, arguments as Int8GemmWeights.mm: the levels as a transient int8 weight."""
+        rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
         wa = _unpack_int4pack_t(w.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8)
         acc = torch._int_mm(xa, wa[:w.k])
-        return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, xa, x_zero, x_scale, self.col_term,
+        return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)
 
     def levels(self) -> torch.Tensor:

@@ -254,34 +254,40 @@ class PackedLinear(nn.Module):
             return per_tensor_fake_quant(x, self.act_scale, self.act_zero, s.a_bits)
         return s.activations.quantize(x, s.a_bits)
 
-    def _int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The activation levels - 128 (int8) on the fake-quant path's grid, their zero point(s) - 128 and
-        scale(s) (float32; static ones kept, made again when the calibrated range changes)."""
+    def _int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The activation levels - 128 (int8) on the fake-quant path's grid, their zero point(s) - 128, scale(s)
+        (float32; static ones kept, see _static_grid_now) and row sums (float32 [m, 1]: the zero-point correction
+        of asymmetric weights, computed once for the linears sharing these levels)."""
         s, xf = self.scheme, x.float()
         if s.static_activations:
-            key = (_tensor_state(self.act_scale), _tensor_state(self.act_zero))
-            if self._static_grid is None or self._static_grid[0] != key:
-                self._static_grid = (key, self.act_scale.detach().float().clone(), self.act_zero.detach().float() - 128)
-            _, scale, zero = self._static_grid
+            _, scale, zero, _ = self._static_grid_now()
         else:
             scale, zero = s.activations.integer_qparams(xf, s.a_bits)
             zero = zero - 128
-        xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129)
-        return xq.to(torch.int8), zero, scale
+        xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129).to(torch.int8)
+        return xq, zero, scale, xq.sum(dim=1, keepdim=True, dtype=torch.float32)
 
-    def _dynamic_shared(self, x: torch.Tensor, form: str, compute):
-        """`compute()` for a dynamic activation grid, or what the previous packed layer computed for the very same
-        input tensor (unchanged since: same object, same version counter) and grid: q/k/v and gate/up read one
-        input, so a decode step quantizes it once instead of three and two times. Static grids are per layer, and
-        a tensor without a version counter (inference mode) is not shared."""
+    def _static_grid_now(self) -> tuple:
+        """(key, scale, zero - 128, (scale, zero) as floats) of the calibrated static grid, kept between calls and
+        made again when the calibrated range changes."""
+        key = (_tensor_state(self.act_scale), _tensor_state(self.act_zero))
+        if self._static_grid is None or self._static_grid[0] != key:
+            scale, zero = self.act_scale.detach().float().clone(), self.act_zero.detach().float()
+            self._static_grid = (key, scale, zero - 128, (scale.item(), zero.item()))
+        return self._static_grid
+
+    def _shared(self, x: torch.Tensor, form: str, compute):
+        """`compute()`, or what the previous packed layer computed for the very same input tensor (unchanged since:
+        same object, same version counter) on the same activation grid (dynamic: same mode and bits; static: the
+        same calibrated scale and zero point, as q/k/v and gate/up calibrated on one input have): q/k/v and gate/up
+        read one input, so a decode step quantizes it once instead of three and two times. A tensor without a
+        version counter (inference mode) is not shared."""
         s = self.scheme
-        if s.static_activations:
-            return compute()
         try:
             version = x._version
         except RuntimeError:   # an inference-mode tensor: nothing says it was not changed in place
             return compute()
-        key = (form, s.a_mode, s.a_bits)
+        key = (form, s.a_mode, s.a_bits) + (self._static_grid_now()[3] if s.static_activations else ())
         last = _LAST_ACTIVATIONS[0]
         if last is not None and last[0]() is x and last[1] == version and last[2] == key:
             return last[3]
@@ -300,7 +306,8 @@ class PackedLinear(nn.Module):
             return centred.to(run), scale.to(run)
         xf = x.float()
         if s.static_activations:
-            scale, zero = self.act_scale.detach().float(), self.act_zero.detach().float()
+            _, scale, zero, _ = self._static_grid_now()
+            zero = zero + 128
         else:
             scale, zero = s.activations.integer_qparams(xf, s.a_bits)
         centred = torch.div(xf, scale).round_().clamp_(zero.neg(), (2**s.a_bits - 1) - zero)
@@ -311,10 +318,10 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
             run = w.centred_dtype(x.dtype)
-            y = w.mm_centred(*self._dynamic_shared(x, f"centred {run}", lambda: self._centred_activations(x2, run)))
+            y = w.mm_centred(*self._shared(x, f"centred {run}", lambda: self._centred_activations(x2, run)))
             y = y.to(x.dtype)
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
-            y = w.mm(*self._dynamic_shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
+            y = w.mm(*self._shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
         else:
             y = w.mm(self._float_activations(x2))
         if self.bias is not None:
@@ -342,7 +349,7 @@ class PackedLinear(nn.Module):
 
 
 # (weak reference to the input, its version, (form, activation mode, bits), the quantized activations) of the last
-# dynamic quantization a packed layer made on the CPU: PackedLinear._dynamic_shared
+# quantization of activations a packed layer made on the CPU: PackedLinear._shared
 _LAST_ACTIVATIONS: list = [None]
 
 

@@ -317,8 +317,8 @@ def test_linears_reading_one_input_quantize_it_once(monkeypatch):
     rtn.quantize(model, get_scheme("w4a8"), rtn.config("quick"), None)
     pack_model(model)
     calls = []
-    monkeypatch.setattr(P.PackedLinear, "_dynamic_shared",
-                        lambda self, x, form, compute, _f=P.PackedLinear._dynamic_shared: calls.append(form) or
+    monkeypatch.setattr(P.PackedLinear, "_shared",
+                        lambda self, x, form, compute, _f=P.PackedLinear._shared: calls.append(form) or
                         _f(self, x, form, compute))
     computed = []
     orig_centred, orig_int8 = P.PackedLinear._centred_activations, P.PackedLinear._int8_activations
@@ -332,7 +332,7 @@ def test_linears_reading_one_input_quantize_it_once(monkeypatch):
         assert len(calls) == 7 * 2 and len(computed) == 4 * 2, (len(calls), len(computed))
         monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])
         with monkeypatch.context() as m:
-            m.setattr(P.PackedLinear, "_dynamic_shared", lambda self, x, form, compute: compute())
+            m.setattr(P.PackedLinear, "_shared", lambda self, x, form, compute: compute())
             with torch.no_grad():
                 alone = model(ids).logits
         assert torch.equal(shared, alone)
@@ -345,3 +345,27 @@ def test_linears_reading_one_input_quantize_it_once(monkeypatch):
         x.mul_(2)           # changed in place: quantized again, and the output follows
         b = lin(x)
     assert len(computed) == 2 and not torch.equal(a, b)
+
+
+def test_static_grids_share_the_levels_only_where_the_calibrated_range_is_the_same(monkeypatch):
+    """W8A8: q/k/v calibrated on one input hold the same static range, so the levels (and their row sums) are
+    computed once for them; a layer with another range computes its own; outputs equal the fake-quant layers."""
+    import lrq.packed as P
+    qs = [_quant_linear("w8a8", cin=576, cout=40) for _ in range(3)]
+    for q in qs[1:]:
+        q.act_scale.copy_(qs[0].act_scale)
+        q.act_zero.copy_(qs[0].act_zero)
+    ps = [PackedLinear.from_quant_linear(q) for q in qs]
+    computed = []
+    real = P.PackedLinear._int8_activations
+    monkeypatch.setattr(P.PackedLinear, "_int8_activations", lambda self, x: computed.append(1) or real(self, x))
+    x = torch.randn(2, 576)
+    with torch.no_grad():
+        for p, q in zip(ps, qs):
+            torch.testing.assert_close(p(x), q(x), rtol=1e-5, atol=1e-5)
+        expected = 1 if isinstance(ps[0].cpu_weights, P.Int8GemmWeights) else 0
+        assert len(computed) == expected
+        ps[2].act_zero.fill_(ps[2].act_zero.item() + 3)
+        qs[2].act_zero.fill_(qs[2].act_zero.item() + 3)
+        torch.testing.assert_close(ps[2](x), qs[2](x), rtol=1e-5, atol=1e-5)
+        assert len(computed) == 2 * expected
