@@ -53,6 +53,12 @@ DEQUANTIZE_FROM_M = {torch.bfloat16: 48, torch.float32: 1}
 # The same for the int8 form (5-8-bit weight-only; W8A8/W4A8 where `_int_mm` is refused): `_weight_int8pack_mm` at
 # 16 / 64 / 512 tokens 0.42 / 4.4 / 39.6 ms against 0.57 / 3.6 / 15.8 ms dequantized + GEMM (576 x 1536, loaded).
 INT8_DEQUANTIZE_FROM_M = {torch.bfloat16: 32, torch.float32: 1}
+# How a 4-bit layer runs a float32 call below DEQUANTIZE_FROM_M[bf16] tokens (a decode step of a model held in
+# float32, what `--precision auto` picks on a CPU without native bf16): "exact" dequantizes a transient float32
+# weight per call (torch's float32 int4 kernel is scalar); "bf16" rounds the activations to bf16 and runs the
+# vectorized bf16 int4 kernel (AVX512 and AVX2 paths in torch), its output rounded to bf16: the rounding of a bf16
+# model in those layers, several times faster. Set per model with lrq.packed.set_float32_decode.
+FLOAT32_DECODE = ("exact", "bf16")
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
 DEQUANTIZE_CHUNK = 1 << 16
 
@@ -132,6 +138,7 @@ class Int4Weights:
     n: int
     k: int
     decodable: bool = False                       # the packing read back equals the levels (checked when built)
+    float32_decode: str = "exact"                 # FLOAT32_DECODE: how a float32 call below the threshold runs
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None) -> "Int4Weights":
@@ -152,11 +159,18 @@ class Int4Weights:
         if k_pad != self.k:
             x = F.pad(x, (0, k_pad - self.k))
         xr = run_dtype(x)
-        if self.decodable and xr.shape[0] >= DEQUANTIZE_FROM_M[xr.dtype]:
+        if self.bf16_kernel_for(xr.dtype, xr.shape[0]):
+            y = torch._weight_int4pack_mm_for_cpu(xr.bfloat16(), self.packed, self.group, self.scales[torch.bfloat16])
+        elif self.decodable and xr.shape[0] >= DEQUANTIZE_FROM_M[xr.dtype]:
             y = xr @ self.dequantized_t(xr.dtype)          # a transient [k_pad, n_pad] copy, dropped after the call
         else:
             y = torch._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, self.scales[xr.dtype])
         return (y if y.shape[1] == self.n else y[:, :self.n]).to(x.dtype)
+
+    def bf16_kernel_for(self, dtype: torch.dtype, m: int) -> bool:
+        """Whether a float32 call of m tokens runs the bf16 int4 kernel (float32_decode "bf16", below the bf16
+        dequantization threshold) instead of dequantizing per call."""
+        return dtype == torch.float32 and self.float32_decode == "bf16" and m < DEQUANTIZE_FROM_M[torch.bfloat16]
 
     def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight, transposed ([k_pad, n_pad], contiguous, the GEMM's operand as is): the levels read straight
@@ -323,10 +337,11 @@ class Int4Int8Weights:
         path (`mm_centred`): bf16 prefill."""
         return dtype == torch.bfloat16 and self.int4.decodable and m >= DEQUANTIZE_FROM_M[torch.bfloat16]
 
-    @staticmethod
-    def centred_dtype(dtype: torch.dtype) -> torch.dtype:
-        """What the 4-bit path runs in for a model held in `dtype`: bf16 where it is, else float32."""
-        return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    def centred_dtype(self, dtype: torch.dtype, m: int = 1) -> torch.dtype:
+        """What the 4-bit path runs in for a call of m tokens of a model held in `dtype`: bf16 where it is (or where
+        float32_decode "bf16" asks for it at decode), else float32."""
+        bf16 = dtype == torch.bfloat16 or self.int4.bf16_kernel_for(dtype, m)
+        return torch.bfloat16 if bf16 else torch.float32
 
     def mm_centred(self, centred: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """The 4-bit path: centred = activation levels - their zero point(s) (integers [m, k]) and x_scale their

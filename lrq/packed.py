@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
-from lrq.cpu_kernels import Int4Int8Weights, Int8GemmWeights, cpu_weights
+from lrq.cpu_kernels import Int4Int8Weights, Int4Weights, Int8GemmWeights, cpu_weights
+from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
 from lrq.quant import (dequantize, n_groups, per_tensor_fake_quant, per_token_centred, per_token_fake_quant,
@@ -167,6 +168,9 @@ class PackedLinear(nn.Module):
         q = self.levels() if levels is None else levels
         self.cpu_weights = cpu_weights(q.cpu(), self.scale, self.zero, self.bits, self.group_size,
                                        self.integer_activations())
+        int4 = getattr(self.cpu_weights, "int4", self.cpu_weights)
+        if isinstance(int4, Int4Weights):
+            int4.float32_decode = getattr(self, "float32_decode", "exact")
         self._buffers["weight_packed"] = None
         return self.cpu_weights
 
@@ -317,7 +321,7 @@ class PackedLinear(nn.Module):
         w = self.cpu_weights or self.convert_for_cpu()
         x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
-            run = w.centred_dtype(x.dtype)
+            run = w.centred_dtype(x.dtype, x2.shape[0])
             y = w.mm_centred(*self._shared(x, f"centred {run}", lambda: self._centred_activations(x2, run)))
             y = y.to(x.dtype)
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
@@ -363,6 +367,22 @@ def _tensor_state(t: torch.Tensor | None) -> tuple | None:
         return t.data_ptr(), t._version
     except RuntimeError:
         return t.data_ptr(), None
+
+
+def set_float32_decode(model: nn.Module, mode: str) -> int:
+    """How the model's 4-bit CPU layers run a float32 decode step (lrq.cpu_kernels.FLOAT32_DECODE: "exact", the
+    default, or "bf16"); returns how many layers it set."""
+    from lrq.cpu_kernels import FLOAT32_DECODE
+    if mode not in FLOAT32_DECODE:
+        raise UserError(f"float32 decode mode {mode!r}: choose one of {', '.join(FLOAT32_DECODE)}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.float32_decode = mode          # kept when the CPU form is rebuilt (a cast, a move and back)
+            w = getattr(m.cpu_weights, "int4", m.cpu_weights)
+            if isinstance(w, Int4Weights):
+                w.float32_decode, n = mode, n + 1
+    return n
 
 
 @torch.no_grad()

@@ -369,3 +369,32 @@ def test_static_grids_share_the_levels_only_where_the_calibrated_range_is_the_sa
         qs[2].act_zero.fill_(qs[2].act_zero.item() + 3)
         torch.testing.assert_close(ps[2](x), qs[2](x), rtol=1e-5, atol=1e-5)
         assert len(computed) == 2 * expected
+
+
+@pytest.mark.parametrize("scheme_name", ["w4a16-g128", "w3a16", "w4a8"])
+def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_name):
+    """A float32 model's 4-bit layers dequantize per decode call by default (exact; torch's float32 int4 kernel is
+    scalar); set_float32_decode(model, "bf16") runs the vectorized bf16 kernel instead: nothing dequantized, the
+    rounding of a bf16 layer, float32 out; a rebuilt CPU form keeps the setting; a bad mode is refused."""
+    import lrq.cpu_kernels as K
+    from lrq.packed import set_float32_decode
+    q = _quant_linear(scheme_name, cin=576, cout=48)
+    model = torch.nn.Sequential(PackedLinear.from_quant_linear(q))
+    x = torch.randn(1, 576)
+    calls = []
+    monkeypatch.setattr(K, "_unpack_int4pack_t", lambda *a, _f=K._unpack_int4pack_t: calls.append(1) or _f(*a))
+    with torch.no_grad():
+        exact = model(x)
+        assert calls or isinstance(model[0].cpu_weights, K.Int8GemmWeights)
+        assert set_float32_decode(model, "bf16") == 1
+        calls.clear()
+        fast = model(x)
+        assert calls == [] and fast.dtype == torch.float32
+        torch.testing.assert_close(fast, q(x), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(exact, q(x), rtol=1e-4, atol=1e-4)
+        model.to(torch.float32)                   # the CPU form is rebuilt: the setting stays
+        calls.clear()
+        model(x)
+        assert calls == []
+    with pytest.raises(UserError, match="float32 decode mode 'fast'"):
+        set_float32_decode(model, "fast")

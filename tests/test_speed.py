@@ -162,13 +162,14 @@ def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_
     out, store = tmp_path / "speed.json", tmp_path / "r.sqlite"
     assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
                        "--schemes", "w4a16", "--rounds", "2", "--prefill", "24", "--decode", "3",
-                       "--runtime", "both", "--out", str(out), "--results", str(store)]) == 0
+                       "--runtime", "both", "--fp32-decode", "bf16", "--out", str(out), "--results", str(store)]) == 0
     doc = json.loads(out.read_text())
     rows = {r["candidate"]: r for r in doc["rows"]}
     hf = speed_cpu.HF_SUFFIX
     assert set(rows) == {n + s for n in ("dense bf16", "dense fp32", "w4a16") for s in ("", hf)}
     assert all(r["runtime"] == ("hf eager" if n.endswith(hf) else "lean") for n, r in rows.items())
     assert rows["w4a16"]["weight_rss_bytes"] == rows["w4a16" + hf]["weight_rss_bytes"]   # one model
+    assert doc["float32_decode"] == rows["w4a16"]["float32_decode"] == "bf16"            # recorded per row
     best = min((r for r in rows.values() if r["kind"] == "dense"), key=lambda r: r["decode_ms"])
     assert rows["w4a16"]["dense_reference"]["decode"] == best["candidate"]
     stored = [r for r in ResultStore(store).rows(latest=True)]

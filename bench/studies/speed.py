@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", default="auto", choices=["auto", "lean", "hf", "both"],
                     help="e2e on the CPU: lean (lrq.runtime), hf (the model's own forward), both, or auto (lean "
                          "where the model can)")
+    ap.add_argument("--fp32-decode", default="exact", choices=["exact", "bf16"],
+                    help="e2e on the CPU, packed models held in float32: how their 4-bit layers run a decode step "
+                         "(exact: a transient float32 weight per call; bf16: the vectorized bf16 int4 kernel)")
     ap.add_argument("--int8-head", action="store_true",
                     help="e2e on the CPU with anchors: also measure the profiled scheme with an int8 output head "
                          "(otherwise only when its profile shows the head costing as much as all quantized linears)")
@@ -182,7 +185,7 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
     chosen = anchors.resolve(args.anchors, args.model)
     doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
                         args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen,
-                        int8_head=args.int8_head, runtime=args.runtime)
+                        int8_head=args.int8_head, runtime=args.runtime, float32_decode=args.fp32_decode)
     print(speed_cpu.markdown(doc))
     ratio = speed_cpu.anchor_ratio(doc)
     if ratio:

@@ -314,6 +314,16 @@ def build_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int)
 
 
 RUNTIMES = ("auto", "lean", "hf", "both")
+
+
+def _set_float32_decode(cands: list[Candidate], mode: str) -> None:
+    """--fp32-decode: how the packed models' 4-bit layers run a float32 decode step (lrq.packed.set_float32_decode),
+    recorded in each packed row."""
+    from lrq.packed import set_float32_decode
+    for c in cands:
+        if c.kind == "packed":
+            set_float32_decode(c.model, mode)
+            c.info["float32_decode"] = mode
 PROFILE_STEPS = 8           # decode steps profile_decode times (with anchors)
 HF_SUFFIX = " [hf eager]"   # a candidate run through the model's own forward where --runtime both asks for both
 
@@ -353,13 +363,14 @@ def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[C
 
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
         data_dir: str | None, anchors: list[str] | None = None, int8_head: bool = False,
-        runtime: str = "auto") -> dict:
+        runtime: str = "auto", float32_decode: str = "exact") -> dict:
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
     decided = Precision.decide(precision, "cpu")
     dtype = torch.bfloat16 if decided.used == "bf16" else torch.float32
     cands = build(model_name, schemes, dtype, data_dir)
+    _set_float32_decode(cands, float32_decode)
     max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
     cands = attach_runtime(cands, runtime, max_len)
     profiled, extra = None, {}
@@ -386,7 +397,8 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
                 c.runner.close()
     hw = hardware()
     doc = {"what": "e2e-cpu", "model": model_name, "threads": threads, "rounds": rounds, "prefill": prefill_len,
-           "decode_steps": decode_steps, "runtime": runtime, "precision": decided.info(), "machine": cpu_label(hw),
+           "decode_steps": decode_steps, "runtime": runtime, "float32_decode": float32_decode,
+           "precision": decided.info(), "machine": cpu_label(hw),
            "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands),
            "anchors": extra}
     if profiled:
@@ -421,7 +433,8 @@ def markdown(doc: dict) -> str:
         f"# CPU speed, {doc['model']}, batch 1, {doc['threads']} thread(s)", "",
         f"Machine: {doc['machine']} (flags {', '.join(doc['hardware'].get('cpu_bf16_flags') or []) or 'no bf16'}); "
         f"torch {doc['versions'].get('torch')}; revision {doc['git_rev'][:12]}; packed models held in "
-        f"{doc['precision']['used']} ({doc['precision']['why']}).", "",
+        f"{doc['precision']['used']} ({doc['precision']['why']})"
+        f"{_fp32_decode_sentence(doc)}.", "",
         f"Every candidate in one process, {doc['rounds']} rounds in a rotating order; medians over rounds (min-max). "
         f"Decode: ms per greedy token after a 16-token prompt ({doc['decode_steps']} tokens a round, the prompt not "
         f"timed, the last position's logits only). Prefill: tokens/s of one {doc['prefill']}-token forward, the "
@@ -434,6 +447,15 @@ def markdown(doc: dict) -> str:
                  tablefmt="github", disable_numparse=True), ""])
     extra = _anchor_markdown(doc)
     return lines + ("\n" + extra if extra else "")
+
+
+def _fp32_decode_sentence(doc: dict) -> str:
+    if doc.get("precision", {}).get("used") != "fp32":
+        return ""
+    mode = doc.get("float32_decode", "exact")
+    return ("; float32 decode steps of the 4-bit layers: " +
+            ("exact (a transient float32 weight per call)" if mode == "exact" else
+             "through the bf16 int4 kernel (activations and outputs rounded to bf16)"))
 
 
 def _runtime_sentence(doc: dict) -> str:
