@@ -150,6 +150,7 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
     from bench.reports.report import markdown_report
     md = markdown_report(ResultStore(store).rows(latest=True))
     assert "### Inference speed on the CPU (end to end, interleaved)" in md and "| w8a8 " in md
+    assert "| runtime " in md and "| lean " in md       # how each row ran is shown beside it
 
 
 def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_own_forward(tiny_model_dir, data_dir,

@@ -120,21 +120,30 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
     return parts
 
 
+def _cpu_runtime(cfg: dict) -> str:
+    """How a CPU speed row ran: its runtime (lean, hf eager; rows before it was recorded: hf eager), and a float32
+    4-bit model's decode through the bf16 kernel where that was asked for."""
+    extra = " (4-bit float32 decode via bf16)" if cfg.get("float32_decode") == "bf16" else ""
+    return cfg.get("runtime", "hf eager") + extra
+
+
 def _cpu_speed_section(e2e: pd.DataFrame) -> list[str]:
     """The CPU speed study (bench.studies.speed_cpu): every format beside the dense model, interleaved."""
     if e2e.empty:
         return []
     cfg = e2e.iloc[-1]["config"]
     wide = e2e.pivot_table(index="scheme", columns="metric", values="value", aggfunc="last")
-    body = [[md_text(sch), f"{r.get('decode_ms', float('nan')):.1f}", f"{r.get('decode_vs_dense', float('nan')):.2f}x",
+    how = {sch: c for sch, c in zip(e2e["scheme"], e2e["config"])}       # each scheme's last row: how it ran
+    body = [[md_text(sch), md_text(how[sch].get("dtype", "?")), md_text(_cpu_runtime(how[sch])),
+             f"{r.get('decode_ms', float('nan')):.1f}", f"{r.get('decode_vs_dense', float('nan')):.2f}x",
              f"{r.get('prefill_tok_s', float('nan')):.0f}", f"{r.get('prefill_vs_dense', float('nan')):.2f}x",
              f"{r.get('weight_rss_bytes', float('nan')) / 2**20:.0f} MiB"] for sch, r in wide.iterrows()]
     return ["### Inference speed on the CPU (end to end, interleaved)", "",
             f"Every format and the dense model in one process, measured in rotating rounds (medians), "
             f"{cfg.get('threads', '?')} thread(s); ratios against the faster dense model per measure; weight memory "
             f"as resident in the process (`python -m bench.studies.speed e2e`).", "",
-            tabulate(body, headers=["candidate", "decode ms/token", "decode vs dense", "prefill tok/s",
-                                    "prefill vs dense", "weight memory"], tablefmt="github",
+            tabulate(body, headers=["candidate", "held in", "runtime", "decode ms/token", "decode vs dense",
+                                    "prefill tok/s", "prefill vs dense", "weight memory"], tablefmt="github",
                      disable_numparse=True), ""]
 
 
