@@ -401,20 +401,22 @@ def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_n
 
 
 def test_the_one_token_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
-    """A bf16 decode step of a weight-only 4-bit layer skips _forward_cpu's Python: the same kernel call, the same
-    output bits; anything else (several tokens, float32, padded K) takes the general path."""
+    """A bf16 decode step of a 4-bit layer (weight-only, or W4A8's centred levels) skips _forward_cpu's Python: the
+    same kernel calls, the same output bits; anything else (several tokens, float32, padded K, W8A8) takes the
+    general path."""
     import lrq.packed as P
-    for scheme_name, k in (("w4a16-g128", 576), ("w3a16", 192), ("w4a16", 200)):   # 200: K padded to 224
+    general_path = P.PackedLinear._forward_cpu
+    cases = (("w4a16-g128", 576), ("w3a16", 192), ("w4a8", 576), ("w4a16", 200), ("w8a8", 576))   # 200: K padded
+    for scheme_name, k in cases:
         p = PackedLinear.from_quant_linear(_quant_linear(scheme_name, cin=k, cout=40))
         general = []
-        monkeypatch.setattr(P.PackedLinear, "_forward_cpu",
-                            lambda self, x, _f=P.PackedLinear._forward_cpu: general.append(1) or _f(self, x))
+        monkeypatch.setattr(P.PackedLinear, "_forward_cpu", lambda self, x: general.append(1) or general_path(self, x))
         x = torch.randn(1, 1, k).bfloat16()
         with torch.no_grad():
             fast = p(x)
-            assert general == ([1] if k == 200 else [])
-            ref = (p.cpu_weights.mm(x.view(1, k)) + p.bias.to(torch.bfloat16)).view(1, 1, 40)
-            assert fast.shape == (1, 1, 40) and torch.equal(fast, ref)
+            assert general == ([1] if k == 200 or scheme_name == "w8a8" else []), scheme_name
+            monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])      # the general path quantizes on its own
+            assert fast.shape == (1, 1, 40) and torch.equal(fast, general_path(p, x)), scheme_name
             general.clear()
             p(torch.randn(2, k).bfloat16()), p(torch.randn(1, k))
             assert general == [1, 1]
