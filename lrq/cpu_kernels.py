@@ -11,9 +11,9 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
 * `Int8Weights` (5 to 8 bits weight-only, and any group size the int4 kernel cannot represent): q - 2^(b-1) as
   int8 through `_weight_int8pack_mm`, one call per group (one in all per channel); the zero points add
   rowsum(x) * (2^(b-1) - z) * s.
-* `Int4Int8Weights` (W4A8 with integer activations, per channel): an Int4Weights; at decode the activation
-  levels (integers, exact in bf16) through the int4 kernel, at prefill its levels as a transient int8 weight
-  through torch._int_mm (see the class).
+* `Int4Int8Weights` (W4A8 with integer activations, per channel): an Int4Weights; at decode the dequantized
+  activations through the int4 kernel, at prefill its levels as a transient int8 weight through torch._int_mm
+  (see the class).
 * `Int8GemmWeights` (W8A8, more than 4 bits with integer activations, per channel): q - 2^(b-1) as int8,
   multiplied with the activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected
   in float32 after it.
@@ -313,12 +313,11 @@ class Int8GemmWeights:
 @dataclass
 class Int4Int8Weights:
     """Weights of 4 bits or fewer, per channel, with integer activations (W4A8): held once, as Int4Weights (half
-    a byte a weight, where Int8GemmWeights would hold one). The activation levels minus their zero point are
-    integers within +-255, exact in bf16 and float32, so:
+    a byte a weight, where Int8GemmWeights would hold one).
 
-    * decode (fewer than DEQUANTIZE_FROM_M tokens; every call in float32): those integers through the 4-bit
-      form's own path (torch's int4 kernel in bf16, which rounds its output to bf16 as it does for W4A16), times
-      the activation scale; a decode step reads half the bytes of an int8 weight;
+    * decode (fewer than DEQUANTIZE_FROM_M tokens; every call in float32): the activations on their grid,
+      dequantized in the model's dtype (the fake-quant path's own values), through the 4-bit form (torch's int4
+      kernel in bf16): a decode step reads half the bytes of an int8 weight;
     * prefill: the levels read out of the int4 packing as int8 (q - 8) into a transient [k, n], the exact int32
       GEMM torch._int_mm and Int8GemmWeights' corrections (the transient dropped after the call)."""
     int4: Int4Weights
@@ -334,20 +333,8 @@ class Int4Int8Weights:
 
     def integer_call(self, m: int, dtype: torch.dtype) -> bool:
         """Whether a call of m tokens in `dtype` (the model's) runs the int8 GEMM (`mm`) rather than the 4-bit
-        path (`mm_centred`): bf16 prefill."""
+        form on the dequantized activations (`int4.mm`): bf16 prefill."""
         return dtype == torch.bfloat16 and self.int4.decodable and m >= DEQUANTIZE_FROM_M[torch.bfloat16]
-
-    def centred_dtype(self, dtype: torch.dtype, m: int = 1) -> torch.dtype:
-        """What the 4-bit path runs in for a call of m tokens of a model held in `dtype`: bf16 where it is (or where
-        float32_decode "bf16" asks for it at decode), else float32."""
-        bf16 = dtype == torch.bfloat16 or self.int4.bf16_kernel_for(dtype, m)
-        return torch.bfloat16 if bf16 else torch.float32
-
-    def mm_centred(self, centred: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """The 4-bit path: centred = activation levels - their zero point(s) (integers [m, k]) and x_scale their
-        scale(s), both in centred_dtype; the product in that dtype (in bf16 the scale and the product each round
-        to bf16, as the int4 kernel's output already does)."""
-        return self.int4.mm(centred).mul_(x_scale)
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
            rowsum: torch.Tensor | None = None) -> torch.Tensor:

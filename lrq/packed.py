@@ -45,7 +45,7 @@ from lrq.cpu_kernels import Int4Int8Weights, Int4Weights, Int8GemmWeights, cpu_w
 from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
-from lrq.quant import (dequantize, n_groups, per_tensor_fake_quant, per_token_centred, per_token_fake_quant,
+from lrq.quant import (dequantize, n_groups, per_tensor_fake_quant, per_token_dequantized, per_token_fake_quant,
                        per_token_qparams)
 from lrq.schemes import Scheme
 
@@ -256,6 +256,8 @@ class PackedLinear(nn.Module):
             return x
         if s.static_activations:
             return per_tensor_fake_quant(x, self.act_scale, self.act_zero, s.a_bits)
+        if s.activations.integer_qparams is per_token_qparams and not (x.requires_grad and torch.is_grad_enabled()):
+            return per_token_dequantized(x, s.a_bits)        # the same values, fewer operations
         return s.activations.quantize(x, s.a_bits)
 
     def _int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -299,31 +301,11 @@ class PackedLinear(nn.Module):
         _LAST_ACTIVATIONS[0] = (weakref.ref(x), version, key, value)
         return value
 
-    def _centred_activations(self, x: torch.Tensor, run: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activation levels minus their zero point on the fake-quant path's grid (integers within +-255, exact
-        in bf16) and the grid's scale(s), both in `run` (the int4 kernel's dtype): clamp(round(x / s) + z, 0, qmax)
-        - z, computed as clamp(round(x / s), -z, qmax - z): the same integers in fewer operations, which is what
-        a decode step pays for."""
-        s = self.scheme
-        if not s.static_activations and s.activations.integer_qparams is per_token_qparams:
-            centred, scale = per_token_centred(x, s.a_bits)   # the same integers, fewer operations
-            return centred.to(run), scale.to(run)
-        xf = x.float()
-        if s.static_activations:
-            _, scale, zero, _ = self._static_grid_now()
-            zero = zero + 128
-        else:
-            scale, zero = s.activations.integer_qparams(xf, s.a_bits)
-        centred = torch.div(xf, scale).round_().clamp_(zero.neg(), (2**s.a_bits - 1) - zero)
-        return centred.to(run), scale.to(run)
-
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         w = self.cpu_weights or self.convert_for_cpu()
         x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
-            run = w.centred_dtype(x.dtype, x2.shape[0])
-            y = w.mm_centred(*self._shared(x, f"centred {run}", lambda: self._centred_activations(x2, run)))
-            y = y.to(x.dtype)
+            y = w.int4.mm(self._shared(x, "dequantized", lambda: self._float_activations(x2)))
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
             y = w.mm(*self._shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
         else:
@@ -342,8 +324,8 @@ class PackedLinear(nn.Module):
         return self._runner(x)(x, self.bias)   # the dispatcher's kernel (GEMV, GEMM or torch int4), see _runner
 
     def _one_bf16_token(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A bf16 decode step (one token) of a 4-bit layer without integer corrections (weight-only, or W4A8's
-        centred levels): the int4 kernel straight away, the same calls _forward_cpu makes and the same bits (a
+        """A bf16 decode step (one token) of a 4-bit layer without integer corrections (weight-only, or W4A8 on its
+        dequantized activations): the int4 kernel straight away, the same calls _forward_cpu makes and the same bits (a
         test checks), without its Python around them (about 5 us of a 25 us call). None: take the general path."""
         w = self.cpu_weights
         int4 = w.int4 if type(w) is Int4Int8Weights else w
@@ -353,10 +335,8 @@ class PackedLinear(nn.Module):
         if int4 is w and self.scheme.a_bits is None:
             y = torch._weight_int4pack_mm_for_cpu(x.view(1, w.k), w.packed, w.group, w.scales[torch.bfloat16])
         elif int4 is not w:
-            x2 = x.view(1, int4.k)
-            run = torch.bfloat16
-            centred, scale = self._shared(x, f"centred {run}", lambda: self._centred_activations(x2, run))
-            y = torch._weight_int4pack_mm_for_cpu(centred, int4.packed, int4.group, int4.scales[run]).mul_(scale)
+            xq = self._shared(x, "dequantized", lambda: self._float_activations(x.view(1, int4.k)))
+            y = torch._weight_int4pack_mm_for_cpu(xq, int4.packed, int4.group, int4.scales[torch.bfloat16])
         else:
             return None
         y = y if y.shape[1] == int4.n else y[:, :int4.n]

@@ -120,18 +120,12 @@ def per_token_qparams(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, tor
     return scale, lo.div_(scale).neg_().round_().clamp_(0, qmax)
 
 
-def per_token_centred(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """On per_token_qparams' grid, the levels minus the zero point, clamp(round(x / s) + z, 0, qmax) - z, as
-    float32 integers, and the scale [..., 1]: in 12 operations instead of 17, for the kernels that multiply
-    centred levels at decode. The same integers: z = round(-lo / s) = -round(lo / s) (round half to even is
-    symmetric), within [0, qmax] without its clamp (lo <= 0 and -lo <= qmax s), so the clamp to [-z, qmax - z]
-    is the clamp to [round(lo / s), round(lo / s) + qmax]."""
+def per_token_dequantized(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """per_token_fake_quant's values, bit for bit (a test checks), without the straight-through estimator's
+    operations: for inference (no gradient), where a decode step's cost is its count of operations."""
     xf = x.detach().float()
-    lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
-    qmax = 2**bits - 1
-    scale = hi.clamp_(min=0).sub_(lo.clamp_(max=0)).div_(qmax).clamp_(min=SCALE_EPS)
-    low = lo.div_(scale).round_()
-    return torch.div(xf, scale).round_().clamp_(low, low + qmax), scale
+    scale, zero = per_token_qparams(xf, bits)
+    return torch.div(xf, scale).round_().add_(zero).clamp_(0, 2**bits - 1).sub_(zero).mul_(scale).to(x.dtype)
 
 
 def per_token_fake_quant(x: torch.Tensor, bits: int = 8) -> torch.Tensor:

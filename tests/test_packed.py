@@ -321,9 +321,9 @@ def test_linears_reading_one_input_quantize_it_once(monkeypatch):
                         lambda self, x, form, compute, _f=P.PackedLinear._shared: calls.append(form) or
                         _f(self, x, form, compute))
     computed = []
-    orig_centred, orig_int8 = P.PackedLinear._centred_activations, P.PackedLinear._int8_activations
-    monkeypatch.setattr(P.PackedLinear, "_centred_activations",
-                        lambda self, *a: computed.append(1) or orig_centred(self, *a))
+    orig_float, orig_int8 = P.PackedLinear._float_activations, P.PackedLinear._int8_activations
+    monkeypatch.setattr(P.PackedLinear, "_float_activations",
+                        lambda self, *a: computed.append(1) or orig_float(self, *a))
     monkeypatch.setattr(P.PackedLinear, "_int8_activations", lambda self, x: computed.append(1) or orig_int8(self, x))
     for ids in (torch.randint(0, 128, (1, 1)), torch.randint(0, 128, (1, 70))):   # decode, prefill-sized
         calls.clear(), computed.clear()
@@ -401,7 +401,7 @@ def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_n
 
 
 def test_the_one_token_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
-    """A bf16 decode step of a 4-bit layer (weight-only, or W4A8's centred levels) skips _forward_cpu's Python: the
+    """A bf16 decode step of a 4-bit layer (weight-only, or W4A8 on its dequantized activations) skips _forward_cpu's Python: the
     same kernel calls, the same output bits; anything else (several tokens, float32, padded K, W8A8) takes the
     general path."""
     import lrq.packed as P

@@ -131,17 +131,15 @@ def test_bits_per_weight_counts_scales():
     assert weight_bits_per_element(8, None, 576) == pytest.approx(8 + 24 / 576)
 
 
-def test_per_token_centred_is_the_fake_quant_grid_bit_for_bit():
-    """The decode path's shortcut gives exactly clamp(round(x / s) + z, 0, qmax) - z on per_token_qparams' grid,
-    for ordinary rows, one-signed rows, constant and all-zero rows, and values on .5 boundaries."""
-    from lrq.quant import per_token_centred, per_token_qparams
+def test_per_token_dequantized_is_the_fake_quant_bit_for_bit():
+    """The inference shortcut gives per_token_fake_quant's values exactly, for ordinary rows, one-signed rows,
+    constant and all-zero rows, values on .5 boundaries, in float32 and bf16."""
+    from lrq.quant import per_token_dequantized
     g = torch.Generator().manual_seed(0)
     rows = [torch.randn(64, 576, generator=g) * 3, torch.rand(4, 576, generator=g) + 0.5,
             -torch.rand(4, 576, generator=g), torch.full((2, 576), 0.75), torch.zeros(2, 576),
             torch.arange(-255, 256, dtype=torch.float32)[None] / 2]
     for bits in (8, 4):
         for x in rows:
-            scale, zero = per_token_qparams(x, bits)
-            ref = torch.clamp(torch.round(x / scale) + zero, 0, 2**bits - 1) - zero
-            got, s2 = per_token_centred(x, bits)
-            assert torch.equal(s2, scale) and torch.equal(got, ref)
+            for dt in (torch.float32, torch.bfloat16):
+                assert torch.equal(per_token_dequantized(x.to(dt), bits), per_token_fake_quant(x.to(dt), bits))
