@@ -8,7 +8,8 @@ linears, dense or `PackedLinear`, its activation, its rotary embedding) and fewe
 - a key/value cache allocated once for `max_len` positions, written in place (no per-step concatenation);
 - the rotary tables computed once by the model's own rotary module for every position (scaled variants included),
   applied as x * cos + roll(x) * sin' (three operations; sin' carries rotate_half's sign);
-- RMSNorm as one fused `F.rms_norm` in float32, cast back and scaled by the weight (as the Hugging Face norm does);
+- RMSNorm as one fused `F.rms_norm` with its weight (float32 inside, one rounding: at least as close to the float
+  result as the Hugging Face norm's two);
 - `scaled_dot_product_attention` with grouped heads (no repeated keys), causal from the cache's start, a mask
   only where a chunk of several tokens follows cached ones;
 - the head on the positions asked for only.
@@ -50,8 +51,9 @@ def lean_support(model: nn.Module, max_len: int) -> str | None:
 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The Hugging Face Llama/Qwen RMSNorm: normalized in float32, cast back, then scaled by the weight."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+    """The Llama/Qwen RMSNorm as one fused operation (torch computes it in float32 and rounds once; the Hugging Face
+    norm rounds the normalized values to the model's dtype before scaling them by the weight, four operations)."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
 
 
 class LeanDecoder:
@@ -73,6 +75,7 @@ class LeanDecoder:
         shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=emb.device)
         self.v = torch.zeros_like(self.k)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)    # per-layer views, made once
         with torch.no_grad():
             pos = torch.arange(max_len, device=emb.device)[None]
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=emb.device), pos)
@@ -97,10 +100,11 @@ class LeanDecoder:
         if self.qk_norm:
             q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
         cos, sin = self.cos[start:end, None], self.sin[start:end, None]    # [t, 1, hd] against [b, t, heads, hd]
-        self.k[i, :, :, start:end] = self._rope(k, cos, sin).transpose(1, 2)
-        self.v[i, :, :, start:end] = v
+        kc, vc = self.k_layers[i], self.v_layers[i]
+        kc[:, :, start:end] = self._rope(k, cos, sin).transpose(1, 2)
+        vc[:, :, start:end] = v
         q = self._rope(q, cos, sin).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask,
+        o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
                                            is_causal=mask is None and start == 0 and t > 1,
                                            scale=a.scaling, enable_gqa=True)
         return a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
