@@ -177,8 +177,8 @@ class Int4Weights:
         from the kernel's packing, then q * s + (zero - 8 s) per kernel group (addcmul, float32 scales). In float32
         in one pass, in place; in another dtype in chunks of whole kernel groups (as many as fit DEQUANTIZE_CHUNK
         float32 values, one at least: a float32 piece the core's L2 cache holds) written into the output, each
-        value rounded once: the same values as the float32 weight cast (a test checks), in half the time of the cast on a
-        Zen 4. (Computing in bf16 from the kernel's bf16 scales was as slow and erred 1.5x more: not kept.)"""
+        value rounded once: the same values as the float32 weight cast (a test checks), in half the time of the cast
+        on a Zen 4. (Computing in bf16 from the kernel's bf16 scales was as slow and erred 1.5x more: not kept.)"""
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
         sz = self.scales[torch.float32]                                 # [k_pad / group, n_pad, 2]
         s = sz[..., 0].contiguous()                                     # (a strided operand is 2-4x slower)

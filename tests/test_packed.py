@@ -401,9 +401,9 @@ def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_n
 
 
 def test_the_one_token_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
-    """A bf16 decode step of a 4-bit layer (weight-only, or W4A8 on its dequantized activations) skips _forward_cpu's Python: the
-    same kernel calls, the same output bits; anything else (several tokens, float32, padded K, W8A8) takes the
-    general path."""
+    """A bf16 decode step of a 4-bit layer (weight-only, or W4A8 on its dequantized activations) skips _forward_cpu's
+    Python: the same kernel calls, the same output bits; anything else (several tokens, float32, padded K, W8A8) takes
+    the general path."""
     import lrq.packed as P
     general_path = P.PackedLinear._forward_cpu
     cases = (("w4a16-g128", 576), ("w3a16", 192), ("w4a8", 576), ("w4a16", 200), ("w8a8", 576))   # 200: K padded

@@ -409,6 +409,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     hw = hardware()
     doc = {"what": "e2e-cpu", "model": model_name, "threads": threads, "rounds": rounds, "prefill": prefill_len,
            "decode_steps": decode_steps, "runtime": runtime, "float32_decode": float32_decode,
+           "kernels_isa": _kernels_isa(),
            "precision": decided.info(), "machine": cpu_label(hw),
            "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands),
            "anchors": extra}
@@ -445,7 +446,7 @@ def markdown(doc: dict) -> str:
         f"Machine: {doc['machine']} (flags {', '.join(doc['hardware'].get('cpu_bf16_flags') or []) or 'no bf16'}); "
         f"torch {doc['versions'].get('torch')}; revision {doc['git_rev'][:12]}; packed models held in "
         f"{doc['precision']['used']} ({doc['precision']['why']})"
-        f"{_fp32_decode_sentence(doc)}.", "",
+        f"{_fp32_decode_sentence(doc)}; kernels' instruction set: {_isa_text(doc)}.", "",
         f"Every candidate in one process, {doc['rounds']} rounds in a rotating order; medians over rounds (min-max). "
         f"Decode: ms per greedy token after a 16-token prompt ({doc['decode_steps']} tokens a round, the prompt not "
         f"timed, the last position's logits only). Prefill: tokens/s of one {doc['prefill']}-token forward, the "
@@ -458,6 +459,19 @@ def markdown(doc: dict) -> str:
                  tablefmt="github", disable_numparse=True), ""])
     extra = _anchor_markdown(doc)
     return lines + ("\n" + extra if extra else "")
+
+
+def _kernels_isa() -> dict:
+    """The instruction set torch's kernels and oneDNN were allowed to use (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
+    limit them below the CPU's own: how a CPU without native bf16 is emulated on one that has it)."""
+    import os
+    return {"aten": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all"}
+
+
+def _isa_text(doc: dict) -> str:
+    isa = doc.get("kernels_isa") or {}
+    return f"aten {isa.get('aten', '?')}, oneDNN {isa.get('onednn_max_cpu_isa', '?')}"
 
 
 def _fp32_decode_sentence(doc: dict) -> str:
