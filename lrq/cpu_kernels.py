@@ -33,6 +33,7 @@ layer's, at prefill.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -109,17 +110,35 @@ def _int4pack_source(n: int, k: int) -> torch.Tensor:
 def _unpack_int4pack_t(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The levels of torch's int4 CPU packing of an [n, k] matrix written, transposed, into out [k, n] (any dtype:
     the copy converts; default a new uint8 one). The packing, as torch 2.13 lays it out on the CPU: output features
-    in blocks of 64 (k rows of 32 bytes, the low nibble feature j and the high one j + 32), then one block of the
-    remaining n mod 64 features (k rows, the low nibble feature 2j and the high one 2j + 1). Int4Weights.build
-    checks this reading against the levels it packed and keeps the int4 kernel alone where it differs (another
-    torch's layout)."""
+    in blocks of B (k rows of B / 2 bytes, the low nibble feature j and the high one j + B / 2), then one block of
+    the remaining n mod B features (k rows, the low nibble feature 2j and the high one 2j + 1); B is 64 where torch
+    runs its AVX512 kernels and 32 with its AVX2 ones (`_pack_block`, found once per process by packing a probe).
+    Int4Weights.build checks this reading against the levels it packed and keeps the int4 kernel alone where it
+    differs (another torch's layout)."""
+    return _unpack_blocks(packed, _pack_block() or LAYOUT_BLOCKS[0], out)
+
+
+LAYOUT_BLOCKS = (64, 32)   # torch's int4 CPU packing: output features per block (AVX512, AVX2 kernels)
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_block() -> int | None:
+    """The block of torch's int4 CPU packing in this process (its kernels' instruction set decides), or None where
+    neither known layout reads a probe back."""
+    n, k = 2 * 64 + 16, 64
+    q = (torch.arange(n * k).view(n, k) * 7 % 16).to(torch.int32)
+    packed, levels = _int4pack(q), q.t().to(torch.uint8)
+    return next((b for b in LAYOUT_BLOCKS if torch.equal(_unpack_blocks(packed, b), levels)), None)
+
+
+def _unpack_blocks(packed: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(packed.shape[1] * 2, packed.shape[0], dtype=torch.uint8)
     k, n = out.shape
-    flat, full = packed.reshape(-1), n // 64 * 64
+    half, flat, full = block // 2, packed.reshape(-1), n // block * block
     if full:
-        v = flat[:full * k // 2].view(full // 64, k, 32).transpose(0, 1)    # [k, blocks, 32]
-        o = out[:, :full].view(k, full // 64, 2, 32)
+        v = flat[:full * k // 2].view(full // block, k, half).transpose(0, 1)    # [k, blocks, B / 2]
+        o = out[:, :full].view(k, full // block, 2, half)
         o[:, :, 0].copy_(v & 15)
         o[:, :, 1].copy_(v >> 4)
     if n > full:

@@ -421,3 +421,34 @@ def test_the_one_token_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
             p(torch.randn(2, k).bfloat16()), p(torch.randn(1, k))
             assert general == [1, 1]
         monkeypatch.undo()
+
+
+def test_the_int4_packing_is_read_under_torchs_avx2_kernels_too():
+    """torch packs int4 weights in blocks of 64 output features where its AVX512 kernels run and of 32 with its AVX2
+    ones (an AMD Zen 3): the prefill path must read both, or a Zen 3 falls back to the scalar float32 kernel at every
+    size (5 tokens/s at prefill, measured with AVX2 kernels on a Zen 4). In a process held to AVX2 kernels
+    (ATEN_CPU_CAPABILITY=avx2) the layout is found, the packing decodes and the dense weight is (q - z) * s."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ATEN_CPU_CAPABILITY=avx2 is an x86 setting")
+    code = (
+        "import torch, lrq.cpu_kernels as K\n"
+        "assert torch.backends.cpu.get_cpu_capability() == 'AVX2', torch.backends.cpu.get_cpu_capability()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for n, k, group in ((576, 1536, 128), (100, 300, None), (48, 576, 64)):\n"
+        "    q = torch.randint(0, 16, (n, k), generator=g)\n"
+        "    ng = -(-k // (group or k))\n"
+        "    s, z = torch.rand(n, ng, generator=g) * 0.01 + 1e-3, torch.randint(0, 16, (n, ng), generator=g).float()\n"
+        "    w = K.Int4Weights.build(q, s, z, group)\n"
+        "    cols = torch.arange(k) // (group or k)\n"
+        "    ref = (q.float() - z[:, cols]) * s[:, cols]\n"
+        "    assert w.decodable and torch.equal(w.levels(), q.to(torch.uint8))\n"
+        "    torch.testing.assert_close(w.dequantized_t()[:k, :n].t(), ref, rtol=1e-6, atol=1e-7)\n"
+        "print(K._pack_block())\n")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "32"
