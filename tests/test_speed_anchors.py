@@ -178,4 +178,4 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     assert "| output head " in md and "llama.cpp Q4_1" in md and "`w4a16 +int8 head` above" in md
     from bench.common.store import ResultStore
     stored = {r.scheme for r in ResultStore(store).rows()}
-    assert stored == {"dense bf16", "dense fp32", "w4a16"}   # no anchor, no int8-head copy on the leaderboard
+    assert stored == {"dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "w4a16"}   # no anchor, no int8-head copy

@@ -196,6 +196,23 @@ def prefill(target, ids: torch.Tensor) -> tuple[float, float]:
     return ids.shape[1] / (time.perf_counter() - t0), time.process_time() - c0
 
 
+NO_ONEDNN = " [no oneDNN]"   # the dense bf16 model with torch.backends.mkldnn off: torch's own bf16 kernels
+
+
+class _onednn:
+    """torch.backends.mkldnn.enabled set for a candidate's calls and restored after them."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = self.enabled
+
+    def __exit__(self, *exc):
+        torch.backends.mkldnn.enabled = self.before
+
+
 def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps: int) -> None:
     """`rounds` rounds over every candidate in a rotating order; each round one decode and one prefill each."""
     gen = torch.Generator().manual_seed(0)
@@ -205,13 +222,14 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
     listed = ids[0].tolist()
     for r in range(rounds):
         for c in cands[r % n:] + cands[:r % n]:
-            if c.runner is not None:   # an anchor: the same tokens, timed the same way by its runner
-                wall, cpu = c.runner.decode(listed[:16], decode_steps)
-            else:
-                wall, cpu = decode(c.lean or c.model, ids[:, :16], decode_steps)
-            c.decode_ms.append(wall)
-            c.decode_cpu_ms.append(cpu)
-            tok_s, cpu_s = c.runner.prefill(listed) if c.runner is not None else prefill(c.lean or c.model, ids)
+            with _onednn(c.info.get("onednn", True)):
+                if c.runner is not None:   # an anchor: the same tokens, timed the same way by its runner
+                    wall, cpu = c.runner.decode(listed[:16], decode_steps)
+                else:
+                    wall, cpu = decode(c.lean or c.model, ids[:, :16], decode_steps)
+                c.decode_ms.append(wall)
+                c.decode_cpu_ms.append(cpu)
+                tok_s, cpu_s = c.runner.prefill(listed) if c.runner is not None else prefill(c.lean or c.model, ids)
             c.prefill_tok_s.append(tok_s)
             c.prefill_cpu_s.append(cpu_s)
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{c.name} {c.decode_ms[-1]:.1f} ms" for c in cands), flush=True)
@@ -339,6 +357,20 @@ PROFILE_STEPS = 8           # decode steps profile_decode times (with anchors)
 HF_SUFFIX = " [hf eager]"   # a candidate run through the model's own forward where --runtime both asks for both
 
 
+def _without_onednn(cands: list[Candidate]) -> list[Candidate]:
+    """The dense bf16 model again, run with oneDNN off (torch.backends.mkldnn.enabled = False for its calls): on a
+    Zen 4 torch's own bf16 matrix-vector product decodes SmolLM2-135M 1.7x faster than oneDNN's (27 against 47 ms a
+    token) while its prefill is 7x slower, so the dense reference per measure is the better of the two (issue W:
+    the dense baseline is fair too). Same weights, same memory; its rows say onednn false."""
+    out = []
+    for c in cands:
+        if c.kind == "dense" and c.dtype == "bfloat16" and not c.name.endswith(HF_SUFFIX):
+            lean = c.lean if c.lean is None else type(c.lean)(c.model, c.lean.max_len)
+            out.append(Candidate(c.name + NO_ONEDNN, c.model, "dense", c.dtype, c.weight_rss_bytes, lean=lean,
+                                 info={**c.info, "onednn": False}))
+    return out
+
+
 def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[Candidate]:
     """Each model candidate set to run through `runtime`: `lean` (lrq.runtime.LeanDecoder, an error where the
     model cannot), `hf` (the model's own forward), `auto` (lean where the model can, else its own forward, the
@@ -384,6 +416,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     _set_float32_decode(cands, float32_decode)
     max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
     cands = attach_runtime(cands, runtime, max_len)
+    no_onednn = _without_onednn(cands)
     profiled, extra = None, {}
     if anchors:
         packed = [c for c in cands if c.kind == "packed"]   # w4a16-g128, the anchor's comparison, else the first
@@ -400,6 +433,8 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
                                               dense=False), "hf" if runtime == "hf" else "auto", max_len)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
         cands += anchor_cands
+    cands = cands[:len(cands) - sum(c.kind == "anchor" for c in cands)] + no_onednn + [
+        c for c in cands if c.kind == "anchor"]
     try:
         measure(cands, rounds, prefill_len, decode_steps)
     finally:
@@ -488,8 +523,9 @@ def _runtime_sentence(doc: dict) -> str:
     refused = sorted({r["lean_refused"] for r in doc["rows"] if r.get("lean_refused")})
     return ("Runtime: `lean` is lrq.runtime.LeanDecoder (the model's own modules and weights, a preallocated "
             "key/value cache, fused norms, no per-call masks: the same logits up to float rounding); `hf eager` "
-            "the model's own transformers forward (a dynamic cache)" + (f"; not lean because {'; '.join(refused)}"
-                                                                      if refused else "") + ".")
+            "the model's own transformers forward (a dynamic cache); `[no oneDNN]`: the dense bf16 model with "
+            "torch.backends.mkldnn off for its calls (torch's own bf16 kernels)"
+            + (f"; not lean because {'; '.join(refused)}" if refused else "") + ".")
 
 
 def _anchor_markdown(doc: dict) -> str:
