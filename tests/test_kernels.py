@@ -6,7 +6,7 @@ its tl.dot is wrong for bf16; loads, conversions and stores stay bf16.)"""
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import lrq.kernels.int8_gemm as I8
 import lrq.kernels.wq_gemm as WQ
@@ -35,6 +35,7 @@ def test_the_kernels_run_under_the_interpreter_here():
 
 
 @settings(max_examples=25, deadline=None)
+@example(bits=2, m=1, n=1, k=279, group=48, bias=False, seed=12, dtype=torch.float16, split=None)  # near-cancelling
 @given(bits=st.integers(2, 8), m=st.integers(1, 20), n=st.integers(1, 70), k=st.integers(1, 300),
        group=st.sampled_from([None, 32, 48, 64, 96, 128]), bias=st.booleans(), seed=st.integers(0, 1000),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]))
@@ -47,7 +48,11 @@ def test_wq_gemm_equals_reference(bits, m, n, k, group, bias, seed, dtype, split
     y = WQ.wq_matmul(x, packed, scale, zero, bits, group, k, b, split=split)
     ref = WQ.reference_wq_matmul(x, packed, scale, zero, bits, group, k, b)
     assert y.dtype == dtype and y.shape == (m, n)
-    assert _rel(y, ref) < TOL[dtype]
+    # relative to the size of the terms summed (sum |x| |w| + |b|), the scale of a dot product's rounding error:
+    # relative to |ref| alone a near-cancelling output (n = 1, a small sum of large terms) fails on rounding
+    w = dequantize(q, scale.float(), zero.float(), group)
+    terms = x.float().abs() @ w.abs().t() + (0 if b is None else b.abs())
+    assert ((y.float() - ref.float()).abs().max() / terms.max().clamp(min=1e-6)).item() < TOL[dtype]
 
 
 @pytest.mark.parametrize("bucket", [0, 1, 2])
