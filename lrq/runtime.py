@@ -73,9 +73,9 @@ class LeanDecoder:
         emb = inner.embed_tokens.weight
         dtype = emb.dtype if emb.is_floating_point() else torch.float32
         shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=emb.device)
-        self.v = torch.zeros_like(self.k)
-        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)    # per-layer views, made once
+        # the key and value caches, as per-layer views made once (the views keep the two allocations alive)
+        self.k_layers = torch.zeros(shape, dtype=dtype, device=emb.device).unbind(0)
+        self.v_layers = torch.zeros(shape, dtype=dtype, device=emb.device).unbind(0)
         with torch.no_grad():
             pos = torch.arange(max_len, device=emb.device)[None]
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=emb.device), pos)

@@ -353,6 +353,8 @@ def _set_float32_decode(cands: list[Candidate], mode: str) -> None:
         if c.kind == "packed":
             set_float32_decode(c.model, mode)
             c.info["float32_decode"] = mode
+
+
 PROFILE_STEPS = 8           # decode steps profile_decode times (with anchors)
 HF_SUFFIX = " [hf eager]"   # a candidate run through the model's own forward where --runtime both asks for both
 
@@ -416,8 +418,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     _set_float32_decode(cands, float32_decode)
     max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
     cands = attach_runtime(cands, runtime, max_len)
-    no_onednn = _without_onednn(cands)
-    profiled, extra = None, {}
+    profiled, extra, anchor_cands = None, {}, []
     if anchors:
         packed = [c for c in cands if c.kind == "packed"]   # w4a16-g128, the anchor's comparison, else the first
         target = next((c for c in packed if c.name == "w4a16-g128"), packed[0] if packed else None)
@@ -432,9 +433,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
                 cands += attach_runtime(build(model_name, [target.name + HEAD_INT8], dtype, data_dir,
                                               dense=False), "hf" if runtime == "hf" else "auto", max_len)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
-        cands += anchor_cands
-    cands = cands[:len(cands) - sum(c.kind == "anchor" for c in cands)] + no_onednn + [
-        c for c in cands if c.kind == "anchor"]
+    cands += _without_onednn(cands) + anchor_cands
     try:
         measure(cands, rounds, prefill_len, decode_steps)
     finally:
