@@ -373,6 +373,12 @@ class Int4Int8Weights:
         return self.int4.nbytes() + _nbytes(self.zero_term, self.col_term, self.scale)
 
 
+def int4_form(w) -> Int4Weights | None:
+    """The Int4Weights a CPU form runs its 4-bit kernel on (itself, or an Int4Int8Weights' own), else None."""
+    w = w.int4 if isinstance(w, Int4Int8Weights) else w
+    return w if isinstance(w, Int4Weights) else None
+
+
 def cpu_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,
                 integer_activations: bool) -> Int4Weights | Int8Weights | Int8GemmWeights | Int4Int8Weights:
     """The CPU form of levels q [n, k] with their scales and zero points [n, n_groups]."""

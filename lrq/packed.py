@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
-from lrq.cpu_kernels import Int4Int8Weights, Int4Weights, Int8GemmWeights, cpu_weights
+from lrq.cpu_kernels import Int4Int8Weights, Int8GemmWeights, cpu_weights, int4_form
 from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
@@ -168,8 +168,8 @@ class PackedLinear(nn.Module):
         q = self.levels() if levels is None else levels
         self.cpu_weights = cpu_weights(q.cpu(), self.scale, self.zero, self.bits, self.group_size,
                                        self.integer_activations())
-        int4 = getattr(self.cpu_weights, "int4", self.cpu_weights)
-        if isinstance(int4, Int4Weights):
+        int4 = int4_form(self.cpu_weights)
+        if int4 is not None:
             int4.float32_decode = getattr(self, "float32_decode", "exact")
         self._buffers["weight_packed"] = None
         return self.cpu_weights
@@ -328,8 +328,8 @@ class PackedLinear(nn.Module):
         dequantized activations): the int4 kernel straight away, the same calls _forward_cpu makes and the same bits (a
         test checks), without its Python around them (about 5 us of a 25 us call). None: take the general path."""
         w = self.cpu_weights
-        int4 = w.int4 if type(w) is Int4Int8Weights else w
-        if (type(int4) is not Int4Weights or x.dtype != torch.bfloat16 or self.quantize_output
+        int4 = int4_form(w)
+        if (int4 is None or x.dtype != torch.bfloat16 or self.quantize_output
                 or not x.numel() == int4.k == int4.packed.shape[1] * 2 or not x.is_contiguous()):
             return None
         if int4 is w and self.scheme.a_bits is None:
@@ -383,8 +383,8 @@ def set_float32_decode(model: nn.Module, mode: str) -> int:
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.float32_decode = mode          # kept when the CPU form is rebuilt (a cast, a move and back)
-            w = getattr(m.cpu_weights, "int4", m.cpu_weights)
-            if isinstance(w, Int4Weights):
+            w = int4_form(m.cpu_weights)
+            if w is not None:
                 w.float32_decode, n = mode, n + 1
     return n
 
