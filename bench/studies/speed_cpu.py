@@ -499,13 +499,16 @@ def _kernels_isa() -> dict:
     """The instruction set torch's kernels and oneDNN were allowed to use (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
     limit them below the CPU's own: how a CPU without native bf16 is emulated on one that has it)."""
     import os
+    from lrq import native
     return {"aten": torch.backends.cpu.get_cpu_capability(),
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all"}
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all",
+            "decode_kernel": native.status()}
 
 
 def _isa_text(doc: dict) -> str:
     isa = doc.get("kernels_isa") or {}
-    return f"aten {isa.get('aten', '?')}, oneDNN {isa.get('onednn_max_cpu_isa', '?')}"
+    text = f"aten {isa.get('aten', '?')}, oneDNN {isa.get('onednn_max_cpu_isa', '?')}"
+    return text + (f"; 4-bit decode kernel: {isa['decode_kernel']}" if isa.get("decode_kernel") else "")
 
 
 def _fp32_decode_sentence(doc: dict) -> str:

@@ -1,0 +1,203 @@
+/* lrq-bench's CPU decode kernels (lrq.native compiles this file on the machine that runs it: cc -O3 -march=native
+ * -fopenmp, so the vector code below becomes AVX-512, AVX2 or SSE by what the CPU has; no intrinsics).
+ *
+ * int4_gemv: y[m, n_pad] (float32) = x[m, k_pad] (float32) times the weight held in torch's int4 CPU packing
+ * (`_convert_weight_to_int4pack_for_cpu`, lrq.cpu_kernels): output features in blocks of B (64 where torch runs
+ * its AVX-512 kernels, 32 with its AVX2 ones), each block k rows of B / 2 bytes, byte j holding feature j (low
+ * nibble) and feature j + B / 2 (high nibble); then one block of the remaining n mod B features, k rows of
+ * rem / 2 bytes, byte j holding features 2j (low) and 2j + 1 (high). The weight is q * s + zc per group of
+ * `group` input features (s, zc float32 [k_pad / group, n_pad]), so per group
+ *     y += s * sum_k q[k] x[k] + zc * sum_k x[k]
+ * with the levels' products summed in float32 vectors of 16 features (exact: q < 16). Output blocks are split
+ * among `nthreads` OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* v16: 16 float32 lanes (one AVX-512 register, two AVX2 ones, or a plain array) and the few operations used */
+#if defined(__AVX512F__)
+typedef __m512 v16;
+static inline v16 vzero(void) { return _mm512_setzero_ps(); }
+static inline v16 vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline v16 vfma(v16 a, float b, v16 c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
+static inline v16 vfmav(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 vwiden(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+#define NIBBLES 1
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256 a, b; } v16;
+static inline v16 vzero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline v16 vload(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline void vstore(float *p, v16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+static inline v16 vfma(v16 a, float b, v16 c) {
+  __m256 bb = _mm256_set1_ps(b);
+  v16 r = {_mm256_fmadd_ps(a.a, bb, c.a), _mm256_fmadd_ps(a.b, bb, c.b)};
+  return r;
+}
+static inline v16 vfmav(v16 a, v16 b, v16 c) {
+  v16 r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+  return r;
+}
+static inline v16 vwiden(__m128i v) {
+  v16 r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+  return r;
+}
+#define NIBBLES 1
+#endif
+
+#ifdef NIBBLES
+typedef __m128i b16;
+static inline b16 bload(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+static inline v16 lo_f(b16 v) { return vwiden(_mm_and_si128(v, _mm_set1_epi8(15))); }
+static inline v16 hi_f(b16 v) { return vwiden(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15))); }
+#else   /* portable C: the compiler vectorizes what it can */
+typedef struct { float f[16]; } v16;
+typedef struct { uint8_t b[16]; } b16;
+static inline v16 vzero(void) { v16 r; memset(&r, 0, sizeof r); return r; }
+static inline v16 vload(const float *p) { v16 r; memcpy(r.f, p, 64); return r; }
+static inline void vstore(float *p, v16 v) { memcpy(p, v.f, 64); }
+static inline v16 vfma(v16 a, float b, v16 c) { for (int i = 0; i < 16; i++) c.f[i] += a.f[i] * b; return c; }
+static inline v16 vfmav(v16 a, v16 b, v16 c) { for (int i = 0; i < 16; i++) c.f[i] += a.f[i] * b.f[i]; return c; }
+static inline b16 bload(const uint8_t *p) { b16 r; memcpy(r.b, p, 16); return r; }
+static inline v16 lo_f(b16 v) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = (float)(v.b[i] & 15); return r; }
+static inline v16 hi_f(b16 v) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = (float)(v.b[i] >> 4); return r; }
+#endif
+
+/* one block of 64 features (torch's AVX-512 packing), one token */
+static void block64(const uint8_t *blk, const float *s, const float *zc, const float *x, const float *xs,
+                    float *y, int k_pad, int group, int n_pad) {
+  v16 o0 = vzero(), o1 = o0, o2 = o0, o3 = o0;
+  for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
+    v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+    for (int k = g0; k < g0 + group; k++) {
+      const uint8_t *r = blk + (size_t)k * 32;
+      b16 v0 = bload(r), v1 = bload(r + 16);
+      float xk = x[k];
+      a0 = vfma(lo_f(v0), xk, a0); a1 = vfma(lo_f(v1), xk, a1);
+      a2 = vfma(hi_f(v0), xk, a2); a3 = vfma(hi_f(v1), xk, a3);
+    }
+    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    float xsum = xs[gi];
+    o0 = vfmav(a0, vload(sg), vfma(vload(zg), xsum, o0));
+    o1 = vfmav(a1, vload(sg + 16), vfma(vload(zg + 16), xsum, o1));
+    o2 = vfmav(a2, vload(sg + 32), vfma(vload(zg + 32), xsum, o2));
+    o3 = vfmav(a3, vload(sg + 48), vfma(vload(zg + 48), xsum, o3));
+  }
+  vstore(y, o0); vstore(y + 16, o1); vstore(y + 32, o2); vstore(y + 48, o3);
+}
+
+/* one block of 32 features (torch's AVX2 packing), one token */
+static void block32(const uint8_t *blk, const float *s, const float *zc, const float *x, const float *xs,
+                    float *y, int k_pad, int group, int n_pad) {
+  v16 o0 = vzero(), o1 = o0;
+  for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
+    v16 a0 = vzero(), a1 = a0;
+    for (int k = g0; k < g0 + group; k++) {
+      b16 v = bload(blk + (size_t)k * 16);
+      float xk = x[k];
+      a0 = vfma(lo_f(v), xk, a0); a1 = vfma(hi_f(v), xk, a1);
+    }
+    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    float xsum = xs[gi];
+    o0 = vfmav(a0, vload(sg), vfma(vload(zg), xsum, o0));
+    o1 = vfmav(a1, vload(sg + 16), vfma(vload(zg + 16), xsum, o1));
+  }
+  vstore(y, o0); vstore(y + 16, o1);
+}
+
+/* the last n mod B features: k rows of rem / 2 bytes, features 2j (low nibble) and 2j + 1 (high), one token */
+static void block_rest(const uint8_t *blk, int rem, const float *s, const float *zc, const float *x,
+                       const float *xs, float *y, int k_pad, int group, int n_pad) {
+  for (int j = 0; j < rem; j++) {
+    float out = 0;
+    for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
+      float a = 0;
+      for (int k = g0; k < g0 + group; k++) {
+        uint8_t b = blk[(size_t)k * (rem / 2) + j / 2];
+        a += (float)((j & 1) ? b >> 4 : b & 15) * x[k];
+      }
+      out += a * s[(size_t)gi * n_pad + j] + zc[(size_t)gi * n_pad + j] * xs[gi];
+    }
+    y[j] = out;
+  }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's cast; NaN stays NaN */
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* x: [m, k] (bf16 when x_bf16, else float32), rows `x_stride` elements apart; y: [m, n] (bf16 when y_bf16, else
+ * float32), contiguous. k <= k_pad (the padding columns count as zero inputs), n <= n_pad (the padding features are
+ * computed and dropped). Returns 0, or 1 for arguments this kernel does not take, 2 when memory runs out. */
+int lrq_int4_gemv(const uint8_t *packed, const float *s, const float *zc, const void *x, int x_bf16,
+                  long x_stride, void *y, int y_bf16, int m, int n, int n_pad, int k, int k_pad, int group,
+                  int block, int nthreads) {
+  if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k > k_pad || n > n_pad ||
+      m < 1)
+    return 1;
+  int ng = k_pad / group, nb = n_pad / block, rem = n_pad - nb * block;
+  float *xf = malloc(sizeof(float) * ((size_t)m * (k_pad + ng) + (size_t)m * n_pad));
+  if (!xf) return 2;
+  float *xs = xf + (size_t)m * k_pad, *yf = xs + (size_t)m * ng;
+  for (int t = 0; t < m; t++) {
+    float *xt = xf + (size_t)t * k_pad;
+    if (x_bf16) {
+      const uint16_t *src = (const uint16_t *)x + (size_t)t * x_stride;
+      for (int i = 0; i < k; i++) xt[i] = bf16_to_f32(src[i]);
+    } else {
+      memcpy(xt, (const float *)x + (size_t)t * x_stride, sizeof(float) * k);
+    }
+    for (int i = k; i < k_pad; i++) xt[i] = 0;
+    for (int g = 0; g < ng; g++) {
+      float a = 0;
+      for (int i = g * group; i < (g + 1) * group; i++) a += xt[i];
+      xs[(size_t)t * ng + g] = a;
+    }
+  }
+  int units = nb + (rem > 0);
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  for (int b = 0; b < units; b++)
+    for (int t = 0; t < m; t++) {
+      const float *xt = xf + (size_t)t * k_pad, *xst = xs + (size_t)t * ng;
+      float *yt = yf + (size_t)t * n_pad + (size_t)b * block;
+      const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
+      if (b == nb)
+        block_rest(blk, rem, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
+      else if (block == 64)
+        block64(blk, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
+      else
+        block32(blk, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
+    }
+  for (int t = 0; t < m; t++) {
+    const float *src = yf + (size_t)t * n_pad;
+    if (y_bf16) {
+      uint16_t *dst = (uint16_t *)y + (size_t)t * n;
+      for (int j = 0; j < n; j++) dst[j] = f32_to_bf16(src[j]);
+    } else {
+      memcpy((float *)y + (size_t)t * n, src, sizeof(float) * n);
+    }
+  }
+  free(xf);
+  return 0;
+}
+
+/* the instruction set the compiler targeted */
+const char *lrq_isa(void) {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__SSE2__)
+  return "sse2";
+#else
+  return "generic";
+#endif
+}

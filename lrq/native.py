@@ -1,0 +1,107 @@
+"""lrq-bench's own CPU decode kernels (lrq/csrc/cpu_gemv.c), compiled on the machine that runs them.
+
+At a decode step (a few tokens) a 4-bit layer is a matrix-vector product over half a byte a weight; torch's int4
+CPU kernel takes bf16 inputs only in vector code (float32: a scalar path, 10-100x slower), so a model held in
+float32 (what `--precision auto` picks on a CPU without native bf16) had to dequantize a transient weight per call.
+This kernel reads the same bytes torch's int4 packing holds (no second copy), in float32 or bf16 alike, with AVX-512
+or AVX2 vector code (by what the CPU has), the output blocks split over torch's thread count.
+
+The C file is compiled once per CPU and source with the system's C compiler (`cc -O3 -march=native -fopenmp`,
+about a second) into the cache (`lrq.io.cache_root()/native/`, written atomically: processes compiling at once
+each rename a whole file), then loaded with ctypes. Where there is no compiler, the compile fails or the CPU has
+neither AVX-512 nor AVX2, `library()` is None and the layers keep torch's kernels (`status()` says why).
+`LRQ_NATIVE=0` turns the kernels off (an A/B measurement, a suspected fault); `LRQ_NATIVE_MARCH` compiles for another
+-march than native.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from lrq.io import atomic_write, cache_root
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.c"
+# LRQ_NATIVE_MARCH builds for another target than this CPU (a test of the AVX2 branch on an AVX-512 machine: haswell)
+def _flags() -> tuple[str, ...]:
+    return ("-O3", f"-march={os.environ.get('LRQ_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC")
+
+VECTOR_ISAS = ("avx512", "avx2")   # the builds of the C file worth running (its portable C is slower than torch's)
+_REASON: list[str] = []
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and flags (one cache shared by machines of different CPUs
+    keeps one library per CPU)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "cpu family", "model\t"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or shutil.which("gcc")
+
+
+def _compile(cc: str, out: Path) -> None:
+    run = subprocess.run([cc, *_flags(), str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    if run.returncode:
+        raise RuntimeError(f"{cc} failed: {(run.stderr or run.stdout).strip()[-400:]}")
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (then `status()` says why)."""
+    if os.environ.get("LRQ_NATIVE", "1") == "0":
+        _REASON.append("turned off (LRQ_NATIVE=0)")
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _REASON.append(f"no vector code for {platform.machine()} (x86-64 only)")
+        return None
+    cc = _compiler()
+    if cc is None:
+        _REASON.append("no C compiler (cc or gcc) on PATH; install one (e.g. apt install gcc) for the fast CPU decode")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(_flags()), _cpu_key()]).encode())
+        path = cache_root() / "native" / f"cpu_gemv-{key.hexdigest()[:16]}.so"
+        if not path.exists():
+            atomic_write(path, lambda tmp: _compile(cc, tmp), fsync=False)
+        import torch  # noqa: F401 - torch's own libgomp loaded first: the kernel's OpenMP calls share its runtime
+        lib = ctypes.CDLL(str(path))
+    except Exception as e:  # noqa: BLE001 - any failure: torch's kernels instead, and the reason kept
+        _REASON.append(f"compiling or loading {SOURCE.name} failed ({e}); torch's kernels run instead")
+        return None
+    lib.lrq_isa.restype = ctypes.c_char_p
+    isa = lib.lrq_isa().decode()
+    if isa not in VECTOR_ISAS:
+        _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")
+        return None
+    p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.lrq_int4_gemv.argtypes = [p, p, p, p, i, lg, p, i, i, i, i, i, i, i, i, i]
+    lib.lrq_int4_gemv.restype = i
+    return lib
+
+
+def isa() -> str | None:
+    """The instruction set the kernels were built for ("avx512", "avx2"), or None where they do not run."""
+    lib = library()
+    return lib.lrq_isa().decode() if lib is not None else None
+
+
+def status() -> str:
+    """One line for reports: which decode kernels run, or why torch's do."""
+    lib = library()
+    if lib is not None:
+        return f"lrq native ({isa()})"
+    return "torch (lrq native: " + ("; ".join(dict.fromkeys(_REASON)) or "unavailable") + ")"

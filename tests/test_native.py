@@ -1,0 +1,160 @@
+"""lrq's own CPU decode kernels (lrq.native, lrq/csrc/cpu_gemv.c): built here, exact against the float64 product of
+the dequantized weight for every layout torch packs in and both vector branches, used where they pay, and a clean
+fall back to torch's kernels where they cannot be built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrq import native
+from lrq.cpu_kernels import NATIVE_MAX_M, Int4Weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _weights(n: int, k: int, group: int | None, seed: int = 0) -> Int4Weights:
+    g = torch.Generator().manual_seed(seed)
+    ng = -(-k // (group or k))
+    q = torch.randint(0, 16, (n, k), generator=g)
+    return Int4Weights.build(q, torch.rand(n, ng, generator=g) * 0.02 + 1e-3,
+                             torch.randint(0, 16, (n, ng), generator=g).float(), group)
+
+
+# (n, k, group): whole blocks of 64; a remainder block (n mod 64 = 16, 48); K padded (100, 264 -> 128, 288)
+SHAPES = [(1536, 576, 128), (48, 100, 32), (80, 96, None), (208, 264, 64), (576, 1536, None), (16, 64, 64)]
+
+
+def _relative_error(w: Int4Weights, x: torch.Tensor, y: torch.Tensor) -> float:
+    """max |y - x W| over the size of the summed terms (sum |x||W|): the float32 sums' own scale."""
+    ref_w = w.dequantized_t(torch.float32)[:w.k, :w.n].double()
+    ref = x.double() @ ref_w
+    return ((y.double() - ref).abs() / (x.double().abs() @ ref_w.abs()).clamp_min(1e-30)).max().item()
+
+
+def test_the_kernels_build_here_with_vector_code():
+    """CI runs on x86-64 machines with a C compiler: the kernels must build there (a silent fall back to torch's
+    kernels would hide a broken build)."""
+    assert native.library() is not None, native.status()
+    assert native.isa() in native.VECTOR_ISAS
+    assert native.status() == f"lrq native ({native.isa()})"
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_equals_the_dequantized_product(n, k, group, dtype, m):
+    w = _weights(n, k, group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = w.native_mm(x)
+    assert y.shape == (m, n) and y.dtype == dtype
+    # float32: sums of exact products, rounded as float32 sums are; bf16: one rounding of the float32 result
+    assert _relative_error(w, x, y) < (1e-6 if dtype == torch.float32 else 2 ** -8)
+
+
+def test_rows_apart_by_their_stride_and_nan_kept():
+    w = _weights(208, 264, 64)
+    big = torch.randn(3, 300)
+    x = big[:, 10:10 + 264]                         # rows 300 apart, unit stride
+    assert _relative_error(w, x, w.native_mm(x)) < 1e-6
+    x = x.clone()
+    x[1, 5] = float("nan")
+    y = w.native_mm(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    yb = w.native_mm(x.bfloat16())
+    assert torch.isnan(yb[1].float()).all()
+
+
+def test_threads_give_the_same_bits():
+    w, x = _weights(1536, 576, 128), torch.randn(2, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = w.native_mm(x)
+        torch.set_num_threads(2)
+        two = w.native_mm(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)   # each output block is one thread's, summed in the same order
+
+
+def test_layers_run_it_where_it_pays_and_the_rest_as_before(monkeypatch):
+    """A decode call (m <= NATIVE_MAX_M[dtype]) runs the native kernel, larger calls and float32_decode "bf16" take
+    torch's paths; with the kernel turned off every call gives the same values through torch's."""
+    w = _weights(208, 264, 64)
+    ran = []
+    monkeypatch.setattr(Int4Weights, "native_mm", lambda self, x, _f=Int4Weights.native_mm: ran.append(x.shape[0])
+                        or _f(self, x))
+    for dtype, top in NATIVE_MAX_M.items():
+        for m in (1, top, top + 1, 64):
+            ran.clear()
+            x = torch.randn(m, 264).to(dtype)
+            y = w.mm(x)
+            assert ran == ([m] if m <= top else [])
+            monkeypatch.setattr(native, "library", lambda: None)
+            bound = 2 ** -7 if dtype == torch.bfloat16 else 1e-6   # torch's bf16 kernel rounds its own way
+            assert _relative_error(w, x, y) < bound and _relative_error(w, x, w.mm(x)) < bound
+            monkeypatch.undo()
+            monkeypatch.setattr(Int4Weights, "native_mm", lambda self, x, _f=Int4Weights.native_mm:
+                                ran.append(x.shape[0]) or _f(self, x))
+    ran.clear()
+    w.float32_decode = "bf16"
+    w.mm(torch.randn(1, 264))
+    assert ran == []
+
+
+_PROBE = """
+import json, torch
+from lrq import native
+from lrq.cpu_kernels import Int4Weights, _pack_block
+g = torch.Generator().manual_seed(0)
+errs = []
+for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
+    ng = -(-k // group)
+    w = Int4Weights.build(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, ng, generator=g) * 0.02 + 1e-3,
+                          torch.randint(0, 16, (n, ng), generator=g).float(), group)
+    x = torch.randn(2, k, generator=g)
+    ref_w = w.dequantized_t(torch.float32)[:k, :n].double()
+    y = w.native_mm(x) if native.library() is not None else w.mm(x)
+    errs.append(((y.double() - x.double() @ ref_w).abs() / (x.double().abs() @ ref_w.abs())).max().item())
+print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs)}))
+"""
+
+
+def _probe(tmp_path, **env) -> dict:
+    run = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LRQ_BENCH_CACHE": str(tmp_path / "cache"), **env})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_avx2_layout_and_avx2_build(tmp_path):
+    """torch packs in blocks of 32 features where its AVX2 kernels run (a Zen 3), and the C file's AVX2 branch is
+    what such a CPU compiles: both checked here, each on its own and together, by building for haswell and running
+    torch at its AVX2 capability."""
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.fail("this test needs an x86-64 CPU with AVX2 (every machine CI runs on has it)")
+    both = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", LRQ_NATIVE_MARCH="haswell")
+    assert both["isa"] == "avx2" and both["block"] == 32 and both["err"] < 1e-6
+    layout = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
+    assert layout["block"] == 32 and layout["err"] < 1e-6
+    build = _probe(tmp_path, LRQ_NATIVE_MARCH="haswell")
+    assert build["isa"] == "avx2" and build["err"] < 1e-6
+
+
+def test_without_a_compiler_torch_kernels_run_and_say_why(tmp_path):
+    bad = tmp_path / "cc"
+    bad.write_text("#!/bin/sh\necho 'cc: simulated failure' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    out = _probe(tmp_path, CC=str(bad))
+    assert out["isa"] is None and "simulated failure" in out["status"] and out["status"].startswith("torch")
+    assert out["err"] < 1e-6     # torch's (dequantized float32) path, exact
+    assert not any((tmp_path / "cache").rglob("*.so")) and not any((tmp_path / "cache").rglob("*.tmp"))
+    off = _probe(tmp_path, LRQ_NATIVE="0")
+    assert off["status"] == "torch (lrq native: turned off (LRQ_NATIVE=0))"
