@@ -66,6 +66,9 @@ FLOAT32_DECODE = ("exact", "bf16")
 # tokens. Measured on a Zen 4, one thread, 1536 x 576 g128 (interleaved): bf16 45.6 against torch's 47.7 us at one
 # token, 82 against 60 at two; float32 156 us at 4 tokens against 440 dequantized + GEMM at one.
 NATIVE_MAX_M = {torch.bfloat16: 1, torch.float32: 8}
+# The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
+# tokens, torch._int_mm above.
+NATIVE_INT8_MAX_M = 4
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
 DEQUANTIZE_CHUNK = 1 << 16
 
@@ -342,28 +345,64 @@ class Int8GemmWeights:
     scale: torch.Tensor        # float32 [n]
     offset: int
     asymmetric: bool = True    # some zero_term != 0 (a symmetric grid skips the activations' row sums)
+    wsum: torch.Tensor | None = None   # int32 [n]: sum_k (q - offset), for lrq's own decode kernel
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> "Int8GemmWeights":
         w, offset = _offset_weights(q, bits)
         zt = offset - zero[:, 0].round().to(torch.int32)   # zero: uint8 levels (or float ones)
-        col = w.sum(dim=1, dtype=torch.int32) + q.shape[1] * zt
-        return cls(w, zt.float(), col.float(), scale[:, 0].float(), offset, bool(zt.any()))
+        wsum = w.sum(dim=1, dtype=torch.int32)
+        col = wsum + q.shape[1] * zt
+        return cls(w, zt.float(), col.float(), scale[:, 0].float(), offset, bool(zt.any()), wsum.contiguous())
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
            rowsum: torch.Tensor | None = None) -> torch.Tensor:
         """xa = activation levels - 128 (int8 [m, k]); x_zero = their zero point(s) - 128 and x_scale their
         scale(s), float32 scalars or [m, 1] per token; rowsum = xa's row sums (float32 [m, 1]; computed here where
-        not given). Float32 out."""
+        not given). Float32 out. A decode call (m <= NATIVE_INT8_MAX_M) runs lrq's own kernel where it is built:
+        the same exact int32 product and corrections in one call (torch._int_mm at one token: oneDNN's GEMM)."""
+        if xa.shape[0] <= NATIVE_INT8_MAX_M and xa.stride(-1) == 1 and native.library() is not None:
+            return self.native_mm(xa, x_zero, x_scale)
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         return _int8_corrected(torch._int_mm(xa, self.weight.t()), rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)
+
+    def native_mm(self, xa: torch.Tensor, x_zero, x_scale) -> torch.Tensor:
+        """mm through lrq's own int8 kernel (lrq.native): float32 [m, n]."""
+        m, (n, k) = xa.shape[0], self.weight.shape
+        xz = torch.as_tensor(x_zero, dtype=torch.float32).reshape(-1).contiguous()
+        xs = torch.as_tensor(x_scale, dtype=torch.float32).reshape(-1).contiguous()
+        y = torch.empty(m, n)
+        rc = native.library().lrq_int8_gemv(
+            self.weight.data_ptr(), self.wsum.data_ptr(), xa.data_ptr(), xa.stride(0), xz.data_ptr(),
+            xz.numel() > 1, xs.data_ptr(), xs.numel() > 1, self.col_term.data_ptr(), self.zero_term.data_ptr(),
+            self.asymmetric, self.scale.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"lrq native int8 kernel refused its arguments (code {rc}): a bug, please report; "
+                               f"LRQ_NATIVE=0 runs torch's kernels instead")
+        return y
+
+    def native_static_mm(self, x: torch.Tensor, a_scale: float, a_zero: float, a_hi: float) -> torch.Tensor:
+        """The decode step from floating-point activations x [m, k] (bf16 or float32, unit stride) on a static grid:
+        quantized in the kernel as PackedLinear._int8_activations does (x / a_scale rounded half to even, plus
+        a_zero = zero point - 128, clamped to [-128, a_hi]), then native_mm's product: one call where the torch
+        path makes about ten. Float32 [m, n]."""
+        m, (n, k) = x.shape[0], self.weight.shape
+        y = torch.empty(m, n)
+        rc = native.library().lrq_w8a8_gemv(
+            self.weight.data_ptr(), self.wsum.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0),
+            a_scale, a_zero, a_hi, self.col_term.data_ptr(), self.zero_term.data_ptr(), self.asymmetric,
+            self.scale.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"lrq native w8a8 kernel refused its arguments (code {rc}): a bug, please report; "
+                               f"LRQ_NATIVE=0 runs torch's kernels instead")
+        return y
 
     def levels(self) -> torch.Tensor:
         return (self.weight.to(torch.int16) + self.offset).to(torch.uint8)
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale)
+        return _nbytes(self.weight, self.zero_term, self.col_term, self.scale, self.wsum)
 
 
 @dataclass

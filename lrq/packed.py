@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
-from lrq.cpu_kernels import Int4Int8Weights, Int8GemmWeights, cpu_weights, int4_form
+from lrq import native
+from lrq.cpu_kernels import NATIVE_INT8_MAX_M, Int4Int8Weights, Int8GemmWeights, cpu_weights, int4_form
 from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
@@ -306,6 +307,10 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
             y = w.int4.mm(self._shared(x, "dequantized", lambda: self._float_activations(x2)))
+        elif self._native_static(w, x2):
+            _, _, zero, (scale, _) = self._static_grid_now()
+            xr = x2 if x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 else x2.float().contiguous()
+            y = w.native_static_mm(xr, scale, zero.item(), 2 ** self.scheme.a_bits - 129).to(x.dtype)
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
             y = w.mm(*self._shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
         else:
@@ -313,6 +318,12 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _native_static(self, w, x2: torch.Tensor) -> bool:
+        """Whether this call is a W8A8 decode step on a static grid that lrq's own kernel takes whole (activation
+        quantization, integer product and corrections in one call; lrq.native)."""
+        return (isinstance(w, Int8GemmWeights) and self.scheme.static_activations
+                and x2.shape[0] <= NATIVE_INT8_MAX_M and native.library() is not None)
 
     def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.a_bits == 8 and self.group_size is None:   # int8 tensor-core GEMM

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lrq import native
-from lrq.cpu_kernels import NATIVE_MAX_M, Int4Weights
+from lrq.cpu_kernels import NATIVE_MAX_M, Int4Weights, Int8GemmWeights, _int8_corrected
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,6 +109,57 @@ def test_layers_run_it_where_it_pays_and_the_rest_as_before(monkeypatch):
     assert ran == []
 
 
+def _int8(n: int, k: int, symmetric: bool = False, seed: int = 0) -> Int8GemmWeights:
+    g = torch.Generator().manual_seed(seed)
+    zero = torch.full((n, 1), 128.0) if symmetric else torch.randint(0, 256, (n, 1), generator=g).float()
+    return Int8GemmWeights.build(torch.randint(0, 256, (n, k), generator=g), torch.rand(n, 1, generator=g) * 0.01,
+                                 zero, 8)
+
+
+def _int8_reference(w: Int8GemmWeights, xa, x_zero, x_scale) -> torch.Tensor:
+    levels = w.weight.double() + w.zero_term.double()[:, None]              # q - z
+    return ((xa.double() - torch.as_tensor(x_zero).double()) @ levels.t()) * torch.as_tensor(x_scale).double() \
+        * w.scale.double()
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (40, 100), (24, 70), (576, 1536)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int8_gemv_is_the_exact_integer_product(n, k, symmetric):
+    """W8A8 decode: the int32 product is exact (extreme levels included: no saturating int16 step), its float32
+    corrections are the torch path's (_int8_corrected on torch._int_mm) to the bit, per tensor and per token."""
+    w = _int8(n, k, symmetric)
+    g = torch.Generator().manual_seed(3)
+    for m, per_row in ((1, False), (3, True)):
+        xa = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        xa[0, :16] = -128
+        xz = torch.randint(-20, 20, (m, 1), generator=g).float() if per_row else torch.tensor(-3.0)
+        xs = torch.rand(m, 1, generator=g) * 0.1 if per_row else torch.tensor(0.05)
+        y = w.native_mm(xa, xz, xs)
+        acc = (xa.long() @ w.weight.long().t()).to(torch.int32)                 # exact, whatever _int_mm does here
+        torch_path = _int8_corrected(acc, xa.sum(dim=1, keepdim=True, dtype=torch.float32), xz, xs, w.col_term,
+                                     w.zero_term, w.scale, w.asymmetric)
+        ref = _int8_reference(w, xa, xz, xs)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+        assert ((y - torch_path).abs().max() / torch_path.abs().max()).item() < 1e-6
+
+
+def test_w8a8_static_decode_quantizes_on_the_fake_quant_grid():
+    """From float activations: the levels the kernel makes are the fake-quant path's (round half to even, the
+    zero point, the clamp), bf16 inputs read as they are; NaN becomes a defined level, not undefined behaviour."""
+    w = _int8(48, 576)
+    scale, zero, hi = 0.02, -5.0, 127.0
+    x = torch.randn(2, 576) * 2
+    x[0, :4] = torch.tensor([0.01, 0.03, -0.01, 0.05])   # exact halves of the grid: half to even
+    for xin in (x, x.bfloat16()):
+        xf = xin.float()
+        xa = torch.div(xf, scale).round_().add_(zero).clamp_(-128, hi).to(torch.int8)
+        y = w.native_static_mm(xin, scale, zero, hi)
+        ref = w.native_mm(xa, torch.tensor(zero), torch.tensor(scale))
+        assert torch.equal(y, ref)
+    x[1, 3] = float("nan")
+    assert torch.isfinite(w.native_static_mm(x, scale, zero, hi)).all()
+
+
 _PROBE = """
 import json, torch
 from lrq import native
@@ -123,6 +174,15 @@ for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
     ref_w = w.dequantized_t(torch.float32)[:k, :n].double()
     y = w.native_mm(x) if native.library() is not None else w.mm(x)
     errs.append(((y.double() - x.double() @ ref_w).abs() / (x.double().abs() @ ref_w.abs())).max().item())
+from lrq.cpu_kernels import Int8GemmWeights
+w8 = Int8GemmWeights.build(torch.randint(0, 256, (40, 100), generator=g), torch.rand(40, 1, generator=g),
+                           torch.randint(0, 256, (40, 1), generator=g).float(), 8)
+xa = torch.randint(-128, 128, (2, 100), dtype=torch.int8, generator=g)
+xa[:, :20] = -128
+if native.library() is not None:
+    y = w8.native_mm(xa, torch.tensor(-7.0), torch.tensor(0.5))
+    ref = ((xa.double() + 7) @ (w8.weight.double() + w8.zero_term.double()[:, None]).t()) * 0.5 * w8.scale.double()
+    errs.append(((y.double() - ref).abs().max() / ref.abs().max()).item())
 print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs)}))
 """
 

@@ -10,6 +10,7 @@
  *     y += s * sum_k q[k] x[k] + zc * sum_k x[k]
  * with the levels' products summed in float32 vectors of 16 features (exact: q < 16). Output blocks are split
  * among `nthreads` OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,6 +187,116 @@ int lrq_int4_gemv(const uint8_t *packed, const float *s, const float *zc, const 
     }
   }
   free(xf);
+  return 0;
+}
+
+/* int8_gemv: the W8A8 decode step. y[m, n] (float32) from the activation levels xa = level - 128 (int8 [m, k], rows
+ * x_stride apart) and the weight levels w = q - offset (int8 [n, k], contiguous): the exact int32 product
+ * acc = sum_k xa w, then lrq.cpu_kernels._int8_corrected's corrections in float32,
+ *     y = ((acc - x_zero * col_term) + rowsum * zero_term) * x_scale * scale      (rowsum = sum_k xa, exact)
+ * (the zero_term product only where `asymmetric`). x_zero and x_scale: one value, or one per row where their
+ * *_per_row flag is set. With AVX-512 VNNI the products are vpdpbusd's u8 x s8 on the levels themselves
+ * (xa + 128) less 128 * wsum (wsum = sum_k w per output, exact); with AVX2 int16 products summed in int32 (exact:
+ * no saturating step); elsewhere plain C. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline int32_t dot_row(const uint8_t *xu, const int8_t *w, int k, int32_t wsum) {
+  __m512i acc = _mm512_setzero_si512();
+  int i = 0;
+  for (; i + 64 <= k; i += 64)
+    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(w + i));
+  if (i < k) {
+    __mmask64 mask = (k - i) == 64 ? ~0ULL : ((1ULL << (k - i)) - 1);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_maskz_loadu_epi8(mask, xu + i), _mm512_maskz_loadu_epi8(mask, w + i));
+  }
+  return _mm512_reduce_add_epi32(acc) - 128 * wsum;
+}
+#define UNSIGNED_X 1
+#elif defined(__AVX2__)
+static inline int32_t dot_row(const int8_t *x, const int8_t *w, int k, int32_t wsum) {
+  (void)wsum;
+  __m256i acc = _mm256_setzero_si256();
+  int i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i)));
+    __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  int32_t r = _mm_cvtsi128_si32(h);
+  for (; i < k; i++) r += (int32_t)x[i] * w[i];
+  return r;
+}
+#else
+static inline int32_t dot_row(const int8_t *x, const int8_t *w, int k, int32_t wsum) {
+  (void)wsum;
+  int32_t r = 0;
+  for (int i = 0; i < k; i++) r += (int32_t)x[i] * w[i];
+  return r;
+}
+#endif
+
+/* w8a8_gemv: the same from floating-point activations on a static grid, quantized here exactly as the fake-quant
+ * path does (lrq.packed.PackedLinear._int8_activations): xa = clamp(round_half_even(x / a_scale) + a_zero, -128,
+ * a_hi), in float32, then int8_gemv with x_zero = a_zero and x_scale = a_scale. */
+int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x_stride, const float *x_zero,
+                  int zero_per_row, const float *x_scale, int scale_per_row, const float *col_term,
+                  const float *zero_term, int asymmetric, const float *scale, float *y, int m, int n, int k,
+                  int nthreads);
+
+int lrq_w8a8_gemv(const int8_t *w, const int32_t *wsum, const void *x, int x_bf16, long x_stride, float a_scale,
+                  float a_zero, float a_hi, const float *col_term, const float *zero_term, int asymmetric,
+                  const float *scale, float *y, int m, int n, int k, int nthreads) {
+  if (m < 1 || k < 1 || !(a_scale > 0)) return 1;
+  int8_t *xa = malloc((size_t)m * k);
+  if (!xa) return 2;
+  for (int t = 0; t < m; t++)
+    for (int i = 0; i < k; i++) {
+      float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[(size_t)t * x_stride + i])
+                       : ((const float *)x)[(size_t)t * x_stride + i];
+      v = nearbyintf(v / a_scale) + a_zero;
+      v = v < -128.f ? -128.f : (v > a_hi ? a_hi : v);
+      if (v != v) v = 0;   /* NaN: a defined level (an int8 path cannot carry it; torch's cast gives 0 on x86) */
+      xa[(size_t)t * k + i] = (int8_t)v;
+    }
+  int rc = lrq_int8_gemv(w, wsum, xa, k, &a_zero, 0, &a_scale, 0, col_term, zero_term, asymmetric, scale, y, m, n, k,
+                         nthreads);
+  free(xa);
+  return rc;
+}
+
+int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x_stride, const float *x_zero,
+                  int zero_per_row, const float *x_scale, int scale_per_row, const float *col_term,
+                  const float *zero_term, int asymmetric, const float *scale, float *y, int m, int n, int k,
+                  int nthreads) {
+  if (m < 1 || n < 1 || k < 1) return 1;
+#ifdef UNSIGNED_X
+  uint8_t *xs = malloc((size_t)m * k);
+  if (!xs) return 2;
+  for (int t = 0; t < m; t++)
+    for (int i = 0; i < k; i++) xs[(size_t)t * k + i] = (uint8_t)(xa[(size_t)t * x_stride + i] ^ 0x80);
+  const long xstep = k;
+#else
+  const int8_t *xs = xa;
+  const long xstep = x_stride;
+#endif
+  for (int t = 0; t < m; t++) {
+    const int8_t *xt = xa + (size_t)t * x_stride;
+    int32_t rs = 0;
+    for (int i = 0; i < k; i++) rs += xt[i];
+    float rowsum = (float)rs, xz = x_zero[zero_per_row ? t : 0], xsc = x_scale[scale_per_row ? t : 0];
+    float *yt = y + (size_t)t * n;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int j = 0; j < n; j++) {
+      float v = (float)dot_row(xs + (size_t)t * xstep, w + (size_t)j * k, k, wsum[j]) - xz * col_term[j];
+      if (asymmetric) v += rowsum * zero_term[j];
+      yt[j] = v * xsc * scale[j];
+    }
+  }
+#ifdef UNSIGNED_X
+  free(xs);
+#endif
   return 0;
 }
 
