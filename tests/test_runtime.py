@@ -107,3 +107,21 @@ def test_what_it_cannot_run_is_refused_with_the_reason():
         lean.forward(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(UserError, match="batch 1, got 2"):
         lean.forward(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_decode_steps_run_without_onednn_and_restore_it():
+    """One-token steps run with oneDNN off (its bf16 matrix-vector product is the slower one), prefill with it as
+    the process had it; the setting is restored after each step, an error included; onednn_decode keeps it."""
+    model = tiny_model("llama", seed=7).to(torch.bfloat16)
+    seen = []
+    model.lm_head.register_forward_hook(lambda *a: seen.append(torch.backends.mkldnn.enabled))
+    lean = LeanDecoder(model, 16)
+    before = torch.backends.mkldnn.enabled
+    lean.forward(torch.arange(4)[None])
+    lean.forward(torch.tensor([[5]]))
+    lean.onednn_decode = True
+    lean.forward(torch.tensor([[6]]))
+    assert seen == [before, False, before] and torch.backends.mkldnn.enabled == before
+    with pytest.raises(UserError):
+        lean.forward(torch.arange(20)[None])
+    assert torch.backends.mkldnn.enabled == before
