@@ -33,9 +33,10 @@ layer's, at prefill.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +170,7 @@ class Int4Weights:
     decodable: bool = False                       # the packing read back equals the levels (checked when built)
     float32_decode: str = "exact"                 # FLOAT32_DECODE: how a float32 call below the threshold runs
     block: int = LAYOUT_BLOCKS[0]                 # the packing's block of output features (_pack_block)
+    native_args: tuple | None = field(default=None, repr=False, compare=False)   # native_mm's, made at its first call
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None) -> "Int4Weights":
@@ -195,12 +197,17 @@ class Int4Weights:
     def native_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] (bf16 or float32, rows of unit stride) through lrq's own kernel: [m, n] in x's dtype, each
         output summed in float32 (the levels' products exact) and rounded once."""
+        args = self.native_args
+        if args is None or args[3] is not self.packed or args[4] is not self.scale_zero:
+            # the layer's constant arguments, made once (pointers into the tensors they keep alive)
+            s, zc = self.scale_zero
+            st = native.Int4Layer(self.packed.data_ptr(), s.data_ptr(), zc.data_ptr(), self.n, self.packed.shape[0],
+                                  self.k, self.packed.shape[1] * 2, self.group, self.block)
+            args = self.native_args = (st, ctypes.addressof(st), native.library().lrq_int4_gemv, self.packed,
+                                       self.scale_zero)
         y = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        bf16 = x.dtype == torch.bfloat16
-        rc = native.library().lrq_int4_gemv(
-            self.packed.data_ptr(), self.scale_zero[0].data_ptr(), self.scale_zero[1].data_ptr(), x.data_ptr(),
-            bf16, x.stride(0), y.data_ptr(), bf16, x.shape[0], self.n, self.packed.shape[0], self.k,
-            self.packed.shape[1] * 2, self.group, self.block, torch.get_num_threads())
+        rc = args[2](args[1], x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), y.data_ptr(), x.shape[0],
+                     torch.get_num_threads())
         if rc:
             raise RuntimeError(f"lrq native int4 kernel refused its arguments (code {rc}): a bug, please report; "
                                f"LRQ_NATIVE=0 runs torch's kernels instead")
@@ -337,6 +344,18 @@ def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tenso
     return y.mul_(x_scale).mul_(scale)
 
 
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm with oneDNN on (its CPU implementation: without it a scalar loop, 40x slower; the lean runtime
+    turns oneDNN off for one-token steps, where torch's own bf16 kernels are the faster ones)."""
+    if torch.backends.mkldnn.enabled:
+        return torch._int_mm(a, b)
+    torch.backends.mkldnn.enabled = True
+    try:
+        return torch._int_mm(a, b)
+    finally:
+        torch.backends.mkldnn.enabled = False
+
+
 @dataclass
 class Int8GemmWeights:
     weight: torch.Tensor       # int8 [n, k]: q - offset
@@ -364,7 +383,7 @@ class Int8GemmWeights:
         if xa.shape[0] <= NATIVE_INT8_MAX_M and xa.stride(-1) == 1 and native.library() is not None:
             return self.native_mm(xa, x_zero, x_scale)
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
-        return _int8_corrected(torch._int_mm(xa, self.weight.t()), rowsum, x_zero, x_scale, self.col_term,
+        return _int8_corrected(_int_mm(xa, self.weight.t()), rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)
 
     def native_mm(self, xa: torch.Tensor, x_zero, x_scale) -> torch.Tensor:
@@ -438,7 +457,7 @@ class Int4Int8Weights:
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
         wa = _unpack_int4pack_t(w.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8)
-        acc = torch._int_mm(xa, wa[:w.k])
+        acc = _int_mm(xa, wa[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)
 

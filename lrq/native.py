@@ -30,9 +30,10 @@ from lrq.io import atomic_write, cache_root
 SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.c"
 # LRQ_NATIVE_MARCH builds for another target than this CPU (a test of the AVX2 branch on an AVX-512 machine: haswell)
 def _flags() -> tuple[str, ...]:
-    return ("-O3", f"-march={os.environ.get('LRQ_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC")
+    return ("-O3", f"-march={os.environ.get('LRQ_NATIVE_MARCH', 'native')}", "-fopenmp", "-ffp-contract=off",
+            "-shared", "-fPIC")
 
-VECTOR_ISAS = ("avx512", "avx2")   # the builds of the C file worth running (its portable C is slower than torch's)
+VECTOR_ISAS = ("avx512-bf16", "avx512", "avx2")   # the builds of the C file worth running (its portable C is slower than torch's)
 _REASON: list[str] = []
 
 
@@ -53,7 +54,8 @@ def _compiler() -> str | None:
 
 
 def _compile(cc: str, out: Path) -> None:
-    run = subprocess.run([cc, *_flags(), str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([cc, *_flags(), str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+                         timeout=300)
     if run.returncode:
         raise RuntimeError(f"{cc} failed: {(run.stderr or run.stdout).strip()[-400:]}")
 
@@ -88,14 +90,27 @@ def library() -> ctypes.CDLL | None:
         _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")
         return None
     p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.lrq_int4_gemv.argtypes = [p, p, p, p, i, lg, p, i, i, i, i, i, i, i, i, i]
+    lib.lrq_int4_gemv.argtypes = [p, p, i, lg, p, i, i]
     lib.lrq_int4_gemv.restype = i
     lib.lrq_int8_gemv.argtypes = [p, p, p, lg, p, i, p, i, p, p, i, p, p, i, i, i, i]
     lib.lrq_int8_gemv.restype = i
     f = ctypes.c_float
     lib.lrq_w8a8_gemv.argtypes = [p, p, p, i, lg, f, f, f, p, p, i, p, p, i, i, i, i]
     lib.lrq_w8a8_gemv.restype = i
+    lib.lrq_rms_norm.argtypes = [p, p, p, i, i, i, f]
+    lib.lrq_rms_norm.restype = None
+    lib.lrq_attend.argtypes = [p, lg, p, p, lg, p, i, i, i, i, i, f]
+    lib.lrq_attend.restype = i
+    lib.lrq_per_token_dequant.argtypes = [p, p, i, i, i, i, f]
+    lib.lrq_per_token_dequant.restype = None
     return lib
+
+
+class Int4Layer(ctypes.Structure):
+    """The constant arguments of lrq_int4_gemv for one layer (cpu_gemv.c's int4_layer)."""
+    _fields_ = [("packed", ctypes.c_void_p), ("s", ctypes.c_void_p), ("zc", ctypes.c_void_p),
+                ("n", ctypes.c_int32), ("n_pad", ctypes.c_int32), ("k", ctypes.c_int32), ("k_pad", ctypes.c_int32),
+                ("group", ctypes.c_int32), ("block", ctypes.c_int32)]
 
 
 def isa() -> str | None:

@@ -123,6 +123,14 @@ def per_token_qparams(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, tor
 def per_token_dequantized(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """per_token_fake_quant's values, bit for bit (a test checks), without the straight-through estimator's
     operations: for inference (no gradient), where a decode step's cost is its count of operations."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and x.numel():
+        from lrq import native
+        lib = native.library()
+        if lib is not None:   # the same operations in one C call (lrq/csrc/cpu_gemv.c: lrq_per_token_dequant)
+            y = torch.empty_like(x)
+            lib.lrq_per_token_dequant(x.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1],
+                                      x.shape[-1], bits, SCALE_EPS)
+            return y
     xf = x.detach().float()
     scale, zero = per_token_qparams(xf, bits)
     return torch.div(xf, scale).round_().add_(zero).clamp_(0, 2**bits - 1).sub_(zero).mul_(scale).to(x.dtype)

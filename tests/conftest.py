@@ -44,7 +44,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, la
     sliding window from layer 1 on); mistral with an 8-token sliding window; gemma3 with sliding (8 tokens,
     rotary base 1e4) and full-attention (1e6) layers alternating from a sliding one, q/k norms, pre/post
     feed-forward norms, (1 + weight) RMSNorm, GeGLU, head_dim 32 apart from hidden / heads, tied and scaled
-    embeddings."""
+    embeddings; qwen3 (q/k norms per head)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 32,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -57,6 +57,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, la
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=8)
+    if arch == "qwen3":   # per-head q/k RMSNorm
+        from transformers import Qwen3Config
+        return Qwen3Config(**common, head_dim=16)
     if arch == "gemma3":
         return Gemma3TextConfig(**(common | {"tie_word_embeddings": True}), head_dim=32, sliding_window=8,
                                 layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])

@@ -139,7 +139,16 @@ def test_per_token_dequantized_is_the_fake_quant_bit_for_bit():
     rows = [torch.randn(64, 576, generator=g) * 3, torch.rand(4, 576, generator=g) + 0.5,
             -torch.rand(4, 576, generator=g), torch.full((2, 576), 0.75), torch.zeros(2, 576),
             torch.arange(-255, 256, dtype=torch.float32)[None] / 2]
-    for bits in (8, 4):
-        for x in rows:
-            for dt in (torch.float32, torch.bfloat16):
-                assert torch.equal(per_token_dequantized(x.to(dt), bits), per_token_fake_quant(x.to(dt), bits))
+    from lrq import native
+    assert native.library() is not None, native.status()   # the C replica (lrq.native) is what is checked first
+    for use_native in (True, False):
+        lib = native.library
+        native.library = lib if use_native else (lambda: None)
+        try:
+            for bits in (8, 4):
+                for x in rows:
+                    for dt in (torch.float32, torch.bfloat16):
+                        assert torch.equal(per_token_dequantized(x.to(dt), bits),
+                                           per_token_fake_quant(x.to(dt), bits))
+        finally:
+            native.library = lib

@@ -125,3 +125,24 @@ def test_decode_steps_run_without_onednn_and_restore_it():
     with pytest.raises(UserError):
         lean.forward(torch.arange(20)[None])
     assert torch.backends.mkldnn.enabled == before
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_norms_and_attention_equal_torchs(arch, dtype):
+    """One-token steps through lrq.native's RMSNorm and attention kernels (Qwen3's per-head q/k norms included)
+    give torch's logits: float32 to float rounding, bf16 within its rounding; several steps, so the cache they
+    read grows."""
+    from lrq import native
+    assert native.library() is not None, native.status()
+    model = tiny_model(arch, seed=11).to(dtype)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(12))
+    outs = []
+    for use in (True, False):
+        lean = LeanDecoder(model, 16)
+        assert (lean._lib is not None) is True
+        lean._lib = lean._lib if use else None
+        lean.forward(ids[:, :8])
+        outs.append(torch.cat([lean.forward(ids[:, j:j + 1]).float() for j in range(8, 12)], dim=1))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2 * outs[1].abs().max().item()
+    assert (outs[0] - outs[1]).abs().max().item() <= tol

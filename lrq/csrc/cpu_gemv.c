@@ -109,6 +109,50 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
   vstore(y, o0); vstore(y + 16, o1);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+/* one block of 64 features, bf16 activations (exact in bf16: the model's own values), AVX512-BF16: two rows k, k+1
+ * of levels at once (one 64-byte load), their bytes interleaved (vpermb), the nibbles widened to words and looked up
+ * as bf16 (vpermw: the levels 0..15 are exact in bf16), each pair of products summed into float32 lanes by vdpbf16ps
+ * against the broadcast pair (x[k], x[k+1]): about half the instructions of the float32 block per weight. */
+#define BF16_DOT 1
+static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, const uint16_t *xb, const float *xs,
+                         float *y, int k_pad, int group, int n_pad) {
+  const __m512i inter = _mm512_set_epi8(
+      63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50,
+      18, 49, 17, 48, 16, 47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+      35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i levels = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+      0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i mask = _mm512_set1_epi8(15);
+  __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+  for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int k = g0; k < g0 + group; k += 2) {
+      __m512i r = _mm512_permutexvar_epi8(inter, _mm512_loadu_si512(blk + (size_t)k * 32));
+      __m512i lo = _mm512_and_si512(r, mask), hi = _mm512_and_si512(_mm512_srli_epi16(r, 4), mask);
+      uint32_t pair;
+      memcpy(&pair, xb + k, 4);
+      __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair);
+#define LOOKUP(v) (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(v), levels)
+      a0 = _mm512_dpbf16_ps(a0, LOOKUP(_mm512_castsi512_si256(lo)), xp);
+      a1 = _mm512_dpbf16_ps(a1, LOOKUP(_mm512_extracti64x4_epi64(lo, 1)), xp);
+      a2 = _mm512_dpbf16_ps(a2, LOOKUP(_mm512_castsi512_si256(hi)), xp);
+      a3 = _mm512_dpbf16_ps(a3, LOOKUP(_mm512_extracti64x4_epi64(hi, 1)), xp);
+#undef LOOKUP
+    }
+    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    __m512 xsum = _mm512_set1_ps(xs[gi]);
+    o0 = _mm512_fmadd_ps(a0, _mm512_loadu_ps(sg), _mm512_fmadd_ps(_mm512_loadu_ps(zg), xsum, o0));
+    o1 = _mm512_fmadd_ps(a1, _mm512_loadu_ps(sg + 16), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 16), xsum, o1));
+    o2 = _mm512_fmadd_ps(a2, _mm512_loadu_ps(sg + 32), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 32), xsum, o2));
+    o3 = _mm512_fmadd_ps(a3, _mm512_loadu_ps(sg + 48), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 48), xsum, o3));
+  }
+  _mm512_storeu_ps(y, o0); _mm512_storeu_ps(y + 16, o1); _mm512_storeu_ps(y + 32, o2); _mm512_storeu_ps(y + 48, o3);
+}
+#endif
+
 /* the last n mod B features: k rows of rem / 2 bytes, features 2j (low nibble) and 2j + 1 (high), one token */
 static void block_rest(const uint8_t *blk, int rem, const float *s, const float *zc, const float *x,
                        const float *xs, float *y, int k_pad, int group, int n_pad) {
@@ -138,16 +182,49 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as tor
 /* x: [m, k] (bf16 when x_bf16, else float32), rows `x_stride` elements apart; y: [m, n] (bf16 when y_bf16, else
  * float32), contiguous. k <= k_pad (the padding columns count as zero inputs), n <= n_pad (the padding features are
  * computed and dropped). Returns 0, or 1 for arguments this kernel does not take, 2 when memory runs out. */
-int lrq_int4_gemv(const uint8_t *packed, const float *s, const float *zc, const void *x, int x_bf16,
-                  long x_stride, void *y, int y_bf16, int m, int n, int n_pad, int k, int k_pad, int group,
-                  int block, int nthreads) {
+/* a layer's constant arguments, made once per layer by lrq.cpu_kernels (one pointer per call instead of a dozen
+ * converted arguments: at one token a call's fixed cost is what is left to save) */
+typedef struct {
+  const uint8_t *packed;
+  const float *s, *zc;
+  int32_t n, n_pad, k, k_pad, group, block;
+} int4_layer;
+
+/* scratch memory of the calling thread, grown as needed and kept (no allocation per call) */
+static __thread void *scratch;
+static __thread size_t scratch_size;
+static void *scratch_get(size_t bytes) {
+  if (bytes > scratch_size) {
+    void *p = realloc(scratch, bytes);
+    if (!p) return NULL;
+    scratch = p;
+    scratch_size = bytes;
+  }
+  return scratch;
+}
+
+int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride, void *y, int m, int nthreads) {
+  const uint8_t *packed = L->packed;
+  const float *s = L->s, *zc = L->zc;
+  int n = L->n, n_pad = L->n_pad, k = L->k, k_pad = L->k_pad, group = L->group, block = L->block, y_bf16 = x_bf16;
   if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k > k_pad || n > n_pad ||
       m < 1)
     return 1;
   int ng = k_pad / group, nb = n_pad / block, rem = n_pad - nb * block;
-  float *xf = malloc(sizeof(float) * ((size_t)m * (k_pad + ng) + (size_t)m * n_pad));
+  size_t floats = (size_t)m * (k_pad + ng) + (size_t)m * n_pad;
+  float *xf = scratch_get(sizeof(float) * floats + sizeof(uint16_t) * (size_t)m * k_pad);
   if (!xf) return 2;
   float *xs = xf + (size_t)m * k_pad, *yf = xs + (size_t)m * ng;
+  uint16_t *xb = NULL;
+#ifdef BF16_DOT
+  if (x_bf16 && block == 64 && group % 2 == 0) {
+    xb = (uint16_t *)(xf + floats);
+    for (int t = 0; t < m; t++) {
+      memcpy(xb + (size_t)t * k_pad, (const uint16_t *)x + (size_t)t * x_stride, sizeof(uint16_t) * k);
+      memset(xb + (size_t)t * k_pad + k, 0, sizeof(uint16_t) * (k_pad - k));
+    }
+  }
+#endif
   for (int t = 0; t < m; t++) {
     float *xt = xf + (size_t)t * k_pad;
     if (x_bf16) {
@@ -164,7 +241,7 @@ int lrq_int4_gemv(const uint8_t *packed, const float *s, const float *zc, const 
     }
   }
   int units = nb + (rem > 0);
-  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && units > 1)
   for (int b = 0; b < units; b++)
     for (int t = 0; t < m; t++) {
       const float *xt = xf + (size_t)t * k_pad, *xst = xs + (size_t)t * ng;
@@ -172,6 +249,10 @@ int lrq_int4_gemv(const uint8_t *packed, const float *s, const float *zc, const 
       const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
       if (b == nb)
         block_rest(blk, rem, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
+#ifdef BF16_DOT
+      else if (xb)
+        block64_bf16(blk, s + b * block, zc + b * block, xb + (size_t)t * k_pad, xst, yt, k_pad, group, n_pad);
+#endif
       else if (block == 64)
         block64(blk, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
       else
@@ -186,7 +267,6 @@ int lrq_int4_gemv(const uint8_t *packed, const float *s, const float *zc, const 
       memcpy((float *)y + (size_t)t * n, src, sizeof(float) * n);
     }
   }
-  free(xf);
   return 0;
 }
 
@@ -300,9 +380,92 @@ int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x
   return 0;
 }
 
+/* ---- the lean runtime's one-token steps (lrq.runtime.LeanDecoder): what torch runs as many small operations ---- */
+
+static inline float load_any(const void *p, int bf16, size_t i) {
+  return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void store_any(void *p, int bf16, size_t i, float v) {
+  if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v); else ((float *)p)[i] = v;
+}
+
+/* rms_norm: y = x / sqrt(mean(x^2) + eps) * w per row of n, in float32, rounded once to x's dtype (torch's fused
+ * rms_norm computes the same in float32 and rounds once); w in the model's dtype. */
+void lrq_rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int n, float eps) {
+  for (int r = 0; r < rows; r++) {
+    float ss = 0;
+    for (int i = 0; i < n; i++) { float v = load_any(x, bf16, (size_t)r * n + i); ss += v * v; }
+    float inv = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++)
+      store_any(y, bf16, (size_t)r * n + i, load_any(x, bf16, (size_t)r * n + i) * inv * load_any(w, bf16, i));
+  }
+}
+
+/* attend: one query token against `len` cached positions. q [heads, hd] (rows q_stride apart), caches [kv_heads,
+ * max_len, hd] (head kv_stride apart), head h reads key/value head h / (heads / kv_heads); out [heads, hd]
+ * contiguous (the o_proj input as is). Scores, softmax and the weighted sum in float32, rounded once. */
+int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, long kv_stride, void *out, int bf16,
+               int len, int heads, int kv_heads, int hd, float scale) {
+  if (len < 1 || kv_heads < 1 || heads % kv_heads) return 1;
+  float *buf = malloc(sizeof(float) * ((size_t)len + 2 * hd));
+  if (!buf) return 2;
+  float *qf = buf + len, *acc = qf + hd;
+  for (int h = 0; h < heads; h++) {
+    size_t kvh = (size_t)(h / (heads / kv_heads)) * kv_stride;
+    for (int d = 0; d < hd; d++) { qf[d] = load_any(q, bf16, (size_t)h * q_stride + d); acc[d] = 0; }
+    float mx = -INFINITY;
+    for (int j = 0; j < len; j++) {
+      float sc = 0;
+      for (int d = 0; d < hd; d++) sc += qf[d] * load_any(kc, bf16, kvh + (size_t)j * hd + d);
+      buf[j] = sc * scale;
+      if (buf[j] > mx) mx = buf[j];
+    }
+    float sum = 0;
+    for (int j = 0; j < len; j++) { buf[j] = expf(buf[j] - mx); sum += buf[j]; }
+    for (int j = 0; j < len; j++) {
+      float p = buf[j] / sum;
+      for (int d = 0; d < hd; d++) acc[d] += p * load_any(vc, bf16, kvh + (size_t)j * hd + d);
+    }
+    for (int d = 0; d < hd; d++) store_any(out, bf16, (size_t)h * hd + d, acc[d]);
+  }
+  free(buf);
+  return 0;
+}
+
+/* per_token_dequant: lrq.quant.per_token_dequantized's values, bit for bit (the same float32 operations in the same
+ * order; this file is compiled with -ffp-contract=off so none is fused): per row, lo = min(min x, 0),
+ * hi = max(max x, 0), scale = max((hi - lo) / qmax, eps), zero = clamp(round(-(lo / scale)), 0, qmax), then
+ * (clamp(round(x / scale) + zero, 0, qmax) - zero) * scale, rounded once to the row's dtype. Rounding is half to
+ * even (nearbyintf in the default mode), as torch.round. */
+void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, int bits, float eps) {
+  float qmax = (float)((1 << bits) - 1);
+  for (int r = 0; r < rows; r++) {
+    size_t o = (size_t)r * k;
+    float lo = load_any(x, bf16, o), hi = lo;
+    for (int i = 1; i < k; i++) {
+      float v = load_any(x, bf16, o + i);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    hi = hi < 0 ? 0 : hi;
+    lo = lo > 0 ? 0 : lo;
+    float scale = (hi - lo) / qmax;
+    scale = scale < eps ? eps : scale;
+    float zero = nearbyintf(-(lo / scale));
+    zero = zero < 0 ? 0 : (zero > qmax ? qmax : zero);
+    for (int i = 0; i < k; i++) {
+      float q = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
+      q = q < 0 ? 0 : (q > qmax ? qmax : q);
+      store_any(y, bf16, o + i, (q - zero) * scale);
+    }
+  }
+}
+
 /* the instruction set the compiler targeted */
 const char *lrq_isa(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__)
   return "avx2";
