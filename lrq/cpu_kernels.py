@@ -29,6 +29,14 @@ So the 4-bit and int8 weight-only forms choose per call by the number of tokens 
 straight out of the kernel's form into a transient float32 buffer, dequantized in place and run through the dense
 GEMM (BLAS), the buffer dropped after the call. Still one copy of the weights held; the transient one is one
 layer's, at prefill.
+
+Decode steps run lrq's own kernels where they are built (lrq.native, C compiled on the machine; torch's kernels
+otherwise, and `LRQ_NATIVE=0` turns them off): a 4-bit layer's call of up to NATIVE_MAX_M tokens reads torch's
+int4 packing as it is held (float32 inputs exactly, bf16 ones through AVX512-BF16 dot products where the CPU has
+them), and a W8A8 step on a static grid quantizes its activations, multiplies the levels exactly (VNNI or AVX2) and
+corrects the zero points in one call (NATIVE_INT8_MAX_M). The scales they read are the float32 (s, q * s + zc)
+pairs each Int4Weights holds beside torch's bf16 (scale, zero) form; torch's float32 form is made only where its
+float32 kernel runs (a packing that cannot be read back).
 """
 
 from __future__ import annotations
