@@ -352,9 +352,23 @@ def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tenso
     return y.mul_(x_scale).mul_(scale)
 
 
+EXACT_FLOAT_K = 1024   # int8 x int8 products summed over 1024 terms stay below 2^24: exact in float32
+
+
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch._int_mm with oneDNN on (its CPU implementation: without it a scalar loop, 40x slower; the lean runtime
-    turns oneDNN off for one-token steps, where torch's own bf16 kernels are the faster ones)."""
+    """The exact int32 product of int8 [m, k] and [k, n]: torch._int_mm where this CPU's is exact (lrq.packed.int_mm_ok),
+    with oneDNN on (its CPU implementation: without it a scalar loop, 40x slower; the lean runtime turns oneDNN off
+    for one-token steps, where torch's own bf16 kernels are the faster ones). Elsewhere (a CPU without VNNI/AMX, whose
+    oneDNN sums in saturating int16) float32 GEMMs over slices of EXACT_FLOAT_K: every partial sum an integer below
+    2^24, so exact whatever order BLAS adds in, summed in int32 (the layers take this path only where lrq's own
+    decode kernel exists, so it runs at prefill)."""
+    from lrq.packed import int_mm_ok
+    if not int_mm_ok():
+        acc = None
+        for c in range(0, a.shape[1], EXACT_FLOAT_K):
+            part = (a[:, c:c + EXACT_FLOAT_K].float() @ b[c:c + EXACT_FLOAT_K].float()).to(torch.int32)
+            acc = part if acc is None else acc.add_(part)
+        return acc
     if torch.backends.mkldnn.enabled:
         return torch._int_mm(a, b)
     torch.backends.mkldnn.enabled = True

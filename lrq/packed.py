@@ -157,10 +157,13 @@ class PackedLinear(nn.Module):
     # ---- the CPU kernels' form ----------------------------------------------------------------
     def integer_activations(self) -> bool:
         """Whether the CPU form multiplies activation levels (torch._int_mm): per-channel weights, activations of
-        8 bits or fewer on a grid known as integers (static, or a mode with integer_qparams), an exact _int_mm."""
+        8 bits or fewer on a grid known as integers (static, or a mode with integer_qparams), and an exact integer
+        product: torch's _int_mm where it is exact, else lrq.native's decode kernel (exact on AVX2 too) with an exact
+        float32 product at prefill (lrq.cpu_kernels._int_mm)."""
         s = self.scheme
         known = s.a_bits is not None and (s.static_activations or s.activations.integer_qparams is not None)
-        return known and s.a_bits <= 8 and self.group_size is None and int_mm_ok()
+        return (known and s.a_bits <= 8 and self.group_size is None
+                and (int_mm_ok() or native.library() is not None))
 
     @torch.no_grad()
     def convert_for_cpu(self, levels: torch.Tensor | None = None):

@@ -110,44 +110,56 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-/* one block of 64 features, bf16 activations (exact in bf16: the model's own values), AVX512-BF16: two rows k, k+1
- * of levels at once (one 64-byte load), their bytes interleaved (vpermb), the nibbles widened to words and looked up
- * as bf16 (vpermw: the levels 0..15 are exact in bf16), each pair of products summed into float32 lanes by vdpbf16ps
- * against the broadcast pair (x[k], x[k+1]): about half the instructions of the float32 block per weight. */
+/* one block of 64 features, bf16 activations (exact in bf16: the model's own values), AVX512-BF16. Two rows k, k+1
+ * of levels are read at once (one 64-byte load) and their bytes interleaved (one vpermb), so that 32-bit lane i holds
+ * the bytes of features 2i and 2i + 1 of both rows, each byte two levels (low nibble: feature f, high: f + 32):
+ *     bits 0-3: (k, 2i)  4-7: (k, 2i+32)  8-11: (k+1, 2i)  12-15: (k+1, 2i+32)  16-19: (k, 2i+1) ... 28-31: (k+1, 2i+33)
+ * Each of the four features of a lane is then made a pair of bf16 words by shifts and two bit-selects (vpternlogd,
+ * no table lookups: the integer units, not the one shuffle unit): the level q in the low mantissa bits under the
+ * exponent of 128, i.e. the bf16 value 128 + q, exact. vdpbf16ps sums the pair of products with (x[k], x[k+1]) into
+ * float32 lanes, and 128 * sum(x) is taken off per group (acc - 128 X; the float32 sum's error, ~1e-6 of the
+ * terms' size, is far below the bf16 output's rounding). At each group's end the lanes go back to feature order (two
+ * two-source permutes per 32 features) and take their scales: y += s (acc - 128 X) + zc X. */
 #define BF16_DOT 1
+static inline __m512bh bf16_pairs(__m512i low, __m512i high) {
+  const __m512i halves = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F),
+                base = _mm512_set1_epi32(0x43004300);
+  __m512i blend = _mm512_ternarylogic_epi32(low, high, halves, 0xD8);       /* halves ? high : low */
+  return (__m512bh)_mm512_ternarylogic_epi32(blend, nibbles, base, 0xEA);   /* (blend & nibbles) | base */
+}
+
 static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, const uint16_t *xb, const float *xs,
                          float *y, int k_pad, int group, int n_pad) {
   const __m512i inter = _mm512_set_epi8(
       63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50,
       18, 49, 17, 48, 16, 47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
       35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i levels = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
-      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-      0x4040, 0x4000, 0x3F80, 0x0000);
-  const __m512i mask = _mm512_set1_epi8(15);
+  /* lane 2m <- even-feature vector lane m, lane 2m + 1 <- odd-feature vector lane m (second source: index + 16) */
+  const __m512i to_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i to_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;   /* features 2i, 2i+32, 2i+1, 2i+33 */
     for (int k = g0; k < g0 + group; k += 2) {
-      __m512i r = _mm512_permutexvar_epi8(inter, _mm512_loadu_si512(blk + (size_t)k * 32));
-      __m512i lo = _mm512_and_si512(r, mask), hi = _mm512_and_si512(_mm512_srli_epi16(r, 4), mask);
+      __m512i d = _mm512_permutexvar_epi8(inter, _mm512_loadu_si512(blk + (size_t)k * 32));
       uint32_t pair;
       memcpy(&pair, xb + k, 4);
       __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair);
-#define LOOKUP(v) (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(v), levels)
-      a0 = _mm512_dpbf16_ps(a0, LOOKUP(_mm512_castsi512_si256(lo)), xp);
-      a1 = _mm512_dpbf16_ps(a1, LOOKUP(_mm512_extracti64x4_epi64(lo, 1)), xp);
-      a2 = _mm512_dpbf16_ps(a2, LOOKUP(_mm512_castsi512_si256(hi)), xp);
-      a3 = _mm512_dpbf16_ps(a3, LOOKUP(_mm512_extracti64x4_epi64(hi, 1)), xp);
-#undef LOOKUP
+      v0 = _mm512_dpbf16_ps(v0, bf16_pairs(d, _mm512_slli_epi32(d, 8)), xp);
+      v1 = _mm512_dpbf16_ps(v1, bf16_pairs(_mm512_srli_epi32(d, 4), _mm512_slli_epi32(d, 4)), xp);
+      v2 = _mm512_dpbf16_ps(v2, bf16_pairs(_mm512_srli_epi32(d, 16), _mm512_srli_epi32(d, 8)), xp);
+      v3 = _mm512_dpbf16_ps(v3, bf16_pairs(_mm512_srli_epi32(d, 20), _mm512_srli_epi32(d, 12)), xp);
     }
     const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
-    __m512 xsum = _mm512_set1_ps(xs[gi]);
-    o0 = _mm512_fmadd_ps(a0, _mm512_loadu_ps(sg), _mm512_fmadd_ps(_mm512_loadu_ps(zg), xsum, o0));
-    o1 = _mm512_fmadd_ps(a1, _mm512_loadu_ps(sg + 16), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 16), xsum, o1));
-    o2 = _mm512_fmadd_ps(a2, _mm512_loadu_ps(sg + 32), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 32), xsum, o2));
-    o3 = _mm512_fmadd_ps(a3, _mm512_loadu_ps(sg + 48), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 48), xsum, o3));
+    __m512 xsum = _mm512_set1_ps(xs[gi]), x128 = _mm512_set1_ps(128.0f * xs[gi]);
+#define TAKE(o, acc, off)                                                                                   \
+    o = _mm512_fmadd_ps(_mm512_sub_ps(acc, x128), _mm512_loadu_ps(sg + off),                               \
+                        _mm512_fmadd_ps(_mm512_loadu_ps(zg + off), xsum, o))
+    TAKE(o0, _mm512_permutex2var_ps(v0, to_lo, v2), 0);
+    TAKE(o1, _mm512_permutex2var_ps(v0, to_hi, v2), 16);
+    TAKE(o2, _mm512_permutex2var_ps(v1, to_lo, v3), 32);
+    TAKE(o3, _mm512_permutex2var_ps(v1, to_hi, v3), 48);
+#undef TAKE
   }
   _mm512_storeu_ps(y, o0); _mm512_storeu_ps(y + 16, o1); _mm512_storeu_ps(y + 32, o2); _mm512_storeu_ps(y + 48, o3);
 }
