@@ -51,6 +51,15 @@ def lean_support(model: nn.Module, max_len: int) -> str | None:
     return None
 
 
+def _native(name: str, fn, *args):
+    """An lrq.native call, labelled `lrq.native::<name>` while torch.profiler records (it is no aten op, so a profile
+    would otherwise count it as Python overhead; bench.studies.speed_cpu.profile_decode reads the label)."""
+    if torch.autograd._profiler_enabled():
+        with torch.autograd.profiler.record_function(f"lrq.native::{name}"):
+            return fn(*args)
+    return fn(*args)
+
+
 def _rms(norm: nn.Module, x: torch.Tensor, lib=None) -> torch.Tensor:
     """The Llama/Qwen RMSNorm as one fused operation (torch computes it in float32 and rounds once; the Hugging Face
     norm rounds the normalized values to the model's dtype before scaling them by the weight, four operations).
@@ -59,8 +68,8 @@ def _rms(norm: nn.Module, x: torch.Tensor, lib=None) -> torch.Tensor:
     w = norm.weight
     if lib is not None and x.is_contiguous() and w.dtype == x.dtype and w.is_contiguous():
         y = torch.empty_like(x)
-        lib.lrq_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16,
-                         x.numel() // x.shape[-1], x.shape[-1], norm.variance_epsilon)
+        _native("rms_norm", lib.lrq_rms_norm, x.data_ptr(), w.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16,
+                x.numel() // x.shape[-1], x.shape[-1], norm.variance_epsilon)
         return y
     return F.rms_norm(x, (x.shape[-1],), w, eps=norm.variance_epsilon)
 
@@ -124,8 +133,8 @@ class LeanDecoder:
         q = self._rope(q, cos, sin)
         if lib is not None:   # one token against the cache: lrq.native's attention, no SDPA dispatch
             o = torch.empty(b, t, q.shape[2] * hd, dtype=q.dtype)
-            rc = lib.lrq_attend(q.data_ptr(), hd, kc.data_ptr(), vc.data_ptr(), kc.stride(1), o.data_ptr(),
-                                q.dtype == torch.bfloat16, end, q.shape[2], kc.shape[1], hd, a.scaling)
+            rc = _native("attend", lib.lrq_attend, q.data_ptr(), hd, kc.data_ptr(), vc.data_ptr(), kc.stride(1),
+                         o.data_ptr(), q.dtype == torch.bfloat16, end, q.shape[2], kc.shape[1], hd, a.scaling)
             if rc:
                 raise RuntimeError(f"lrq native attention refused its arguments (code {rc})")
             return a.o_proj(o)

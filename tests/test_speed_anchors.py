@@ -179,3 +179,27 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     from bench.common.store import ResultStore
     stored = {r.scheme for r in ResultStore(store).rows()}
     assert stored == {"dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "w4a16"}   # no anchor, no int8-head copy
+
+
+def test_profile_counts_native_kernels_where_they_run():
+    """lrq.native's C calls are no aten ops: the quantized linears' time is their modules' wall time, and the lean
+    runtime's norm/attention calls are labelled, so neither lands in the Python overhead."""
+    from lrq import native
+    from lrq.runtime import LeanDecoder
+    from tests.conftest import tiny_model
+    from lrq.methods import get_method, load_methods
+    from lrq.packed import pack_model
+    from lrq.schemes import get_scheme
+    assert native.library() is not None, native.status()
+    load_methods()
+    model = tiny_model("llama", vocab_size=256, hidden=256, layers=2).to(torch.bfloat16)
+    rtn = get_method("rtn")
+    rtn.quantize(model, get_scheme("w4a16"), rtn.config("quick"), None)
+    pack_model(model)
+    lean = LeanDecoder(model, 40)
+    prof = speed_cpu.profile_decode(lean, torch.arange(16).unsqueeze(0), steps=4)
+    ms = {g["group"]: g["ms_per_token"] for g in prof["groups"]}
+    assert sum(ms.values()) == pytest.approx(prof["wall_ms_per_token"], rel=1e-6)
+    # 14 packed linears per step through C: far more than nothing (they were ~0 when only aten ops counted)
+    assert ms["quantized linears"] > 0.1 * prof["wall_ms_per_token"]
+    assert ms["attention/SDPA, RoPE, norms and other ops"] > 0

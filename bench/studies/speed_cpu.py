@@ -259,12 +259,14 @@ def rows(cands: list[Candidate]) -> list[dict]:
 
 @torch.no_grad()
 def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
-    """Where `steps` greedy decode steps after `prompt` spend their time, under torch.profiler: each top-level aten
-    op (one not inside another aten op) goes to the group of the nearest module it runs in (a PackedLinear: the
-    quantized linears; the output head; anything else: attention/SDPA, RoPE, norms, the embedding, residual adds,
-    the argmax), and the wall time inside no aten op is framework/Python overhead. ms per token, and shares; the
-    profiler adds its own cost to every op (most of it lands in the overhead), so the same steps are also timed
-    without it first (`unprofiled_ms_per_token`). `target`: a model (its own forward) or a LeanDecoder."""
+    """Where `steps` greedy decode steps after `prompt` spend their time, under torch.profiler: the quantized
+    linears (PackedLinear modules) and the output head are each the wall time of their module's calls (a labelled
+    range: aten ops and lrq.native's C kernels alike, which are no aten ops); every other top-level aten op (one
+    inside no aten op and no labelled module) goes to attention/SDPA, RoPE, norms and other ops, and so do the lean
+    runtime's lrq.native norm and attention calls (labelled by it); the wall time left is framework/Python overhead.
+    ms per token, and shares; the profiler adds its own cost to every op (most of it lands in the overhead), so the
+    same steps are also timed without it first (`unprofiled_ms_per_token`). `target`: a model (its own forward) or
+    a LeanDecoder."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from lrq.packed import PackedLinear
@@ -299,16 +301,16 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
             h.remove()
     us = dict.fromkeys(PROFILE_GROUPS[:3], 0.0)
     for e in prof.events():
-        if not e.name.startswith("aten::"):
+        labelled = e.name.startswith(("lrq.group::", "lrq.native::"))
+        if not (labelled or e.name.startswith("aten::")):
             continue
-        group, p = PROFILE_GROUPS[2], e.cpu_parent
-        named = False
-        while p is not None and not p.name.startswith("aten::"):
-            if not named and p.name.startswith("lrq.group::"):
-                group, named = p.name.split("::", 1)[1], True
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith(("aten::", "lrq.group::", "lrq.native::")):
             p = p.cpu_parent
-        if p is None:   # top-level: no aten op above it
-            us[group] += e.time_range.elapsed_us()
+        if p is not None:   # inside a labelled range or another aten op: counted there
+            continue
+        group = e.name.split("::", 1)[1] if e.name.startswith("lrq.group::") else PROFILE_GROUPS[2]
+        us[group] += e.time_range.elapsed_us()
     us[PROFILE_GROUPS[3]] = max(wall_us - sum(us.values()), 0.0)
     return {"steps": steps, "wall_ms_per_token": wall_us / 1e3 / steps, "unprofiled_ms_per_token": plain_ms,
             "groups": [{"group": g, "ms_per_token": us[g] / 1e3 / steps, "share": us[g] / wall_us}
@@ -515,9 +517,11 @@ def _fp32_decode_sentence(doc: dict) -> str:
     if doc.get("precision", {}).get("used") != "fp32":
         return ""
     mode = doc.get("float32_decode", "exact")
+    native = str((doc.get("kernels_isa") or {}).get("decode_kernel", "")).startswith("lrq native")
+    exact = ("exact (lrq's own float32 kernel on the packed levels)" if native else
+             "exact (a transient float32 weight per call)")
     return ("; float32 decode steps of the 4-bit layers: " +
-            ("exact (a transient float32 weight per call)" if mode == "exact" else
-             "through the bf16 int4 kernel (activations and outputs rounded to bf16)"))
+            (exact if mode == "exact" else "through the bf16 int4 kernel (activations and outputs rounded to bf16)"))
 
 
 def _runtime_sentence(doc: dict) -> str:
