@@ -182,6 +182,10 @@ static void block_rest(const uint8_t *blk, int rem, const float *s, const float 
   }
 }
 
+/* weights (times tokens) from which a call is split over threads: below it a fork/join costs more than it saves
+ * (a 192 x 576 projection is 110,592) */
+#define PARALLEL_FROM (1u << 18)
+
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
 }
@@ -253,7 +257,8 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
     }
   }
   int units = nb + (rem > 0);
-  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && units > 1)
+  #pragma omp parallel for num_threads(nthreads) schedule(static) \
+      if (nthreads > 1 && units > 1 && (size_t)m * n_pad * k_pad >= PARALLEL_FROM)
   for (int b = 0; b < units; b++)
     for (int t = 0; t < m; t++) {
       const float *xt = xf + (size_t)t * k_pad, *xst = xs + (size_t)t * ng;
@@ -379,7 +384,7 @@ int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x
     for (int i = 0; i < k; i++) rs += xt[i];
     float rowsum = (float)rs, xz = x_zero[zero_per_row ? t : 0], xsc = x_scale[scale_per_row ? t : 0];
     float *yt = y + (size_t)t * n;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
     for (int j = 0; j < n; j++) {
       float v = (float)dot_row(xs + (size_t)t * xstep, w + (size_t)j * k, k, wsum[j]) - xz * col_term[j];
       if (asymmetric) v += rowsum * zero_term[j];
