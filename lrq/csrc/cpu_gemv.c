@@ -111,54 +111,49 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 /* one block of 64 features, bf16 activations (exact in bf16: the model's own values), AVX512-BF16. Two rows k, k+1
- * of levels are read at once (one 64-byte load) and their bytes interleaved (one vpermb), so that 32-bit lane i holds
- * the bytes of features 2i and 2i + 1 of both rows, each byte two levels (low nibble: feature f, high: f + 32):
- *     bits 0-3: (k, 2i)  4-7: (k, 2i+32)  8-11: (k+1, 2i)  12-15: (k+1, 2i+32)  16-19: (k, 2i+1) ... 28-31: (k+1, 2i+33)
- * Each of the four features of a lane is then made a pair of bf16 words by shifts and two bit-selects (vpternlogd,
- * no table lookups: the integer units, not the one shuffle unit): the level q in the low mantissa bits under the
- * exponent of 128, i.e. the bf16 value 128 + q, exact. vdpbf16ps sums the pair of products with (x[k], x[k+1]) into
- * float32 lanes, and 128 * sum(x) is taken off per group (acc - 128 X; the float32 sum's error, ~1e-6 of the
- * terms' size, is far below the bf16 output's rounding). At each group's end the lanes go back to feature order (two
- * two-source permutes per 32 features) and take their scales: y += s (acc - 128 X) + zc X. */
+ * of levels are read at once (one 64-byte load, row k's 32 bytes then row k+1's; byte j of a row holds feature j in
+ * its low nibble and feature j + 32 in its high one) and their bytes placed (one vpermb) so that 32-bit lane i holds
+ *     byte 0: row k byte i,  byte 1: row k byte i + 16,  byte 2: row k+1 byte i,  byte 3: row k+1 byte i + 16.
+ * A lane shifted right by 0, 8, 4 or 12 bits and masked to 0x000F000F then holds, in its two 16-bit halves, the
+ * levels of feature i, i + 16, i + 32 or i + 48 for rows k and k+1; or-ed with 0x43004300 each half is the bf16
+ * value 128 + q, exact (one vpternlogd: no table lookups, the integer units rather than the one shuffle unit).
+ * vdpbf16ps sums each pair of products with (x[k], x[k+1]) into float32 lanes, already in feature order, and
+ * 128 * sum(x) is taken off per group (its error, ~1e-6 of the terms' size, far below the bf16 output's rounding):
+ *     y += s (acc - 128 X) + zc X   per group. */
 #define BF16_DOT 1
-static inline __m512bh bf16_pairs(__m512i low, __m512i high) {
-  const __m512i halves = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F),
-                base = _mm512_set1_epi32(0x43004300);
-  __m512i blend = _mm512_ternarylogic_epi32(low, high, halves, 0xD8);       /* halves ? high : low */
-  return (__m512bh)_mm512_ternarylogic_epi32(blend, nibbles, base, 0xEA);   /* (blend & nibbles) | base */
+static inline __m512bh bf16_levels(__m512i lanes) {
+  return (__m512bh)_mm512_ternarylogic_epi32(lanes, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300),
+                                             0xEA);   /* (lanes & nibbles) | base */
 }
 
 static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, const uint16_t *xb, const float *xs,
                          float *y, int k_pad, int group, int n_pad) {
-  const __m512i inter = _mm512_set_epi8(
-      63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50,
-      18, 49, 17, 48, 16, 47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-      35, 3, 34, 2, 33, 1, 32, 0);
-  /* lane 2m <- even-feature vector lane m, lane 2m + 1 <- odd-feature vector lane m (second source: index + 16) */
-  const __m512i to_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i to_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const __m512i place = _mm512_set_epi8(
+      63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25,
+      9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49,
+      33, 17, 1, 48, 32, 16, 0);
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;   /* features 2i, 2i+32, 2i+1, 2i+33 */
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* features 0-15, 16-31, 32-47, 48-63 */
     for (int k = g0; k < g0 + group; k += 2) {
-      __m512i d = _mm512_permutexvar_epi8(inter, _mm512_loadu_si512(blk + (size_t)k * 32));
+      __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
       uint32_t pair;
       memcpy(&pair, xb + k, 4);
       __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair);
-      v0 = _mm512_dpbf16_ps(v0, bf16_pairs(d, _mm512_slli_epi32(d, 8)), xp);
-      v1 = _mm512_dpbf16_ps(v1, bf16_pairs(_mm512_srli_epi32(d, 4), _mm512_slli_epi32(d, 4)), xp);
-      v2 = _mm512_dpbf16_ps(v2, bf16_pairs(_mm512_srli_epi32(d, 16), _mm512_srli_epi32(d, 8)), xp);
-      v3 = _mm512_dpbf16_ps(v3, bf16_pairs(_mm512_srli_epi32(d, 20), _mm512_srli_epi32(d, 12)), xp);
+      a0 = _mm512_dpbf16_ps(a0, bf16_levels(d), xp);
+      a1 = _mm512_dpbf16_ps(a1, bf16_levels(_mm512_srli_epi32(d, 8)), xp);
+      a2 = _mm512_dpbf16_ps(a2, bf16_levels(_mm512_srli_epi32(d, 4)), xp);
+      a3 = _mm512_dpbf16_ps(a3, bf16_levels(_mm512_srli_epi32(d, 12)), xp);
     }
     const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
     __m512 xsum = _mm512_set1_ps(xs[gi]), x128 = _mm512_set1_ps(128.0f * xs[gi]);
 #define TAKE(o, acc, off)                                                                                   \
     o = _mm512_fmadd_ps(_mm512_sub_ps(acc, x128), _mm512_loadu_ps(sg + off),                               \
                         _mm512_fmadd_ps(_mm512_loadu_ps(zg + off), xsum, o))
-    TAKE(o0, _mm512_permutex2var_ps(v0, to_lo, v2), 0);
-    TAKE(o1, _mm512_permutex2var_ps(v0, to_hi, v2), 16);
-    TAKE(o2, _mm512_permutex2var_ps(v1, to_lo, v3), 32);
-    TAKE(o3, _mm512_permutex2var_ps(v1, to_hi, v3), 48);
+    TAKE(o0, a0, 0);
+    TAKE(o1, a1, 16);
+    TAKE(o2, a2, 32);
+    TAKE(o3, a3, 48);
 #undef TAKE
   }
   _mm512_storeu_ps(y, o0); _mm512_storeu_ps(y + 16, o1); _mm512_storeu_ps(y + 32, o2); _mm512_storeu_ps(y + 48, o3);
