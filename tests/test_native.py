@@ -183,6 +183,18 @@ if native.library() is not None:
     y = w8.native_mm(xa, torch.tensor(-7.0), torch.tensor(0.5))
     ref = ((xa.double() + 7) @ (w8.weight.double() + w8.zero_term.double()[:, None]).t()) * 0.5 * w8.scale.double()
     errs.append(((y.double() - ref).abs().max() / ref.abs().max()).item())
+if native.library() is not None:   # the one-token attention kernel (bf16 and float32 caches) against SDPA
+    for dt in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 1, 8, 64, generator=g).to(dt)
+        kc, vc = torch.randn(1, 2, 40, 64, generator=g).to(dt), torch.randn(1, 2, 40, 64, generator=g).to(dt)
+        o = torch.empty(1, 1, 8 * 64, dtype=dt)
+        assert native.library().lrq_attend(q.data_ptr(), 64, kc.data_ptr(), vc.data_ptr(), kc.stride(1),
+                                           o.data_ptr(), dt == torch.bfloat16, 33, 8, 2, 64, 0.125) == 0
+        ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).float(), kc[:, :, :33].float(),
+                                                               vc[:, :, :33].float(), scale=0.125, enable_gqa=True)
+        ref = ref.transpose(1, 2).reshape(1, 1, -1)
+        # relative errors 1e-5 (float32: exp, the sums) and 1e-2 (bf16 output) count as the int kernels' 1e-6
+        errs.append(((o.float() - ref).abs().max() / ref.abs().max()).item() / (10 if dt == torch.float32 else 1e4))
 print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs)}))
 """
 

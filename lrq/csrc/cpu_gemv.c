@@ -27,6 +27,10 @@ static inline void vstore(float *p, v16 v) { _mm512_storeu_ps(p, v); }
 static inline v16 vfma(v16 a, float b, v16 c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
 static inline v16 vfmav(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 vwiden(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+static inline v16 vload_bf16(const uint16_t *p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline float vsum(v16 v) { return _mm512_reduce_add_ps(v); }
 #define NIBBLES 1
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef struct { __m256 a, b; } v16;
@@ -45,6 +49,17 @@ static inline v16 vfmav(v16 a, v16 b, v16 c) {
 static inline v16 vwiden(__m128i v) {
   v16 r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
   return r;
+}
+static inline __m256 bf16x8(const uint16_t *p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline v16 vload_bf16(const uint16_t *p) { v16 r = {bf16x8(p), bf16x8(p + 8)}; return r; }
+static inline float vsum(v16 v) {
+  __m256 a = _mm256_add_ps(v.a, v.b);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
 }
 #define NIBBLES 1
 #endif
@@ -65,6 +80,12 @@ static inline v16 vfmav(v16 a, v16 b, v16 c) { for (int i = 0; i < 16; i++) c.f[
 static inline b16 bload(const uint8_t *p) { b16 r; memcpy(r.b, p, 16); return r; }
 static inline v16 lo_f(b16 v) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = (float)(v.b[i] & 15); return r; }
 static inline v16 hi_f(b16 v) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = (float)(v.b[i] >> 4); return r; }
+static inline v16 vload_bf16(const uint16_t *p) {
+  v16 r;
+  for (int i = 0; i < 16; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.f[i], &u, 4); }
+  return r;
+}
+static inline float vsum(v16 v) { float t = 0; for (int i = 0; i < 16; i++) t += v.f[i]; return t; }
 #endif
 
 /* one block of 64 features (torch's AVX-512 packing), one token */
@@ -227,6 +248,7 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
   if (!xf) return 2;
   float *xs = xf + (size_t)m * k_pad, *yf = xs + (size_t)m * ng;
   uint16_t *xb = NULL;
+  (void)xb;
 #ifdef BF16_DOT
   if (x_bf16 && block == 64 && group % 2 == 0) {
     xb = (uint16_t *)(xf + floats);
@@ -419,28 +441,47 @@ void lrq_rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int
 int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, long kv_stride, void *out, int bf16,
                int len, int heads, int kv_heads, int hd, float scale) {
   if (len < 1 || kv_heads < 1 || heads % kv_heads) return 1;
-  float *buf = malloc(sizeof(float) * ((size_t)len + 2 * hd));
+  float *buf = scratch_get(sizeof(float) * ((size_t)len + 2 * hd));
   if (!buf) return 2;
   float *qf = buf + len, *acc = qf + hd;
   for (int h = 0; h < heads; h++) {
     size_t kvh = (size_t)(h / (heads / kv_heads)) * kv_stride;
     for (int d = 0; d < hd; d++) { qf[d] = load_any(q, bf16, (size_t)h * q_stride + d); acc[d] = 0; }
     float mx = -INFINITY;
+    int vec = hd % 16 == 0;   /* 16 float32 lanes at a time (every head size in use: 64, 128, ...) */
     for (int j = 0; j < len; j++) {
       float sc = 0;
-      for (int d = 0; d < hd; d++) sc += qf[d] * load_any(kc, bf16, kvh + (size_t)j * hd + d);
+      size_t row = kvh + (size_t)j * hd;
+      if (vec) {
+        v16 a = vzero();
+        for (int d = 0; d < hd; d += 16)
+          a = vfmav(vload(qf + d), bf16 ? vload_bf16((const uint16_t *)kc + row + d)
+                                        : vload((const float *)kc + row + d), a);
+        sc = vsum(a);
+      } else {
+        for (int d = 0; d < hd; d++) sc += qf[d] * load_any(kc, bf16, row + d);
+      }
       buf[j] = sc * scale;
       if (buf[j] > mx) mx = buf[j];
     }
     float sum = 0;
     for (int j = 0; j < len; j++) { buf[j] = expf(buf[j] - mx); sum += buf[j]; }
-    for (int j = 0; j < len; j++) {
-      float p = buf[j] / sum;
-      for (int d = 0; d < hd; d++) acc[d] += p * load_any(vc, bf16, kvh + (size_t)j * hd + d);
+    for (int j = 0; j < len; j++) buf[j] /= sum;
+    if (vec) {
+      for (int d = 0; d < hd; d += 16) {
+        v16 a = vzero();
+        for (int j = 0; j < len; j++) {
+          size_t at = kvh + (size_t)j * hd + d;
+          a = vfma(bf16 ? vload_bf16((const uint16_t *)vc + at) : vload((const float *)vc + at), buf[j], a);
+        }
+        vstore(acc + d, a);
+      }
+    } else {
+      for (int j = 0; j < len; j++)
+        for (int d = 0; d < hd; d++) acc[d] += buf[j] * load_any(vc, bf16, kvh + (size_t)j * hd + d);
     }
     for (int d = 0; d < hd; d++) store_any(out, bf16, (size_t)h * hd + d, acc[d]);
   }
-  free(buf);
   return 0;
 }
 
