@@ -101,6 +101,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_rms_norm.restype = None
     lib.lrq_attend.argtypes = [p, lg, p, p, lg, p, i, i, i, i, i, f]
     lib.lrq_attend.restype = i
+    lib.lrq_rope_cache.argtypes = [p, p, p, p, p, p, p, lg, i, i, i, i, i]
+    lib.lrq_rope_cache.restype = i
     lib.lrq_per_token_dequant.argtypes = [p, p, i, i, i, i, f]
     lib.lrq_per_token_dequant.restype = None
     return lib

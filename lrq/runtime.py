@@ -123,22 +123,28 @@ class LeanDecoder:
         lib = self._lib if t == 1 and b == 1 else None
         q = a.q_proj(h).view(b, t, -1, hd)
         k = a.k_proj(h).view(b, t, -1, hd)
-        v = a.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+        v = a.v_proj(h).view(b, t, -1, hd)
         if self.qk_norm:
             q, k = _rms(a.q_norm, q, lib), _rms(a.k_norm, k, lib)
-        cos, sin = self.cos[start:end, None], self.sin[start:end, None]    # [t, 1, hd] against [b, t, heads, hd]
         kc, vc = self.k_layers[i], self.v_layers[i]
+        if lib is not None and all(x.is_contiguous() and x.dtype == kc.dtype for x in (q, k, v)):
+            # one token: RoPE, the cache write and the attention as two lrq.native calls (q is roped in place: the
+            # projection's own fresh output, nothing else holds it)
+            rc = _native("rope_cache", lib.lrq_rope_cache, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                         self.cos[start].data_ptr(), self.sin[start].data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                         kc.stride(1), start, q.shape[2], kc.shape[1], hd, q.dtype == torch.bfloat16)
+            o = torch.empty(b, t, q.shape[2] * hd, dtype=q.dtype)
+            rc = rc or _native("attend", lib.lrq_attend, q.data_ptr(), hd, kc.data_ptr(), vc.data_ptr(),
+                               kc.stride(1), o.data_ptr(), q.dtype == torch.bfloat16, end, q.shape[2], kc.shape[1],
+                               hd, a.scaling)
+            if rc:
+                raise RuntimeError(f"lrq native rope/attention refused its arguments (code {rc})")
+            return a.o_proj(o)
+        v = v.transpose(1, 2)
+        cos, sin = self.cos[start:end, None], self.sin[start:end, None]    # [t, 1, hd] against [b, t, heads, hd]
         kc[:, :, start:end] = self._rope(k, cos, sin).transpose(1, 2)
         vc[:, :, start:end] = v
-        q = self._rope(q, cos, sin)
-        if lib is not None:   # one token against the cache: lrq.native's attention, no SDPA dispatch
-            o = torch.empty(b, t, q.shape[2] * hd, dtype=q.dtype)
-            rc = _native("attend", lib.lrq_attend, q.data_ptr(), hd, kc.data_ptr(), vc.data_ptr(), kc.stride(1),
-                         o.data_ptr(), q.dtype == torch.bfloat16, end, q.shape[2], kc.shape[1], hd, a.scaling)
-            if rc:
-                raise RuntimeError(f"lrq native attention refused its arguments (code {rc})")
-            return a.o_proj(o)
-        q = q.transpose(1, 2)
+        q = self._rope(q, cos, sin).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
                                            is_causal=mask is None and start == 0 and t > 1,
                                            scale=a.scaling, enable_gqa=True)

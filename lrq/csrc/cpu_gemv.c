@@ -435,6 +435,34 @@ void lrq_rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int
   }
 }
 
+/* rope_cache: one token's rotary embedding and key/value cache write, as lrq.runtime.LeanDecoder computes them
+ * (x cos + roll(x, hd / 2) sin', sin' carrying rotate_half's sign): q [heads, hd] in place, k [kv_heads, hd] roped
+ * into the key cache and v [kv_heads, hd] copied into the value cache at `pos` (caches [kv_heads, max_len, hd], head
+ * kv_stride apart); cos and sin' are the rows of position `pos` ([hd]). In float32, rounded once. */
+static void rope_row(const void *x, void *dst, const void *cos, const void *sin, int bf16, size_t xo, size_t dsto,
+                     int hd) {
+  int half = hd / 2;
+  float tmp[1024];
+  for (int d = 0; d < hd; d++) {
+    float r = load_any(x, bf16, xo + (size_t)((d + half) % hd));
+    tmp[d] = load_any(x, bf16, xo + d) * load_any(cos, bf16, d) + r * load_any(sin, bf16, d);
+  }
+  for (int d = 0; d < hd; d++) store_any(dst, bf16, dsto + d, tmp[d]);
+}
+
+int lrq_rope_cache(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
+                   long kv_stride, int pos, int heads, int kv_heads, int hd, int bf16) {
+  if (hd < 2 || hd > 1024 || hd % 2) return 1;
+  for (int h = 0; h < heads; h++) rope_row(q, q, cos, sin, bf16, (size_t)h * hd, (size_t)h * hd, hd);
+  size_t elem = bf16 ? 2 : 4;
+  for (int h = 0; h < kv_heads; h++) {
+    size_t at = (size_t)h * kv_stride + (size_t)pos * hd;
+    rope_row(k, kc, cos, sin, bf16, (size_t)h * hd, at, hd);
+    memcpy((char *)vc + at * elem, (const char *)v + (size_t)h * hd * elem, hd * elem);
+  }
+  return 0;
+}
+
 /* attend: one query token against `len` cached positions. q [heads, hd] (rows q_stride apart), caches [kv_heads,
  * max_len, hd] (head kv_stride apart), head h reads key/value head h / (heads / kv_heads); out [heads, hd]
  * contiguous (the o_proj input as is). Scores, softmax and the weighted sum in float32, rounded once. */
