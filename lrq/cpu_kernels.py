@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lrq import native
+import lrq.native as native
 from lrq.quant import _group_view
 
 KERNEL_GROUPS = (256, 128, 64, 32)   # the group sizes torch's int4 CPU kernel accepts
@@ -355,14 +355,39 @@ def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tenso
 EXACT_FLOAT_K = 1024   # int8 x int8 products summed over 1024 terms stay below 2^24: exact in float32
 
 
+def _int_mm_available() -> bool:
+    """Whether torch._int_mm exists here and is exact over the full int8 range. Without AVX-512 VNNI/AMX
+    (an AMD Zen 3, or any CPU at AVX2) oneDNN multiplies u8 x s8 pairs with vpmaddubsw, whose int16 sums
+    saturate: products of large activations and weights come out wrong with no error. So the probe uses
+    extreme values and a depth like a real layer's, and compares with an exact int64 product."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(-128, 128, (33, 576), dtype=torch.int8, generator=g)
+        b = torch.randint(-128, 128, (576, 40), dtype=torch.int8, generator=g)
+        a[:, :64], b[:64, :] = 127, 127            # the worst case on AVX2: (127 + 128) * 127 * 2 > 32767
+        a[0, 64:], b[64:, 0] = -128, -128
+        return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+    except Exception:  # noqa: BLE001 - any failure means: use the float path
+        return False
+
+
+_INT_MM = None
+
+
+def int_mm_ok() -> bool:
+    global _INT_MM
+    if _INT_MM is None:
+        _INT_MM = _int_mm_available()
+    return _INT_MM
+
+
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The exact int32 product of int8 [m, k] and [k, n]: torch._int_mm where this CPU's is exact (lrq.packed.int_mm_ok),
+    """The exact int32 product of int8 [m, k] and [k, n]: torch._int_mm where this CPU's is exact (int_mm_ok),
     with oneDNN on (its CPU implementation: without it a scalar loop, 40x slower; the lean runtime turns oneDNN off
     for one-token steps, where torch's own bf16 kernels are the faster ones). Elsewhere (a CPU without VNNI/AMX, whose
     oneDNN sums in saturating int16) float32 GEMMs over slices of EXACT_FLOAT_K: every partial sum an integer below
     2^24, so exact whatever order BLAS adds in, summed in int32 (the layers take this path only where lrq's own
     decode kernel exists, so it runs at prefill)."""
-    from lrq.packed import int_mm_ok
     if not int_mm_ok():
         acc = None
         for c in range(0, a.shape[1], EXACT_FLOAT_K):

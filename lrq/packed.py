@@ -41,40 +41,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
-from lrq import native
-from lrq.cpu_kernels import NATIVE_INT8_MAX_M, Int4Int8Weights, Int8GemmWeights, cpu_weights, int4_form
+import lrq.native as native
+from lrq.cpu_kernels import (NATIVE_INT8_MAX_M, Int4Int8Weights, Int8GemmWeights, _int_mm_available,  # noqa: F401
+                              cpu_weights, int4_form, int_mm_ok)
 from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
 from lrq.quant import (dequantize, n_groups, per_tensor_fake_quant, per_token_dequantized, per_token_fake_quant,
                        per_token_qparams)
 from lrq.schemes import Scheme
-
-
-def _int_mm_available() -> bool:
-    """Whether torch._int_mm exists here and is exact over the full int8 range. Without AVX-512 VNNI/AMX
-    (an AMD Zen 3, or any CPU at AVX2) oneDNN multiplies u8 x s8 pairs with vpmaddubsw, whose int16 sums
-    saturate: products of large activations and weights come out wrong with no error. So the probe uses
-    extreme values and a depth like a real layer's, and compares with an exact int64 product."""
-    try:
-        g = torch.Generator().manual_seed(0)
-        a = torch.randint(-128, 128, (33, 576), dtype=torch.int8, generator=g)
-        b = torch.randint(-128, 128, (576, 40), dtype=torch.int8, generator=g)
-        a[:, :64], b[:64, :] = 127, 127            # the worst case on AVX2: (127 + 128) * 127 * 2 > 32767
-        a[0, 64:], b[64:, 0] = -128, -128
-        return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
-    except Exception:  # noqa: BLE001 - any failure means: use the float path
-        return False
-
-
-_INT_MM = None
-
-
-def int_mm_ok() -> bool:
-    global _INT_MM
-    if _INT_MM is None:
-        _INT_MM = _int_mm_available()
-    return _INT_MM
 
 
 class PackedLinear(nn.Module):

@@ -124,7 +124,7 @@ def per_token_dequantized(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """per_token_fake_quant's values, bit for bit (a test checks), without the straight-through estimator's
     operations: for inference (no gradient), where a decode step's cost is its count of operations."""
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and x.numel():
-        from lrq import native
+        import lrq.native as native
         lib = native.library()
         if lib is not None:   # the same operations in one C call (lrq/csrc/cpu_gemv.c: lrq_per_token_dequant)
             y = torch.empty_like(x)

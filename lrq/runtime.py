@@ -108,7 +108,7 @@ class LeanDecoder:
         self.onednn_decode = False
         # lrq.native's norm and attention kernels for one-token steps (bf16 or float32 caches), where they are built;
         # None: torch's operations (set it to None to compare)
-        from lrq import native
+        import lrq.native as native
         self._lib = native.library() if dtype in (torch.bfloat16, torch.float32) else None
 
     def reset(self) -> None:

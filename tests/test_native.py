@@ -236,6 +236,7 @@ def test_integer_layers_without_an_exact_int_mm(monkeypatch):
     """Where torch._int_mm saturates (a CPU without VNNI/AMX), W8A8 and W4A8 still multiply integer levels: the
     decode step through lrq.native, prefill through float32 slices whose sums are exact integers; the outputs equal
     the same layers with an exact _int_mm, to the bit at prefill."""
+    import lrq.cpu_kernels as K
     import lrq.packed as P
     from tests.test_packed import _quant_linear
     x = torch.randn(40, 576) * 3
@@ -244,7 +245,7 @@ def test_integer_layers_without_an_exact_int_mm(monkeypatch):
         exact = P.PackedLinear.from_quant_linear(q)
         with torch.no_grad():
             ref_prefill, ref_decode = exact(x), exact(x[:1])
-        monkeypatch.setattr(P, "_INT_MM", False)          # as the probe finds on a Zen 3
+        monkeypatch.setattr(K, "_INT_MM", False)          # as the probe finds on a Zen 3
         p = P.PackedLinear.from_quant_linear(q)
         assert P.int_mm_ok() is False and p.integer_activations()
         monkeypatch.setattr(torch, "_int_mm", lambda *a: pytest.fail("the saturating _int_mm was called"))
@@ -252,10 +253,9 @@ def test_integer_layers_without_an_exact_int_mm(monkeypatch):
             assert torch.equal(p(x), ref_prefill)
             torch.testing.assert_close(p(x[:1]), ref_decode, rtol=1e-5, atol=1e-5)
         monkeypatch.undo()
-    import lrq.cpu_kernels as K
     g = torch.Generator().manual_seed(5)
     a = torch.randint(-128, 128, (3, 2500), dtype=torch.int8, generator=g)
     b = torch.randint(-128, 128, (2500, 7), dtype=torch.int8, generator=g)
     a[:, :1200], b[:1200] = -128, -128                    # partial sums past 2^24 without the slicing
-    monkeypatch.setattr(P, "_INT_MM", False)
+    monkeypatch.setattr(K, "_INT_MM", False)
     assert torch.equal(K._int_mm(a, b).long(), a.long() @ b.long())

@@ -501,7 +501,7 @@ def _kernels_isa() -> dict:
     """The instruction set torch's kernels and oneDNN were allowed to use (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
     limit them below the CPU's own: how a CPU without native bf16 is emulated on one that has it)."""
     import os
-    from lrq import native
+    import lrq.native as native
     return {"aten": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all",
             "decode_kernel": native.status()}
