@@ -471,3 +471,34 @@ def test_a_good_carry_replaces_a_shorter_local_checkpoint(tmp_path):
     assert json.loads((local / "state.json").read_text())["done"] == 3
     assert (local / "block0000.safetensors").read_bytes() == b"x" * 100
     assert not local.with_name(local.name + ".restoring").exists()
+
+
+def test_a_block_larger_than_a_repository_file_is_carried_in_parts(tmp_path, monkeypatch):
+    """A compressed block above CARRY_FILE_BYTES goes as numbered parts, each under the limit, restored whole (the
+    repository keeps files under 2 MB); carried again smaller, it is one file and the parts are gone."""
+    import os
+    cell = _carry_cell(tmp_path)
+    local = Path(cell.checkpoint_dir)
+    local.mkdir(parents=True)
+    big = os.urandom(5000)                                  # incompressible: ~5 kB of xz
+    (local / "block0000.safetensors").write_bytes(big)
+    (local / "state.json").write_text(json.dumps({"identity": "walk", "done": 1, "streams": [], "stats": []}))
+    monkeypatch.setattr(ledger, "CARRY_FILE_BYTES", 2000)
+    carry = ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite"))
+    assert carry.mirror(cell) == 1
+    carried = tmp_path / "sync" / "checkpoints" / "abc123"
+    parts = sorted(p.name for p in carried.glob("block0000.safetensors.xz*"))
+    assert parts == [f"block0000.safetensors.xz.{j:03d}" for j in range(len(parts))] and len(parts) == 3
+    assert all((carried / p).stat().st_size <= 2000 for p in parts)
+    _local_blocks(cell, 0)                                  # a fresh machine: nothing local
+    (local / "block0000.safetensors").unlink()
+    assert ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite")).restore(cell) == 1
+    assert (local / "block0000.safetensors").read_bytes() == big
+    (carried / parts[1]).unlink()                           # a part missing: refused as incomplete
+    _local_blocks(cell, 0)
+    with pytest.raises(UserError, match="incomplete"):
+        ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite")).restore(cell)
+    monkeypatch.setattr(ledger, "CARRY_FILE_BYTES", 1 << 20)
+    _local_blocks(cell, 2)                                  # further on, block 0 made again: one file now
+    assert ledger.Carry(tmp_path / "sync", ResultStore(tmp_path / "s.sqlite")).mirror(cell) == 2
+    assert sorted(p.name for p in carried.glob("block0000.safetensors.xz*")) == ["block0000.safetensors.xz"]

@@ -235,6 +235,27 @@ def _same_version(key: str, rows: list[Row], local: list[Row], path: Path, store
 # ---- carrying a run between machines ----------------------------------------------------------------------
 CHECKPOINTS = "checkpoints"
 _STATE = BlockCheckpoint.STATE
+# The largest file a carried block is written as: the repository keeps files under 2 MB, so a compressed block
+# larger than this goes as numbered parts (<block>.xz.000, .001, ...), joined when it is restored.
+CARRY_FILE_BYTES = 1_900_000
+
+
+def _carried_files(folder: Path, name: str) -> list[Path]:
+    """The files a carried block is held in: <name>.xz, or its numbered parts in order ([] when absent)."""
+    whole = folder / f"{name}.xz"
+    return [whole] if whole.exists() else sorted(folder.glob(f"{name}.xz.[0-9][0-9][0-9]"))
+
+
+def _write_carried(folder: Path, name: str, compressed: bytes) -> None:
+    """Write a compressed block as one file, or as parts of at most CARRY_FILE_BYTES, each atomically; the other
+    form and any parts left from a longer earlier copy are removed after."""
+    pieces = [compressed[i:i + CARRY_FILE_BYTES] for i in range(0, len(compressed), CARRY_FILE_BYTES)] or [b""]
+    names = [f"{name}.xz"] if len(pieces) == 1 else [f"{name}.xz.{j:03d}" for j in range(len(pieces))]
+    for part, data in zip(names, pieces):
+        atomic_write_bytes(folder / part, data)
+    for stale in [folder / f"{name}.xz", *folder.glob(f"{name}.xz.[0-9][0-9][0-9]")]:
+        if stale.name not in names:
+            stale.unlink(missing_ok=True)
 _block = BlockCheckpoint._block_name   # the walk's own names for its files
 
 
@@ -322,7 +343,7 @@ class Carry:
     @staticmethod
     def _verified_block(src: Path, name: str, hashes: dict) -> bytes:
         try:
-            data = lzma.decompress((src / f"{name}.xz").read_bytes())
+            data = lzma.decompress(b"".join(p.read_bytes() for p in _carried_files(src, name)))
         except (OSError, lzma.LZMAError) as e:
             raise UserError(f"the carried checkpoint {src} is incomplete ({name}.xz: {type(e).__name__}: {e}): "
                             f"restore the folder from version control, or delete it to train the cell from "
@@ -356,9 +377,9 @@ class Carry:
             name = _block(i)
             data = (local / name).read_bytes()
             digest = _sha256(data)
-            if hashes.get(name) == digest and (dst / f"{name}.xz").exists():
+            if hashes.get(name) == digest and _carried_files(dst, name):
                 continue
-            atomic_write_bytes(dst / f"{name}.xz", lzma.compress(data, preset=6))
+            _write_carried(dst, name, lzma.compress(data, preset=6))
             hashes[name] = digest
             revisions.setdefault(name, rev)   # the revision whose walk finished the block
         label = {"cell": cell.label(), "precision": cell.precision.used, "preset": cell.preset,
