@@ -216,9 +216,7 @@ class Int4Weights:
         y = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         rc = args[2](args[1], x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), y.data_ptr(), x.shape[0],
                      torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"lrq native int4 kernel refused its arguments (code {rc}): a bug, please report; "
-                               f"LRQ_NATIVE=0 runs torch's kernels instead")
+        native.checked(rc, "int4 kernel")
         return y
 
     def _float32_scales(self) -> torch.Tensor:
@@ -394,13 +392,23 @@ def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             part = (a[:, c:c + EXACT_FLOAT_K].float() @ b[c:c + EXACT_FLOAT_K].float()).to(torch.int32)
             acc = part if acc is None else acc.add_(part)
         return acc
-    if torch.backends.mkldnn.enabled:
+    with onednn(True):
         return torch._int_mm(a, b)
-    torch.backends.mkldnn.enabled = True
-    try:
-        return torch._int_mm(a, b)
-    finally:
-        torch.backends.mkldnn.enabled = False
+
+
+class onednn:
+    """torch.backends.mkldnn.enabled set to `enabled` inside the block and restored after it, an error included (a
+    plain class: a decode step enters one)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = self.enabled
+
+    def __exit__(self, *exc):
+        torch.backends.mkldnn.enabled = self.before
 
 
 @dataclass
@@ -443,9 +451,7 @@ class Int8GemmWeights:
             self.weight.data_ptr(), self.wsum.data_ptr(), xa.data_ptr(), xa.stride(0), xz.data_ptr(),
             xz.numel() > 1, xs.data_ptr(), xs.numel() > 1, self.col_term.data_ptr(), self.zero_term.data_ptr(),
             self.asymmetric, self.scale.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"lrq native int8 kernel refused its arguments (code {rc}): a bug, please report; "
-                               f"LRQ_NATIVE=0 runs torch's kernels instead")
+        native.checked(rc, "int8 kernel")
         return y
 
     def native_static_mm(self, x: torch.Tensor, a_scale: float, a_zero: float, a_hi: float) -> torch.Tensor:
@@ -459,9 +465,7 @@ class Int8GemmWeights:
             self.weight.data_ptr(), self.wsum.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0),
             a_scale, a_zero, a_hi, self.col_term.data_ptr(), self.zero_term.data_ptr(), self.asymmetric,
             self.scale.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"lrq native w8a8 kernel refused its arguments (code {rc}): a bug, please report; "
-                               f"LRQ_NATIVE=0 runs torch's kernels instead")
+        native.checked(rc, "w8a8 kernel")
         return y
 
     def levels(self) -> torch.Tensor:

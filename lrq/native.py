@@ -115,6 +115,13 @@ class Int4Layer(ctypes.Structure):
                 ("group", ctypes.c_int32), ("block", ctypes.c_int32)]
 
 
+def checked(rc: int, what: str) -> None:
+    """Raise for a kernel's non-zero return code (1: arguments it does not take, 2: out of memory)."""
+    if rc:
+        raise RuntimeError(f"lrq native {what} refused its arguments (code {rc}): a bug, please report; "
+                           f"LRQ_NATIVE=0 runs torch's kernels instead")
+
+
 def isa() -> str | None:
     """The instruction set the kernels were built for ("avx512", "avx2"), or None where they do not run."""
     lib = library()

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lrq.native as native
+from lrq.cpu_kernels import onednn
 from lrq.errors import UserError
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -108,7 +110,6 @@ class LeanDecoder:
         self.onednn_decode = False
         # lrq.native's norm and attention kernels for one-token steps (bf16 or float32 caches), where they are built;
         # None: torch's operations (set it to None to compare)
-        import lrq.native as native
         self._lib = native.library() if dtype in (torch.bfloat16, torch.float32) else None
 
     def reset(self) -> None:
@@ -117,10 +118,10 @@ class LeanDecoder:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, -1), sin)
 
-    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, start: int, mask) -> torch.Tensor:
+    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, start: int, mask, lib) -> torch.Tensor:
+        """One layer's attention; `lib`: lrq.native for a one-token step of batch 1, else None (torch's operations)."""
         a, (b, t, _) = layer.self_attn, h.shape
         end, hd = start + t, self.head_dim
-        lib = self._lib if t == 1 and b == 1 else None
         q = a.q_proj(h).view(b, t, -1, hd)
         k = a.k_proj(h).view(b, t, -1, hd)
         v = a.v_proj(h).view(b, t, -1, hd)
@@ -137,8 +138,7 @@ class LeanDecoder:
             rc = rc or _native("attend", lib.lrq_attend, q.data_ptr(), hd, kc.data_ptr(), vc.data_ptr(),
                                kc.stride(1), o.data_ptr(), q.dtype == torch.bfloat16, end, q.shape[2], kc.shape[1],
                                hd, a.scaling)
-            if rc:
-                raise RuntimeError(f"lrq native rope/attention refused its arguments (code {rc})")
+            native.checked(rc, "rope/attention")
             return a.o_proj(o)
         v = v.transpose(1, 2)
         cos, sin = self.cos[start:end, None], self.sin[start:end, None]    # [t, 1, hd] against [b, t, heads, hd]
@@ -163,22 +163,17 @@ class LeanDecoder:
         mask = None
         if t > 1 and start > 0:   # a chunk after cached tokens: row j sees keys up to start + j
             mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
-        onednn = torch.backends.mkldnn.enabled
-        if t == 1 and not self.onednn_decode:
-            torch.backends.mkldnn.enabled = False
-        try:
+        with onednn(False if t == 1 and not self.onednn_decode else torch.backends.mkldnn.enabled):
             inner = self.model.model
             lib = self._lib if t == 1 and b == 1 else None
             x = inner.embed_tokens(ids)
             for i, layer in enumerate(self.layers):
-                x = x + self._attention(i, layer, _rms(layer.input_layernorm, x, lib), start, mask)
+                x = x + self._attention(i, layer, _rms(layer.input_layernorm, x, lib), start, mask, lib)
                 mlp = layer.mlp
                 h = _rms(layer.post_attention_layernorm, x, lib)
                 x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
             self.length = start + t
             return self.model.lm_head(_rms(inner.norm, x[:, -keep:], lib))
-        finally:
-            torch.backends.mkldnn.enabled = onednn
 
     @torch.no_grad()
     def greedy(self, prompt: torch.Tensor, steps: int) -> torch.Tensor:

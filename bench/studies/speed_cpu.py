@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lrq.cpu_kernels import onednn
 from lrq.errors import UserError
 
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
@@ -199,20 +200,6 @@ def prefill(target, ids: torch.Tensor) -> tuple[float, float]:
 NO_ONEDNN = " [no oneDNN]"   # the dense bf16 model with torch.backends.mkldnn off: torch's own bf16 kernels
 
 
-class _onednn:
-    """torch.backends.mkldnn.enabled set for a candidate's calls and restored after them."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __enter__(self):
-        self.before = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = self.enabled
-
-    def __exit__(self, *exc):
-        torch.backends.mkldnn.enabled = self.before
-
-
 def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps: int) -> None:
     """`rounds` rounds over every candidate in a rotating order; each round one decode and one prefill each."""
     gen = torch.Generator().manual_seed(0)
@@ -222,7 +209,7 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
     listed = ids[0].tolist()
     for r in range(rounds):
         for c in cands[r % n:] + cands[:r % n]:
-            with _onednn(c.info.get("onednn", True)):
+            with onednn(c.info.get("onednn", True)):
                 if c.runner is not None:   # an anchor: the same tokens, timed the same way by its runner
                     wall, cpu = c.runner.decode(listed[:16], decode_steps)
                 else:
