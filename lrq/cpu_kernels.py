@@ -59,8 +59,12 @@ INT8_K_MULTIPLE = 16                 # _weight_int8pack_mm crashes or errs on ot
 # of the int4 kernel, per activation dtype. Measured on a Zen 4 (AVX512-BF16), one thread, 576 x 1536 g128,
 # interleaved (docs/packed-weights-and-export.md): bf16 int4 kernel 0.99 ms against 0.97 ms at 48 tokens, 2.6
 # against 1.6 at 128, 10.5 against 5.0 at 512; float32 (the int4 kernel's scalar path) 1.5 against 0.44 ms already
-# at 1 token.
+# at 1 token. With the dequantization in lrq.native (one pass in C, 47 us for 1536 x 576 against torch's ops' 310),
+# on a Zen 5 (cpu family 26, AVX512-BF16), one thread, 1536 x 576 g128, medians of 30 calls beside a long run on
+# the other core: int4 kernel 0.16 / 0.32 / 0.47 ms at 16 / 32 / 48 tokens against 0.20 / 0.25 / 0.30 dequantized
+# + GEMM (576 x 576: 0.061 / 0.119 against 0.080 / 0.103); so bf16 from 32 where lrq.native is built.
 DEQUANTIZE_FROM_M = {torch.bfloat16: 48, torch.float32: 1}
+NATIVE_DEQUANTIZE_FROM_M = {torch.bfloat16: 32, torch.float32: 1}
 # The same for the int8 form (5-8-bit weight-only; W8A8/W4A8 where `_int_mm` is refused): `_weight_int8pack_mm` at
 # 16 / 64 / 512 tokens 0.42 / 4.4 / 39.6 ms against 0.57 / 3.6 / 15.8 ms dequantized + GEMM (576 x 1536, loaded).
 INT8_DEQUANTIZE_FROM_M = {torch.bfloat16: 32, torch.float32: 1}
@@ -202,17 +206,22 @@ class Int4Weights:
         return (self.decodable and m <= NATIVE_MAX_M.get(dtype, 0) and not self.bf16_kernel_for(dtype, m)
                 and native.library() is not None)
 
-    def native_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, k] (bf16 or float32, rows of unit stride) through lrq's own kernel: [m, n] in x's dtype, each
-        output summed in float32 (the levels' products exact) and rounded once."""
+    def _native_layer(self) -> tuple:
+        """The layer's constant arguments for lrq.native (a struct of pointers into the tensors it keeps alive), made
+        once and remade only if the tensors are replaced."""
         args = self.native_args
         if args is None or args[3] is not self.packed or args[4] is not self.scale_zero:
-            # the layer's constant arguments, made once (pointers into the tensors they keep alive)
             s, zc = self.scale_zero
             st = native.Int4Layer(self.packed.data_ptr(), s.data_ptr(), zc.data_ptr(), self.n, self.packed.shape[0],
                                   self.k, self.packed.shape[1] * 2, self.group, self.block)
             args = self.native_args = (st, ctypes.addressof(st), native.library().lrq_int4_gemv, self.packed,
                                        self.scale_zero)
+        return args
+
+    def native_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] (bf16 or float32, rows of unit stride) through lrq's own kernel: [m, n] in x's dtype, each
+        output summed in float32 (the levels' products exact) and rounded once."""
+        args = self._native_layer()
         y = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         rc = args[2](args[1], x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), y.data_ptr(), x.shape[0],
                      torch.get_num_threads())
@@ -234,12 +243,18 @@ class Int4Weights:
             xr = F.pad(xr, (0, k_pad - self.k))
         if self.bf16_kernel_for(xr.dtype, xr.shape[0]):
             y = torch._weight_int4pack_mm_for_cpu(xr.bfloat16(), self.packed, self.group, self.scales)
-        elif self.decodable and xr.shape[0] >= DEQUANTIZE_FROM_M[xr.dtype]:
+        elif self.decodable and xr.shape[0] >= self.dequantize_from(xr.dtype):
             y = xr @ self.dequantized_t(xr.dtype)          # a transient [k_pad, n_pad] copy, dropped after the call
         else:
             scales = self.scales if xr.dtype == torch.bfloat16 else self._float32_scales()
             y = torch._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, scales)
         return (y if y.shape[1] == self.n else y[:, :self.n]).to(x.dtype)
+
+    @staticmethod
+    def dequantize_from(dtype: torch.dtype) -> int:
+        """From how many tokens a call dequantizes a transient operand for the dense GEMM (DEQUANTIZE_FROM_M, or
+        NATIVE_DEQUANTIZE_FROM_M where lrq.native makes the operand)."""
+        return (NATIVE_DEQUANTIZE_FROM_M if native.library() is not None else DEQUANTIZE_FROM_M)[dtype]
 
     def bf16_kernel_for(self, dtype: torch.dtype, m: int) -> bool:
         """Whether a float32 call of m tokens runs the bf16 int4 kernel (float32_decode "bf16", below the bf16
@@ -247,12 +262,25 @@ class Int4Weights:
         return dtype == torch.float32 and self.float32_decode == "bf16" and m < DEQUANTIZE_FROM_M[torch.bfloat16]
 
     def dequantized_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight, transposed ([k_pad, n_pad], contiguous, the GEMM's operand as is): the levels read straight
-        from the kernel's packing, then q * s + (zero - 8 s) per kernel group (addcmul, float32 scales). In float32
-        in one pass, in place; in another dtype in chunks of whole kernel groups (as many as fit DEQUANTIZE_CHUNK
-        float32 values, one at least: a float32 piece the core's L2 cache holds) written into the output, each
-        value rounded once: the same values as the float32 weight cast (a test checks), in half the time of the cast
-        on a Zen 4. (Computing in bf16 from the kernel's bf16 scales was as slow and erred 1.5x more: not kept.)"""
+        """The weight, transposed ([k_pad, n_pad], contiguous, the GEMM's operand as is): q * s + (zero - 8 s) per
+        kernel group in float32, rounded once to `dtype`. Through lrq.native where it is built (one pass over the
+        packed bytes, about 8x faster than torch's ops on a Zen 5: a prefill call's transient operand), else
+        torch's ops (`dequantized_t_torch`); the two are equal bit for bit (a test checks)."""
+        lib = native.library() if dtype in (torch.float32, torch.bfloat16) and self.decodable else None
+        if lib is None:
+            return self.dequantized_t_torch(dtype)
+        out = torch.empty(self.packed.shape[1] * 2, self.packed.shape[0], dtype=dtype)
+        native.checked(lib.lrq_int4_dequant_t(self._native_layer()[1], out.data_ptr(), dtype == torch.bfloat16,
+                                              torch.get_num_threads()), "int4 dequantization")
+        return out
+
+    def dequantized_t_torch(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """dequantized_t with torch's ops: the levels read straight from the kernel's packing, then
+        q * s + (zero - 8 s) per kernel group (addcmul, float32 scales). In float32 in one pass, in place; in another
+        dtype in chunks of whole kernel groups (as many as fit DEQUANTIZE_CHUNK float32 values, one at least: a
+        float32 piece the core's L2 cache holds) written into the output, each value rounded once: the same values
+        as the float32 weight cast (a test checks), in half the time of the cast on a Zen 4. (Computing in bf16 from
+        the kernel's bf16 scales was as slow and erred 1.5x more: not kept.)"""
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
         s, zero = self.scale_zero[0], self.scale_zero[1][:, None]       # [k_pad / group, n_pad] each, contiguous
         if dtype == torch.float32:

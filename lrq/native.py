@@ -92,6 +92,8 @@ def library() -> ctypes.CDLL | None:
     p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.lrq_int4_gemv.argtypes = [p, p, i, lg, p, i, i]
     lib.lrq_int4_gemv.restype = i
+    lib.lrq_int4_dequant_t.argtypes = [p, p, i, i]
+    lib.lrq_int4_dequant_t.restype = i
     lib.lrq_int8_gemv.argtypes = [p, p, p, lg, p, i, p, i, p, p, i, p, p, i, i, i, i]
     lib.lrq_int8_gemv.restype = i
     f = ctypes.c_float

@@ -33,7 +33,7 @@ SHAPES = [(1536, 576, 128), (48, 100, 32), (80, 96, None), (208, 264, 64), (576,
 
 def _relative_error(w: Int4Weights, x: torch.Tensor, y: torch.Tensor) -> float:
     """max |y - x W| over the size of the summed terms (sum |x||W|): the float32 sums' own scale."""
-    ref_w = w.dequantized_t(torch.float32)[:w.k, :w.n].double()
+    ref_w = w.dequantized_t_torch(torch.float32)[:w.k, :w.n].double()
     ref = x.double() @ ref_w
     return ((y.double() - ref).abs() / (x.double().abs() @ ref_w.abs()).clamp_min(1e-30)).max().item()
 
@@ -56,6 +56,35 @@ def test_gemv_equals_the_dequantized_product(n, k, group, dtype, m):
     assert y.shape == (m, n) and y.dtype == dtype
     # float32: sums of exact products, rounded as float32 sums are; bf16: one rounding of the float32 result
     assert _relative_error(w, x, y) < (1e-6 if dtype == torch.float32 else 2 ** -8)
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_operand_is_torchs_dequantization_bit_for_bit(n, k, group, dtype):
+    """A prefill call's transient weight (lrq_int4_dequant_t) equals torch's ops' q * s + zc rounded once, every bit,
+    the remainder block and the padded rows included, on one thread and two."""
+    w = _weights(n, k, group)
+    ref = w.dequantized_t_torch(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out = w.dequantized_t(dtype)
+            assert out.dtype == dtype and out.shape == ref.shape and torch.equal(out, ref)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_runs_the_native_dequantization(monkeypatch):
+    """A 4-bit layer called with a prompt multiplies by lrq.native's dequantized operand, not torch's ops'."""
+    w = _weights(576, 576, 128)
+    calls = []
+    monkeypatch.setattr(Int4Weights, "dequantized_t_torch", lambda self, dt=torch.float32: calls.append(dt))
+    x = torch.randn(200, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = w.mm(x)
+    assert not calls and y.shape == (200, 576) and torch.isfinite(y).all()
+    ref = (x.float() @ w.dequantized_t(torch.float32)[:576, :576]).bfloat16()
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_rows_apart_by_their_stride_and_nan_kept():
@@ -171,9 +200,11 @@ for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
     w = Int4Weights.build(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, ng, generator=g) * 0.02 + 1e-3,
                           torch.randint(0, 16, (n, ng), generator=g).float(), group)
     x = torch.randn(2, k, generator=g)
-    ref_w = w.dequantized_t(torch.float32)[:k, :n].double()
+    ref_w = w.dequantized_t_torch(torch.float32)[:k, :n].double()
     y = w.native_mm(x) if native.library() is not None else w.mm(x)
     errs.append(((y.double() - x.double() @ ref_w).abs() / (x.double().abs() @ ref_w.abs())).max().item())
+    for dt in (torch.float32, torch.bfloat16):   # the prefill operand: torch's dequantization, bit for bit
+        errs.append(0.0 if torch.equal(w.dequantized_t(dt), w.dequantized_t_torch(dt)) else 1.0)
 from lrq.cpu_kernels import Int8GemmWeights
 w8 = Int8GemmWeights.build(torch.randint(0, 256, (40, 100), generator=g), torch.rand(40, 1, generator=g),
                            torch.randint(0, 256, (40, 1), generator=g).float(), 8)

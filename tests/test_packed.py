@@ -197,7 +197,8 @@ def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme
     p = PackedLinear.from_quant_linear(q)
     calls = []
     for mod, name in ((P, "unpack_planar"), (P, "dequantize"), (B, "_unpack"), (K, "_int4pack"),
-                      (K, "_int4pack_source"), (K, "_unpack_int4pack_t"), (K.Int8Weights, "dequantized")):
+                      (K, "_int4pack_source"), (K, "_unpack_int4pack_t"), (K.Int8Weights, "dequantized"),
+                      (K.Int4Weights, "dequantized_t")):
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=getattr(mod, name), **kw: calls.append(_n) or _f(*a, **kw))
     held = p.storage_bytes()
@@ -205,8 +206,11 @@ def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme
         p(torch.randn(1, 576).bfloat16())
         assert calls == []
         p(torch.randn(2, 70, 576).bfloat16())
-    transient = {K.Int4Weights: ["_unpack_int4pack_t"], K.Int4Int8Weights: ["_unpack_int4pack_t"],
-                 K.Int8Weights: ["dequantized"]}
+    from lrq import native
+    # the 4-bit form's transient operand: lrq.native reads the packing in C, else torch's ops unpack it; W4A8's
+    # prefill reads its levels into a transient int8 weight
+    int4 = ["dequantized_t"] + (["_unpack_int4pack_t"] if native.library() is None else [])
+    transient = {K.Int4Weights: int4, K.Int4Int8Weights: ["_unpack_int4pack_t"], K.Int8Weights: ["dequantized"]}
     assert calls == transient.get(type(p.cpu_weights), [])
     assert p.storage_bytes() == held
 

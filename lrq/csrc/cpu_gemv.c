@@ -26,6 +26,15 @@ static inline v16 vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, v16 v) { _mm512_storeu_ps(p, v); }
 static inline v16 vfma(v16 a, float b, v16 c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
 static inline v16 vfmav(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline __m256i bf16_round16(__m512 v) {   /* round to nearest even, NaN kept quiet (f32_to_bf16) */
+  __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
+      16);
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), hi, _mm512_set1_epi32(64));
+  return _mm512_cvtepi32_epi16(r);
+}
+static inline void vstore_bf16(uint16_t *p, v16 v) { _mm256_storeu_si256((__m256i *)p, bf16_round16(v)); }
 static inline v16 vwiden(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
 static inline v16 vload_bf16(const uint16_t *p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -45,6 +54,20 @@ static inline v16 vfma(v16 a, float b, v16 c) {
 static inline v16 vfmav(v16 a, v16 b, v16 c) {
   v16 r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
   return r;
+}
+static inline __m128i bf16_round8(__m256 v) {   /* round to nearest even, NaN kept quiet (f32_to_bf16) */
+  __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)))),
+      16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(64)), nan);
+  r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);   /* values < 65536: exact */
+  return _mm256_castsi256_si128(r);
+}
+static inline void vstore_bf16(uint16_t *p, v16 v) {
+  _mm_storeu_si128((__m128i *)p, bf16_round8(v.a));
+  _mm_storeu_si128((__m128i *)(p + 8), bf16_round8(v.b));
 }
 static inline v16 vwiden(__m128i v) {
   v16 r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
@@ -76,7 +99,9 @@ static inline v16 vzero(void) { v16 r; memset(&r, 0, sizeof r); return r; }
 static inline v16 vload(const float *p) { v16 r; memcpy(r.f, p, 64); return r; }
 static inline void vstore(float *p, v16 v) { memcpy(p, v.f, 64); }
 static inline v16 vfma(v16 a, float b, v16 c) { for (int i = 0; i < 16; i++) c.f[i] += a.f[i] * b; return c; }
-static inline v16 vfmav(v16 a, v16 b, v16 c) { for (int i = 0; i < 16; i++) c.f[i] += a.f[i] * b.f[i]; return c; }
+static inline v16 vfmav(v16 a, v16 b, v16 c) { for (int i = 0; i < 16; i++) c.f[i] = fmaf(a.f[i], b.f[i], c.f[i]); return c; }
+static uint16_t f32_to_bf16(float f);
+static inline void vstore_bf16(uint16_t *p, v16 v) { for (int i = 0; i < 16; i++) p[i] = f32_to_bf16(v.f[i]); }
 static inline b16 bload(const uint8_t *p) { b16 r; memcpy(r.b, p, 16); return r; }
 static inline v16 lo_f(b16 v) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = (float)(v.b[i] & 15); return r; }
 static inline v16 hi_f(b16 v) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = (float)(v.b[i] >> 4); return r; }
@@ -205,7 +230,7 @@ static void block_rest(const uint8_t *blk, int rem, const float *s, const float 
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
 }
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's cast; NaN stays NaN */
+static uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's cast; NaN stays NaN */
   uint32_t u; memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
@@ -299,6 +324,54 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       for (int j = 0; j < n; j++) dst[j] = f32_to_bf16(src[j]);
     } else {
       memcpy((float *)y + (size_t)t * n, src, sizeof(float) * n);
+    }
+  }
+  return 0;
+}
+
+/* int4_dequant_t: the weight of an int4_layer, transposed, into out[k_pad, n_pad] (float32, or bf16 when out_bf16):
+ * q * s + zc per group as one fused multiply-add in float32 (as torch's vectorized addcmul), then rounded once to
+ * bf16 (nearest even): the values lrq.cpu_kernels.Int4Weights.dequantized_t_torch computes, bit for bit.
+ * A prefill call (hundreds of tokens) multiplies by this transient operand (torch's bf16 or float32 GEMM, far
+ * faster there than its int4 GEMM); row k of a block of B features is B / 2 bytes, so each row's output is
+ * contiguous: low nibbles to features 0..B/2-1 of the block, high ones to B/2..B-1. Blocks split over threads. */
+int lrq_int4_dequant_t(const int4_layer *L, void *out, int out_bf16, int nthreads) {
+  const uint8_t *packed = L->packed;
+  const float *s = L->s, *zc = L->zc;
+  int n_pad = L->n_pad, k_pad = L->k_pad, group = L->group, block = L->block;
+  if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k_pad % 2) return 1;
+  int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
+  float *of = out;
+  uint16_t *ob = out;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) \
+      if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
+  for (int b = 0; b < units; b++) {
+    const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
+    int c0 = b * block;
+    for (int k = 0; k < k_pad; k++) {
+      const float *sg = s + (size_t)(k / group) * n_pad + c0, *zg = zc + (size_t)(k / group) * n_pad + c0;
+      size_t row = (size_t)k * n_pad + c0;
+      if (b == nb) {   /* the remainder block: bytes of features 2j (low nibble) and 2j + 1 (high) */
+        for (int j = 0; j < rem; j++) {
+          uint8_t byte = blk[(size_t)k * (rem / 2) + j / 2];
+          float v = fmaf((float)((j & 1) ? byte >> 4 : byte & 15), sg[j], zg[j]);
+          if (out_bf16) ob[row + j] = f32_to_bf16(v); else of[row + j] = v;
+        }
+        continue;
+      }
+      const uint8_t *r = blk + (size_t)k * half;
+      for (int c = 0; c < half; c += 16) {
+        b16 v = bload(r + c);
+        v16 lo = vfmav(lo_f(v), vload(sg + c), vload(zg + c));
+        v16 hi = vfmav(hi_f(v), vload(sg + half + c), vload(zg + half + c));
+        if (out_bf16) {
+          vstore_bf16(ob + row + c, lo);
+          vstore_bf16(ob + row + half + c, hi);
+        } else {
+          vstore(of + row + c, lo);
+          vstore(of + row + half + c, hi);
+        }
+      }
     }
   }
   return 0;
