@@ -107,6 +107,10 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_rope_cache.restype = i
     lib.lrq_per_token_dequant.argtypes = [p, p, i, i, i, i, f]
     lib.lrq_per_token_dequant.restype = None
+    lib.lrq_dense_gemv.argtypes = [p, p, p, i, i, i, i]
+    lib.lrq_dense_gemv.restype = i
+    lib.lrq_decoder_layer_step.argtypes = [p, p, i, i]
+    lib.lrq_decoder_layer_step.restype = i
     return lib
 
 
@@ -115,6 +119,31 @@ class Int4Layer(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("s", ctypes.c_void_p), ("zc", ctypes.c_void_p),
                 ("n", ctypes.c_int32), ("n_pad", ctypes.c_int32), ("k", ctypes.c_int32), ("k_pad", ctypes.c_int32),
                 ("group", ctypes.c_int32), ("block", ctypes.c_int32)]
+
+
+class Linear(ctypes.Structure):
+    """One linear of a fused decoder layer (cpu_gemv.c's lrq_linear): kind 1 a 4-bit layer (`q4`: the address of its
+    Int4Layer), kind 2 a dense weight [n, k] in the model's dtype (`w`), kind 3 W8A8 on a static grid (`w` its int8
+    levels, then lrq_w8a8_gemv's other arguments); `act_bits` the per-token fake quantization of its input (W4A8),
+    0 for none; `bias` [n] in the model's dtype or None."""
+    _fields_ = [("kind", ctypes.c_int32), ("act_bits", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("q4", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("wsum", ctypes.c_void_p), ("col_term", ctypes.c_void_p), ("zero_term", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("asymmetric", ctypes.c_int32), ("a_scale", ctypes.c_float),
+                ("a_zero", ctypes.c_float), ("a_hi", ctypes.c_float)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """A Llama-family decoder layer's constant arguments for lrq_decoder_layer_step (cpu_gemv.c's
+    lrq_decoder_layer): its seven linears, norms, epsilons, attention scale, this layer's key/value caches and the
+    rotary tables (lrq.runtime.LeanDecoder builds it)."""
+    _fields_ = ([(name, Linear) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+                + [(name, ctypes.c_void_p) for name in ("in_norm", "post_norm", "q_norm", "k_norm")]
+                + [(name, ctypes.c_float) for name in ("eps", "q_eps", "k_eps", "scale", "act_eps")]
+                + [("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p), ("kv_stride", ctypes.c_long),
+                   ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+                + [(name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "hd", "inter", "bf16",
+                                                        "max_len")])
 
 
 def checked(rc: int, what: str) -> None:

@@ -23,6 +23,8 @@ rounding of reordered float operations: `tests/test_runtime.py` checks logits an
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,6 +78,48 @@ def _rms(norm: nn.Module, x: torch.Tensor, lib=None) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps=norm.variance_epsilon)
 
 
+def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
+    """(lrq.native.Linear, what it points into) for one linear of a fused decoder layer, or None where the layer
+    cannot be fused. What its own forward runs at one token, as one part of the layer's C call: a dense nn.Linear held
+    in the model's dtype (lrq's bf16/float32 GEMV); a PackedLinear on lrq.native's 4-bit kernel (weight-only, or
+    W4A8 on its per-token dequantized activations) or its W8A8 kernel on a static grid."""
+    from lrq.cpu_kernels import NATIVE_INT8_MAX_M, Int8GemmWeights, int4_form
+    from lrq.packed import PackedLinear
+    from lrq.quant import per_token_qparams
+    if isinstance(mod, PackedLinear):
+        w = mod.cpu_weights or mod.convert_for_cpu()
+        int4, s = int4_form(w), mod.scheme
+        bias = None if mod.bias is None else mod.bias.detach().to(dtype).contiguous()   # the forward's own cast
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if mod.quantize_output:
+            return None
+        if isinstance(w, Int8GemmWeights) and s.static_activations and NATIVE_INT8_MAX_M >= 1:
+            _, _, zero, (scale, _) = mod._static_grid_now()
+            n, k = w.weight.shape
+            return (native.Linear(3, 0, n, k, None, w.weight.data_ptr(), bias_ptr, w.wsum.data_ptr(),
+                                  w.col_term.data_ptr(), w.zero_term.data_ptr(), w.scale.data_ptr(), w.asymmetric,
+                                  scale, zero.item(), 2 ** s.a_bits - 129), (w, bias))
+        if int4 is None or int4.k != int4.packed.shape[1] * 2 or not int4.native_for(1, dtype):
+            return None
+        if int4 is w and s.a_bits is None:
+            act = 0
+        elif (int4 is not w and s.a_bits and not s.static_activations and not w.integer_call(1, dtype)
+              and s.activations.integer_qparams is per_token_qparams):
+            act = s.a_bits
+        else:
+            return None
+        layer = int4._native_layer()
+        return native.Linear(1, act, int4.n, int4.k, layer[1], None, bias_ptr), (layer, bias)
+    if type(mod) is nn.Linear and mod.weight.dtype == dtype and mod.weight.is_contiguous():
+        bias = mod.bias
+        if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+            return None
+        n, k = mod.weight.shape
+        return (native.Linear(2, 0, n, k, None, mod.weight.data_ptr(), None if bias is None else bias.data_ptr()),
+                (mod.weight, bias))
+    return None
+
+
 class LeanDecoder:
     """Batch-`batch` generation state for `model` (not copied; its weights are used as they are held)."""
 
@@ -111,9 +155,47 @@ class LeanDecoder:
         # lrq.native's norm and attention kernels for one-token steps (bf16 or float32 caches), where they are built;
         # None: torch's operations (set it to None to compare)
         self._lib = native.library() if dtype in (torch.bfloat16, torch.float32) else None
+        # one-token steps of each decoder layer as one lrq.native call (lrq_decoder_layer_step) where every part of
+        # it can be (see _fused_layer); False: the module path above (to compare)
+        self.fused = True
+        self._fused: list | None = None
 
     def reset(self) -> None:
+        """An empty cache; the fused layers' arguments are made again at the next step (weights or a static grid
+        changed since are read afresh)."""
         self.length = 0
+        self._fused = None
+
+    def _fused_layer(self, i: int, layer: nn.Module) -> tuple | None:
+        """(address of its lrq.native.DecoderLayer, what it points into) for a one-token step of layer i in one C
+        call, or None (then its modules run): SiLU MLP, norms and linears lrq.native takes (_fused_linear), the
+        model's dtype bf16 or float32."""
+        cfg, a, mlp = self.model.config, layer.self_attn, layer.mlp
+        kc, vc = self.k_layers[i], self.v_layers[i]
+        dtype = kc.dtype
+        if getattr(cfg, "hidden_act", None) not in ("silu", "swish") or self._lib is None:
+            return None
+        parts = [_fused_linear(m, dtype) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj,
+                                                   mlp.up_proj, mlp.down_proj)]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + (
+            [a.q_norm, a.k_norm] if self.qk_norm else [])
+        if any(p is None for p in parts) or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms) \
+                or layer.input_layernorm.variance_epsilon != layer.post_attention_layernorm.variance_epsilon:
+            return None
+        ptr = [n.weight.data_ptr() for n in norms] + [None, None]
+        eps = [n.variance_epsilon for n in norms] + [0.0, 0.0]
+        from lrq.quant import SCALE_EPS
+        st = native.DecoderLayer(*[p[0] for p in parts], ptr[0], ptr[1], ptr[2], ptr[3], eps[0], eps[2], eps[3],
+                                 a.scaling, SCALE_EPS, kc.data_ptr(), vc.data_ptr(), kc.stride(1),
+                                 self.cos.data_ptr(), self.sin.data_ptr(), cfg.hidden_size,
+                                 cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim,
+                                 parts[4][0].n, dtype == torch.bfloat16, self.max_len)
+        return ctypes.addressof(st), (st, parts, norms)
+
+    def _fused_layers(self) -> list:
+        if self._fused is None:
+            self._fused = [self._fused_layer(i, layer) for i, layer in enumerate(self.layers)]
+        return self._fused
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, -1), sin)
@@ -167,7 +249,15 @@ class LeanDecoder:
             inner = self.model.model
             lib = self._lib if t == 1 and b == 1 else None
             x = inner.embed_tokens(ids)
+            fused = self._fused_layers() if lib is not None and self.fused else [None] * len(self.layers)
+            if any(fused):
+                x = x.contiguous() if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
             for i, layer in enumerate(self.layers):
+                if fused[i] is not None:   # x is this step's own tensor: the layer's output is written into it
+                    rc = _native("decoder_layer", lib.lrq_decoder_layer_step, fused[i][0], x.data_ptr(), start,
+                                 torch.get_num_threads())
+                    native.checked(rc, "decoder layer")
+                    continue
                 x = x + self._attention(i, layer, _rms(layer.input_layernorm, x, lib), start, mask, lib)
                 mlp = layer.mlp
                 h = _rms(layer.post_attention_layernorm, x, lib)

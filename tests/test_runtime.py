@@ -74,6 +74,7 @@ def test_a_packed_model_runs_its_packed_layers_through_the_lean_runtime(scheme):
         ref = model(ids[:, 19:], cache=first.cache).logits[:, -1:]
     n_hf = len(calls)
     lean = LeanDecoder(model, 32)
+    lean.fused = False   # its modules at every step (the fused C layer: test_fused_layers_*)
     torch.testing.assert_close(lean.forward(ids[:, :19]).float()[:, -1:], first.logits[:, -1:], rtol=1e-4, atol=1e-4)
     got = lean.forward(ids[:, 19:])
     if get_scheme(scheme).a_bits is None:
@@ -146,3 +147,71 @@ def test_native_norms_and_attention_equal_torchs(arch, dtype):
         outs.append(torch.cat([lean.forward(ids[:, j:j + 1]).float() for j in range(8, 12)], dim=1))
     tol = 1e-5 if dtype == torch.float32 else 3e-2 * outs[1].abs().max().item()
     assert (outs[0] - outs[1]).abs().max().item() <= tol
+
+
+def _calibration(n: int = 4, t: int = 16):
+    """A stand-in calibration set (random token ids) for the schemes with static activations."""
+    from types import SimpleNamespace
+    ids = torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(1))
+    return SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w4a8", "w8a8", "w8a16"])
+def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
+    """A one-token step with each decoder layer in one lrq.native call (lrq_decoder_layer_step) gives the logits
+    of the same step through the modules: packed layers run the same C kernels with the same roundings (bf16: every
+    bit, the few ulps of float32 otherwise), dense layers lrq's GEMV (float rounding). Its layers are fused where
+    every part can be (w8a16's int8 weight-only form cannot: its modules run) and the greedy tokens agree over
+    several steps, so the cache the fused layers write is the one the next step reads."""
+    from lrq import native
+    assert native.library() is not None, native.status()
+    model = _qwen3() if arch == "qwen3" else tiny_model(arch, hidden=192)
+    if scheme:
+        rtn = get_method("rtn")
+        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
+                     _calibration() if get_scheme(scheme).static_activations else None)
+        pack_model(model)
+    model = model.to(dtype)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))
+    outs, tokens = [], []
+    for fused in (True, False):
+        lean = LeanDecoder(model, 32)
+        lean.fused = fused
+        nxt, steps, toks = lean.forward(ids)[:, -1:].argmax(-1), [], []
+        for _ in range(6):
+            logits = lean.forward(nxt)
+            steps.append(logits.float())
+            nxt = logits[:, -1:].argmax(-1)
+            toks.append(nxt)
+        if fused:
+            n_fused = sum(f is not None for f in lean._fused)
+            assert n_fused == (0 if scheme == "w8a16" else len(lean.layers))
+        outs.append(torch.cat(steps, 1))
+        tokens.append(torch.cat(toks, 1))
+    a, b = outs
+    if scheme and dtype == torch.bfloat16:
+        assert torch.equal(a, b)
+    else:
+        assert (a - b).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2) * b.abs().max()
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_fused_layers_are_remade_after_reset_and_refuse_bad_arguments():
+    """reset() drops the fused layers' arguments (a weight changed between generations is read afresh), and a
+    position beyond the cache is refused by the C step with an error, not written out of bounds."""
+    from lrq import native
+    model = tiny_model("llama", hidden=192).to(torch.bfloat16)
+    lean = LeanDecoder(model, 16)
+    lean.forward(torch.arange(4)[None])
+    first = lean.forward(torch.tensor([[5]]))
+    assert lean._fused is not None and all(f is not None for f in lean._fused)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0)
+    lean.reset()
+    assert lean._fused is None
+    lean.forward(torch.arange(4)[None])
+    assert not torch.equal(lean.forward(torch.tensor([[5]])), first)
+    x = torch.zeros(1, 1, 192, dtype=torch.bfloat16)
+    assert native.library().lrq_decoder_layer_step(lean._fused[0][0], x.data_ptr(), 16, 1) == 1

@@ -134,19 +134,21 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
                        "--out", str(out), "--results", str(store)]) == 0
     doc = json.loads((out / "speed.json").read_text())
     rows = {r["candidate"]: r for r in doc["rows"]}
-    assert set(rows) == {"dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "w4a16", "w8a8"}
+    dense = ("dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "dense bf16 [torch linears]",
+             "dense fp32 [torch linears]")
+    assert set(rows) == {*dense, "w4a16", "w8a8"}
     assert rows["dense bf16 [no oneDNN]"]["onednn"] is False and "onednn" not in rows["dense bf16"]
-    timed = order[-15:]                       # 3 rounds x 5 candidates, after the warm-ups
-    rounds = [timed[i:i + 5] for i in (0, 5, 10)]
-    assert len(set(timed)) == 5 and all(len(set(r)) == 5 for r in rounds)
+    assert rows["dense bf16 [torch linears]"]["fused"] is False and "fused" not in rows["dense bf16"]
+    timed = order[-21:]                       # 3 rounds x 7 candidates, after the warm-ups
+    rounds = [timed[i:i + 7] for i in (0, 7, 14)]
+    assert len(set(timed)) == 7 and all(len(set(r)) == 7 for r in rounds)
     assert rounds[1] == rounds[0][1:] + rounds[0][:1] and rounds[2] == rounds[0][2:] + rounds[0][:2]   # rotating
     for r in rows.values():
         assert r["decode_ms"] > 0 and r["decode_cpu_ms"] > 0 and r["prefill_tok_s"] > 0
         assert r["decode_ms_range"][0] <= r["decode_ms"] <= r["decode_ms_range"][1]
     ref = rows["w4a16"]["dense_reference"]["decode"]
-    assert rows[ref]["decode_vs_dense"] == 1.0 and ref in ("dense bf16", "dense bf16 [no oneDNN]", "dense fp32")
-    assert all(rows[ref]["decode_ms"] <= rows[d]["decode_ms"] for d in ("dense bf16", "dense bf16 [no oneDNN]",
-                                                                      "dense fp32"))
+    assert rows[ref]["decode_vs_dense"] == 1.0 and ref in dense
+    assert all(rows[ref]["decode_ms"] <= rows[d]["decode_ms"] for d in dense)
     assert "Machine:" in (out / "speed.md").read_text() and (out / "decode.svg").read_text().startswith("<svg")
     from bench.common.store import ResultStore
     from bench.reports.report import markdown_report
@@ -170,7 +172,7 @@ def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_
     rows = {r["candidate"]: r for r in doc["rows"]}
     hf = speed_cpu.HF_SUFFIX
     assert set(rows) == {n + s for n in ("dense bf16", "dense fp32", "w4a16") for s in ("", hf)} | {
-        "dense bf16 [no oneDNN]"}
+        "dense bf16 [no oneDNN]", "dense bf16 [torch linears]", "dense fp32 [torch linears]"}
     assert all(r["runtime"] == ("hf eager" if n.endswith(hf) else "lean") for n, r in rows.items())
     import torch
     assert torch.backends.mkldnn.enabled            # restored after the no-oneDNN candidate's calls

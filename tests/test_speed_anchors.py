@@ -79,7 +79,8 @@ def test_profile_groups_a_packed_models_decode_and_the_int8_head():
     pack_model(model)
     prof = speed_cpu.profile_decode(model, torch.arange(16).unsqueeze(0), steps=3)
     ms = {g["group"]: g["ms_per_token"] for g in prof["groups"]}
-    assert list(ms) == list(speed_cpu.PROFILE_GROUPS) and all(v > 0 for v in ms.values())
+    fused = speed_cpu.PROFILE_GROUPS[4]   # the model's own forward: no lean runtime, no fused layers
+    assert list(ms) == list(speed_cpu.PROFILE_GROUPS) and ms.pop(fused) == 0 and all(v > 0 for v in ms.values())
     assert sum(ms.values()) == pytest.approx(prof["wall_ms_per_token"], rel=1e-6)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())   # hooks removed
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
@@ -178,12 +179,15 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     assert "| output head " in md and "llama.cpp Q4_1" in md and "`w4a16 +int8 head` above" in md
     from bench.common.store import ResultStore
     stored = {r.scheme for r in ResultStore(store).rows()}
-    assert stored == {"dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "w4a16"}   # no anchor, no int8-head copy
+    assert stored == {"dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "w4a16", "dense bf16 [torch linears]",
+                      "dense fp32 [torch linears]"}   # no anchor, no int8-head copy
 
 
-def test_profile_counts_native_kernels_where_they_run():
+@pytest.mark.parametrize("fused", [False, True])
+def test_profile_counts_native_kernels_where_they_run(fused):
     """lrq.native's C calls are no aten ops: the quantized linears' time is their modules' wall time, and the lean
-    runtime's norm/attention calls are labelled, so neither lands in the Python overhead."""
+    runtime's norm/attention calls are labelled, so neither lands in the Python overhead; a decoder layer fused
+    into one C call is a group of its own."""
     from lrq import native
     from lrq.runtime import LeanDecoder
     from tests.conftest import tiny_model
@@ -197,9 +201,15 @@ def test_profile_counts_native_kernels_where_they_run():
     rtn.quantize(model, get_scheme("w4a16"), rtn.config("quick"), None)
     pack_model(model)
     lean = LeanDecoder(model, 40)
+    lean.fused = fused
     prof = speed_cpu.profile_decode(lean, torch.arange(16).unsqueeze(0), steps=4)
     ms = {g["group"]: g["ms_per_token"] for g in prof["groups"]}
     assert sum(ms.values()) == pytest.approx(prof["wall_ms_per_token"], rel=1e-6)
+    if fused:   # both layers in C: nothing of them runs as modules or separate calls
+        assert ms["fused decoder layers (one lrq.native call each)"] > 0.3 * prof["wall_ms_per_token"]
+        assert ms["quantized linears"] == 0 and ms["attention/SDPA, RoPE, norms and other ops"] < ms["output head"]
+        return
+    assert ms["fused decoder layers (one lrq.native call each)"] == 0
     # 14 packed linears per step through C: far more than nothing (they were ~0 when only aten ops counted)
     assert ms["quantized linears"] > 0.1 * prof["wall_ms_per_token"]
     assert ms["attention/SDPA, RoPE, norms and other ops"] > 0

@@ -48,7 +48,7 @@ DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
 HEAD_INT8 = " +int8 head"        # the suffix of a packed candidate whose output head is Int8Head
 PROFILE_GROUPS = ("quantized linears", "output head", "attention/SDPA, RoPE, norms and other ops",
-                  "framework/Python overhead")
+                  "framework/Python overhead", "fused decoder layers (one lrq.native call each)")
 
 
 @dataclass
@@ -250,8 +250,9 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     linears (PackedLinear modules) and the output head are each the wall time of their module's calls (a labelled
     range: aten ops and lrq.native's C kernels alike, which are no aten ops); every other top-level aten op (one
     inside no aten op and no labelled module) goes to attention/SDPA, RoPE, norms and other ops, and so do the lean
-    runtime's lrq.native norm and attention calls (labelled by it); the wall time left is framework/Python overhead.
-    ms per token, and shares; the profiler adds its own cost to every op (most of it lands in the overhead), so the
+    runtime's lrq.native norm and attention calls (labelled by it); a decoder layer the lean runtime runs as one
+    lrq.native call (its linears, norms and attention together) is a group of its own; the wall time left is
+    framework/Python overhead. ms per token, and shares; the profiler adds its own cost to every op (most of it lands in the overhead), so the
     same steps are also timed without it first (`unprofiled_ms_per_token`). `target`: a model (its own forward) or
     a LeanDecoder."""
     from torch.autograd.profiler import record_function
@@ -286,7 +287,7 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     finally:
         for h in handles:
             h.remove()
-    us = dict.fromkeys(PROFILE_GROUPS[:3], 0.0)
+    us = dict.fromkeys(PROFILE_GROUPS[:3] + PROFILE_GROUPS[4:], 0.0)
     for e in prof.events():
         labelled = e.name.startswith(("lrq.group::", "lrq.native::"))
         if not (labelled or e.name.startswith("aten::")):
@@ -296,7 +297,8 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
             p = p.cpu_parent
         if p is not None:   # inside a labelled range or another aten op: counted there
             continue
-        group = e.name.split("::", 1)[1] if e.name.startswith("lrq.group::") else PROFILE_GROUPS[2]
+        group = (e.name.split("::", 1)[1] if e.name.startswith("lrq.group::") else
+                 PROFILE_GROUPS[4] if e.name == "lrq.native::decoder_layer" else PROFILE_GROUPS[2])
         us[group] += e.time_range.elapsed_us()
     us[PROFILE_GROUPS[3]] = max(wall_us - sum(us.values()), 0.0)
     return {"steps": steps, "wall_ms_per_token": wall_us / 1e3 / steps, "unprofiled_ms_per_token": plain_ms,
@@ -305,9 +307,10 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
 
 
 def head_dominates(profile: dict) -> bool:
-    """The output head costs at least as much as all the quantized linears together."""
+    """The output head costs at least as much as all the quantized linears together (where the lean runtime fuses
+    whole decoder layers, as all those layers together: an upper bound of their linears)."""
     ms = {g["group"]: g["ms_per_token"] for g in profile["groups"]}
-    return ms[PROFILE_GROUPS[1]] >= ms[PROFILE_GROUPS[0]]
+    return ms[PROFILE_GROUPS[1]] >= ms[PROFILE_GROUPS[0]] + ms.get(PROFILE_GROUPS[4], 0.0)
 
 
 def build_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int) -> tuple[list[Candidate], dict]:
@@ -359,6 +362,26 @@ def _without_onednn(cands: list[Candidate]) -> list[Candidate]:
             lean = c.lean if c.lean is None else type(c.lean)(c.model, c.lean.max_len)
             out.append(Candidate(c.name + NO_ONEDNN, c.model, "dense", c.dtype, c.weight_rss_bytes, lean=lean,
                                  info={**c.info, "onednn": False}))
+    return out
+
+
+TORCH_LINEARS = " [torch linears]"   # the dense model's lean decode with its modules (torch's GEMV), not fused
+
+
+def _torch_linears(cands: list[Candidate]) -> list[Candidate]:
+    """The dense models again (bf16 and float32) through the lean runtime with its decoder layers not fused
+    (LeanDecoder.fused = False): one-token steps call the model's modules, i.e. torch's own matrix-vector kernels,
+    beside lrq.native's norms and attention. The fused path runs the dense weights through lrq's own bf16/float32
+    GEMV in one C call a layer; both are measured and the dense reference per measure is the faster (issue W: the
+    dense baseline is fair too). Same weights, same memory; its rows say fused false."""
+    out = []
+    for c in cands:
+        if c.kind == "dense" and c.lean is not None and not c.name.endswith((HF_SUFFIX, NO_ONEDNN)):
+            lean = type(c.lean)(c.model, c.lean.max_len)
+            lean.fused = False
+            decode(lean, torch.arange(16).unsqueeze(0) % c.model.config.vocab_size, 2)
+            out.append(Candidate(c.name + TORCH_LINEARS, c.model, "dense", c.dtype, c.weight_rss_bytes, lean=lean,
+                                 info={**c.info, "fused": False}))
     return out
 
 
@@ -422,7 +445,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
                 cands += attach_runtime(build(model_name, [target.name + HEAD_INT8], dtype, data_dir,
                                               dense=False), "hf" if runtime == "hf" else "auto", max_len)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
-    cands += _without_onednn(cands) + anchor_cands
+    cands += _without_onednn(cands) + _torch_linears(cands) + anchor_cands
     try:
         measure(cands, rounds, prefill_len, decode_steps)
     finally:
@@ -514,10 +537,12 @@ def _fp32_decode_sentence(doc: dict) -> str:
 def _runtime_sentence(doc: dict) -> str:
     """What the runtime column means, and why a model did not run through the lean runtime where it did not."""
     refused = sorted({r["lean_refused"] for r in doc["rows"] if r.get("lean_refused")})
-    return ("Runtime: `lean` is lrq.runtime.LeanDecoder (the model's own modules and weights, a preallocated "
-            "key/value cache, fused norms, no per-call masks: the same logits up to float rounding); `hf eager` "
-            "the model's own transformers forward (a dynamic cache); `[no oneDNN]`: the dense bf16 model with "
-            "torch.backends.mkldnn off for its calls (torch's own bf16 kernels)"
+    return ("Runtime: `lean` is lrq.runtime.LeanDecoder (the model's own weights, a preallocated key/value cache, "
+            "fused norms, no per-call masks; a one-token step runs each decoder layer as one lrq.native call where "
+            "all its parts can be: the same logits up to float rounding); `hf eager` the model's own transformers "
+            "forward (a dynamic cache); `[no oneDNN]`: the dense bf16 model with torch.backends.mkldnn off for its "
+            "calls (torch's own bf16 kernels); `[torch linears]`: the dense model through the lean runtime without "
+            "fused layers (its decode steps call its modules: torch's matrix-vector kernels)"
             + (f"; not lean because {'; '.join(refused)}" if refused else "") + ".")
 
 

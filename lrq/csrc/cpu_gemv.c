@@ -629,3 +629,178 @@ const char *lrq_isa(void) {
   return "generic";
 #endif
 }
+
+/* ---- a whole decoder layer's one-token step in one call (lrq.runtime.LeanDecoder's fused path) ----
+ * What the lean runtime's Python does per layer with about 15 calls (norms, seven linears, RoPE and the cache write,
+ * attention, SiLU, residual adds), with the same roundings: every linear's output, the norms, SiLU, its product
+ * and each residual sum rounded to the model's dtype as the module path rounds them. At one token a step of a small
+ * model is mostly such calls (about 100 us a layer of Python and dispatch on a Zen 5, most of a 4-bit model's
+ * step besides its weights), which is what this saves. */
+
+/* dense_gemv: y[n] = W[n, k] x[k] (W rows contiguous, the nn.Linear weight as held), W and x in the model's dtype,
+ * summed in float32 and rounded once. bf16 through AVX512-BF16 dot products where the CPU has them, else widened
+ * to float32; four rows at a time; rows split over threads. */
+static void dense_rows(const void *w, const void *x, const float *xf, void *y, int bf16, int j0, int j1, int k) {
+  for (int j = j0; j < j1; j++) {
+    float out;
+#if defined(BF16_DOT)
+    if (bf16) {
+      const uint16_t *wr = (const uint16_t *)w + (size_t)j * k, *xb = x;
+      __m512 a = _mm512_setzero_ps(), b = a;
+      int i = 0;
+      for (; i + 64 <= k; i += 64) {
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(wr + i), (__m512bh)_mm512_loadu_si512(xb + i));
+        b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(wr + i + 32), (__m512bh)_mm512_loadu_si512(xb + i + 32));
+      }
+      for (; i < k; i += 32) {
+        __mmask32 m = (k - i) >= 32 ? 0xffffffffu : ((1u << (k - i)) - 1);
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i), (__m512bh)_mm512_maskz_loadu_epi16(m, xb + i));
+      }
+      out = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    } else
+#endif
+    {
+      v16 a = vzero(), b = a;
+      int i = 0;
+      if (bf16) {
+        const uint16_t *wr = (const uint16_t *)w + (size_t)j * k;
+        for (; i + 32 <= k; i += 32) {
+          a = vfmav(vload_bf16(wr + i), vload(xf + i), a);
+          b = vfmav(vload_bf16(wr + i + 16), vload(xf + i + 16), b);
+        }
+        out = vsum(a) + vsum(b);
+        for (; i < k; i++) out += bf16_to_f32(wr[i]) * xf[i];
+      } else {
+        const float *wr = (const float *)w + (size_t)j * k;
+        for (; i + 32 <= k; i += 32) {
+          a = vfmav(vload(wr + i), vload(xf + i), a);
+          b = vfmav(vload(wr + i + 16), vload(xf + i + 16), b);
+        }
+        out = vsum(a) + vsum(b);
+        for (; i < k; i++) out += wr[i] * xf[i];
+      }
+    }
+    store_any(y, bf16, j, out);
+  }
+}
+
+int lrq_dense_gemv(const void *w, const void *x, void *y, int bf16, int n, int k, int nthreads) {
+  if (n < 1 || k < 1) return 1;
+  float *xf = scratch_get(sizeof(float) * (size_t)k);
+  if (!xf) return 2;
+  for (int i = 0; i < k; i++) xf[i] = load_any(x, bf16, i);
+  int chunk = 16, units = (n + chunk - 1) / chunk;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
+  for (int u = 0; u < units; u++)
+    dense_rows(w, x, xf, y, bf16, u * chunk, u * chunk + chunk < n ? u * chunk + chunk : n, k);
+  return 0;
+}
+
+typedef struct {
+  int32_t kind;        /* 1: 4-bit (an int4_layer, k == k_pad), 2: dense (weight [n, k] in the model's dtype),
+                        * 3: W8A8 on a static grid (int8 weight levels [n, k], lrq_w8a8_gemv's arguments below) */
+  int32_t act_bits;    /* 0, or the bits of its input's per-token fake quantization (W4A8: 8) */
+  int32_t n, k;
+  const int4_layer *q4;
+  const void *w;
+  const void *bias;    /* NULL, or [n] in the model's dtype */
+  const int32_t *wsum;
+  const float *col_term, *zero_term, *scale;
+  int32_t asymmetric;
+  float a_scale, a_zero, a_hi;
+} lrq_linear;
+
+typedef struct {
+  lrq_linear q, k, v, o, gate, up, down;
+  const void *in_norm, *post_norm, *q_norm, *k_norm;   /* [hidden], [hidden], [hd] or NULL (Qwen3's per-head norms) */
+  float eps, q_eps, k_eps, scale, act_eps;
+  void *kc, *vc;                                      /* this layer's caches [kv_heads, max_len, hd] */
+  long kv_stride;
+  const void *cos, *sin;                              /* [max_len, hd]: cos and sin' (rotate_half's sign) */
+  int32_t hidden, heads, kv_heads, hd, inter, bf16, max_len;
+} lrq_decoder_layer;
+
+static __thread void *layer_scratch;
+static __thread size_t layer_scratch_size;
+
+static int linear_apply(const lrq_linear *L, const void *x, void *y, int bf16, float act_eps, void *tmp,
+                        int nthreads) {
+  int rc;
+  if (L->act_bits) {
+    lrq_per_token_dequant(x, tmp, bf16, 1, L->k, L->act_bits, act_eps);
+    x = tmp;
+  }
+  if (L->kind == 1) {
+    if (L->q4->k != L->k || L->q4->k_pad != L->k || L->q4->n != L->n) return 1;
+    rc = lrq_int4_gemv(L->q4, x, bf16, L->k, y, 1, nthreads);
+  } else if (L->kind == 2) {
+    rc = lrq_dense_gemv(L->w, x, y, bf16, L->n, L->k, nthreads);
+  } else if (L->kind == 3) {   /* float32 out into tmp, then rounded to the model's dtype (the module's .to) */
+    float *yf = tmp;
+    rc = lrq_w8a8_gemv(L->w, L->wsum, x, bf16, L->k, L->a_scale, L->a_zero, L->a_hi, L->col_term, L->zero_term,
+                       L->asymmetric, L->scale, yf, 1, L->n, L->k, nthreads);
+    if (!rc)
+      for (int j = 0; j < L->n; j++) store_any(y, bf16, j, yf[j]);
+  } else {
+    return 1;
+  }
+  if (rc) return rc;
+  if (L->bias)
+    for (int j = 0; j < L->n; j++) store_any(y, bf16, j, load_any(y, bf16, j) + load_any(L->bias, bf16, j));
+  return 0;
+}
+
+/* x [hidden] (the model's dtype) is the layer's input and becomes its output; pos: the token's position (the
+ * cache holds pos earlier ones). Returns 0, 1 for arguments it does not take, 2 when memory runs out. */
+int lrq_decoder_layer_step(const lrq_decoder_layer *L, void *x, int pos, int nthreads) {
+  int bf16 = L->bf16, H = L->hidden, hd = L->hd, qn = L->heads * hd, kvn = L->kv_heads * hd, I = L->inter;
+  if (pos < 0 || pos >= L->max_len || L->q.n != qn || L->k.n != kvn || L->v.n != kvn || L->o.n != H ||
+      L->gate.n != I || L->up.n != I || L->down.n != H || L->q.k != H || L->o.k != qn || L->down.k != I)
+    return 1;
+  size_t widest = (size_t)(I > H ? I : H) > (size_t)qn ? (size_t)(I > H ? I : H) : (size_t)qn;
+  size_t elem = bf16 ? 2 : 4, need = elem * ((size_t)H * 2 + (size_t)qn * 2 + (size_t)kvn * 2 + (size_t)I * 3) +
+                                     sizeof(float) * widest + 64;
+  if (need > layer_scratch_size) {
+    void *p = realloc(layer_scratch, need);
+    if (!p) return 2;
+    layer_scratch = p;
+    layer_scratch_size = need;
+  }
+  char *b = layer_scratch;
+  void *h = b; b += elem * H;
+  void *q = b; b += elem * qn;
+  void *k = b; b += elem * kvn;
+  void *v = b; b += elem * kvn;
+  void *att = b; b += elem * qn;
+  void *o = b; b += elem * H;
+  void *g = b; b += elem * I;
+  void *u = b; b += elem * I;
+  void *a = b; b += elem * I;
+  void *tmp = b;   /* a linear's quantized input or float32 output: up to max(I, H, qn) float32 values */
+  int rc;
+  lrq_rms_norm(x, L->in_norm, h, bf16, 1, H, L->eps);
+  if ((rc = linear_apply(&L->q, h, q, bf16, L->act_eps, tmp, nthreads)) ||
+      (rc = linear_apply(&L->k, h, k, bf16, L->act_eps, tmp, nthreads)) ||
+      (rc = linear_apply(&L->v, h, v, bf16, L->act_eps, tmp, nthreads)))
+    return rc;
+  if (L->q_norm) lrq_rms_norm(q, L->q_norm, q, bf16, L->heads, hd, L->q_eps);
+  if (L->k_norm) lrq_rms_norm(k, L->k_norm, k, bf16, L->kv_heads, hd, L->k_eps);
+  const char *cos = (const char *)L->cos + elem * (size_t)pos * hd, *sin = (const char *)L->sin + elem * (size_t)pos * hd;
+  if ((rc = lrq_rope_cache(q, k, v, cos, sin, L->kc, L->vc, L->kv_stride, pos, L->heads, L->kv_heads, hd, bf16)) ||
+      (rc = lrq_attend(q, hd, L->kc, L->vc, L->kv_stride, att, bf16, pos + 1, L->heads, L->kv_heads, hd, L->scale)) ||
+      (rc = linear_apply(&L->o, att, o, bf16, L->act_eps, tmp, nthreads)))
+    return rc;
+  for (int i = 0; i < H; i++) store_any(x, bf16, i, load_any(x, bf16, i) + load_any(o, bf16, i));
+  lrq_rms_norm(x, L->post_norm, h, bf16, 1, H, L->eps);
+  if ((rc = linear_apply(&L->gate, h, g, bf16, L->act_eps, tmp, nthreads)) ||
+      (rc = linear_apply(&L->up, h, u, bf16, L->act_eps, tmp, nthreads)))
+    return rc;
+  for (int i = 0; i < I; i++) {   /* act_fn(gate) rounded, then its product with up rounded: the module's two ops */
+    float gv = load_any(g, bf16, i);
+    store_any(a, bf16, i, gv / (1.0f + expf(-gv)));
+    store_any(a, bf16, i, load_any(a, bf16, i) * load_any(u, bf16, i));
+  }
+  if ((rc = linear_apply(&L->down, a, o, bf16, L->act_eps, tmp, nthreads))) return rc;
+  for (int i = 0; i < H; i++) store_any(x, bf16, i, load_any(x, bf16, i) + load_any(o, bf16, i));
+  return 0;
+}
