@@ -114,7 +114,10 @@ def per_token_qparams(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, tor
     """The per-token grid of `per_token_fake_quant`: scale and integer zero point per row [..., 1] (float32)."""
     # qparams_from_range's arithmetic, step for step, in place on fresh [..., 1] tensors: at one token (a decode
     # step) each layer's cost is the count of its operations, not their size
-    lo, hi = torch.aminmax(x.detach().float(), dim=-1, keepdim=True)
+    # two reductions, not torch.aminmax: its CPU reduction along the last dim is about 20x slower from a few rows up
+    # (torch 2.13: 1.7 against 0.07 ms for 512 x 1536 float32 on a Zen 5; as fast at one row)
+    xf = x.detach().float()
+    lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
     qmax = 2**bits - 1
     scale = hi.clamp_(min=0).sub_(lo.clamp_(max=0)).div_(qmax).clamp_(min=SCALE_EPS)
     return scale, lo.div_(scale).neg_().round_().clamp_(0, qmax)

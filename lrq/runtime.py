@@ -263,7 +263,16 @@ class LeanDecoder:
                 h = _rms(layer.post_attention_layernorm, x, lib)
                 x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
             self.length = start + t
-            return self.model.lm_head(_rms(inner.norm, x[:, -keep:], lib))
+            h, head = _rms(inner.norm, x[:, -keep:], lib), self.model.lm_head
+            if (any(fused) and type(head) is nn.Linear and head.bias is None and head.weight.dtype == h.dtype
+                    and head.weight.is_contiguous() and h.is_contiguous()):
+                # the head through lrq's GEMV too (dense and packed models alike: every format keeps it dense)
+                y = torch.empty(*h.shape[:-1], head.out_features, dtype=h.dtype)
+                native.checked(_native("head", lib.lrq_dense_gemv, head.weight.data_ptr(), h.data_ptr(),
+                                       y.data_ptr(), h.dtype == torch.bfloat16, head.out_features,
+                                       head.in_features, torch.get_num_threads()), "output head")
+                return y
+            return head(h)
 
     @torch.no_grad()
     def greedy(self, prompt: torch.Tensor, steps: int) -> torch.Tensor:

@@ -207,7 +207,8 @@ def test_profile_counts_native_kernels_where_they_run(fused):
     assert sum(ms.values()) == pytest.approx(prof["wall_ms_per_token"], rel=1e-6)
     if fused:   # both layers in C: nothing of them runs as modules or separate calls
         assert ms["fused decoder layers (one lrq.native call each)"] > 0.3 * prof["wall_ms_per_token"]
-        assert ms["quantized linears"] == 0 and ms["attention/SDPA, RoPE, norms and other ops"] < ms["output head"]
+        assert ms["quantized linears"] == 0 and ms["output head"] > 0   # the head's C call counted as the head
+        assert ms["attention/SDPA, RoPE, norms and other ops"] < ms["fused decoder layers (one lrq.native call each)"]
         return
     assert ms["fused decoder layers (one lrq.native call each)"] == 0
     # 14 packed linears per step through C: far more than nothing (they were ~0 when only aten ops counted)

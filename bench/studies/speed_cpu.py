@@ -251,7 +251,8 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     range: aten ops and lrq.native's C kernels alike, which are no aten ops); every other top-level aten op (one
     inside no aten op and no labelled module) goes to attention/SDPA, RoPE, norms and other ops, and so do the lean
     runtime's lrq.native norm and attention calls (labelled by it); a decoder layer the lean runtime runs as one
-    lrq.native call (its linears, norms and attention together) is a group of its own; the wall time left is
+    lrq.native call (its linears, norms and attention together) is a group of its own, and its C head call counts as
+    the output head; the wall time left is
     framework/Python overhead. ms per token, and shares; the profiler adds its own cost to every op (most of it lands in the overhead), so the
     same steps are also timed without it first (`unprofiled_ms_per_token`). `target`: a model (its own forward) or
     a LeanDecoder."""
@@ -298,7 +299,8 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
         if p is not None:   # inside a labelled range or another aten op: counted there
             continue
         group = (e.name.split("::", 1)[1] if e.name.startswith("lrq.group::") else
-                 PROFILE_GROUPS[4] if e.name == "lrq.native::decoder_layer" else PROFILE_GROUPS[2])
+                 PROFILE_GROUPS[4] if e.name == "lrq.native::decoder_layer" else
+                 PROFILE_GROUPS[1] if e.name == "lrq.native::head" else PROFILE_GROUPS[2])
         us[group] += e.time_range.elapsed_us()
     us[PROFILE_GROUPS[3]] = max(wall_us - sum(us.values()), 0.0)
     return {"steps": steps, "wall_ms_per_token": wall_us / 1e3 / steps, "unprofiled_ms_per_token": plain_ms,

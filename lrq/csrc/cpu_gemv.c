@@ -641,6 +641,26 @@ const char *lrq_isa(void) {
  * summed in float32 and rounded once. bf16 through AVX512-BF16 dot products where the CPU has them, else widened
  * to float32; four rows at a time; rows split over threads. */
 static void dense_rows(const void *w, const void *x, const float *xf, void *y, int bf16, int j0, int j1, int k) {
+#if defined(BF16_DOT)
+  if (bf16 && k % 32 == 0) {   /* four rows at a time: each x piece loaded once for four weight rows */
+    const uint16_t *xb = x;
+    for (; j0 + 4 <= j1; j0 += 4) {
+      const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int i = 0; i < k; i += 32) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w0 + i), xv);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w1 + i), xv);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w2 + i), xv);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w3 + i), xv);
+      }
+      store_any(y, 1, j0, _mm512_reduce_add_ps(a0));
+      store_any(y, 1, j0 + 1, _mm512_reduce_add_ps(a1));
+      store_any(y, 1, j0 + 2, _mm512_reduce_add_ps(a2));
+      store_any(y, 1, j0 + 3, _mm512_reduce_add_ps(a3));
+    }
+  }
+#endif
   for (int j = j0; j < j1; j++) {
     float out;
 #if defined(BF16_DOT)
