@@ -226,6 +226,20 @@ if native.library() is not None:   # the one-token attention kernel (bf16 and fl
         ref = ref.transpose(1, 2).reshape(1, 1, -1)
         # relative errors 1e-5 (float32: exp, the sums) and 1e-2 (bf16 output) count as the int kernels' 1e-6
         errs.append(((o.float() - ref).abs().max() / ref.abs().max()).item() / (10 if dt == torch.float32 else 1e4))
+if native.library() is not None:   # a fused decoder layer step (dense float32 and bf16) against the module path
+    from lrq.runtime import LeanDecoder
+    from tests.conftest import tiny_model
+    for dt in (torch.float32, torch.bfloat16):
+        model = tiny_model("llama", hidden=192, seed=3).to(dt)
+        outs = []
+        for fused in (True, False):
+            lean = LeanDecoder(model, 16)
+            lean.fused = fused
+            lean.forward(torch.arange(6)[None])
+            outs.append(torch.cat([lean.forward(torch.tensor([[7 + j]])).float() for j in range(3)], 1))
+            assert not fused or all(f is not None for f in lean._fused)
+        rel = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+        errs.append(rel / (10 if dt == torch.float32 else 1e4))
 print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs)}))
 """
 
