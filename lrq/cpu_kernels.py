@@ -535,7 +535,13 @@ class Int4Int8Weights:
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
-        wa = _unpack_int4pack_t(w.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8)
+        wa = torch.empty(k_pad, n_pad, dtype=torch.int8)
+        lib = native.library() if w.decodable else None
+        if lib is not None:   # one pass in C
+            native.checked(lib.lrq_int4_levels_t(w._native_layer()[1], wa.data_ptr(), torch.get_num_threads()),
+                           "int4 levels")
+        else:
+            _unpack_int4pack_t(w.packed, wa).sub_(8)
         acc = _int_mm(xa, wa[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)

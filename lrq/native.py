@@ -94,6 +94,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_int4_gemv.restype = i
     lib.lrq_int4_dequant_t.argtypes = [p, p, i, i]
     lib.lrq_int4_dequant_t.restype = i
+    lib.lrq_int4_levels_t.argtypes = [p, p, i]
+    lib.lrq_int4_levels_t.restype = i
     lib.lrq_int8_gemv.argtypes = [p, p, p, lg, p, i, p, i, p, p, i, p, p, i, i, i, i]
     lib.lrq_int8_gemv.restype = i
     f = ctypes.c_float

@@ -75,6 +75,18 @@ def test_prefill_operand_is_torchs_dequantization_bit_for_bit(n, k, group, dtype
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_w4a8_prefill_levels_are_torchs_unpacking(n, k, group):
+    """W4A8's prefill operand (lrq_int4_levels_t: the levels less 8, transposed, int8) equals torch's ops' reading
+    of the same packing, the remainder block and padded rows included."""
+    from lrq.cpu_kernels import _unpack_int4pack_t
+    w = _weights(n, k, group)
+    n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
+    out = torch.empty(k_pad, n_pad, dtype=torch.int8)
+    assert native.library().lrq_int4_levels_t(w._native_layer()[1], out.data_ptr(), 2) == 0
+    assert torch.equal(out, _unpack_int4pack_t(w.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8))
+
+
 def test_prefill_runs_the_native_dequantization(monkeypatch):
     """A 4-bit layer called with a prompt multiplies by lrq.native's dequantized operand, not torch's ops'."""
     w = _weights(576, 576, 128)

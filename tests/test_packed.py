@@ -208,9 +208,10 @@ def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme
         p(torch.randn(2, 70, 576).bfloat16())
     from lrq import native
     # the 4-bit form's transient operand: lrq.native reads the packing in C, else torch's ops unpack it; W4A8's
-    # prefill reads its levels into a transient int8 weight
-    int4 = ["dequantized_t"] + (["_unpack_int4pack_t"] if native.library() is None else [])
-    transient = {K.Int4Weights: int4, K.Int4Int8Weights: ["_unpack_int4pack_t"], K.Int8Weights: ["dequantized"]}
+    # prefill reads its levels into a transient int8 weight (in C where lrq.native is built)
+    torch_unpacks = ["_unpack_int4pack_t"] if native.library() is None else []
+    transient = {K.Int4Weights: ["dequantized_t"] + torch_unpacks, K.Int4Int8Weights: torch_unpacks,
+                 K.Int8Weights: ["dequantized"]}
     assert calls == transient.get(type(p.cpu_weights), [])
     assert p.storage_bytes() == held
 

@@ -377,6 +377,44 @@ int lrq_int4_dequant_t(const int4_layer *L, void *out, int out_bf16, int nthread
   return 0;
 }
 
+/* int4_levels_t: the levels of an int4_layer less 8, transposed, into out[k_pad, n_pad] (int8): W4A8's prefill
+ * operand for the int8 GEMM (lrq.cpu_kernels.Int4Int8Weights.mm), in one pass over the packed bytes, 16 at a time. */
+int lrq_int4_levels_t(const int4_layer *L, int8_t *out, int nthreads) {
+  const uint8_t *packed = L->packed;
+  int n_pad = L->n_pad, k_pad = L->k_pad, block = L->block;
+  if ((block != 64 && block != 32) || n_pad % 16 || k_pad % 2) return 1;
+  int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
+  #pragma omp parallel for num_threads(nthreads) schedule(static) \
+      if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
+  for (int b = 0; b < units; b++) {
+    const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
+    int c0 = b * block;
+    for (int k = 0; k < k_pad; k++) {
+      int8_t *o = out + (size_t)k * n_pad + c0;
+      if (b == nb) {
+        const uint8_t *r = blk + (size_t)k * (rem / 2);
+        for (int j = 0; j < rem; j++) o[j] = (int8_t)(((j & 1) ? r[j / 2] >> 4 : r[j / 2] & 15) - 8);
+        continue;
+      }
+      const uint8_t *r = blk + (size_t)k * half;
+#ifdef NIBBLES
+      const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+      for (int j = 0; j < half; j += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(r + j));
+        _mm_storeu_si128((__m128i *)(o + j), _mm_sub_epi8(_mm_and_si128(v, low), eight));
+        _mm_storeu_si128((__m128i *)(o + half + j), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), eight));
+      }
+#else
+      for (int j = 0; j < half; j++) {
+        o[j] = (int8_t)((r[j] & 15) - 8);
+        o[half + j] = (int8_t)((r[j] >> 4) - 8);
+      }
+#endif
+    }
+  }
+  return 0;
+}
+
 /* int8_gemv: the W8A8 decode step. y[m, n] (float32) from the activation levels xa = level - 128 (int8 [m, k], rows
  * x_stride apart) and the weight levels w = q - offset (int8 [n, k], contiguous): the exact int32 product
  * acc = sum_k xa w, then lrq.cpu_kernels._int8_corrected's corrections in float32,
