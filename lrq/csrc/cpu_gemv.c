@@ -678,6 +678,14 @@ const char *lrq_isa(void) {
 /* dense_gemv: y[n] = W[n, k] x[k] (W rows contiguous, the nn.Linear weight as held), W and x in the model's dtype,
  * summed in float32 and rounded once. bf16 through AVX512-BF16 dot products where the CPU has them, else widened
  * to float32; four rows at a time; rows split over threads. */
+/* the weight rows 8 ahead of the four being read, one cache line each per step: without it a Zen 5 core streams the
+ * bf16 head at 24 GB/s, with it at 30-34 (its hardware prefetcher alone does not run far enough ahead) */
+#define PREFETCH_ROWS(w0, w1, w2, w3, at)                                                                    \
+  do {                                                                                                      \
+    __builtin_prefetch((w0) + (at), 0, 3); __builtin_prefetch((w1) + (at), 0, 3);                             \
+    __builtin_prefetch((w2) + (at), 0, 3); __builtin_prefetch((w3) + (at), 0, 3);                             \
+  } while (0)
+
 static void dense_rows(const void *w, const void *x, const float *xf, void *y, int bf16, int j0, int j1, int k) {
 #if defined(BF16_DOT)
   if (bf16 && k % 32 == 0) {   /* four rows at a time: each x piece loaded once for four weight rows */
@@ -686,6 +694,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
       const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int i = 0; i < k; i += 32) {
+        PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
         __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w0 + i), xv);
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w1 + i), xv);
@@ -705,6 +714,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
       if (bf16) {
         const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         for (int i = 0; i < k; i += 16) {
+          if (i % 32 == 0) PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
           v16 xv = vload(xf + i);
           a0 = vfmav(vload_bf16(w0 + i), xv, a0); a1 = vfmav(vload_bf16(w1 + i), xv, a1);
           a2 = vfmav(vload_bf16(w2 + i), xv, a2); a3 = vfmav(vload_bf16(w3 + i), xv, a3);
@@ -712,6 +722,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
       } else {
         const float *w0 = (const float *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         for (int i = 0; i < k; i += 16) {
+          PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
           v16 xv = vload(xf + i);
           a0 = vfmav(vload(w0 + i), xv, a0); a1 = vfmav(vload(w1 + i), xv, a1);
           a2 = vfmav(vload(w2 + i), xv, a2); a3 = vfmav(vload(w3 + i), xv, a3);
