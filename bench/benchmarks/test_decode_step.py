@@ -1,0 +1,76 @@
+"""pytest-benchmark cases for the CPU decode step and the 4-bit prefill operand (not part of the test suite; run
+explicitly):
+
+    python -m pytest bench/benchmarks/test_decode_step.py --benchmark-only --benchmark-columns=median,iqr,rounds
+
+- one greedy decode step of a SmolLM2-135M-shaped model (random weights, built in memory: no download), dense bf16
+  and packed w4a16-g128 and w4a8 (RTN, no calibration needed), through lrq.runtime.LeanDecoder with its decoder layers fused into
+  one lrq.native call each and through its modules (`fused` False), at a fixed cache length of 64 positions;
+- the 4-bit form's transient prefill operand (Int4Weights.dequantized_t) made by lrq.native and by torch's ops.
+
+The end-to-end comparison with interleaved rounds, the real model and llama.cpp is `python -m bench.studies.speed
+e2e --device cpu` (reports/speed-cpu/); these cases are for tracking one kernel or one step across commits.
+"""
+
+import pytest
+import torch
+
+from lrq import native
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+               tie_word_embeddings=True, hidden_act="silu")
+CACHED = 64   # positions in the cache when the timed step runs
+
+
+@pytest.fixture(scope="module", params=["dense", "w4a16-g128", "w4a8"])
+def model(request):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from lrq.methods import get_method, load_methods
+    from lrq.packed import pack_model
+    from lrq.schemes import get_scheme
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).eval()
+    if request.param != "dense":
+        load_methods()
+        rtn = get_method("rtn")
+        rtn.quantize(m, get_scheme(request.param), rtn.config("quick"), None)
+        pack_model(m)
+    return request.param, m.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+def test_decode_step(benchmark, model, fused):
+    from lrq.runtime import LeanDecoder
+    if fused and native.library() is None:
+        pytest.skip(f"lrq.native is not built here: {native.status()}")
+    name, m = model
+    lean = LeanDecoder(m, CACHED + 8)
+    lean.fused = fused
+    lean.forward(torch.arange(CACHED)[None] % 1000)
+    token = torch.tensor([[17]])
+
+    def step():
+        lean.length = CACHED          # the same position every round: the same attention length
+        return lean.forward(token)
+
+    benchmark.extra_info.update({"model": f"SmolLM2-135M shape, random weights, {name}", "fused": fused,
+                                 "cached": CACHED, "threads": torch.get_num_threads(), "native": native.status()})
+    logits = benchmark(step)
+    assert logits.shape == (1, 1, SMOLLM2["vocab_size"]) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("maker", ["native", "torch"])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536)])
+def test_prefill_operand(benchmark, maker, shape):
+    from lrq.cpu_kernels import Int4Weights
+    if maker == "native" and native.library() is None:
+        pytest.skip(f"lrq.native is not built here: {native.status()}")
+    n, k = shape
+    g = torch.Generator().manual_seed(0)
+    w = Int4Weights.build(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // 128, generator=g) * 0.01,
+                          torch.randint(0, 16, (n, k // 128), generator=g).float(), 128)
+    make = w.dequantized_t if maker == "native" else w.dequantized_t_torch
+    benchmark.extra_info.update({"N": n, "K": k, "group": 128, "maker": maker})
+    out = benchmark(make, torch.bfloat16)
+    assert out.shape == (k, n) and out.dtype == torch.bfloat16
