@@ -270,8 +270,9 @@ class Int4Weights:
         if lib is None:
             return self.dequantized_t_torch(dtype)
         out = torch.empty(self.packed.shape[1] * 2, self.packed.shape[0], dtype=dtype)
-        native.checked(lib.lrq_int4_dequant_t(self._native_layer()[1], out.data_ptr(), dtype == torch.bfloat16,
-                                              torch.get_num_threads()), "int4 dequantization")
+        form = native.UNPACK_BF16 if dtype == torch.bfloat16 else native.UNPACK_F32
+        native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], out.data_ptr(), form, torch.get_num_threads()),
+                       "int4 dequantization")
         return out
 
     def dequantized_t_torch(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -538,8 +539,8 @@ class Int4Int8Weights:
         wa = torch.empty(k_pad, n_pad, dtype=torch.int8)
         lib = native.library() if w.decodable else None
         if lib is not None:   # one pass in C
-            native.checked(lib.lrq_int4_levels_t(w._native_layer()[1], wa.data_ptr(), torch.get_num_threads()),
-                           "int4 levels")
+            native.checked(lib.lrq_int4_unpack_t(w._native_layer()[1], wa.data_ptr(), native.UNPACK_I8,
+                                                 torch.get_num_threads()), "int4 levels")
         else:
             _unpack_int4pack_t(w.packed, wa).sub_(8)
         acc = _int_mm(xa, wa[:w.k])

@@ -92,10 +92,8 @@ def library() -> ctypes.CDLL | None:
     p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.lrq_int4_gemv.argtypes = [p, p, i, lg, p, i, i]
     lib.lrq_int4_gemv.restype = i
-    lib.lrq_int4_dequant_t.argtypes = [p, p, i, i]
-    lib.lrq_int4_dequant_t.restype = i
-    lib.lrq_int4_levels_t.argtypes = [p, p, i]
-    lib.lrq_int4_levels_t.restype = i
+    lib.lrq_int4_unpack_t.argtypes = [p, p, i, i]
+    lib.lrq_int4_unpack_t.restype = i
     lib.lrq_int8_gemv.argtypes = [p, p, p, lg, p, i, p, i, p, p, i, p, p, i, i, i, i]
     lib.lrq_int8_gemv.restype = i
     f = ctypes.c_float
@@ -146,6 +144,9 @@ class DecoderLayer(ctypes.Structure):
                    ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
                 + [(name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "hd", "inter", "bf16",
                                                         "max_len")])
+
+
+UNPACK_F32, UNPACK_BF16, UNPACK_I8 = 0, 1, 2   # lrq_int4_unpack_t's forms (cpu_gemv.c)
 
 
 def checked(rc: int, what: str) -> None:

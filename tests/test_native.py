@@ -61,7 +61,7 @@ def test_gemv_equals_the_dequantized_product(n, k, group, dtype, m):
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_operand_is_torchs_dequantization_bit_for_bit(n, k, group, dtype):
-    """A prefill call's transient weight (lrq_int4_dequant_t) equals torch's ops' q * s + zc rounded once, every bit,
+    """A prefill call's transient weight (lrq_int4_unpack_t) equals torch's ops' q * s + zc rounded once, every bit,
     the remainder block and the padded rows included, on one thread and two."""
     w = _weights(n, k, group)
     ref = w.dequantized_t_torch(dtype)
@@ -77,13 +77,13 @@ def test_prefill_operand_is_torchs_dequantization_bit_for_bit(n, k, group, dtype
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_w4a8_prefill_levels_are_torchs_unpacking(n, k, group):
-    """W4A8's prefill operand (lrq_int4_levels_t: the levels less 8, transposed, int8) equals torch's ops' reading
+    """W4A8's prefill operand (lrq_int4_unpack_t's UNPACK_I8: the levels less 8, transposed, int8) equals torch's ops' reading
     of the same packing, the remainder block and padded rows included."""
     from lrq.cpu_kernels import _unpack_int4pack_t
     w = _weights(n, k, group)
     n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
     out = torch.empty(k_pad, n_pad, dtype=torch.int8)
-    assert native.library().lrq_int4_levels_t(w._native_layer()[1], out.data_ptr(), 2) == 0
+    assert native.library().lrq_int4_unpack_t(w._native_layer()[1], out.data_ptr(), native.UNPACK_I8, 2) == 0
     assert torch.equal(out, _unpack_int4pack_t(w.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8))
 
 

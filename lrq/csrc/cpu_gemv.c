@@ -329,20 +329,60 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
   return 0;
 }
 
-/* int4_dequant_t: the weight of an int4_layer, transposed, into out[k_pad, n_pad] (float32, or bf16 when out_bf16):
- * q * s + zc per group as one fused multiply-add in float32 (as torch's vectorized addcmul), then rounded once to
- * bf16 (nearest even): the values lrq.cpu_kernels.Int4Weights.dequantized_t_torch computes, bit for bit.
- * A prefill call (hundreds of tokens) multiplies by this transient operand (torch's bf16 or float32 GEMM, far
- * faster there than its int4 GEMM); row k of a block of B features is B / 2 bytes, so each row's output is
- * contiguous: low nibbles to features 0..B/2-1 of the block, high ones to B/2..B-1. Blocks split over threads. */
-int lrq_int4_dequant_t(const int4_layer *L, void *out, int out_bf16, int nthreads) {
+/* int4_unpack_t: an int4_layer's weight read out of its packing, transposed, into out[k_pad, n_pad], one pass over the
+ * packed bytes (row k of a block of B features is B / 2 bytes, so each row's output is contiguous: low nibbles to
+ * features 0..B/2-1 of the block, high ones to B/2..B-1; blocks split over threads). `form`:
+ *   UNPACK_F32, UNPACK_BF16: the weight q * s + zc per group as one fused multiply-add in float32 (as torch's
+ *     vectorized addcmul), rounded once to bf16 (nearest even) for the latter: the values
+ *     lrq.cpu_kernels.Int4Weights.dequantized_t_torch computes, bit for bit; a 4-bit prefill call multiplies by this
+ *     transient operand (torch's GEMM, far faster there than its int4 GEMM);
+ *   UNPACK_I8: the levels less 8 (int8): W4A8's prefill operand for the int8 GEMM (Int4Int8Weights.mm). */
+enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2 };
+
+static void unpack_row(const uint8_t *r, const float *sg, const float *zg, void *out, size_t row, int half, int form) {
+#ifdef NIBBLES
+  if (form == UNPACK_I8) {
+    const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    int8_t *o = (int8_t *)out + row;
+    for (int j = 0; j < half; j += 16) {
+      __m128i v = _mm_loadu_si128((const __m128i *)(r + j));
+      _mm_storeu_si128((__m128i *)(o + j), _mm_sub_epi8(_mm_and_si128(v, low), eight));
+      _mm_storeu_si128((__m128i *)(o + half + j), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), eight));
+    }
+    return;
+  }
+#else
+  if (form == UNPACK_I8) {
+    int8_t *o = (int8_t *)out + row;
+    for (int j = 0; j < half; j++) {
+      o[j] = (int8_t)((r[j] & 15) - 8);
+      o[half + j] = (int8_t)((r[j] >> 4) - 8);
+    }
+    return;
+  }
+#endif
+  for (int c = 0; c < half; c += 16) {
+    b16 v = bload(r + c);
+    v16 lo = vfmav(lo_f(v), vload(sg + c), vload(zg + c));
+    v16 hi = vfmav(hi_f(v), vload(sg + half + c), vload(zg + half + c));
+    if (form == UNPACK_BF16) {
+      vstore_bf16((uint16_t *)out + row + c, lo);
+      vstore_bf16((uint16_t *)out + row + half + c, hi);
+    } else {
+      vstore((float *)out + row + c, lo);
+      vstore((float *)out + row + half + c, hi);
+    }
+  }
+}
+
+int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const uint8_t *packed = L->packed;
   const float *s = L->s, *zc = L->zc;
   int n_pad = L->n_pad, k_pad = L->k_pad, group = L->group, block = L->block;
-  if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k_pad % 2) return 1;
+  if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k_pad % 2 || form < 0 ||
+      form > UNPACK_I8)
+    return 1;
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
-  float *of = out;
-  uint16_t *ob = out;
   #pragma omp parallel for num_threads(nthreads) schedule(static) \
       if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
   for (int b = 0; b < units; b++) {
@@ -351,65 +391,17 @@ int lrq_int4_dequant_t(const int4_layer *L, void *out, int out_bf16, int nthread
     for (int k = 0; k < k_pad; k++) {
       const float *sg = s + (size_t)(k / group) * n_pad + c0, *zg = zc + (size_t)(k / group) * n_pad + c0;
       size_t row = (size_t)k * n_pad + c0;
-      if (b == nb) {   /* the remainder block: bytes of features 2j (low nibble) and 2j + 1 (high) */
-        for (int j = 0; j < rem; j++) {
-          uint8_t byte = blk[(size_t)k * (rem / 2) + j / 2];
-          float v = fmaf((float)((j & 1) ? byte >> 4 : byte & 15), sg[j], zg[j]);
-          if (out_bf16) ob[row + j] = f32_to_bf16(v); else of[row + j] = v;
-        }
+      if (b < nb) {
+        unpack_row(blk + (size_t)k * half, sg, zg, out, row, half, form);
         continue;
       }
-      const uint8_t *r = blk + (size_t)k * half;
-      for (int c = 0; c < half; c += 16) {
-        b16 v = bload(r + c);
-        v16 lo = vfmav(lo_f(v), vload(sg + c), vload(zg + c));
-        v16 hi = vfmav(hi_f(v), vload(sg + half + c), vload(zg + half + c));
-        if (out_bf16) {
-          vstore_bf16(ob + row + c, lo);
-          vstore_bf16(ob + row + half + c, hi);
-        } else {
-          vstore(of + row + c, lo);
-          vstore(of + row + half + c, hi);
-        }
+      for (int j = 0; j < rem; j++) {   /* the remainder block: bytes of features 2j (low nibble) and 2j + 1 (high) */
+        uint8_t byte = blk[(size_t)k * (rem / 2) + j / 2], q = (j & 1) ? byte >> 4 : byte & 15;
+        float v = fmaf((float)q, sg[j], zg[j]);
+        if (form == UNPACK_I8) ((int8_t *)out)[row + j] = (int8_t)(q - 8);
+        else if (form == UNPACK_BF16) ((uint16_t *)out)[row + j] = f32_to_bf16(v);
+        else ((float *)out)[row + j] = v;
       }
-    }
-  }
-  return 0;
-}
-
-/* int4_levels_t: the levels of an int4_layer less 8, transposed, into out[k_pad, n_pad] (int8): W4A8's prefill
- * operand for the int8 GEMM (lrq.cpu_kernels.Int4Int8Weights.mm), in one pass over the packed bytes, 16 at a time. */
-int lrq_int4_levels_t(const int4_layer *L, int8_t *out, int nthreads) {
-  const uint8_t *packed = L->packed;
-  int n_pad = L->n_pad, k_pad = L->k_pad, block = L->block;
-  if ((block != 64 && block != 32) || n_pad % 16 || k_pad % 2) return 1;
-  int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
-  #pragma omp parallel for num_threads(nthreads) schedule(static) \
-      if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
-  for (int b = 0; b < units; b++) {
-    const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
-    int c0 = b * block;
-    for (int k = 0; k < k_pad; k++) {
-      int8_t *o = out + (size_t)k * n_pad + c0;
-      if (b == nb) {
-        const uint8_t *r = blk + (size_t)k * (rem / 2);
-        for (int j = 0; j < rem; j++) o[j] = (int8_t)(((j & 1) ? r[j / 2] >> 4 : r[j / 2] & 15) - 8);
-        continue;
-      }
-      const uint8_t *r = blk + (size_t)k * half;
-#ifdef NIBBLES
-      const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-      for (int j = 0; j < half; j += 16) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(r + j));
-        _mm_storeu_si128((__m128i *)(o + j), _mm_sub_epi8(_mm_and_si128(v, low), eight));
-        _mm_storeu_si128((__m128i *)(o + half + j), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), eight));
-      }
-#else
-      for (int j = 0; j < half; j++) {
-        o[j] = (int8_t)((r[j] & 15) - 8);
-        o[half + j] = (int8_t)((r[j] >> 4) - 8);
-      }
-#endif
     }
   }
   return 0;
