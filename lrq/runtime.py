@@ -116,7 +116,7 @@ def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
             return None
         n, k = mod.weight.shape
         return (native.Linear(2, 0, n, k, None, mod.weight.data_ptr(), None if bias is None else bias.data_ptr()),
-                (mod.weight, bias))
+                (mod.weight.detach(), None if bias is None else bias.detach()))   # their storage, not the module's
     return None
 
 
@@ -161,8 +161,8 @@ class LeanDecoder:
         self._fused: list | None = None
 
     def reset(self) -> None:
-        """An empty cache; the fused layers' arguments are made again at the next step (weights or a static grid
-        changed since are read afresh)."""
+        """An empty cache; the fused layers' arguments are made again at the next step: weights replaced since
+        (a new tensor, a new static grid) are read from then on; weights changed in place are read at every step."""
         self.length = 0
         self._fused = None
 
@@ -190,7 +190,10 @@ class LeanDecoder:
                                  self.cos.data_ptr(), self.sin.data_ptr(), cfg.hidden_size,
                                  cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim,
                                  parts[4][0].n, dtype == torch.bfloat16, self.max_len)
-        return ctypes.addressof(st), (st, parts, norms)
+        # what the struct points into is kept alive by reference to the storage (detached tensors), so a module whose
+        # weight is replaced (e.g. `param.data = ...`) leaves this step reading the old, still valid values until the
+        # next reset() makes the arguments again
+        return ctypes.addressof(st), (st, parts, [n.weight.detach() for n in norms])
 
     def _fused_layers(self) -> list:
         if self._fused is None:

@@ -200,19 +200,24 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
 
 
 def test_fused_layers_are_remade_after_reset_and_refuse_bad_arguments():
-    """reset() drops the fused layers' arguments (a weight changed between generations is read afresh), and a
-    position beyond the cache is refused by the C step with an error, not written out of bounds."""
+    """reset() drops the fused layers' arguments (a weight replaced between generations is read afresh; until then
+    the old storage is kept alive, never read after it is freed), and a position beyond the cache is refused by the
+    C step with an error, not written out of bounds."""
     from lrq import native
     model = tiny_model("llama", hidden=192).to(torch.bfloat16)
     lean = LeanDecoder(model, 16)
     lean.forward(torch.arange(4)[None])
     first = lean.forward(torch.tensor([[5]]))
     assert lean._fused is not None and all(f is not None for f in lean._fused)
-    with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight.mul_(0)
+    import gc
+    down = model.model.layers[0].mlp.down_proj.weight
+    down.data = torch.zeros_like(down)   # a new tensor: the old storage stays alive for the fused step
+    gc.collect()
+    lean.length = 4
+    assert torch.equal(lean.forward(torch.tensor([[5]])), first)   # the arguments made before: no dangling read
     lean.reset()
     assert lean._fused is None
     lean.forward(torch.arange(4)[None])
-    assert not torch.equal(lean.forward(torch.tensor([[5]])), first)
+    assert not torch.equal(lean.forward(torch.tensor([[5]])), first)   # made again: the new weight
     x = torch.zeros(1, 1, 192, dtype=torch.bfloat16)
     assert native.library().lrq_decoder_layer_step(lean._fused[0][0], x.data_ptr(), 16, 1) == 1
