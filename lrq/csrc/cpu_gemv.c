@@ -165,7 +165,10 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
  * value 128 + q, exact (one vpternlogd: no table lookups, the integer units rather than the one shuffle unit).
  * vdpbf16ps sums each pair of products with (x[k], x[k+1]) into float32 lanes, already in feature order, and
  * 128 * sum(x) is taken off per group (its error, ~1e-6 of the terms' size, far below the bf16 output's rounding):
- *     y += s (acc - 128 X) + zc X   per group. */
+ *     y += s (acc - 128 X) + zc X   per group.
+ * Four rows a step into two sets of accumulators (the dot products' latency, not their count, bounds one set), and
+ * the stream 4 KB ahead prefetched: 19.0 against 20.9 us for a 1536 x 576 g128 layer read from memory (Zen 5,
+ * medians of interleaved rounds; in cache 9.9 against 10.9). */
 #define BF16_DOT 1
 static inline __m512bh bf16_levels(__m512i lanes) {
   return (__m512bh)_mm512_ternarylogic_epi32(lanes, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300),
@@ -181,7 +184,27 @@ static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, co
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* features 0-15, 16-31, 32-47, 48-63 */
-    for (int k = g0; k < g0 + group; k += 2) {
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int k = g0;
+    for (; k + 4 <= g0 + group; k += 4) {
+      _mm_prefetch((const char *)(blk + (size_t)k * 32 + 4096), _MM_HINT_T0);
+      _mm_prefetch((const char *)(blk + (size_t)k * 32 + 4096 + 64), _MM_HINT_T0);
+      __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
+      __m512i e = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32 + 64));
+      uint32_t pair, pair2;
+      memcpy(&pair, xb + k, 4);
+      memcpy(&pair2, xb + k + 2, 4);
+      __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair), xq = (__m512bh)_mm512_set1_epi32((int)pair2);
+      a0 = _mm512_dpbf16_ps(a0, bf16_levels(d), xp);
+      a1 = _mm512_dpbf16_ps(a1, bf16_levels(_mm512_srli_epi32(d, 8)), xp);
+      a2 = _mm512_dpbf16_ps(a2, bf16_levels(_mm512_srli_epi32(d, 4)), xp);
+      a3 = _mm512_dpbf16_ps(a3, bf16_levels(_mm512_srli_epi32(d, 12)), xp);
+      b0 = _mm512_dpbf16_ps(b0, bf16_levels(e), xq);
+      b1 = _mm512_dpbf16_ps(b1, bf16_levels(_mm512_srli_epi32(e, 8)), xq);
+      b2 = _mm512_dpbf16_ps(b2, bf16_levels(_mm512_srli_epi32(e, 4)), xq);
+      b3 = _mm512_dpbf16_ps(b3, bf16_levels(_mm512_srli_epi32(e, 12)), xq);
+    }
+    for (; k < g0 + group; k += 2) {
       __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
       uint32_t pair;
       memcpy(&pair, xb + k, 4);
@@ -191,6 +214,7 @@ static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, co
       a2 = _mm512_dpbf16_ps(a2, bf16_levels(_mm512_srli_epi32(d, 4)), xp);
       a3 = _mm512_dpbf16_ps(a3, bf16_levels(_mm512_srli_epi32(d, 12)), xp);
     }
+    a0 = _mm512_add_ps(a0, b0); a1 = _mm512_add_ps(a1, b1); a2 = _mm512_add_ps(a2, b2); a3 = _mm512_add_ps(a3, b3);
     const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
     __m512 xsum = _mm512_set1_ps(xs[gi]), x128 = _mm512_set1_ps(128.0f * xs[gi]);
 #define TAKE(o, acc, off)                                                                                   \
