@@ -154,7 +154,8 @@ class LeanDecoder:
         self.onednn_decode = False
         # lrq.native's norm and attention kernels for one-token steps (bf16 or float32 caches), where they are built;
         # None: torch's operations (set it to None to compare)
-        self._lib = native.library() if dtype in (torch.bfloat16, torch.float32) else None
+        on_cpu = emb.device.type == "cpu"   # the C kernels read host memory: a model on a GPU keeps torch's operations
+        self._lib = native.library() if dtype in (torch.bfloat16, torch.float32) and on_cpu else None
         # one-token steps of each decoder layer as one lrq.native call (lrq_decoder_layer_step) where every part of
         # it can be (see _fused_layer); False: the module path above (to compare)
         self.fused = True

@@ -221,3 +221,11 @@ def test_fused_layers_are_remade_after_reset_and_refuse_bad_arguments():
     assert not torch.equal(lean.forward(torch.tensor([[5]])), first)   # made again: the new weight
     x = torch.zeros(1, 1, 192, dtype=torch.bfloat16)
     assert native.library().lrq_decoder_layer_step(lean._fused[0][0], x.data_ptr(), 16, 1) == 1
+
+
+def test_a_model_off_the_cpu_keeps_torchs_operations():
+    """lrq.native reads host memory: a model on another device (here `meta`, as a GPU's would be) never gets the C
+    kernels or fused layers, whose pointers would not be host addresses."""
+    lean = LeanDecoder(tiny_model("llama").to("meta"), 16)
+    assert lean._lib is None
+    assert LeanDecoder(tiny_model("llama"), 16)._lib is not None
