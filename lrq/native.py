@@ -1,4 +1,6 @@
-"""lrq-bench's own CPU decode kernels (lrq/csrc/cpu_gemv.c), compiled on the machine that runs them.
+"""lrq-bench's own CPU kernels (lrq/csrc/cpu_gemv.c), compiled on the machine that runs them: the decode steps'
+matrix-vector products (4-bit, W8A8, dense bf16/float32), the 4-bit form's prefill operand, the lean runtime's norms,
+RoPE and attention, and a whole decoder layer's one-token step in one call (lrq.runtime.LeanDecoder's fused path).
 
 At a decode step (a few tokens) a 4-bit layer is a matrix-vector product over half a byte a weight; torch's int4
 CPU kernel takes bf16 inputs only in vector code (float32: a scalar path, 10-100x slower), so a model held in

@@ -1,5 +1,9 @@
-/* lrq-bench's CPU decode kernels (lrq.native compiles this file on the machine that runs it: cc -O3 -march=native
- * -fopenmp, so the vector code below becomes AVX-512, AVX2 or SSE by what the CPU has; no intrinsics).
+/* lrq-bench's CPU kernels (lrq.native compiles this file on the machine that runs it: cc -O3 -march=native
+ * -fopenmp; the vector code is AVX-512 (with AVX512-BF16/VNNI/VBMI where the compiler's target has them) or AVX2
+ * intrinsics chosen by the target's macros, plain C elsewhere). What it holds: the 4-bit, W8A8 and dense
+ * matrix-vector products of a decode step, the 4-bit prefill operand (int4_unpack_t), the lean runtime's norms,
+ * RoPE with the cache write and attention, and a whole decoder layer's one-token step in one call
+ * (lrq_decoder_layer_step, at the end).
  *
  * int4_gemv: y[m, n_pad] (float32) = x[m, k_pad] (float32) times the weight held in torch's int4 CPU packing
  * (`_convert_weight_to_int4pack_for_cpu`, lrq.cpu_kernels): output features in blocks of B (64 where torch runs
