@@ -189,8 +189,7 @@ static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, co
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* features 0-15, 16-31, 32-47, 48-63 */
     __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    int k = g0;
-    for (; k + 4 <= g0 + group; k += 4) {
+    for (int k = g0; k < g0 + group; k += 4) {   /* group % 4 == 0 (the caller's condition) */
       _mm_prefetch((const char *)(blk + (size_t)k * 32 + 4096), _MM_HINT_T0);
       _mm_prefetch((const char *)(blk + (size_t)k * 32 + 4096 + 64), _MM_HINT_T0);
       __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
@@ -207,16 +206,6 @@ static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, co
       b1 = _mm512_dpbf16_ps(b1, bf16_levels(_mm512_srli_epi32(e, 8)), xq);
       b2 = _mm512_dpbf16_ps(b2, bf16_levels(_mm512_srli_epi32(e, 4)), xq);
       b3 = _mm512_dpbf16_ps(b3, bf16_levels(_mm512_srli_epi32(e, 12)), xq);
-    }
-    for (; k < g0 + group; k += 2) {
-      __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
-      uint32_t pair;
-      memcpy(&pair, xb + k, 4);
-      __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair);
-      a0 = _mm512_dpbf16_ps(a0, bf16_levels(d), xp);
-      a1 = _mm512_dpbf16_ps(a1, bf16_levels(_mm512_srli_epi32(d, 8)), xp);
-      a2 = _mm512_dpbf16_ps(a2, bf16_levels(_mm512_srli_epi32(d, 4)), xp);
-      a3 = _mm512_dpbf16_ps(a3, bf16_levels(_mm512_srli_epi32(d, 12)), xp);
     }
     a0 = _mm512_add_ps(a0, b0); a1 = _mm512_add_ps(a1, b1); a2 = _mm512_add_ps(a2, b2); a3 = _mm512_add_ps(a3, b3);
     const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
@@ -303,7 +292,7 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
   uint16_t *xb = NULL;
   (void)xb;
 #ifdef BF16_DOT
-  if (x_bf16 && block == 64 && group % 2 == 0) {
+  if (x_bf16 && block == 64 && group % 4 == 0) {   /* every kernel group (32-256); the float path otherwise */
     xb = (uint16_t *)(xf + floats);
     for (int t = 0; t < m; t++) {
       memcpy(xb + (size_t)t * k_pad, (const uint16_t *)x + (size_t)t * x_stride, sizeof(uint16_t) * k);
