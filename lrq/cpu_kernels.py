@@ -266,13 +266,29 @@ class Int4Weights:
         kernel group in float32, rounded once to `dtype`. Through lrq.native where it is built (one pass over the
         packed bytes, about 8x faster than torch's ops on a Zen 5: a prefill call's transient operand), else
         torch's ops (`dequantized_t_torch`); the two are equal bit for bit (a test checks)."""
-        lib = native.library() if dtype in (torch.float32, torch.bfloat16) and self.decodable else None
-        if lib is None:
+        if dtype not in (torch.float32, torch.bfloat16):
             return self.dequantized_t_torch(dtype)
+        out = self._native_unpack_t(native.UNPACK_BF16 if dtype == torch.bfloat16 else native.UNPACK_F32, dtype)
+        return self.dequantized_t_torch(dtype) if out is None else out
+
+    def offset_levels_t(self) -> torch.Tensor:
+        """The levels less 8, transposed (int8 [k_pad, n_pad]): W4A8's transient operand for the int8 GEMM, through
+        lrq.native where it is built, else read by torch's ops."""
+        out = self._native_unpack_t(native.UNPACK_I8, torch.int8)
+        if out is None:
+            n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
+            out = _unpack_int4pack_t(self.packed, torch.empty(k_pad, n_pad, dtype=torch.int8)).sub_(8)
+        return out
+
+    def _native_unpack_t(self, form: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """lrq_int4_unpack_t's `form` of the packing ([k_pad, n_pad] in `dtype`, one pass in C), or None where
+        lrq.native is not built or the packing cannot be read back."""
+        lib = native.library() if self.decodable else None
+        if lib is None:
+            return None
         out = torch.empty(self.packed.shape[1] * 2, self.packed.shape[0], dtype=dtype)
-        form = native.UNPACK_BF16 if dtype == torch.bfloat16 else native.UNPACK_F32
         native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], out.data_ptr(), form, torch.get_num_threads()),
-                       "int4 dequantization")
+                       "int4 unpacking")
         return out
 
     def dequantized_t_torch(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -535,15 +551,8 @@ class Int4Int8Weights:
         """The int8 GEMM path, arguments as Int8GemmWeights.mm: the levels as a transient int8 weight."""
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
-        n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
-        wa = torch.empty(k_pad, n_pad, dtype=torch.int8)
-        lib = native.library() if w.decodable else None
-        if lib is not None:   # one pass in C
-            native.checked(lib.lrq_int4_unpack_t(w._native_layer()[1], wa.data_ptr(), native.UNPACK_I8,
-                                                 torch.get_num_threads()), "int4 levels")
-        else:
-            _unpack_int4pack_t(w.packed, wa).sub_(8)
-        acc = _int_mm(xa, wa[:w.k])
+        n_pad = w.packed.shape[0]
+        acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric)
 

@@ -235,9 +235,16 @@ class PackedLinear(nn.Module):
             return x
         if s.static_activations:
             return per_tensor_fake_quant(x, self.act_scale, self.act_zero, s.a_bits)
-        if s.activations.integer_qparams is per_token_qparams and not (x.requires_grad and torch.is_grad_enabled()):
+        if self.per_token_dequantized_activations() and not (x.requires_grad and torch.is_grad_enabled()):
             return per_token_dequantized(x, s.a_bits)        # the same values, fewer operations
         return s.activations.quantize(x, s.a_bits)
+
+    def per_token_dequantized_activations(self) -> bool:
+        """Whether this layer's float activations (inference) are per_token_dequantized's: a dynamic per-token
+        grid (W4A8), the values lrq.native's per-token kernel computes too."""
+        s = self.scheme
+        return (s.a_bits is not None and not s.static_activations
+                and s.activations.integer_qparams is per_token_qparams)
 
     def _int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The activation levels - 128 (int8) on the fake-quant path's grid, their zero point(s) - 128, scale(s)
@@ -285,10 +292,9 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, Int4Int8Weights) and not w.integer_call(x2.shape[0], x.dtype):
             y = w.int4.mm(self._shared(x, "dequantized", lambda: self._float_activations(x2)))
-        elif self._native_static(w, x2):
-            _, _, zero, (scale, _) = self._static_grid_now()
+        elif self._native_static(w, x2.shape[0]):
             xr = x2 if x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 else x2.float().contiguous()
-            y = w.native_static_mm(xr, scale, zero.item(), 2 ** self.scheme.a_bits - 129).to(x.dtype)
+            y = w.native_static_mm(xr, *self.native_static_grid()).to(x.dtype)
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
             y = w.mm(*self._shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
         else:
@@ -297,11 +303,17 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _native_static(self, w, x2: torch.Tensor) -> bool:
-        """Whether this call is a W8A8 decode step on a static grid that lrq's own kernel takes whole (activation
-        quantization, integer product and corrections in one call; lrq.native)."""
+    def _native_static(self, w, m: int) -> bool:
+        """Whether a call of m tokens is a W8A8 decode step on a static grid that lrq's own kernel takes whole
+        (activation quantization, integer product and corrections in one call; lrq.native)."""
         return (isinstance(w, Int8GemmWeights) and self.scheme.static_activations
-                and x2.shape[0] <= NATIVE_INT8_MAX_M and native.library() is not None)
+                and m <= NATIVE_INT8_MAX_M and native.library() is not None)
+
+    def native_static_grid(self) -> tuple[float, float, float]:
+        """(scale, zero point - 128, highest level - 128) of the calibrated static grid, as lrq.native's W8A8
+        kernel takes them (Int8GemmWeights.native_static_mm, the lean runtime's fused layers)."""
+        _, _, zero, (scale, _) = self._static_grid_now()
+        return scale, zero.item(), 2 ** self.scheme.a_bits - 129
 
     def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.a_bits == 8 and self.group_size is None:   # int8 tensor-core GEMM

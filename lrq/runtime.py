@@ -83,28 +83,25 @@ def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
     cannot be fused. What its own forward runs at one token, as one part of the layer's C call: a dense nn.Linear held
     in the model's dtype (lrq's bf16/float32 GEMV); a PackedLinear on lrq.native's 4-bit kernel (weight-only, or
     W4A8 on its per-token dequantized activations) or its W8A8 kernel on a static grid."""
-    from lrq.cpu_kernels import NATIVE_INT8_MAX_M, Int8GemmWeights, int4_form
+    from lrq.cpu_kernels import int4_form
     from lrq.packed import PackedLinear
-    from lrq.quant import per_token_qparams
     if isinstance(mod, PackedLinear):
+        if mod.quantize_output:
+            return None
         w = mod.cpu_weights or mod.convert_for_cpu()
         int4, s = int4_form(w), mod.scheme
         bias = None if mod.bias is None else mod.bias.detach().to(dtype).contiguous()   # the forward's own cast
         bias_ptr = None if bias is None else bias.data_ptr()
-        if mod.quantize_output:
-            return None
-        if isinstance(w, Int8GemmWeights) and s.static_activations and NATIVE_INT8_MAX_M >= 1:
-            _, _, zero, (scale, _) = mod._static_grid_now()
+        if mod._native_static(w, 1):   # the module's own one-token W8A8 kernel
             n, k = w.weight.shape
             return (native.Linear(3, 0, n, k, None, w.weight.data_ptr(), bias_ptr, w.wsum.data_ptr(),
                                   w.col_term.data_ptr(), w.zero_term.data_ptr(), w.scale.data_ptr(), w.asymmetric,
-                                  scale, zero.item(), 2 ** s.a_bits - 129), (w, bias))
+                                  *mod.native_static_grid()), (w, bias))
         if int4 is None or int4.k != int4.packed.shape[1] * 2 or not int4.native_for(1, dtype):
             return None
         if int4 is w and s.a_bits is None:
             act = 0
-        elif (int4 is not w and s.a_bits and not s.static_activations and not w.integer_call(1, dtype)
-              and s.activations.integer_qparams is per_token_qparams):
+        elif int4 is not w and not w.integer_call(1, dtype) and mod.per_token_dequantized_activations():
             act = s.a_bits
         else:
             return None
