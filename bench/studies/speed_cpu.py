@@ -252,10 +252,9 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     inside no aten op and no labelled module) goes to attention/SDPA, RoPE, norms and other ops, and so do the lean
     runtime's lrq.native norm and attention calls (labelled by it); a decoder layer the lean runtime runs as one
     lrq.native call (its linears, norms and attention together) is a group of its own, and its C head call counts as
-    the output head; the wall time left is
-    framework/Python overhead. ms per token, and shares; the profiler adds its own cost to every op (most of it lands in the overhead), so the
-    same steps are also timed without it first (`unprofiled_ms_per_token`). `target`: a model (its own forward) or
-    a LeanDecoder."""
+    the output head; the wall time left is framework/Python overhead. ms per token, and shares; the profiler adds
+    its own cost to every op (most of it lands in the overhead), so the same steps are also timed without it first
+    (`unprofiled_ms_per_token`). `target`: a model (its own forward) or a LeanDecoder."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from lrq.packed import PackedLinear
