@@ -34,9 +34,11 @@ Decode steps run lrq's own kernels where they are built (lrq.native, C compiled 
 otherwise, and `LRQ_NATIVE=0` turns them off): a 4-bit layer's call of up to NATIVE_MAX_M tokens reads torch's
 int4 packing as it is held (float32 inputs exactly, bf16 ones through AVX512-BF16 dot products where the CPU has
 them), and a W8A8 step on a static grid quantizes its activations, multiplies the levels exactly (VNNI or AVX2) and
-corrects the zero points in one call (NATIVE_INT8_MAX_M). The scales they read are the float32 (s, q * s + zc)
-pairs each Int4Weights holds beside torch's bf16 (scale, zero) form; torch's float32 form is made only where its
-float32 kernel runs (a packing that cannot be read back).
+corrects the zero points in one call (NATIVE_INT8_MAX_M). The scales they read are the float32 (s, zc) pairs each
+Int4Weights holds beside torch's bf16 (scale, zero) form, per group of the quantizer (`scale_group`: a 576-wide
+layer at g128 has 5 such rows, the last one 64 wide, where torch's kernel repeats its scales per group of 64: 9
+rows, 1 bit a weight read per token instead of 0.5); torch's float32 form is made only where its float32 kernel runs
+(a packing that cannot be read back).
 """
 
 from __future__ import annotations
@@ -175,13 +177,16 @@ def _unpack_blocks(packed: torch.Tensor, block: int, out: torch.Tensor | None = 
 class Int4Weights:
     packed: torch.Tensor                          # uint8 [n_pad, k_pad / 2], torch's int4 CPU layout
     scales: torch.Tensor                          # bf16 [k_pad / group, n_pad, 2]: torch's (scale, zero) per group
-    scale_zero: torch.Tensor                      # float32 [2, k_pad / group, n_pad]: s and zc, weight = q * s + zc
-    group: int
+    scale_zero: torch.Tensor                      # float32 [2, ceil(k_pad / scale_group), n_pad]: s and zc,
+    #                                               weight = q * s + zc
+    group: int                                    # torch's kernel group (its `scales` repeat ours where it is smaller)
     n: int
     k: int
     decodable: bool = False                       # the packing read back equals the levels (checked when built)
     float32_decode: str = "exact"                 # FLOAT32_DECODE: how a float32 call below the threshold runs
     block: int = LAYOUT_BLOCKS[0]                 # the packing's block of output features (_pack_block)
+    scale_group: int = 0                          # scale_zero's group: the quantizer's (k_pad per channel; the last
+    #                                               row of a layer it does not divide is shorter); 0: `group`
     native_args: tuple | None = field(default=None, repr=False, compare=False)   # native_mm's, made at its first call
 
     @classmethod
@@ -196,9 +201,13 @@ class Int4Weights:
         sz = F.pad(torch.stack([s.t(), ((8 - z) * s).t()], dim=-1), (0, 0, 0, n_pad - n))   # [groups, n_pad, 2]
         packed = _int4pack(levels)
         decodable = torch.equal(_unpack_int4pack_t(packed), levels.t().to(torch.uint8))
-        scale_zero = torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]]).contiguous()
+        sg = group_size or k_pad
+        mine = torch.arange(-(-k_pad // sg)).clamp(max=scale.shape[1] - 1)
+        s, z = scale.float()[:, mine], zero.float()[:, mine]            # [n, our groups]
+        s, zc = F.pad(s.t(), (0, n_pad - n)), F.pad(((8 - z) * s).t(), (0, n_pad - n))
+        scale_zero = torch.stack([s, zc - 8 * s]).contiguous()
         return cls(packed, sz.bfloat16().contiguous(), scale_zero, g, n, k, decodable,
-                   block=_pack_block() or LAYOUT_BLOCKS[0])
+                   block=_pack_block() or LAYOUT_BLOCKS[0], scale_group=sg)
 
     def native_for(self, m: int, dtype: torch.dtype) -> bool:
         """Whether a call of m tokens in `dtype` runs lrq's own decode kernel (lrq.native): m up to NATIVE_MAX_M
@@ -213,7 +222,7 @@ class Int4Weights:
         if args is None or args[3] is not self.packed or args[4] is not self.scale_zero:
             s, zc = self.scale_zero
             st = native.Int4Layer(self.packed.data_ptr(), s.data_ptr(), zc.data_ptr(), self.n, self.packed.shape[0],
-                                  self.k, self.packed.shape[1] * 2, self.group, self.block)
+                                  self.k, self.packed.shape[1] * 2, self.scale_group or self.group, self.block)
             args = self.native_args = (st, ctypes.addressof(st), native.library().lrq_int4_gemv, self.packed,
                                        self.scale_zero)
         return args
@@ -231,8 +240,16 @@ class Int4Weights:
     def _float32_scales(self) -> torch.Tensor:
         """torch's float32 (scale, zero) form [groups, n_pad, 2], made when asked (its float32 kernel runs only
         where the packing cannot be read back)."""
-        s, zc = self.scale_zero
+        s, zc = self.kernel_group_scale_zero()
         return torch.stack([s, zc + 8 * s], dim=-1).contiguous()
+
+    def kernel_group_scale_zero(self) -> torch.Tensor:
+        """scale_zero per torch's kernel group ([2, k_pad / group, n_pad]): its rows repeated where the quantizer's
+        group is wider (each kernel group lies in one of ours: the kernel group divides both ours and k_pad)."""
+        k_pad, sg = self.packed.shape[1] * 2, self.scale_group or self.group
+        if sg == self.group:
+            return self.scale_zero
+        return self.scale_zero[:, torch.arange(0, k_pad, self.group) // sg]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         xr = run_dtype(x)
@@ -299,7 +316,8 @@ class Int4Weights:
         as the float32 weight cast (a test checks), in half the time of the cast on a Zen 4. (Computing in bf16 from
         the kernel's bf16 scales was as slow and erred 1.5x more: not kept.)"""
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
-        s, zero = self.scale_zero[0], self.scale_zero[1][:, None]       # [k_pad / group, n_pad] each, contiguous
+        sz = self.kernel_group_scale_zero()
+        s, zero = sz[0], sz[1][:, None]                                 # [k_pad / group, n_pad] each, contiguous
         if dtype == torch.float32:
             w = _unpack_int4pack_t(self.packed, torch.empty(k_pad, n_pad))
             v = w.view(-1, self.group, n_pad)

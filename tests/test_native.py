@@ -75,6 +75,25 @@ def test_prefill_operand_is_torchs_dequantization_bit_for_bit(n, k, group, dtype
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n,k,group,ours,torchs", [(1536, 576, 128, 5, 9), (208, 264, 64, 5, 9),
+                                                     (80, 96, None, 1, 3), (576, 1536, 128, 12, 12)])
+def test_the_kernel_reads_one_scale_row_per_quantizer_group(n, k, group, ours, torchs):
+    """lrq's kernel reads the quantizer's groups (the last one shorter where the group does not divide K: 576 at
+    g128 is 128 x 4 + 64), not torch's kernel group repeating them (64 there): 4.5 bits a weight a token, not 5; the
+    values per torch's group are ours repeated, and the product is the dequantized weight's."""
+    w = _weights(n, k, group)
+    n_pad = w.packed.shape[0]
+    assert w.scale_zero.shape == (2, ours, n_pad) and w.scales.shape[0] == torchs
+    rows = w.kernel_group_scale_zero()
+    assert rows.shape == (2, torchs, n_pad)
+    per_feature = torch.arange(0, w.packed.shape[1] * 2, w.group) // (group or w.packed.shape[1] * 2)
+    assert torch.equal(rows, w.scale_zero[:, per_feature])
+    # torch's bf16 (scale, zero) rows are the same scales: both forms describe one weight
+    torch.testing.assert_close(w.scales[..., 0].float(), rows[0], rtol=2 ** -8, atol=0)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    assert _relative_error(w, x, w.native_mm(x)) < 1e-6
+
+
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_w4a8_prefill_levels_are_torchs_unpacking(n, k, group):
     """W4A8's prefill operand (lrq_int4_unpack_t's UNPACK_I8: the levels less 8, transposed, int8) equals torch's ops' reading

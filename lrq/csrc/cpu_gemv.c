@@ -10,7 +10,9 @@
  * its AVX-512 kernels, 32 with its AVX2 ones), each block k rows of B / 2 bytes, byte j holding feature j (low
  * nibble) and feature j + B / 2 (high nibble); then one block of the remaining n mod B features, k rows of
  * rem / 2 bytes, byte j holding features 2j (low) and 2j + 1 (high). The weight is q * s + zc per group of
- * `group` input features (s, zc float32 [k_pad / group, n_pad]), so per group
+ * `group` input features (s, zc float32 [ceil(k_pad / group), n_pad]; the quantizer's own groups, the last one
+ * shorter where group does not divide k_pad: a 576-wide layer at g128 reads 5 scale rows, not torch's kernel
+ * group 64's 9, so per token 4.5 bits a weight instead of 5), so per group
  *     y += s * sum_k q[k] x[k] + zc * sum_k x[k]
  * with the levels' products summed in float32 vectors of 16 features (exact: q < 16). Output blocks are split
  * among `nthreads` OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
@@ -123,7 +125,7 @@ static void block64(const uint8_t *blk, const float *s, const float *zc, const f
   v16 o0 = vzero(), o1 = o0, o2 = o0, o3 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
-    for (int k = g0; k < g0 + group; k++) {
+    for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
       const uint8_t *r = blk + (size_t)k * 32;
       b16 v0 = bload(r), v1 = bload(r + 16);
       float xk = x[k];
@@ -146,7 +148,7 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
   v16 o0 = vzero(), o1 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     v16 a0 = vzero(), a1 = a0;
-    for (int k = g0; k < g0 + group; k++) {
+    for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
       b16 v = bload(blk + (size_t)k * 16);
       float xk = x[k];
       a0 = vfma(lo_f(v), xk, a0); a1 = vfma(hi_f(v), xk, a1);
@@ -174,6 +176,15 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
  * the stream 4 KB ahead prefetched: 19.0 against 20.9 us for a 1536 x 576 g128 layer read from memory (Zen 5,
  * medians of interleaved rounds; in cache 9.9 against 10.9). */
 #define BF16_DOT 1
+/* how far ahead the stream is prefetched, and into which cache (-D to try others): on a 2-core Intel Xeon with AMX
+ * (family 6 model 167 as its VM reports it) T0 and T1 at 2-16 KB ahead were within 2 % of each other (51 us a
+ * 1536 x 576 g128 layer from memory), none 71 us */
+#ifndef INT4_AHEAD
+#define INT4_AHEAD 4096
+#endif
+#ifndef INT4_HINT
+#define INT4_HINT _MM_HINT_T0
+#endif
 static inline __m512bh bf16_levels(__m512i lanes) {
   return (__m512bh)_mm512_ternarylogic_epi32(lanes, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300),
                                              0xEA);   /* (lanes & nibbles) | base */
@@ -189,9 +200,9 @@ static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, co
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* features 0-15, 16-31, 32-47, 48-63 */
     __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int k = g0; k < g0 + group; k += 4) {   /* group % 4 == 0 (the caller's condition) */
-      _mm_prefetch((const char *)(blk + (size_t)k * 32 + 4096), _MM_HINT_T0);
-      _mm_prefetch((const char *)(blk + (size_t)k * 32 + 4096 + 64), _MM_HINT_T0);
+    for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k += 4) {   /* group, k_pad % 4 == 0 */
+      _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD), INT4_HINT);
+      _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD + 64), INT4_HINT);
       __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
       __m512i e = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32 + 64));
       uint32_t pair, pair2;
@@ -230,7 +241,7 @@ static void block_rest(const uint8_t *blk, int rem, const float *s, const float 
     float out = 0;
     for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
       float a = 0;
-      for (int k = g0; k < g0 + group; k++) {
+      for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
         uint8_t b = blk[(size_t)k * (rem / 2) + j / 2];
         a += (float)((j & 1) ? b >> 4 : b & 15) * x[k];
       }
@@ -281,10 +292,9 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
   const uint8_t *packed = L->packed;
   const float *s = L->s, *zc = L->zc;
   int n = L->n, n_pad = L->n_pad, k = L->k, k_pad = L->k_pad, group = L->group, block = L->block, y_bf16 = x_bf16;
-  if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k > k_pad || n > n_pad ||
-      m < 1)
+  if ((block != 64 && block != 32) || group <= 0 || k_pad % 2 || n_pad % 16 || k > k_pad || n > n_pad || m < 1)
     return 1;
-  int ng = k_pad / group, nb = n_pad / block, rem = n_pad - nb * block;
+  int ng = (k_pad + group - 1) / group, nb = n_pad / block, rem = n_pad - nb * block;
   size_t floats = (size_t)m * (k_pad + ng) + (size_t)m * n_pad;
   float *xf = scratch_get(sizeof(float) * floats + sizeof(uint16_t) * (size_t)m * k_pad);
   if (!xf) return 2;
@@ -292,7 +302,7 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
   uint16_t *xb = NULL;
   (void)xb;
 #ifdef BF16_DOT
-  if (x_bf16 && block == 64 && group % 4 == 0) {   /* every kernel group (32-256); the float path otherwise */
+  if (x_bf16 && block == 64 && group % 4 == 0 && k_pad % 4 == 0) {   /* every group the quantizer makes */
     xb = (uint16_t *)(xf + floats);
     for (int t = 0; t < m; t++) {
       memcpy(xb + (size_t)t * k_pad, (const uint16_t *)x + (size_t)t * x_stride, sizeof(uint16_t) * k);
@@ -311,7 +321,7 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
     for (int i = k; i < k_pad; i++) xt[i] = 0;
     for (int g = 0; g < ng; g++) {
       float a = 0;
-      for (int i = g * group; i < (g + 1) * group; i++) a += xt[i];
+      for (int i = g * group, e = (g + 1) * group < k_pad ? (g + 1) * group : k_pad; i < e; i++) a += xt[i];
       xs[(size_t)t * ng + g] = a;
     }
   }
@@ -396,7 +406,7 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const uint8_t *packed = L->packed;
   const float *s = L->s, *zc = L->zc;
   int n_pad = L->n_pad, k_pad = L->k_pad, group = L->group, block = L->block;
-  if ((block != 64 && block != 32) || group <= 0 || k_pad % group || n_pad % 16 || k_pad % 2 || form < 0 ||
+  if ((block != 64 && block != 32) || group <= 0 || n_pad % 16 || k_pad % 2 || form < 0 ||
       form > UNPACK_I8)
     return 1;
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
