@@ -28,6 +28,31 @@ def test_anchor_choice_and_the_error_when_asked_but_missing(monkeypatch, tmp_pat
     assert anchors.resolve("none") == []
 
 
+def test_a_crashing_llama_cpp_is_found_by_a_probe_and_named(monkeypatch, tmp_path):
+    """llama.cpp faulting in native code (its AMX backend did, on an Intel Xeon with AMX) would kill the study with
+    every measurement in it: a child process evaluates each GGUF first, and a crash becomes an error naming the file,
+    the signal, the rebuild without AMX (where the build runs it) and --anchors none."""
+    import sys
+    files = [str(tmp_path / "m.Q4_1.gguf"), str(tmp_path / "m.Q8_0.gguf")]
+    crash_on_second = ("import os, signal, sys; print('ok', sys.argv[1], flush=True); "
+                       "os.kill(os.getpid(), signal.SIGSEGV)")
+    monkeypatch.setattr(anchors, "_probe_command", lambda paths, t, n: [sys.executable, "-c", crash_on_second, *paths])
+    monkeypatch.setattr(anchors, "version", lambda: {"llama_cpp_python": "0.3.36",
+                                                     "system_info": "CPU : AVX512 = 1 | AMX_INT8 = 1 |"})
+    with pytest.raises(UserError) as e:
+        anchors.probe(files, 1, 128)
+    msg = str(e.value)
+    assert "signal SIGSEGV" in msg and "m.Q8_0.gguf" in msg and "--anchors none" in msg
+    assert "-DGGML_AMX_INT8=OFF" in msg and "llama-cpp-python==0.3.36" in msg and "20824" in msg
+    monkeypatch.setattr(anchors, "version", lambda: {"llama_cpp_python": "0.3.36", "system_info": "CPU : AVX2 = 1 |"})
+    monkeypatch.setattr(anchors, "_probe_command", lambda paths, t, n: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(UserError, match=r"crashed \(exit status 3\) evaluating m\.Q4_1\.gguf") as e:
+        anchors.probe(files, 1, 128)
+    assert "AMX" not in str(e.value)
+    monkeypatch.setattr(anchors, "_probe_command", lambda paths, t, n: [sys.executable, "-c", "print('ok x')"])
+    assert anchors.probe(files, 1, 128) is None
+
+
 def test_anchor_needs_the_gguf_the_model_comes_from(tmp_path):
     with pytest.raises(UserError, match="neither a built-in GGUF model.*--anchors none"):
         anchors.source_gguf(str(tmp_path))
@@ -155,6 +180,8 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
         return [speed_cpu.Candidate("llama.cpp Q4_1", None, "anchor", "Q4_1", 1, runner=runner, info=info)], {}
 
     monkeypatch.setattr(speed_cpu, "build_anchors", fake_build_anchors)
+    probed = []
+    monkeypatch.setattr(speed_cpu, "probe_anchors", lambda *a: probed.append((a[1], order[:])))
     out, store = tmp_path / "a", tmp_path / "r.sqlite"
     assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
                        "--schemes", "w4a16", "--rounds", "2", "--prefill", "16", "--decode", "2",
@@ -173,6 +200,7 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     anchor = doc["rows"][-1]
     assert anchor["kind"] == "anchor" and anchor["decode_ms"] == 2.0 and anchor["gguf_sha256"] == "cd" * 32
     assert doc["profile"]["candidate"] == "w4a16"
+    assert probed == [(["llama.cpp"], [])]   # probed once, before any of our models ran
     assert names[3] == "w4a16 +int8 head"   # asked for with --int8-head, whatever the profile says
     assert doc["profile"]["unprofiled_ms_per_token"] > 0
     md = (out / "speed.md").read_text()

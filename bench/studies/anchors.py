@@ -160,6 +160,58 @@ def gguf_files(source: Path, cache: Path | None = None) -> dict[str, dict]:
     return out
 
 
+# llama.cpp's own build for a CPU without its AMX backend (which crashed on its first evaluation on a 2-core Intel
+# Xeon with AMX, llama-cpp-python 0.3.36 built with GGML_NATIVE=ON: a known fault, ggml-org/llama.cpp#20824)
+NO_AMX_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+                     "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                     "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+_PROBE = """
+import sys
+from llama_cpp import Llama
+for path in sys.argv[3:]:
+    m = Llama(model_path=path, n_ctx=int(sys.argv[2]), n_batch=int(sys.argv[2]), n_ubatch=int(sys.argv[2]),
+              n_threads=int(sys.argv[1]), n_threads_batch=int(sys.argv[1]), logits_all=False, verbose=False)
+    m.eval(list(range(100, 164)))
+    m.eval([42])
+    print("ok", path, flush=True)
+"""
+
+
+def _probe_command(paths: list[str], threads: int, n_ctx: int) -> list[str]:
+    import sys
+    return [sys.executable, "-c", _PROBE, str(threads), str(n_ctx), *paths]
+
+
+def probe(paths: list[str], threads: int, n_ctx: int, timeout: float = 600) -> None:
+    """Load and evaluate each GGUF once in a child process before the study runs llama.cpp in its own: a fault in
+    llama.cpp's native code would otherwise kill the study (and every measurement it holds) with a signal. A UserError
+    says which file crashed it, and how to rebuild llama.cpp or run without the anchor."""
+    import signal
+    import subprocess
+    try:
+        run = subprocess.run(_probe_command(paths, threads, n_ctx), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise UserError(f"llama.cpp did not evaluate {len(paths)} GGUF(s) of 64 tokens within {timeout:.0f} s; pass "
+                        f"--anchors none to measure without it") from e
+    if run.returncode == 0:
+        return
+    done = {ln.split(" ", 2)[1] for ln in run.stdout.splitlines() if ln.startswith("ok ")}
+    failed = next((p for p in paths if p not in done), paths[-1])
+    how = (f"signal {signal.Signals(-run.returncode).name}" if run.returncode < 0 and
+           -run.returncode in signal.Signals._value2member_map_ else f"exit status {run.returncode}")
+    info = version()
+    hint = ""
+    if "AMX_INT8 = 1" in info["system_info"]:
+        hint = (" Its build runs llama.cpp's AMX backend on this CPU, a known fault (ggml-org/llama.cpp#20824): "
+                f"rebuild it without AMX: CMAKE_ARGS=\"{NO_AMX_CMAKE_ARGS}\" pip install --force-reinstall --no-deps "
+                f"--no-cache-dir llama-cpp-python=={info['llama_cpp_python']}.")
+    tail = (run.stderr or "").strip().splitlines()[-3:]
+    raise UserError(f"llama.cpp (llama-cpp-python {info['llama_cpp_python']}) crashed ({how}) evaluating "
+                    f"{Path(failed).name} on this CPU, in a probe run before the study; nothing was measured.{hint} "
+                    f"Or pass --anchors none to measure without it." + (f" Its last output: {' | '.join(tail)}"
+                                                                        if tail else ""))
+
+
 @dataclass
 class LlamaCppRunner:
     """One GGUF loaded by llama.cpp, timed the way speed_cpu times our models."""

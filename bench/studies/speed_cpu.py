@@ -314,6 +314,14 @@ def head_dominates(profile: dict) -> bool:
     return ms[PROFILE_GROUPS[1]] >= ms[PROFILE_GROUPS[0]] + ms.get(PROFILE_GROUPS[4], 0.0)
 
 
+def probe_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int) -> None:
+    """Each llama.cpp GGUF evaluated once in a child process (bench.studies.anchors.probe): a llama.cpp that
+    crashes on this CPU is an error before the study builds anything, not a signal that ends it later."""
+    if "llama.cpp" in anchors:
+        from bench.studies import anchors as A
+        A.probe([f["path"] for f in A.gguf_files(A.source_gguf(model_name)).values()], threads, n_ctx)
+
+
 def build_anchors(model_name: str, anchors: list[str], threads: int, n_ctx: int) -> tuple[list[Candidate], dict]:
     """llama.cpp's candidates (Q4_1, Q8_0, BF16 of the model's GGUF), each warmed, with the resident memory it
     added; and what the report names about them (version, files and their SHA-256)."""
@@ -427,6 +435,8 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     torch.set_num_threads(threads)
     decided = Precision.decide(precision, "cpu")
     dtype = torch.bfloat16 if decided.used == "bf16" else torch.float32
+    n_ctx = max(prefill_len, 16 + decode_steps + 8)
+    probe_anchors(model_name, anchors or [], threads, n_ctx)   # before anything is built: a crash costs a minute
     cands = build(model_name, schemes, dtype, data_dir)
     _set_float32_decode(cands, float32_decode)
     max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
@@ -445,7 +455,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
             if profiled["head_dominates"] or int8_head:
                 cands += attach_runtime(build(model_name, [target.name + HEAD_INT8], dtype, data_dir,
                                               dense=False), "hf" if runtime == "hf" else "auto", max_len)
-        anchor_cands, extra = build_anchors(model_name, anchors, threads, max(prefill_len, 16 + decode_steps + 8))
+        anchor_cands, extra = build_anchors(model_name, anchors, threads, n_ctx)
     cands += _without_onednn(cands) + _torch_linears(cands) + anchor_cands
     try:
         measure(cands, rounds, prefill_len, decode_steps)
