@@ -400,13 +400,33 @@ class Int8Weights:
 
 def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
                     col_term: torch.Tensor, zero_term: torch.Tensor, scale: torch.Tensor,
-                    asymmetric: bool) -> torch.Tensor:
+                    asymmetric: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float32 output of an int8 x int8 -> int32 GEMM acc = xa @ wa (wa = q - offset):
     sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa - (az - 128) (sum wa + k (offset - z)).
     The GEMM is exact in int32; the two corrections are added in float32 (one rounding each, relative 6e-8) and
     the scales multiplied: four operations after the GEMM (rowsum = sum xa per row, float32 [m, 1], is computed
     once for every linear reading the same activations), because at one token a layer's cost is the count of its
-    operations."""
+    operations. Where lrq.native is built the same operations run in one pass (lrq_int8_correct, bit for bit: a
+    test checks), written in `out_dtype` (bf16: the float32 result rounded once, as its cast would); else torch's,
+    in float32 (the caller casts)."""
+    lib = native.library()
+    m, n = acc.shape
+    xz, xs = (torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in (x_zero, x_scale))
+    if (lib is not None and acc.dtype == torch.int32 and acc.stride(-1) == 1 and acc.device.type == "cpu"
+            and out_dtype in (torch.float32, torch.bfloat16) and xz.numel() in (1, m) and xs.numel() in (1, m)):
+        xz, xs, rs = xz.contiguous(), xs.contiguous(), rowsum.reshape(-1).float().contiguous()
+        y = torch.empty(m, n, dtype=out_dtype)
+        lib.lrq_int8_correct(acc.data_ptr(), acc.stride(0), m, n, rs.data_ptr(), xz.data_ptr(), xz.numel() > 1,
+                             xs.data_ptr(), xs.numel() > 1, col_term.data_ptr(), zero_term.data_ptr(), asymmetric,
+                             scale.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+        return y
+    return _int8_corrected_torch(acc, rowsum, x_zero, x_scale, col_term, zero_term, scale, asymmetric)
+
+
+def _int8_corrected_torch(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
+                          col_term: torch.Tensor, zero_term: torch.Tensor, scale: torch.Tensor,
+                          asymmetric: bool) -> torch.Tensor:
+    """_int8_corrected with torch's ops (float32)."""
     y = torch.addcmul(acc.float(), x_zero, col_term, value=-1)   # |acc| < k 2^14: int32 to k = 131,072
     if asymmetric:
         y.addcmul_(rowsum, zero_term)
@@ -493,16 +513,17 @@ class Int8GemmWeights:
         return cls(w, zt.float(), col.float(), scale[:, 0].float(), offset, bool(zt.any()), wsum.contiguous())
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
-           rowsum: torch.Tensor | None = None) -> torch.Tensor:
+           rowsum: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """xa = activation levels - 128 (int8 [m, k]); x_zero = their zero point(s) - 128 and x_scale their
         scale(s), float32 scalars or [m, 1] per token; rowsum = xa's row sums (float32 [m, 1]; computed here where
-        not given). Float32 out. A decode call (m <= NATIVE_INT8_MAX_M) runs lrq's own kernel where it is built:
-        the same exact int32 product and corrections in one call (torch._int_mm at one token: oneDNN's GEMM)."""
+        not given). Float32 out (a GEMM call: `out_dtype` where lrq.native writes it, _int8_corrected). A decode
+        call (m <= NATIVE_INT8_MAX_M) runs lrq's own kernel where it is built: the same exact int32 product and
+        corrections in one call (torch._int_mm at one token: oneDNN's GEMM)."""
         if xa.shape[0] <= NATIVE_INT8_MAX_M and xa.stride(-1) == 1 and native.library() is not None:
             return self.native_mm(xa, x_zero, x_scale)
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         return _int8_corrected(_int_mm(xa, self.weight.t()), rowsum, x_zero, x_scale, self.col_term,
-                               self.zero_term, self.scale, self.asymmetric)
+                               self.zero_term, self.scale, self.asymmetric, out_dtype)
 
     def native_mm(self, xa: torch.Tensor, x_zero, x_scale) -> torch.Tensor:
         """mm through lrq's own int8 kernel (lrq.native): float32 [m, n]."""
@@ -565,14 +586,14 @@ class Int4Int8Weights:
         return dtype == torch.bfloat16 and self.int4.decodable and m >= DEQUANTIZE_FROM_M[torch.bfloat16]
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
-           rowsum: torch.Tensor | None = None) -> torch.Tensor:
+           rowsum: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The int8 GEMM path, arguments as Int8GemmWeights.mm: the levels as a transient int8 weight."""
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
         n_pad = w.packed.shape[0]
         acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
-                               self.zero_term, self.scale, self.asymmetric)
+                               self.zero_term, self.scale, self.asymmetric, out_dtype)
 
     def levels(self) -> torch.Tensor:
         return self.int4.levels()

@@ -109,6 +109,10 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_rope_cache.restype = i
     lib.lrq_per_token_dequant.argtypes = [p, p, i, i, i, i, f]
     lib.lrq_per_token_dequant.restype = None
+    lib.lrq_int8_activations.argtypes = [p, i, lg, i, i, i, i, f, f, f, p, p, p, p, i]
+    lib.lrq_int8_activations.restype = None
+    lib.lrq_int8_correct.argtypes = [p, lg, i, i, p, p, i, p, i, p, p, i, p, p, i, i]
+    lib.lrq_int8_correct.restype = None
     lib.lrq_dense_gemv.argtypes = [p, p, p, i, i, i, i]
     lib.lrq_dense_gemv.restype = i
     lib.lrq_decoder_layer_step.argtypes = [p, p, i, i]

@@ -47,8 +47,8 @@ from lrq.cpu_kernels import (NATIVE_INT8_MAX_M, Int4Int8Weights, Int8GemmWeights
 from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
-from lrq.quant import (dequantize, n_groups, per_tensor_fake_quant, per_token_dequantized, per_token_fake_quant,
-                       per_token_qparams)
+from lrq.quant import (SCALE_EPS, dequantize, n_groups, per_tensor_fake_quant, per_token_dequantized,
+                       per_token_fake_quant, per_token_qparams)
 from lrq.schemes import Scheme
 
 
@@ -250,6 +250,11 @@ class PackedLinear(nn.Module):
         """The activation levels - 128 (int8) on the fake-quant path's grid, their zero point(s) - 128, scale(s)
         (float32; static ones kept, see _static_grid_now) and row sums (float32 [m, 1]: the zero-point correction
         of asymmetric weights, computed once for the linears sharing these levels)."""
+        native_rows = self._native_int8_activations(x)
+        return self._int8_activations_torch(x) if native_rows is None else native_rows
+
+    def _int8_activations_torch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """_int8_activations with torch's ops."""
         s, xf = self.scheme, x.float()
         if s.static_activations:
             _, scale, zero, _ = self._static_grid_now()
@@ -258,6 +263,29 @@ class PackedLinear(nn.Module):
             zero = zero - 128
         xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129).to(torch.int8)
         return xq, zero, scale, xq.sum(dim=1, keepdim=True, dtype=torch.float32)
+
+    def _native_int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """_int8_activations' four tensors from one lrq.native call (lrq_int8_activations: the same operations in
+        the same order, bit for bit, a test checks), where it is built and takes x (bf16 or float32 rows of unit
+        stride, a static or per_token_qparams grid); else None."""
+        s, lib = self.scheme, native.library()
+        per_token = not s.static_activations
+        if (lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
+                or x.stride(-1) != 1 or x.shape[0] == 0
+                or (per_token and s.activations.integer_qparams is not per_token_qparams)):
+            return None
+        m, k = x.shape
+        xq, rowsum = torch.empty(m, k, dtype=torch.int8), torch.empty(m, 1)
+        if per_token:
+            zero, scale, grid = torch.empty(m, 1), torch.empty(m, 1), (1.0, 0.0)
+        else:
+            _, scale, zero, _ = self._static_grid_now()
+            grid = (scale.item(), zero.item())
+        lib.lrq_int8_activations(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m, k, per_token, s.a_bits,
+                                 grid[0], grid[1], SCALE_EPS, xq.data_ptr(), zero.data_ptr() if per_token else None,
+                                 scale.data_ptr() if per_token else None, rowsum.data_ptr(),
+                                 torch.get_num_threads())
+        return xq, zero, scale, rowsum
 
     def _static_grid_now(self) -> tuple:
         """(key, scale, zero - 128, (scale, zero) as floats) of the calibrated static grid, kept between calls and
@@ -296,7 +324,7 @@ class PackedLinear(nn.Module):
             xr = x2 if x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 else x2.float().contiguous()
             y = w.native_static_mm(xr, *self.native_static_grid()).to(x.dtype)
         elif isinstance(w, (Int8GemmWeights, Int4Int8Weights)):
-            y = w.mm(*self._shared(x, "int8", lambda: self._int8_activations(x2))).to(x.dtype)
+            y = w.mm(*self._shared(x, "int8", lambda: self._int8_activations(x2)), out_dtype=x.dtype).to(x.dtype)
         else:
             y = w.mm(self._float_activations(x2))
         if self.bias is not None:

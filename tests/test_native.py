@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lrq import native
-from lrq.cpu_kernels import NATIVE_MAX_M, Int4Weights, Int8GemmWeights, _int8_corrected
+from lrq.cpu_kernels import NATIVE_MAX_M, Int4Weights, Int8GemmWeights, _int8_corrected, _int8_corrected_torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,7 +186,7 @@ def _int8_reference(w: Int8GemmWeights, xa, x_zero, x_scale) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int8_gemv_is_the_exact_integer_product(n, k, symmetric):
     """W8A8 decode: the int32 product is exact (extreme levels included: no saturating int16 step), its float32
-    corrections are the torch path's (_int8_corrected on torch._int_mm) to the bit, per tensor and per token."""
+    corrections are the torch path's (_int8_corrected_torch on torch._int_mm) to the bit, per tensor and per token."""
     w = _int8(n, k, symmetric)
     g = torch.Generator().manual_seed(3)
     for m, per_row in ((1, False), (3, True)):
@@ -196,8 +196,8 @@ def test_int8_gemv_is_the_exact_integer_product(n, k, symmetric):
         xs = torch.rand(m, 1, generator=g) * 0.1 if per_row else torch.tensor(0.05)
         y = w.native_mm(xa, xz, xs)
         acc = (xa.long() @ w.weight.long().t()).to(torch.int32)                 # exact, whatever _int_mm does here
-        torch_path = _int8_corrected(acc, xa.sum(dim=1, keepdim=True, dtype=torch.float32), xz, xs, w.col_term,
-                                     w.zero_term, w.scale, w.asymmetric)
+        torch_path = _int8_corrected_torch(acc, xa.sum(dim=1, keepdim=True, dtype=torch.float32), xz, xs,
+                                           w.col_term, w.zero_term, w.scale, w.asymmetric)
         ref = _int8_reference(w, xa, xz, xs)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
         assert ((y - torch_path).abs().max() / torch_path.abs().max()).item() < 1e-6
@@ -306,6 +306,44 @@ def test_without_a_compiler_torch_kernels_run_and_say_why(tmp_path):
     assert not any((tmp_path / "cache").rglob("*.so")) and not any((tmp_path / "cache").rglob("*.tmp"))
     off = _probe(tmp_path, LRQ_NATIVE="0")
     assert off["status"] == "torch (lrq native: turned off (LRQ_NATIVE=0))"
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_activations_and_corrections_are_torchs_bit_for_bit(scheme, dtype):
+    """A W8A8/W4A8 prefill call's activation levels, grid and row sums (lrq_int8_activations) and its corrected
+    output (lrq_int8_correct, float32 and bf16) equal torch's ops' to the bit: exact halves of the grid, extremes that
+    clamp, a NaN, rows of one sign, a strided input; one thread and two."""
+    import lrq.packed as P
+    from tests.test_packed import _quant_linear
+    p = P.PackedLinear.from_quant_linear(_quant_linear(scheme, cin=200, cout=72))
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(70, 240, generator=g) * 3
+    base[1] = base[1].abs() + 0.5                        # a row without negatives: the zero point at the edge
+    base[2, 20:27] = torch.tensor([1e6, -1e6, 0.0, 0.5, -0.5, 1.5, 2.5])   # clamped; exact halves (static grid)
+    base[3, 30] = float("nan")                            # a NaN: the per-token row's grid NaN, as torch's
+    x = base.to(dtype)[:, 20:220]                        # rows of unit stride 240 apart
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            mine, ref = p._native_int8_activations(x), p._int8_activations_torch(x)
+            assert mine is not None
+            for a, b in zip(mine, ref):
+                assert torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.isnan(), b.isnan())
+                                             and torch.equal(a.nan_to_num(), b.nan_to_num()))
+            if scheme == "w4a8":
+                assert mine[2][3].isnan().all() and not mine[2][:3].isnan().any()
+            w = p.cpu_weights or p.convert_for_cpu()
+            acc = torch.randint(-2**20, 2**20, (70, 80), dtype=torch.int32, generator=g)[:, :72]   # strided rows
+            want = _int8_corrected_torch(acc, ref[3], ref[1], ref[2], w.col_term, w.zero_term, w.scale, w.asymmetric)
+            for out in (torch.float32, torch.bfloat16):
+                got = _int8_corrected(acc, ref[3], ref[1], ref[2], w.col_term, w.zero_term, w.scale, w.asymmetric,
+                                      out)
+                assert got.dtype == out and torch.equal(got.isnan(), want.isnan())
+                assert torch.equal(got.nan_to_num(), want.to(out).nan_to_num())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_integer_layers_without_an_exact_int_mm(monkeypatch):

@@ -150,5 +150,10 @@ def test_per_token_dequantized_is_the_fake_quant_bit_for_bit():
                     for dt in (torch.float32, torch.bfloat16):
                         assert torch.equal(per_token_dequantized(x.to(dt), bits),
                                            per_token_fake_quant(x.to(dt), bits))
+            nan_row = torch.randn(3, 576, generator=g)
+            nan_row[1, 100] = float("nan")                # a NaN makes its whole row NaN, as torch's amin/amax do
+            for dt in (torch.float32, torch.bfloat16):
+                got, want = per_token_dequantized(nan_row.to(dt), 8), per_token_fake_quant(nan_row.to(dt), 8)
+                assert got[1].isnan().all() and want[1].isnan().all() and torch.equal(got[[0, 2]], want[[0, 2]])
         finally:
             native.library = lib

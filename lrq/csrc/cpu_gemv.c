@@ -648,26 +648,157 @@ int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, lon
  * hi = max(max x, 0), scale = max((hi - lo) / qmax, eps), zero = clamp(round(-(lo / scale)), 0, qmax), then
  * (clamp(round(x / scale) + zero, 0, qmax) - zero) * scale, rounded once to the row's dtype. Rounding is half to
  * even (nearbyintf in the default mode), as torch.round. */
+static void grid_from_range(float lo, float hi, float qmax, float eps, float *scale_out, float *zero_out);
+/* one row's per-token grid as lrq.quant.per_token_qparams makes it (a NaN anywhere in the row makes both NaN, as
+ * torch's amin/amax propagate it) */
+static void row_grid(const void *x, int bf16, size_t o, int k, float qmax, float eps, float *scale_out,
+                     float *zero_out) {
+  float lo = load_any(x, bf16, o), hi = lo;
+  int nan = lo != lo;
+  for (int i = 1; i < k; i++) {
+    float v = load_any(x, bf16, o + i);
+    nan |= v != v;
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  if (nan) lo = hi = NAN;
+  grid_from_range(lo, hi, qmax, eps, scale_out, zero_out);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ROWS_AVX512 1
+static inline __mmask16 tail16(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+/* 16 values (fewer where the mask says; the rest 0) of a bf16 or float32 row, as float32 */
+static inline __m512 load16(const void *x, int bf16, size_t i, __mmask16 m) {
+  if (bf16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i)), 16));
+  return _mm512_maskz_loadu_ps(m, (const float *)x + i);
+}
+static void row_grid_v(const void *x, int bf16, size_t o, int k, float qmax, float eps, float *scale_out,
+                       float *zero_out) {
+  __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int i = 0; i < k; i += 16) {
+    __mmask16 m = tail16(k - i);
+    __m512 v = load16(x, bf16, o + i, m);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    lo = _mm512_mask_min_ps(lo, m, lo, v);
+    hi = _mm512_mask_max_ps(hi, m, hi, v);
+  }
+  grid_from_range(nan ? NAN : _mm512_reduce_min_ps(lo), nan ? NAN : _mm512_reduce_max_ps(hi), qmax, eps, scale_out,
+                  zero_out);
+}
+#endif
+
+static void grid_from_range(float lo, float hi, float qmax, float eps, float *scale_out, float *zero_out) {
+  hi = hi < 0 ? 0 : hi;
+  lo = lo > 0 ? 0 : lo;
+  float scale = (hi - lo) / qmax;
+  scale = scale < eps ? eps : scale;
+  float zero = nearbyintf(-(lo / scale));
+  *zero_out = zero < 0 ? 0 : (zero > qmax ? qmax : zero);
+  *scale_out = scale;
+}
+
 void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, int bits, float eps) {
   float qmax = (float)((1 << bits) - 1);
   for (int r = 0; r < rows; r++) {
     size_t o = (size_t)r * k;
-    float lo = load_any(x, bf16, o), hi = lo;
-    for (int i = 1; i < k; i++) {
-      float v = load_any(x, bf16, o + i);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-    }
-    hi = hi < 0 ? 0 : hi;
-    lo = lo > 0 ? 0 : lo;
-    float scale = (hi - lo) / qmax;
-    scale = scale < eps ? eps : scale;
-    float zero = nearbyintf(-(lo / scale));
-    zero = zero < 0 ? 0 : (zero > qmax ? qmax : zero);
+    float scale, zero;
+    row_grid(x, bf16, o, k, qmax, eps, &scale, &zero);
     for (int i = 0; i < k; i++) {
       float q = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
       q = q < 0 ? 0 : (q > qmax ? qmax : q);
       store_any(y, bf16, o + i, (q - zero) * scale);
+    }
+  }
+}
+
+/* int8_activations: a prefill call's activations on their 8-bit grid, as lrq.packed.PackedLinear._int8_activations
+ * computes them with torch's ops (one pass instead of about eight): per row of x [m, k] (bf16 or float32, rows
+ * x_stride apart) the levels less 128, xa = clamp(nearbyint(x / scale) + zero, -128, 2^bits - 129) (int8, NaN to
+ * level 0 as the decode kernel does), their sum (exact in float32) and, where per_token, the row's grid as
+ * lrq.quant.per_token_qparams makes it (scale, zero point less 128); else the static grid given (a_scale, a_zero
+ * = zero point less 128). Rows split over threads. */
+void lrq_int8_activations(const void *x, int bf16, long x_stride, int m, int k, int per_token, int bits,
+                          float a_scale, float a_zero, float eps, int8_t *xa, float *zero_out, float *scale_out,
+                          float *rowsum, int nthreads) {
+  float qmax = (float)((1 << bits) - 1), hi_level = (float)((1 << bits) - 129);
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)m * k >= PARALLEL_FROM)
+  for (int r = 0; r < m; r++) {
+    size_t o = (size_t)r * x_stride;
+    float scale = a_scale, zero = a_zero;
+    if (per_token) {
+#ifdef ROWS_AVX512
+      row_grid_v(x, bf16, o, k, qmax, eps, &scale, &zero);
+#else
+      row_grid(x, bf16, o, k, qmax, eps, &scale, &zero);
+#endif
+      zero -= 128.f;
+      zero_out[r] = zero;
+      scale_out[r] = scale;
+    }
+#ifdef ROWS_AVX512
+    {
+      const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero), lo = _mm512_set1_ps(-128.f),
+                   hi = _mm512_set1_ps(hi_level);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t *out = xa + (size_t)r * k;
+      for (int i = 0; i < k; i += 16) {
+        __mmask16 m = tail16(k - i);
+        __m512 v = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, o + i, m), vs),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+        __mmask16 bad = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(v, lo), hi), bad, _mm512_setzero_ps());
+        __m512i iv = _mm512_cvtps_epi32(v);
+        sum = _mm512_mask_add_epi32(sum, m, sum, iv);
+        _mm512_mask_cvtepi32_storeu_epi8(out + i, m, iv);
+      }
+      rowsum[r] = (float)_mm512_reduce_add_epi32(sum);
+      continue;
+    }
+#endif
+    int32_t sum = 0;
+    int8_t *out = xa + (size_t)r * k;
+    for (int i = 0; i < k; i++) {
+      float v = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
+      v = v < -128.f ? -128.f : (v > hi_level ? hi_level : v);
+      if (v != v) v = 0;
+      out[i] = (int8_t)v;
+      sum += out[i];
+    }
+    rowsum[r] = (float)sum;
+  }
+}
+
+/* int8_correct: lrq.cpu_kernels._int8_corrected over a prefill call's int32 product acc [m, n] (rows acc_stride
+ * apart), in its order of float32 operations, y = ((acc - x_zero col_term) + rowsum zero_term) x_scale scale, written
+ * as float32 or rounded once to bf16 (what the float32 result's cast gives): one pass instead of five. */
+void lrq_int8_correct(const int32_t *acc, long acc_stride, int m, int n, const float *rowsum, const float *x_zero,
+                      int zero_per_row, const float *x_scale, int scale_per_row, const float *col_term,
+                      const float *zero_term, int asymmetric, const float *scale, void *y, int y_bf16, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)m * n >= PARALLEL_FROM)
+  for (int t = 0; t < m; t++) {
+    const int32_t *a = acc + (size_t)t * acc_stride;
+    float xz = x_zero[zero_per_row ? t : 0], xsc = x_scale[scale_per_row ? t : 0], rs = rowsum[t];
+#ifdef ROWS_AVX512
+    const __m512 vxz = _mm512_set1_ps(xz), vxsc = _mm512_set1_ps(xsc), vrs = _mm512_set1_ps(rs);
+    for (int j = 0; j < n; j += 16) {
+      __mmask16 m = tail16(n - j);
+      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j)),
+                               _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)));
+      if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, _mm512_maskz_loadu_ps(m, zero_term + j)));
+      v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), _mm512_maskz_loadu_ps(m, scale + j));
+      if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (size_t)t * n + j, m, bf16_round16(v));
+      else _mm512_mask_storeu_ps((float *)y + (size_t)t * n + j, m, v);
+    }
+    continue;
+#endif
+    for (int j = 0; j < n; j++) {
+      float v = (float)a[j] - xz * col_term[j];
+      if (asymmetric) v += rs * zero_term[j];
+      store_any(y, y_bf16, (size_t)t * n + j, v * xsc * scale[j]);
     }
   }
 }
