@@ -88,6 +88,11 @@ def test_markdown_names_llama_cpp_its_gguf_the_ratio_and_the_profile():
     assert "w4a16-g128 decode vs llama.cpp Q4_1: 2.25x slower" in md and "not met" in md
     assert "| output head " in md and "| framework/Python overhead " in md and "does not dominate" in md
     assert "does not dominate" not in speed_cpu.markdown(_doc(profile_head_ms=25.0))
+    fast = _doc(profile_head_ms=15.0)
+    next(r for r in fast["rows"] if r["candidate"] == "w4a16-g128")["decode_ms"] = 10.0
+    ref = next(r for r in fast["rows"] if r["candidate"] == "llama.cpp Q4_1")["decode_ms"]
+    md = speed_cpu.markdown(fast)   # ours faster: said so, not as "0.5x slower"
+    assert f"Q4_1: {ref / 10:.2f}x faster (ms/token {10 / ref:.2f}x llama.cpp's)" in md and ": met" in md
     assert speed_cpu.svg(doc).count("#d8843b") == 1   # the anchor drawn in its own colour
 
 
