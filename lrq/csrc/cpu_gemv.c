@@ -706,6 +706,22 @@ void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, in
   for (int r = 0; r < rows; r++) {
     size_t o = (size_t)r * k;
     float scale, zero;
+#ifdef ROWS_AVX512
+    row_grid_v(x, bf16, o, k, qmax, eps, &scale, &zero);
+    const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero), top = _mm512_set1_ps(qmax);
+    for (int i = 0; i < k; i += 16) {
+      __mmask16 m = tail16(k - i);
+      __m512 q = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, o + i, m), vs),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+      /* clamped to [0, qmax], a NaN kept (max/min would replace it) */
+      q = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), top),
+                             _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q), q);
+      __m512 v = _mm512_mul_ps(_mm512_sub_ps(q, vz), vs);
+      if (bf16) _mm256_mask_storeu_epi16((uint16_t *)y + o + i, m, bf16_round16(v));
+      else _mm512_mask_storeu_ps((float *)y + o + i, m, v);
+    }
+    continue;
+#endif
     row_grid(x, bf16, o, k, qmax, eps, &scale, &zero);
     for (int i = 0; i < k; i++) {
       float q = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
