@@ -367,6 +367,23 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
 enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2 };
 
 static void unpack_row(const uint8_t *r, const float *sg, const float *zg, void *out, size_t row, int half, int form) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  /* bf16 out, 32 features a step: the two float32 halves rounded by one vcvtne2ps2bf16 (nearest even, NaN quiet,
+   * as f32_to_bf16; it reads a float32 denormal, |v| < 2^-126, as 0: a weight q * s + zc that small is 0 to any
+   * use) instead of eight integer operations a vector: 197 -> 84 us for 1536 x 576 on an Intel Xeon with AMX */
+  if (form == UNPACK_BF16 && half % 32 == 0) {
+    for (int c = 0; c < half; c += 32) {
+      b16 v0 = bload(r + c), v1 = bload(r + c + 16);
+      __m512 lo0 = vfmav(lo_f(v0), vload(sg + c), vload(zg + c));
+      __m512 lo1 = vfmav(lo_f(v1), vload(sg + c + 16), vload(zg + c + 16));
+      __m512 hi0 = vfmav(hi_f(v0), vload(sg + half + c), vload(zg + half + c));
+      __m512 hi1 = vfmav(hi_f(v1), vload(sg + half + c + 16), vload(zg + half + c + 16));
+      _mm512_storeu_si512((uint16_t *)out + row + c, (__m512i)_mm512_cvtne2ps_pbh(lo1, lo0));
+      _mm512_storeu_si512((uint16_t *)out + row + half + c, (__m512i)_mm512_cvtne2ps_pbh(hi1, hi0));
+    }
+    return;
+  }
+#endif
 #ifdef NIBBLES
   if (form == UNPACK_I8) {
     const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
