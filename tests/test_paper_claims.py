@@ -260,6 +260,8 @@ def test_the_page_ends_with_what_would_change_the_verdict(tmp_path):
     _objection_run(obj, "w3a16-lrq-lr1x", "lrq", scale(fr, 1.10, 0.01))         # FlexRound ahead at 1x
     _objection_run(obj, "w3a16-lrq-lr2x", "lrq", scale(fr, 0.90, 0.01), lr=2e-3)  # LRQ ahead at its best rate
     _objection_run(obj, "w3a16-lrq-lr1x-fp32product", "lrq", scale(fr, 1.10, 0.012), product="fp32")
+    _objection_run(obj, "w4a8-flexround-lr1x", "flexround", fr, scheme="w4a8")         # W4A8: the authors' rates only
+    _objection_run(obj, "w4a8-lrq-lr1x", "lrq", scale(fr, 1.10, 0.01), scheme="w4a8")
     from bench.run import ledger
     ledger.write(tmp_path / "gemma", {})                     # a long run that has not finished a cell
     assert main(["--results", str(tmp_path / "s.sqlite"), "--objections", str(obj), "--long", str(tmp_path / "gemma"),
@@ -268,15 +270,17 @@ def test_the_page_ends_with_what_would_change_the_verdict(tmp_path):
     section = md[md.index("## What would change this verdict"):]
     assert md.rstrip().endswith(section.rstrip())          # the page's last section
     lr = next(ln for ln in section.splitlines() if ln.startswith("- Learning rate, W3A16"))
-    assert "best rates LRQ 2x, FlexRound 1x" in lr and "rates run: LRQ 1x, 2x; FlexRound 0.5x, 1x" in lr
+    assert "best rates so far LRQ 2x, FlexRound 1x" in lr and "rates run: LRQ 1x, 2x; FlexRound 0.5x, 1x" in lr
     assert re.search(r"block 0 0\.90\d \[0\.8\d\d, 0\.9\d\d\]", lr) and "LRQ separated ahead in 2, FlexRound in 0" in lr
-    assert "The verdict changes: FlexRound ahead at the authors' rates, LRQ ahead at the best." in lr
+    assert "So far the verdict changes: FlexRound ahead at the authors' rates, LRQ ahead at the best." in lr
     assert "Not yet run: lrq at 0.5x, 4x; flexround at 2x, 4x." in lr
     assert "| method | 0.5x | 1x | 2x |" in section and "| flexround | " in section
     prec = next(ln for ln in section.splitlines() if ln.startswith("- Precision, W3A16"))
     assert "float32 / in the autocast precision" in prec and "block 15 " in prec
     nt = section[section.index("**Not tested**"):]
-    assert "learning rate at W4A8" in nt and "precision at W4A8" in nt and "C4 train" in nt
+    assert "learning rate at W4A8: only the authors' rates have run (LRQ / FlexRound held-out block error at 1x: " \
+        "block 0 1.1" in nt and "the other rates (0.5x, 2x, 4x) go to objections/w4a8-<method>-lr<f>x/" in nt
+    assert "- Learning rate, W4A8" not in section and "precision at W4A8" in nt and "C4 train" in nt
     assert "One model: row" in nt and "no cell of the long run in gemma has finished yet" in nt   # not yet tested
     html = (tmp_path / "o" / "claims.html").read_text()
     assert "<h2>What would change this verdict</h2>" in html and "<table>" in html.split("What would change")[1]

@@ -149,7 +149,15 @@ def answer(path: str) -> dict:
                                key=lambda v: (v.factor(authors[m]) or 0)) for m in METHODS}
         complete = {m: [v for v in rate_runs[m] if blocks and all(b in v.blocks for b in blocks)] for m in METHODS}
         # learning rate
-        if all(complete[m] for m in METHODS):
+        only_authors = all(len(complete[m]) == 1 and complete[m][0].lr is None for m in METHODS)
+        if all(complete[m] for m in METHODS) and only_authors:
+            # no sweep yet: the authors' rates only, the comparison a context, not an answer
+            at_one = _paired(complete["lrq"][0], complete["flexround"][0], blocks)
+            not_tested.append(f"learning rate at {scheme.upper()}: only the authors' rates have run (LRQ / FlexRound "
+                              f"held-out block error at 1x: {_pairs_text(at_one)}: {_verdict(at_one)[1]}); the other "
+                              f"rates ({', '.join(f'{f:g}x' for f in FACTORS if f != 1.0)}) go to "
+                              f"{where}/{scheme}-<method>-lr<f>x/")
+        elif all(complete[m] for m in METHODS):
             rows = []
             for m in METHODS:
                 cells = {_factor_text(v.factor(authors[m]), v): _heldout(v, blocks)
@@ -162,7 +170,11 @@ def answer(path: str) -> dict:
                            if one["lrq"] else complete["lrq"][0].regime})
             at_best = _paired(best["lrq"], best["flexround"], blocks)
             v_best, t_best = _verdict(at_best)
-            line = (f"Learning rate, {scheme.upper()}: best rates LRQ {_factor_text(best['lrq'].factor(authors['lrq']), best['lrq'])}, "
+            missing = {m: [f"{f:g}x" for f in FACTORS if all(v.factor(authors[m]) != f for v in complete[m])]
+                       for m in METHODS}
+            partial = any(missing.values())
+            line = (f"Learning rate, {scheme.upper()}: best rates {'so far ' if partial else ''}"
+                    f"LRQ {_factor_text(best['lrq'].factor(authors['lrq']), best['lrq'])}, "
                     f"FlexRound {_factor_text(best['flexround'].factor(authors['flexround']), best['flexround'])} of "
                     f"the authors' (rates run: LRQ "
                     f"{', '.join(_factor_text(v.factor(authors['lrq']), v) for v in complete['lrq'])}; FlexRound "
@@ -172,11 +184,12 @@ def answer(path: str) -> dict:
                 at_one = _paired(one["lrq"], one["flexround"], blocks)
                 v_one, t_one = _verdict(at_one)
                 line += (f". At the authors' rates: {_pairs_text(at_one)}: {t_one}. "
-                         + ("The verdict does not change." if v_one == v_best else
-                            f"The verdict changes: {v_one} at the authors' rates, {v_best} at the best."))
-            missing = {m: [f"{f:g}x" for f in FACTORS if all(v.factor(authors[m]) != f for v in complete[m])]
-                       for m in METHODS}
-            if any(missing.values()):
+                         + ("So far " if partial else "")
+                         + (("the verdict does not change." if partial else "The verdict does not change.")
+                            if v_one == v_best else
+                            f"{'t' if partial else 'T'}he verdict changes: {v_one} at the authors' rates, {v_best} "
+                            f"at the best."))
+            if partial:
                 line += " Not yet run: " + "; ".join(f"{m} at {', '.join(fs)}" for m, fs in missing.items() if fs) + "."
             tested.append(line)
         else:
