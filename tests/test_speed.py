@@ -135,13 +135,14 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
     doc = json.loads((out / "speed.json").read_text())
     rows = {r["candidate"]: r for r in doc["rows"]}
     dense = ("dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "dense bf16 [torch linears]",
-             "dense fp32 [torch linears]")
-    assert set(rows) == {*dense, "w4a16", "w8a8"}
+             "dense fp32 [torch linears]", "dense bf16 [oneDNN prepacked]", "dense fp32 [oneDNN prepacked]")
+    assert set(rows) == {*dense, "w4a16", "w8a8"} and doc["prepacked_skipped"] == []
     assert rows["dense bf16 [no oneDNN]"]["onednn"] is False and "onednn" not in rows["dense bf16"]
     assert rows["dense bf16 [torch linears]"]["fused"] is False and "fused" not in rows["dense bf16"]
-    timed = order[-21:]                       # 3 rounds x 7 candidates, after the warm-ups
-    rounds = [timed[i:i + 7] for i in (0, 7, 14)]
-    assert len(set(timed)) == 7 and all(len(set(r)) == 7 for r in rounds)
+    assert rows["dense bf16 [oneDNN prepacked]"]["linears"] == "oneDNN prepacked"
+    timed = order[-27:]                       # 3 rounds x 9 candidates, after the warm-ups
+    rounds = [timed[i:i + 9] for i in (0, 9, 18)]
+    assert len(set(timed)) == 9 and all(len(set(r)) == 9 for r in rounds)
     assert rounds[1] == rounds[0][1:] + rounds[0][:1] and rounds[2] == rounds[0][2:] + rounds[0][:2]   # rotating
     for r in rows.values():
         assert r["decode_ms"] > 0 and r["decode_cpu_ms"] > 0 and r["prefill_tok_s"] > 0
@@ -172,7 +173,8 @@ def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_
     rows = {r["candidate"]: r for r in doc["rows"]}
     hf = speed_cpu.HF_SUFFIX
     assert set(rows) == {n + s for n in ("dense bf16", "dense fp32", "w4a16") for s in ("", hf)} | {
-        "dense bf16 [no oneDNN]", "dense bf16 [torch linears]", "dense fp32 [torch linears]"}
+        "dense bf16 [no oneDNN]", "dense bf16 [torch linears]", "dense fp32 [torch linears]",
+        "dense bf16 [oneDNN prepacked]", "dense fp32 [oneDNN prepacked]"}
     assert all(r["runtime"] == ("hf eager" if n.endswith(hf) else "lean") for n, r in rows.items())
     import torch
     assert torch.backends.mkldnn.enabled            # restored after the no-oneDNN candidate's calls
@@ -185,3 +187,25 @@ def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_
     with pytest.raises(UserError, match="--runtime lean: .*gemma3_text"):
         from tests.conftest import tiny_model
         speed_cpu.attach_runtime([speed_cpu.Candidate("g", tiny_model("gemma3"), "dense", "float32", 0)], "lean", 8)
+
+
+def test_prepacked_dense_baseline_equals_the_dense_model_or_says_why_not(tiny_model_dir, data_dir, monkeypatch):
+    """The dense model with oneDNN-prepacked linears (issue W: the best path torch offers) gives the dense model's
+    logits; where this torch cannot prepack, the candidate is left out with the reason, not measured wrongly."""
+    from bench.studies import speed_cpu
+    bf16 = [c for c in speed_cpu.attach_runtime(speed_cpu.build(str(tiny_model_dir), [], torch.bfloat16,
+                                                                str(data_dir)), "auto", 64) if c.dtype == "bfloat16"]
+    made, skipped = speed_cpu._prepacked(bf16, 16)
+    assert skipped == [] and [c.name for c in made] == ["dense bf16 [oneDNN prepacked]"]
+    ids = torch.arange(3, 19).unsqueeze(0)
+    with torch.no_grad():
+        ref, got = bf16[0].model(ids).logits, made[0].model(ids).logits
+    assert torch.equal(ref, got)
+    assert sum(isinstance(m, speed_cpu.PrepackedLinear) for m in made[0].model.modules()) == 7 * len(
+        made[0].model.model.layers)
+
+    def no_op(self, lin, batch):
+        raise RuntimeError("no mkldnn ops in this build")
+    monkeypatch.setattr(speed_cpu.PrepackedLinear, "__init__", no_op)
+    made, skipped = speed_cpu._prepacked(bf16, 16)
+    assert made == [] and skipped == ["dense bf16 [oneDNN prepacked]: no mkldnn ops in this build"]

@@ -213,7 +213,8 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
     from bench.common.store import ResultStore
     stored = {r.scheme for r in ResultStore(store).rows()}
     assert stored == {"dense bf16", "dense bf16 [no oneDNN]", "dense fp32", "w4a16", "dense bf16 [torch linears]",
-                      "dense fp32 [torch linears]"}   # no anchor, no int8-head copy
+                      "dense fp32 [torch linears]", "dense bf16 [oneDNN prepacked]",
+                      "dense fp32 [oneDNN prepacked]"}   # no anchor, no int8-head copy
 
 
 @pytest.mark.parametrize("fused", [False, True])

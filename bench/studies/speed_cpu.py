@@ -10,6 +10,8 @@ says the process waited for the cores). Candidates:
 
 - the dense model held in bf16 and in float32 (eager): the ratios are taken against the faster of the two per
   measure (bf16 on a CPU with native bf16, float32 where torch emulates bf16), never against a slow baseline;
+  and the same dense models through the other paths torch offers (`[no oneDNN]`, `[torch linears]`,
+  `[oneDNN prepacked]`: the body's linears in oneDNN's own layout), the fastest dense per measure the reference;
 - each scheme's RTN-quantized, packed model (`lrq.packed.pack_model`), its other parts held in the precision
   `--precision auto` picks on this CPU.
 
@@ -394,6 +396,64 @@ def _torch_linears(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+PREPACKED = " [oneDNN prepacked]"   # the dense model's body linears held in oneDNN's own layout
+
+
+class PrepackedLinear(nn.Module):
+    """A dense nn.Linear whose weight oneDNN holds in its own blocked layout, made once
+    (`torch.ops.mkldnn._reorder_linear_weight`, for `batch` rows; the plain weight dropped: one copy), run by
+    `torch.ops.mkldnn._linear_pointwise` on plain tensors (what torch.compile's frozen CPU graphs call): the
+    prepacked oneDNN linear the issue names as a dense baseline. Same values as F.linear (a check when built)."""
+
+    def __init__(self, lin: nn.Linear, batch: int):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch))
+        self.register_buffer("bias", None if lin.bias is None else lin.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with onednn(True):
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none",
+                                                   [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _prepacked(cands: list[Candidate], batch: int) -> tuple[list[Candidate], list[str]]:
+    """The dense models again (bf16 and float32) with their decoder blocks' linears prepacked for oneDNN
+    (PrepackedLinear, prepacked for `batch` rows: the prefill's), through the lean runtime (its one-token steps call
+    these modules: a layer of them is not fused). Issue W item 2: the dense baseline through the best path torch
+    offers; the study takes the faster dense per measure. A copy of the model is made, its plain linears dropped as
+    they are replaced (the measured memory is the copy's). Where this torch has no such op, or its outputs differ
+    from F.linear's, the candidate is left out and the reason returned."""
+    import copy
+    from lrq.arch import decoder_blocks, iter_linears
+    out, skipped = [], []
+    for c in cands:
+        if c.kind != "dense" or c.lean is None or c.name.endswith((HF_SUFFIX, NO_ONEDNN, TORCH_LINEARS)):
+            continue
+        before = _rss()
+        try:
+            model = copy.deepcopy(c.model)
+            blocks = decoder_blocks(model)
+            probe = next(iter_linears(model))[2]
+            x = torch.randn(3, probe.in_features, generator=torch.Generator().manual_seed(0)).to(probe.weight.dtype)
+            if not torch.equal(PrepackedLinear(probe, 3)(x), nn.functional.linear(x, probe.weight, probe.bias)):
+                raise RuntimeError("its output differs from F.linear's")
+            for i, name, lin in list(iter_linears(model)):
+                block = blocks[i]
+                parent_path, _, attr = name.rpartition(".")
+                setattr(block.get_submodule(parent_path) if parent_path else block, attr, PrepackedLinear(lin, batch))
+        except (RuntimeError, AttributeError) as e:   # no mkldnn ops in this build, or a dtype it does not take
+            skipped.append(f"{c.name}{PREPACKED}: {e}")
+            continue
+        gc.collect()
+        lean = type(c.lean)(model, c.lean.max_len)
+        decode(lean, torch.arange(16).unsqueeze(0) % model.config.vocab_size, 2)
+        out.append(Candidate(c.name + PREPACKED, model, "dense", c.dtype, _rss() - before, lean=lean,
+                             info={**c.info, "linears": "oneDNN prepacked"}))
+    return out, skipped
+
+
 def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[Candidate]:
     """Each model candidate set to run through `runtime`: `lean` (lrq.runtime.LeanDecoder, an error where the
     model cannot), `hf` (the model's own forward), `auto` (lean where the model can, else its own forward, the
@@ -456,7 +516,8 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
                 cands += attach_runtime(build(model_name, [target.name + HEAD_INT8], dtype, data_dir,
                                               dense=False), "hf" if runtime == "hf" else "auto", max_len)
         anchor_cands, extra = build_anchors(model_name, anchors, threads, n_ctx)
-    cands += _without_onednn(cands) + _torch_linears(cands) + anchor_cands
+    prepacked, prepack_skipped = _prepacked(cands, prefill_len)
+    cands += _without_onednn(cands) + _torch_linears(cands) + prepacked + anchor_cands
     try:
         measure(cands, rounds, prefill_len, decode_steps)
     finally:
@@ -469,7 +530,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
            "kernels_isa": _kernels_isa(),
            "precision": decided.info(), "machine": cpu_label(hw),
            "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands),
-           "anchors": extra}
+           "anchors": extra, "prepacked_skipped": prepack_skipped}
     if profiled:
         doc["profile"] = profiled
     return doc
@@ -553,8 +614,12 @@ def _runtime_sentence(doc: dict) -> str:
             "all its parts can be: the same logits up to float rounding); `hf eager` the model's own transformers "
             "forward (a dynamic cache); `[no oneDNN]`: the dense bf16 model with torch.backends.mkldnn off for its "
             "calls (torch's own bf16 kernels); `[torch linears]`: the dense model through the lean runtime without "
-            "fused layers (its decode steps call its modules: torch's matrix-vector kernels)"
-            + (f"; not lean because {'; '.join(refused)}" if refused else "") + ".")
+            "fused layers (its decode steps call its modules: torch's matrix-vector kernels); `[oneDNN prepacked]`: "
+            "the dense model with its decoder blocks' linears held in oneDNN's own layout, made once "
+            "(torch.ops.mkldnn._linear_pointwise, as torch.compile's frozen CPU graphs run them)"
+            + (f"; not lean because {'; '.join(refused)}" if refused else "")
+            + (f"; not measured: {'; '.join(doc['prepacked_skipped'])}" if doc.get("prepacked_skipped") else "")
+            + ".")
 
 
 def _anchor_markdown(doc: dict) -> str:
