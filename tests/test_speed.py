@@ -199,10 +199,15 @@ def test_prepacked_dense_baseline_equals_the_dense_model_or_says_why_not(tiny_mo
     assert skipped == [] and [c.name for c in made] == ["dense bf16 [oneDNN prepacked]"]
     ids = torch.arange(3, 19).unsqueeze(0)
     with torch.no_grad():
-        ref, got = bf16[0].model(ids).logits, made[0].model(ids).logits
-    assert torch.equal(ref, got)
+        ref, got = bf16[0].model(ids).logits.float(), made[0].model(ids).logits.float()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-2   # bf16 sums in oneDNN's own order
     assert sum(isinstance(m, speed_cpu.PrepackedLinear) for m in made[0].model.modules()) == 7 * len(
         made[0].model.model.layers)
+
+    fp32 = [c for c in speed_cpu.attach_runtime(speed_cpu.build(str(tiny_model_dir), [], torch.float32,
+                                                                str(data_dir)), "auto", 64) if c.dtype == "float32"]
+    made32, skipped = speed_cpu._prepacked(fp32, 16)
+    assert skipped == [] and [c.name for c in made32] == ["dense fp32 [oneDNN prepacked]"]
 
     def no_op(self, lin, batch):
         raise RuntimeError("no mkldnn ops in this build")

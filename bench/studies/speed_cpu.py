@@ -403,7 +403,8 @@ class PrepackedLinear(nn.Module):
     """A dense nn.Linear whose weight oneDNN holds in its own blocked layout, made once
     (`torch.ops.mkldnn._reorder_linear_weight`, for `batch` rows; the plain weight dropped: one copy), run by
     `torch.ops.mkldnn._linear_pointwise` on plain tensors (what torch.compile's frozen CPU graphs call): the
-    prepacked oneDNN linear the issue names as a dense baseline. Same values as F.linear (a check when built)."""
+    prepacked oneDNN linear the issue names as a dense baseline. F.linear's values up to its own summation order (a
+    check when built)."""
 
     def __init__(self, lin: nn.Linear, batch: int):
         super().__init__()
@@ -437,8 +438,10 @@ def _prepacked(cands: list[Candidate], batch: int) -> tuple[list[Candidate], lis
             blocks = decoder_blocks(model)
             probe = next(iter_linears(model))[2]
             x = torch.randn(3, probe.in_features, generator=torch.Generator().manual_seed(0)).to(probe.weight.dtype)
-            if not torch.equal(PrepackedLinear(probe, 3)(x), nn.functional.linear(x, probe.weight, probe.bias)):
-                raise RuntimeError("its output differs from F.linear's")
+            got, ref = PrepackedLinear(probe, 3)(x).float(), nn.functional.linear(x, probe.weight, probe.bias).float()
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            if not err <= (1e-2 if probe.weight.dtype == torch.bfloat16 else 1e-5):   # its own summation order
+                raise RuntimeError(f"its output differs from F.linear's (relative {err:.1e})")
             for i, name, lin in list(iter_linears(model)):
                 block = blocks[i]
                 parent_path, _, attr = name.rpartition(".")
