@@ -682,7 +682,7 @@ static void row_grid(const void *x, int bf16, size_t o, int k, float qmax, float
   grid_from_range(lo, hi, qmax, eps, scale_out, zero_out);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ROWS_AVX512 1
 static inline __mmask16 tail16(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 /* 16 values (fewer where the mask says; the rest 0) of a bf16 or float32 row, as float32 */
