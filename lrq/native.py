@@ -111,6 +111,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_per_token_dequant.restype = None
     lib.lrq_int8_activations.argtypes = [p, i, lg, i, i, i, i, f, f, f, p, p, p, p, i]
     lib.lrq_int8_activations.restype = None
+    lib.lrq_int8_activations_vectorized.argtypes = []
+    lib.lrq_int8_activations_vectorized.restype = i
     lib.lrq_int8_correct.argtypes = [p, lg, i, i, p, p, i, p, i, p, p, i, p, p, i, i]
     lib.lrq_int8_correct.restype = None
     lib.lrq_dense_gemv.argtypes = [p, p, p, i, i, i, i]

@@ -264,13 +264,15 @@ class PackedLinear(nn.Module):
         xq = torch.div(xf, scale).round_().add_(zero).clamp_(-128, 2**s.a_bits - 129).to(torch.int8)
         return xq, zero, scale, xq.sum(dim=1, keepdim=True, dtype=torch.float32)
 
-    def _native_int8_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def _native_int8_activations(self, x: torch.Tensor, any_build: bool = False) -> tuple[torch.Tensor, ...] | None:
         """_int8_activations' four tensors from one lrq.native call (lrq_int8_activations: the same operations in
-        the same order, bit for bit, a test checks), where it is built and takes x (bf16 or float32 rows of unit
-        stride, a static or per_token_qparams grid); else None."""
+        the same order, bit for bit, a test checks), where it is built with AVX-512 (its plain-C loop is slower than
+        torch's ops) and takes x (bf16 or float32 rows of unit stride, a static or per_token_qparams grid); else
+        None (`any_build`: the plain-C loop too, for the tests)."""
         s, lib = self.scheme, native.library()
         per_token = not s.static_activations
-        if (lib is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32)
+        if (lib is None or not (any_build or lib.lrq_int8_activations_vectorized()) or x.device.type != "cpu"
+                or x.dtype not in (torch.bfloat16, torch.float32)
                 or x.stride(-1) != 1 or x.shape[0] == 0
                 or (per_token and s.activations.integer_qparams is not per_token_qparams)):
             return None
