@@ -274,7 +274,7 @@ class PackedLinear(nn.Module):
         if (lib is None or not (any_build or lib.lrq_int8_activations_vectorized()) or x.device.type != "cpu"
                 or x.dtype not in (torch.bfloat16, torch.float32)
                 or x.stride(-1) != 1 or x.shape[0] == 0
-                or (per_token and s.activations.integer_qparams is not per_token_qparams)):
+                or (per_token and not self.per_token_dequantized_activations())):
             return None
         m, k = x.shape
         xq, rowsum = torch.empty(m, k, dtype=torch.int8), torch.empty(m, 1)

@@ -197,8 +197,12 @@ def probe(paths: list[str], threads: int, n_ctx: int, timeout: float = 600) -> N
         return
     done = {ln.split(" ", 2)[1] for ln in run.stdout.splitlines() if ln.startswith("ok ")}
     failed = next((p for p in paths if p not in done), paths[-1])
-    how = (f"signal {signal.Signals(-run.returncode).name}" if run.returncode < 0 and
-           -run.returncode in signal.Signals._value2member_map_ else f"exit status {run.returncode}")
+    how = f"exit status {run.returncode}"
+    if run.returncode < 0:
+        try:
+            how = f"signal {signal.Signals(-run.returncode).name}"
+        except ValueError:   # a signal number this platform does not name
+            how = f"signal {-run.returncode}"
     info = version()
     hint = ""
     if "AMX_INT8 = 1" in info["system_info"]:

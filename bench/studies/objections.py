@@ -183,12 +183,10 @@ def answer(path: str) -> dict:
             if one["lrq"] and one["flexround"]:
                 at_one = _paired(one["lrq"], one["flexround"], blocks)
                 v_one, t_one = _verdict(at_one)
+                change = ("the verdict does not change." if v_one == v_best else
+                          f"the verdict changes: {v_one} at the authors' rates, {v_best} at the best.")
                 line += (f". At the authors' rates: {_pairs_text(at_one)}: {t_one}. "
-                         + ("So far " if partial else "")
-                         + (("the verdict does not change." if partial else "The verdict does not change.")
-                            if v_one == v_best else
-                            f"{'t' if partial else 'T'}he verdict changes: {v_one} at the authors' rates, {v_best} "
-                            f"at the best."))
+                         + ("So far " + change if partial else change[0].upper() + change[1:]))
             if partial:
                 line += " Not yet run: " + "; ".join(f"{m} at {', '.join(fs)}" for m, fs in missing.items() if fs) + "."
             tested.append(line)

@@ -427,7 +427,7 @@ def _prepacked(cands: list[Candidate], batch: int) -> tuple[list[Candidate], lis
     they are replaced (the measured memory is the copy's). Where this torch has no such op, or its outputs differ
     from F.linear's, the candidate is left out and the reason returned."""
     import copy
-    from lrq.arch import decoder_blocks, iter_linears
+    from lrq.arch import decoder_blocks, iter_linears, set_submodule
     out, skipped = [], []
     for c in cands:
         if c.kind != "dense" or c.lean is None or c.name.endswith((HF_SUFFIX, NO_ONEDNN, TORCH_LINEARS)):
@@ -443,9 +443,7 @@ def _prepacked(cands: list[Candidate], batch: int) -> tuple[list[Candidate], lis
             if not err <= (1e-2 if probe.weight.dtype == torch.bfloat16 else 1e-5):   # its own summation order
                 raise RuntimeError(f"its output differs from F.linear's (relative {err:.1e})")
             for i, name, lin in list(iter_linears(model)):
-                block = blocks[i]
-                parent_path, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent_path) if parent_path else block, attr, PrepackedLinear(lin, batch))
+                set_submodule(blocks[i], name, PrepackedLinear(lin, batch))
         except (RuntimeError, AttributeError) as e:   # no mkldnn ops in this build, or a dtype it does not take
             skipped.append(f"{c.name}{PREPACKED}: {e}")
             continue

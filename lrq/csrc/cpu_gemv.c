@@ -665,21 +665,14 @@ int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, lon
  * hi = max(max x, 0), scale = max((hi - lo) / qmax, eps), zero = clamp(round(-(lo / scale)), 0, qmax), then
  * (clamp(round(x / scale) + zero, 0, qmax) - zero) * scale, rounded once to the row's dtype. Rounding is half to
  * even (nearbyintf in the default mode), as torch.round. */
-static void grid_from_range(float lo, float hi, float qmax, float eps, float *scale_out, float *zero_out);
-/* one row's per-token grid as lrq.quant.per_token_qparams makes it (a NaN anywhere in the row makes both NaN, as
- * torch's amin/amax propagate it) */
-static void row_grid(const void *x, int bf16, size_t o, int k, float qmax, float eps, float *scale_out,
-                     float *zero_out) {
-  float lo = load_any(x, bf16, o), hi = lo;
-  int nan = lo != lo;
-  for (int i = 1; i < k; i++) {
-    float v = load_any(x, bf16, o + i);
-    nan |= v != v;
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
-  }
-  if (nan) lo = hi = NAN;
-  grid_from_range(lo, hi, qmax, eps, scale_out, zero_out);
+static void grid_from_range(float lo, float hi, float qmax, float eps, float *scale_out, float *zero_out) {
+  hi = hi < 0 ? 0 : hi;
+  lo = lo > 0 ? 0 : lo;
+  float scale = (hi - lo) / qmax;
+  scale = scale < eps ? eps : scale;
+  float zero = nearbyintf(-(lo / scale));
+  *zero_out = zero < 0 ? 0 : (zero > qmax ? qmax : zero);
+  *scale_out = scale;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -692,30 +685,41 @@ static inline __m512 load16(const void *x, int bf16, size_t i, __mmask16 m) {
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i)), 16));
   return _mm512_maskz_loadu_ps(m, (const float *)x + i);
 }
-static void row_grid_v(const void *x, int bf16, size_t o, int k, float qmax, float eps, float *scale_out,
-                       float *zero_out) {
-  __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  for (int i = 0; i < k; i += 16) {
-    __mmask16 m = tail16(k - i);
-    __m512 v = load16(x, bf16, o + i, m);
-    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-    lo = _mm512_mask_min_ps(lo, m, lo, v);
-    hi = _mm512_mask_max_ps(hi, m, hi, v);
-  }
-  grid_from_range(nan ? NAN : _mm512_reduce_min_ps(lo), nan ? NAN : _mm512_reduce_max_ps(hi), qmax, eps, scale_out,
-                  zero_out);
+/* nearbyint(x / scale) + zero for 16 values of a row: their unclamped position on the grid */
+static inline __m512 grid16(const void *x, int bf16, size_t i, __mmask16 m, __m512 scale, __m512 zero) {
+  return _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, i, m), scale),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zero);
 }
 #endif
 
-static void grid_from_range(float lo, float hi, float qmax, float eps, float *scale_out, float *zero_out) {
-  hi = hi < 0 ? 0 : hi;
-  lo = lo > 0 ? 0 : lo;
-  float scale = (hi - lo) / qmax;
-  scale = scale < eps ? eps : scale;
-  float zero = nearbyintf(-(lo / scale));
-  *zero_out = zero < 0 ? 0 : (zero > qmax ? qmax : zero);
-  *scale_out = scale;
+/* one row's per-token grid as lrq.quant.per_token_qparams makes it (a NaN anywhere in the row makes both NaN, as
+ * torch's amin/amax propagate it); AVX-512 vectors where built */
+static void row_grid(const void *x, int bf16, size_t o, int k, float qmax, float eps, float *scale_out,
+                     float *zero_out) {
+#ifdef ROWS_AVX512
+  __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY);
+  __mmask16 vnan = 0;
+  for (int i = 0; i < k; i += 16) {
+    __mmask16 m = tail16(k - i);
+    __m512 v = load16(x, bf16, o + i, m);
+    vnan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    vlo = _mm512_mask_min_ps(vlo, m, vlo, v);
+    vhi = _mm512_mask_max_ps(vhi, m, vhi, v);
+  }
+  float lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+  int nan = vnan != 0;
+#else
+  float lo = load_any(x, bf16, o), hi = lo;
+  int nan = lo != lo;
+  for (int i = 1; i < k; i++) {
+    float v = load_any(x, bf16, o + i);
+    nan |= v != v;
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+#endif
+  if (nan) lo = hi = NAN;
+  grid_from_range(lo, hi, qmax, eps, scale_out, zero_out);
 }
 
 void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, int bits, float eps) {
@@ -723,13 +727,12 @@ void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, in
   for (int r = 0; r < rows; r++) {
     size_t o = (size_t)r * k;
     float scale, zero;
+    row_grid(x, bf16, o, k, qmax, eps, &scale, &zero);
 #ifdef ROWS_AVX512
-    row_grid_v(x, bf16, o, k, qmax, eps, &scale, &zero);
     const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero), top = _mm512_set1_ps(qmax);
     for (int i = 0; i < k; i += 16) {
       __mmask16 m = tail16(k - i);
-      __m512 q = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, o + i, m), vs),
-                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+      __m512 q = grid16(x, bf16, o + i, m, vs, vz);
       /* clamped to [0, qmax], a NaN kept (max/min would replace it) */
       q = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), top),
                              _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q), q);
@@ -739,7 +742,6 @@ void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, in
     }
     continue;
 #endif
-    row_grid(x, bf16, o, k, qmax, eps, &scale, &zero);
     for (int i = 0; i < k; i++) {
       float q = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
       q = q < 0 ? 0 : (q > qmax ? qmax : q);
@@ -763,11 +765,7 @@ void lrq_int8_activations(const void *x, int bf16, long x_stride, int m, int k, 
     size_t o = (size_t)r * x_stride;
     float scale = a_scale, zero = a_zero;
     if (per_token) {
-#ifdef ROWS_AVX512
-      row_grid_v(x, bf16, o, k, qmax, eps, &scale, &zero);
-#else
       row_grid(x, bf16, o, k, qmax, eps, &scale, &zero);
-#endif
       zero -= 128.f;
       zero_out[r] = zero;
       scale_out[r] = scale;
@@ -780,8 +778,7 @@ void lrq_int8_activations(const void *x, int bf16, long x_stride, int m, int k, 
       int8_t *out = xa + (size_t)r * k;
       for (int i = 0; i < k; i += 16) {
         __mmask16 m = tail16(k - i);
-        __m512 v = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, o + i, m), vs),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+        __m512 v = grid16(x, bf16, o + i, m, vs, vz);
         __mmask16 bad = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(v, lo), hi), bad, _mm512_setzero_ps());
         __m512i iv = _mm512_cvtps_epi32(v);
