@@ -131,6 +131,26 @@ def test_rows_apart_by_their_stride_and_nan_kept():
     assert torch.isnan(yb[1].float()).all()
 
 
+@pytest.mark.parametrize("group", [128, None])
+def test_bf16_activations_far_apart_in_size(group):
+    """bf16 activations enter the AVX512-VNNI kernel as 16-bit integers per chunk of rows, scaled by the chunk's
+    largest: values 2^20 below an outlier in the same chunk are rounded there, not lost to the output's precision
+    (the bound is the bf16 output's rounding), and an inf or NaN token runs the float32 path, non-finite as torch's."""
+    w = _weights(576, 1536, group)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 1536, generator=g) * 1e-3
+    x[:, ::97] = 1e3 * torch.randn(3, 16, generator=g)            # an outlier in every chunk of 256 and group of 128
+    x = x.bfloat16()
+    y = w.native_mm(x)
+    assert _relative_error(w, x.float(), y.float()) < 2 ** -8
+    # the small activations alone (outliers zeroed): still exact to the output's rounding
+    small = torch.where(x.float().abs() > 1, 0.0, x.float()).bfloat16()
+    assert _relative_error(w, small.float(), w.native_mm(small).float()) < 2 ** -8
+    x[1, 700] = float("inf")
+    y = w.native_mm(x)
+    assert not torch.isfinite(y[1].float()).all() and torch.isfinite(y[[0, 2]].float()).all()
+
+
 def test_threads_give_the_same_bits():
     w, x = _weights(1536, 576, 128), torch.randn(2, 576)
     before = torch.get_num_threads()

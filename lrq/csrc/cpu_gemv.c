@@ -161,76 +161,128 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
   vstore(y, o0); vstore(y + 16, o1);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-/* one block of 64 features, bf16 activations (exact in bf16: the model's own values), AVX512-BF16. Two rows k, k+1
- * of levels are read at once (one 64-byte load, row k's 32 bytes then row k+1's; byte j of a row holds feature j in
- * its low nibble and feature j + 32 in its high one) and their bytes placed (one vpermb) so that 32-bit lane i holds
+#if defined(__AVX512BF16__)
+#define BF16_DOT 1   /* vdpbf16ps: the dense bf16 rows (dense_rows) */
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && !defined(NO_I16_DOT)
+/* one block of 64 features, bf16 activations, integer dot products (AVX512-VNNI vpdpwssd: pairs of 16-bit integers
+ * multiplied and summed into int32 lanes). Two rows k, k+1 of levels are read at once (one 64-byte load, row k's 32
+ * bytes then row k+1's; byte j of a row holds feature j in its low nibble and feature j + 32 in its high one) and
+ * their bytes placed (one vpermb) so that 32-bit lane i holds
  *     byte 0: row k byte i,  byte 1: row k byte i + 16,  byte 2: row k+1 byte i,  byte 3: row k+1 byte i + 16.
- * A lane shifted right by 0, 8, 4 or 12 bits and masked to 0x000F000F then holds, in its two 16-bit halves, the
- * levels of feature i, i + 16, i + 32 or i + 48 for rows k and k+1; or-ed with 0x43004300 each half is the bf16
- * value 128 + q, exact (one vpternlogd: no table lookups, the integer units rather than the one shuffle unit).
- * vdpbf16ps sums each pair of products with (x[k], x[k+1]) into float32 lanes, already in feature order, and
- * 128 * sum(x) is taken off per group (its error, ~1e-6 of the terms' size, far below the bf16 output's rounding):
- *     y += s (acc - 128 X) + zc X   per group.
- * Four rows a step into two sets of accumulators (the dot products' latency, not their count, bounds one set), and
- * the stream 4 KB ahead prefetched: 19.0 against 20.9 us for a 1536 x 576 g128 layer read from memory (Zen 5,
- * medians of interleaved rounds; in cache 9.9 against 10.9). */
-#define BF16_DOT 1
-/* how far ahead the stream is prefetched, and into which cache (-D to try others): on a 2-core Intel Xeon with AMX
- * (family 6 model 167 as its VM reports it) T0 and T1 at 2-16 KB ahead were within 2 % of each other (51 us a
- * 1536 x 576 g128 layer from memory), none 71 us */
+ * Masked with 0x000F000F, a lane (or the lane shifted right 8 bits) holds in its two 16-bit halves the levels q of
+ * feature i (i + 16) for rows k and k+1; masked with 0x00F000F0, 16 q of feature i + 32 (i + 48): one shift per two
+ * rows, no table lookups. The activations enter as 16-bit integers x * 2^e per chunk of at most I16_CHUNK rows (e the
+ * largest that keeps |x| * 2^e below 2^15: a bf16 value, 8 significant bits, is held exactly unless it is more than
+ * 2^7 below the chunk's largest, the others are rounded to 2^-16 of it, far below the bf16 output's rounding);
+ * vpdpwssd sums each pair of products with (x[k], x[k+1]) into int32 lanes, already in feature order and exact
+ * (16 q x < 2^8 * 2^15 * 256 rows < 2^31), turned to float32 per chunk; per group
+ *     y += s * sum_c(acc_c * 2^-e_c) + zc * sum_k x[k].
+ * This replaced vdpbf16ps on the levels as bf16 values 128 + q: on a 2-core Intel Xeon with AMX a vdpbf16ps costs
+ * three times a vpdpwssd (1.48 against 0.49 TSC cycles a zmm instruction, measured alone), and a 1536 x 576 g128
+ * layer in cache took 26.5-28.3 us that way against 13.9-15.3 now (medians of interleaved rounds); Zen 4/5 run both
+ * instructions at one a cycle. Four rows a step into two sets of accumulators, the stream INT4_AHEAD bytes ahead
+ * prefetched into L2 (on that Intel 8 KB T1 was 2-13 % faster than 4 KB T0 over a model's layers from memory, and
+ * layer-sized streams read at 8-12 GB/s against 20-23 GB/s for one 14 MB layer: every call starts its stream cold). */
 #ifndef INT4_AHEAD
-#define INT4_AHEAD 4096
+#define INT4_AHEAD 8192
 #endif
 #ifndef INT4_HINT
-#define INT4_HINT _MM_HINT_T0
+#define INT4_HINT _MM_HINT_T1
 #endif
-static inline __m512bh bf16_levels(__m512i lanes) {
-  return (__m512bh)_mm512_ternarylogic_epi32(lanes, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300),
-                                             0xEA);   /* (lanes & nibbles) | base */
-}
-
-static void block64_bf16(const uint8_t *blk, const float *s, const float *zc, const uint16_t *xb, const float *xs,
-                         float *y, int k_pad, int group, int n_pad) {
+#define I16_DOT 1
+#define I16_CHUNK 256
+/* a group's 64 scales and 64 zero terms of this block (4 + 4 cache lines, n_pad floats apart from the next group's) */
+#define SCALE_PREFETCH(s, zc, gi, n_pad)                                                                       \
+  do {                                                                                                      \
+    const char *ps_ = (const char *)((s) + (size_t)(gi) * (n_pad)), *pz_ = (const char *)((zc) + (size_t)(gi) * (n_pad)); \
+    for (int l_ = 0; l_ < 256; l_ += 64) { _mm_prefetch(ps_ + l_, _MM_HINT_T0); _mm_prefetch(pz_ + l_, _MM_HINT_T0); } \
+  } while (0)
+static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
+                        const float *xs, float *y, int k_pad, int group, int n_pad) {
   const __m512i place = _mm512_set_epi8(
       63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25,
       9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49,
       33, 17, 1, 48, 32, 16, 0);
+  const __m512i lo = _mm512_set1_epi32(0x000F000F), hi = _mm512_set1_epi32(0x00F000F0);
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+  int ci = 0;
+#ifndef NO_SCALE_PREFETCH
+  for (int gi = 0; gi < 2 && gi * group < k_pad; gi++) SCALE_PREFETCH(s, zc, gi, n_pad);
+#endif
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;   /* features 0-15, 16-31, 32-47, 48-63 */
-    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k += 4) {   /* group, k_pad % 4 == 0 */
-      _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD), INT4_HINT);
-      _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD + 64), INT4_HINT);
-      __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
-      __m512i e = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32 + 64));
-      uint32_t pair, pair2;
-      memcpy(&pair, xb + k, 4);
-      memcpy(&pair2, xb + k + 2, 4);
-      __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair), xq = (__m512bh)_mm512_set1_epi32((int)pair2);
-      a0 = _mm512_dpbf16_ps(a0, bf16_levels(d), xp);
-      a1 = _mm512_dpbf16_ps(a1, bf16_levels(_mm512_srli_epi32(d, 8)), xp);
-      a2 = _mm512_dpbf16_ps(a2, bf16_levels(_mm512_srli_epi32(d, 4)), xp);
-      a3 = _mm512_dpbf16_ps(a3, bf16_levels(_mm512_srli_epi32(d, 12)), xp);
-      b0 = _mm512_dpbf16_ps(b0, bf16_levels(e), xq);
-      b1 = _mm512_dpbf16_ps(b1, bf16_levels(_mm512_srli_epi32(e, 8)), xq);
-      b2 = _mm512_dpbf16_ps(b2, bf16_levels(_mm512_srli_epi32(e, 4)), xq);
-      b3 = _mm512_dpbf16_ps(b3, bf16_levels(_mm512_srli_epi32(e, 12)), xq);
+    int ge = g0 + group < k_pad ? g0 + group : k_pad;
+#ifndef NO_SCALE_PREFETCH
+    if (g0 + 2 * group < k_pad) SCALE_PREFETCH(s, zc, gi + 2, n_pad);
+#endif
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;   /* features 0-15, 16-31, 32-47, 48-63 */
+    for (int c0 = g0; c0 < ge; c0 += I16_CHUNK, ci++) {
+      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int k = c0, ke = c0 + I16_CHUNK < ge ? c0 + I16_CHUNK : ge; k < ke; k += 4) {   /* group % 4 == 0 */
+        _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD), INT4_HINT);
+        _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD + 64), INT4_HINT);
+        __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
+        __m512i e = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32 + 64));
+        __m512i d8 = _mm512_srli_epi32(d, 8), e8 = _mm512_srli_epi32(e, 8);
+        uint32_t pair, pair2;
+        memcpy(&pair, xi + k, 4);
+        memcpy(&pair2, xi + k + 2, 4);
+        __m512i xp = _mm512_set1_epi32((int)pair), xq = _mm512_set1_epi32((int)pair2);
+        a0 = _mm512_dpwssd_epi32(a0, _mm512_and_si512(d, lo), xp);
+        a1 = _mm512_dpwssd_epi32(a1, _mm512_and_si512(d8, lo), xp);
+        a2 = _mm512_dpwssd_epi32(a2, _mm512_and_si512(d, hi), xp);
+        a3 = _mm512_dpwssd_epi32(a3, _mm512_and_si512(d8, hi), xp);
+        b0 = _mm512_dpwssd_epi32(b0, _mm512_and_si512(e, lo), xq);
+        b1 = _mm512_dpwssd_epi32(b1, _mm512_and_si512(e8, lo), xq);
+        b2 = _mm512_dpwssd_epi32(b2, _mm512_and_si512(e, hi), xq);
+        b3 = _mm512_dpwssd_epi32(b3, _mm512_and_si512(e8, hi), xq);
+      }
+      __m512 inv = _mm512_set1_ps(xinv[ci]), inv16 = _mm512_set1_ps(xinv[ci] * 0.0625f);
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, b0)), inv, f0);
+      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a1, b1)), inv, f1);
+      f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a2, b2)), inv16, f2);
+      f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a3, b3)), inv16, f3);
     }
-    a0 = _mm512_add_ps(a0, b0); a1 = _mm512_add_ps(a1, b1); a2 = _mm512_add_ps(a2, b2); a3 = _mm512_add_ps(a3, b3);
     const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
-    __m512 xsum = _mm512_set1_ps(xs[gi]), x128 = _mm512_set1_ps(128.0f * xs[gi]);
-#define TAKE(o, acc, off)                                                                                   \
-    o = _mm512_fmadd_ps(_mm512_sub_ps(acc, x128), _mm512_loadu_ps(sg + off),                               \
-                        _mm512_fmadd_ps(_mm512_loadu_ps(zg + off), xsum, o))
-    TAKE(o0, a0, 0);
-    TAKE(o1, a1, 16);
-    TAKE(o2, a2, 32);
-    TAKE(o3, a3, 48);
-#undef TAKE
+    __m512 xsum = _mm512_set1_ps(xs[gi]);
+    o0 = _mm512_fmadd_ps(f0, _mm512_loadu_ps(sg), _mm512_fmadd_ps(_mm512_loadu_ps(zg), xsum, o0));
+    o1 = _mm512_fmadd_ps(f1, _mm512_loadu_ps(sg + 16), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 16), xsum, o1));
+    o2 = _mm512_fmadd_ps(f2, _mm512_loadu_ps(sg + 32), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 32), xsum, o2));
+    o3 = _mm512_fmadd_ps(f3, _mm512_loadu_ps(sg + 48), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 48), xsum, o3));
   }
   _mm512_storeu_ps(y, o0); _mm512_storeu_ps(y + 16, o1); _mm512_storeu_ps(y + 32, o2); _mm512_storeu_ps(y + 48, o3);
+}
+
+/* a token's activations as 16-bit integers per chunk (block64_i16): returns 0 where one is not finite (the token then
+ * runs block64 on its float32 values, whose NaN/inf propagate as torch's do) */
+static int i16_chunks(const float *x, int k_pad, int group, int16_t *xi, float *xinv) {
+  int ci = 0;
+  for (int g0 = 0; g0 < k_pad; g0 += group) {
+    int ge = g0 + group < k_pad ? g0 + group : k_pad;
+    for (int c0 = g0; c0 < ge; c0 += I16_CHUNK, ci++) {
+      int ce = c0 + I16_CHUNK < ge ? c0 + I16_CHUNK : ge;
+      __m512 m = _mm512_setzero_ps();
+      for (int i = c0; i < ce; i += 16) {
+        __mmask16 k = ce - i >= 16 ? 0xFFFF : (__mmask16)((1u << (ce - i)) - 1);
+        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + i)));   /* a NaN lane: max keeps m */
+      }
+      float mx = _mm512_reduce_max_ps(m);
+      if (!(mx <= 3.0e38f)) return 0;   /* inf */
+      int ex = 0;
+      if (mx > 0) frexpf(mx, &ex);        /* mx < 2^ex */
+      __m512 up = _mm512_set1_ps(ldexpf(1.0f, 15 - ex));   /* |x| * up < 2^15 */
+      xinv[ci] = ldexpf(1.0f, ex - 15);
+      for (int i = c0; i < ce; i += 16) {
+        __mmask16 k = ce - i >= 16 ? 0xFFFF : (__mmask16)((1u << (ce - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return 0;   /* NaN */
+        /* nearest even (the default rounding), saturated to int16 (a float32 input can round to 2^15) */
+        _mm256_mask_storeu_epi16(xi + i, k, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, up))));
+      }
+    }
+  }
+  return 1;
 }
 #endif
 
@@ -296,20 +348,19 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
     return 1;
   int ng = (k_pad + group - 1) / group, nb = n_pad / block, rem = n_pad - nb * block;
   size_t floats = (size_t)m * (k_pad + ng) + (size_t)m * n_pad;
-  float *xf = scratch_get(sizeof(float) * floats + sizeof(uint16_t) * (size_t)m * k_pad);
-  if (!xf) return 2;
-  float *xs = xf + (size_t)m * k_pad, *yf = xs + (size_t)m * ng;
-  uint16_t *xb = NULL;
-  (void)xb;
-#ifdef BF16_DOT
-  if (x_bf16 && block == 64 && group % 4 == 0 && k_pad % 4 == 0) {   /* every group the quantizer makes */
-    xb = (uint16_t *)(xf + floats);
-    for (int t = 0; t < m; t++) {
-      memcpy(xb + (size_t)t * k_pad, (const uint16_t *)x + (size_t)t * x_stride, sizeof(uint16_t) * k);
-      memset(xb + (size_t)t * k_pad + k, 0, sizeof(uint16_t) * (k_pad - k));
-    }
-  }
+  int nc = 0, i16 = 0;   /* the 16-bit path (bf16 activations, every group the quantizer makes); its chunks a token */
+  (void)i16;
+#ifdef I16_DOT
+  i16 = x_bf16 && block == 64 && group % 4 == 0 && k_pad % 4 == 0;
+  for (int g0 = 0; g0 < k_pad; g0 += group) nc += ((group < k_pad - g0 ? group : k_pad - g0) + I16_CHUNK - 1) / I16_CHUNK;
 #endif
+  /* xf [m, k_pad] float32 activations, xs [m, ng] their group sums, yf [m, n_pad]; then per token its chunks' inverse
+   * scales and a flag (1: all finite), xinv [m, nc + 1]; then xi [m, k_pad] int16 */
+  float *xf = scratch_get(sizeof(float) * (floats + (size_t)m * (nc + 1)) + sizeof(int16_t) * (size_t)m * k_pad);
+  if (!xf) return 2;
+  float *xs = xf + (size_t)m * k_pad, *yf = xs + (size_t)m * ng, *xinv = xf + floats;
+  int16_t *xi = (int16_t *)(xinv + (size_t)m * (nc + 1));
+  (void)xi;
   for (int t = 0; t < m; t++) {
     float *xt = xf + (size_t)t * k_pad;
     if (x_bf16) {
@@ -325,6 +376,12 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       xs[(size_t)t * ng + g] = a;
     }
   }
+#ifdef I16_DOT
+  if (i16)
+    for (int t = 0; t < m; t++)
+      xinv[(size_t)t * (nc + 1) + nc] = (float)i16_chunks(xf + (size_t)t * k_pad, k_pad, group, xi + (size_t)t * k_pad,
+                                                          xinv + (size_t)t * (nc + 1));
+#endif
   int units = nb + (rem > 0);
   #pragma omp parallel for num_threads(nthreads) schedule(static) \
       if (nthreads > 1 && units > 1 && (size_t)m * n_pad * k_pad >= PARALLEL_FROM)
@@ -335,9 +392,10 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
       if (b == nb)
         block_rest(blk, rem, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
-#ifdef BF16_DOT
-      else if (xb)
-        block64_bf16(blk, s + b * block, zc + b * block, xb + (size_t)t * k_pad, xst, yt, k_pad, group, n_pad);
+#ifdef I16_DOT
+      else if (i16 && xinv[(size_t)t * (nc + 1) + nc] != 0.0f)
+        block64_i16(blk, s + b * block, zc + b * block, xi + (size_t)t * k_pad, xinv + (size_t)t * (nc + 1), xst, yt,
+                    k_pad, group, n_pad);
 #endif
       else if (block == 64)
         block64(blk, s + b * block, zc + b * block, xt, xst, yt, k_pad, group, n_pad);
