@@ -277,6 +277,8 @@ def test_the_page_ends_with_what_would_change_the_verdict(tmp_path):
     assert "| method | 0.5x | 1x | 2x |" in section and "| flexround | " in section
     prec = next(ln for ln in section.splitlines() if ln.startswith("- Precision, W3A16"))
     assert "float32 / in the autocast precision" in prec and "block 15 " in prec
+    assert re.search(r"LRQ with the float32 product / FlexRound, both at the authors' rates: block 0 1\.1\d\d ", prec)
+    assert prec.endswith("FlexRound in 2, not separated in 0 of 2 blocks; the verdict does not change")
     nt = section[section.index("**Not tested**"):]
     assert "learning rate at W4A8: only the authors' rates have run (LRQ / FlexRound held-out block error at 1x: " \
         "block 0 1.1" in nt and "the other rates (0.5x, 2x, 4x) go to objections/w4a8-<method>-lr<f>x/" in nt
@@ -287,6 +289,20 @@ def test_the_page_ends_with_what_would_change_the_verdict(tmp_path):
     # re-rendered from its JSON without the folder: the section is kept as it was
     assert main(["--from-json", str(tmp_path / "o" / "claims.json"), "--out", str(tmp_path / "re")]) == 0
     assert lr in (tmp_path / "re" / "claims.md").read_text()
+
+
+def test_the_float32_product_can_change_the_verdict(tmp_path):
+    """Where LRQ with its product in float32 overtakes FlexRound (both at the authors' rates), the precision line
+    says the verdict changes."""
+    from bench.studies.objections import answer
+    fr = {0: [5.0, 5.2, 5.1, 5.3], 15: [7.0, 7.3, 7.1, 7.2]}
+    scale = lambda d, f, j=0.0: {b: [x * f + j * i for i, x in enumerate(w)] for b, w in d.items()}  # noqa: E731
+    _objection_run(tmp_path, "w4a8-flexround-lr1x", "flexround", fr, scheme="w4a8")
+    _objection_run(tmp_path, "w4a8-lrq-lr1x", "lrq", scale(fr, 1.10, 0.01), scheme="w4a8")
+    _objection_run(tmp_path, "w4a8-lrq-lr1x-fp32product", "lrq", scale(fr, 0.90, 0.01), product="fp32", scheme="w4a8")
+    prec = next(t for t in answer(str(tmp_path))["tested"] if t.startswith("Precision, W4A8"))
+    assert "LRQ separated ahead in 2, FlexRound in 0" in prec
+    assert prec.endswith("the verdict changes: FlexRound ahead with the autocast product, LRQ ahead with float32")
 
 
 def test_a_second_models_long_run_has_rows_of_its_own(tmp_path):

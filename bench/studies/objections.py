@@ -203,10 +203,22 @@ def answer(path: str) -> dict:
             pairs = _paired(lrq_fp32, lrq_one, common)
             known = [p for _, p in pairs if p]
             moved = [b for b, p in pairs if p and (p[1] > 1 or p[2] < 1)]
-            tested.append(f"Precision, {scheme.upper()}: LRQ with L @ U in float32 / in the autocast precision, "
-                          f"held-out block error: {_pairs_text(pairs)}: "
-                          + (f"separated in blocks {', '.join(map(str, moved))}" if moved else
-                             f"not separated in any of {len(known)} blocks"))
+            line = (f"Precision, {scheme.upper()}: LRQ with L @ U in float32 / in the autocast precision, "
+                    f"held-out block error: {_pairs_text(pairs)}: "
+                    + (f"separated in blocks {', '.join(map(str, moved))}" if moved else
+                       f"not separated in any of {len(known)} blocks"))
+            # the objection's question: with its product in float32, does LRQ catch FlexRound (both at 1x)?
+            fr_one = next((v for v in vs if v.method == "flexround" and v.lr is None), None)
+            both = sorted(set(common) & set(fr_one.blocks)) if fr_one else []
+            if both:
+                vs_fr = _paired(lrq_fp32, fr_one, both)
+                v_fp32, t_fp32 = _verdict(vs_fr)
+                v_auto = _verdict(_paired(lrq_one, fr_one, both))[0]
+                line += (f". LRQ with the float32 product / FlexRound, both at the authors' rates: "
+                         f"{_pairs_text(vs_fr)}: {t_fp32}; "
+                         + ("the verdict does not change" if v_fp32 == v_auto else
+                            f"the verdict changes: {v_auto} with the autocast product, {v_fp32} with float32"))
+            tested.append(line)
         else:
             not_tested.append(f"precision at {scheme.upper()}: LRQ with L @ U in float32 and at the autocast "
                               f"precision have no finished block in common yet "
