@@ -87,6 +87,7 @@ def library() -> ctypes.CDLL | None:
         _REASON.append(f"compiling or loading {SOURCE.name} failed ({e}); torch's kernels run instead")
         return None
     lib.lrq_isa.restype = ctypes.c_char_p
+    lib.lrq_int4_bf16_products.restype = ctypes.c_char_p
     isa = lib.lrq_isa().decode()
     if isa not in VECTOR_ISAS:
         _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")
@@ -174,5 +175,5 @@ def status() -> str:
     """One line for reports: which decode kernels run, or why torch's do."""
     lib = library()
     if lib is not None:
-        return f"lrq native ({isa()})"
+        return f"lrq native ({isa()}; 4-bit bf16 products: {lib.lrq_int4_bf16_products().decode()})"
     return "torch (lrq native: " + ("; ".join(dict.fromkeys(_REASON)) or "unavailable") + ")"

@@ -38,12 +38,18 @@ def _relative_error(w: Int4Weights, x: torch.Tensor, y: torch.Tensor) -> float:
     return ((y.double() - ref).abs() / (x.double().abs() @ ref_w.abs()).clamp_min(1e-30)).max().item()
 
 
+def _cpu_flags() -> set[str]:
+    line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
 def test_the_kernels_build_here_with_vector_code():
     """CI runs on x86-64 machines with a C compiler: the kernels must build there (a silent fall back to torch's
     kernels would hide a broken build)."""
     assert native.library() is not None, native.status()
     assert native.isa() in native.VECTOR_ISAS
-    assert native.status() == f"lrq native ({native.isa()})"
+    products = "int16 VNNI" if {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags() else "float32"
+    assert native.status() == f"lrq native ({native.isa()}; 4-bit bf16 products: {products})"
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)

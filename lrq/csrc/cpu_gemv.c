@@ -14,8 +14,10 @@
  * shorter where group does not divide k_pad: a 576-wide layer at g128 reads 5 scale rows, not torch's kernel
  * group 64's 9, so per token 4.5 bits a weight instead of 5), so per group
  *     y += s * sum_k q[k] x[k] + zc * sum_k x[k]
- * with the levels' products summed in float32 vectors of 16 features (exact: q < 16). Output blocks are split
- * among `nthreads` OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
+ * with the levels' products summed in float32 vectors of 16 features (exact: q < 16), or, for bf16 activations
+ * where the CPU has AVX512-VNNI and VBMI, as int32 sums of 16-bit integer products (block64_i16: the activations
+ * scaled per chunk of 256 rows, the bf16 output's rounding the bound). Output blocks are split among `nthreads`
+ * OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -903,6 +905,15 @@ void lrq_int8_correct(const int32_t *acc, long acc_stride, int m, int n, const f
 }
 
 /* the instruction set the compiler targeted */
+/* how the 4-bit kernel multiplies bf16 activations (lrq.native.status names it) */
+const char *lrq_int4_bf16_products(void) {
+#if defined(I16_DOT)
+  return "int16 VNNI";
+#else
+  return "float32";
+#endif
+}
+
 const char *lrq_isa(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
   return "avx512-bf16";
