@@ -28,12 +28,14 @@ So the 4-bit and int8 weight-only forms choose per call by the number of tokens 
 `INT8_DEQUANTIZE_FROM_M`): below it torch's kernel; from it (prefill; every call in float32) the levels are read
 straight out of the kernel's form into a transient float32 buffer, dequantized in place and run through the dense
 GEMM (BLAS), the buffer dropped after the call. Still one copy of the weights held; the transient one is one
-layer's, at prefill.
+layer's, at prefill. A bf16 prefill call of a 4-bit layer writes that transient weight straight into oneDNN's own
+blocked layout (`OneDNNOperand`, one reused buffer per shape) and runs oneDNN's inner product on it, as the
+prepacked dense model does, where oneDNN lays weights out as lrq.native writes them (checked at a shape's first use).
 
 Decode steps run lrq's own kernels where they are built (lrq.native, C compiled on the machine; torch's kernels
 otherwise, and `LRQ_NATIVE=0` turns them off): a 4-bit layer's call of up to NATIVE_MAX_M tokens reads torch's
-int4 packing as it is held (float32 inputs exactly, bf16 ones through AVX512-BF16 dot products where the CPU has
-them), and a W8A8 step on a static grid quantizes its activations, multiplies the levels exactly (VNNI or AVX2) and
+int4 packing as it is held (float32 inputs exactly, bf16 ones through AVX512-VNNI 16-bit integer dot products
+where the CPU has them), and a W8A8 step on a static grid quantizes its activations, multiplies the levels exactly (VNNI or AVX2) and
 corrects the zero points in one call (NATIVE_INT8_MAX_M). The scales they read are the float32 (s, zc) pairs each
 Int4Weights holds beside torch's bf16 (scale, zero) form, per group of the quantizer (`scale_group`: a 576-wide
 layer at g128 has 5 such rows, the last one 64 wide, where torch's kernel repeats its scales per group of 64: 9
@@ -46,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +84,8 @@ FLOAT32_DECODE = ("exact", "bf16")
 # tokens. Measured on a Zen 4, one thread, 1536 x 576 g128 (interleaved): bf16 45.6 against torch's 47.7 us at one
 # token, 82 against 60 at two; float32 156 us at 4 tokens against 440 dequantized + GEMM at one.
 NATIVE_MAX_M = {torch.bfloat16: 1, torch.float32: 8}
+# the batch OneDNNOperand asks oneDNN's reorder to lay a weight out for (any above one gives the same layout here)
+PROBE_BATCH = 512
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
@@ -261,7 +266,9 @@ class Int4Weights:
         if self.bf16_kernel_for(xr.dtype, xr.shape[0]):
             y = torch._weight_int4pack_mm_for_cpu(xr.bfloat16(), self.packed, self.group, self.scales)
         elif self.decodable and xr.shape[0] >= self.dequantize_from(xr.dtype):
-            y = xr @ self.dequantized_t(xr.dtype)          # a transient [k_pad, n_pad] copy, dropped after the call
+            y = self._blocked_mm(xr)
+            if y is None:
+                y = xr @ self.dequantized_t(xr.dtype)      # a transient [k_pad, n_pad] copy, dropped after the call
         else:
             scales = self.scales if xr.dtype == torch.bfloat16 else self._float32_scales()
             y = torch._weight_int4pack_mm_for_cpu(xr, self.packed, self.group, scales)
@@ -287,6 +294,22 @@ class Int4Weights:
             return self.dequantized_t_torch(dtype)
         out = self._native_unpack_t(native.UNPACK_BF16 if dtype == torch.bfloat16 else native.UNPACK_F32, dtype)
         return self.dequantized_t_torch(dtype) if out is None else out
+
+    def _blocked_mm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [m, k_pad] bf16 times the weight through oneDNN's bf16 inner product on an operand in its own blocked
+        layout (OneDNNOperand), dequantized into it by lrq.native (UNPACK_BF16_BLOCKED): the GEMM the prepacked
+        dense model runs, without oneDNN reordering a plain transient operand first. [m, n_pad], or None where this
+        cannot run (not bf16, lrq.native or the oneDNN ops missing, another layout)."""
+        lib = native.library()
+        if x.dtype != torch.bfloat16 or lib is None or not x.is_contiguous():
+            return None
+        n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
+        operand = OneDNNOperand.scratch(n_pad, k_pad)
+        if operand is None:
+            return None
+        native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], torch.ops.mkldnn.data_ptr(operand),
+                                             native.UNPACK_BF16_BLOCKED, torch.get_num_threads()), "int4 unpacking")
+        return torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
 
     def offset_levels_t(self) -> torch.Tensor:
         """The levels less 8, transposed (int8 [k_pad, n_pad]): W4A8's transient operand for the int8 GEMM, through
@@ -340,6 +363,72 @@ class Int4Weights:
 
     def nbytes(self) -> int:
         return _nbytes(self.packed, self.scales, self.scale_zero)
+
+
+class OneDNNOperand:
+    """A bf16 weight operand in oneDNN's own blocked layout, one per shape and thread, reused by every 4-bit layer of
+    that shape at prefill: lrq.native writes each layer's dequantized weight into it and oneDNN's inner product
+    (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked dense baseline
+    run) reads it as it is. A plain transient operand is reordered by oneDNN on every call instead (on a 2-core Intel
+    Xeon with AMX a 512 x 576 x 1536 GEMM took 842 us from it against 697 from the blocked one). It holds no weight
+    of its own: a buffer of the largest layer shape's size per shape, like an activation buffer.
+
+    The layout is read off, not assumed: at a shape's first use, four reorders of weights whose values encode their
+    own row and column (integers below 128, exact in bf16) must place every value where UNPACK_BF16_BLOCKED writes it,
+    [n / 32][k / 2][32][2]; a torch or oneDNN that lays it out otherwise (or lacks the ops) gets None, and the
+    caller its plain operand."""
+    _ok: dict[tuple[int, int], bool] = {}
+    _local = threading.local()
+
+    @staticmethod
+    def _ops_exist() -> bool:
+        ops = torch.ops.mkldnn
+        try:
+            return (torch.backends.mkldnn.is_available() and ops._is_mkldnn_bf16_supported()
+                    and all(hasattr(ops, f) for f in ("_reorder_linear_weight", "_linear_pointwise", "data_ptr",
+                                                      "_nbytes")))
+        except (AttributeError, RuntimeError):
+            return False
+
+    @classmethod
+    def layout_matches(cls, n: int, k: int) -> bool:
+        key = (n, k)
+        if key not in cls._ok:
+            cls._ok[key] = n % 32 == 0 and k % 2 == 0 and cls._ops_exist() and cls._probe(n, k)
+        return cls._ok[key]
+
+    @staticmethod
+    def _raw(t: torch.Tensor) -> torch.Tensor:
+        nbytes = torch.ops.mkldnn._nbytes(t)
+        buf = (ctypes.c_uint16 * (nbytes // 2)).from_address(torch.ops.mkldnn.data_ptr(t))
+        return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16)
+
+    @classmethod
+    def _probe(cls, n: int, k: int) -> bool:
+        rows, cols = torch.arange(n)[:, None].expand(n, k), torch.arange(k)[None, :].expand(n, k)
+        found = []
+        for v in (rows % 128, rows // 128, cols % 128, cols // 128):
+            t = torch.ops.mkldnn._reorder_linear_weight(v.to(torch.bfloat16).contiguous(), PROBE_BATCH)
+            raw = cls._raw(t)
+            if raw.numel() != n * k:
+                return False
+            found.append(raw.long())
+        pos = torch.arange(n * k)
+        pair, inner, kp, blk = pos % 2, (pos // 2) % 32, (pos // 64) % (k // 2), pos // (64 * (k // 2))
+        return (torch.equal(found[0] + 128 * found[1], blk * 32 + inner)
+                and torch.equal(found[2] + 128 * found[3], kp * 2 + pair))
+
+    @classmethod
+    def scratch(cls, n: int, k: int) -> torch.Tensor | None:
+        """This thread's operand for an [n, k] weight (made at the shape's first use), or None where the layout does
+        not match."""
+        if not cls.layout_matches(n, k):
+            return None
+        mine = cls._local.__dict__.setdefault("operands", {})
+        if (n, k) not in mine:
+            mine[(n, k)] = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k, dtype=torch.bfloat16),
+                                                                   PROBE_BATCH)
+        return mine[(n, k)]
 
 
 def _offset_weights(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:

@@ -155,7 +155,7 @@ class DecoderLayer(ctypes.Structure):
                                                         "max_len")])
 
 
-UNPACK_F32, UNPACK_BF16, UNPACK_I8 = 0, 1, 2   # lrq_int4_unpack_t's forms (cpu_gemv.c)
+UNPACK_F32, UNPACK_BF16, UNPACK_I8, UNPACK_BF16_BLOCKED = 0, 1, 2, 3   # lrq_int4_unpack_t's forms (cpu_gemv.c)
 
 
 def checked(rc: int, what: str) -> None:

@@ -392,9 +392,12 @@ def test_generate_with_an_intermediate_size_not_a_multiple_of_16():
 
 def test_bare_pytest_collects_the_suite():
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    # the bare `pytest` of the environment running this test (its bin/ beside the interpreter; PATH's when there is
+    # none there): a venv used without activating it must not pick another installation's pytest
+    beside = Path(sys.executable).with_name("pytest")
+    bare = str(beside) if beside.exists() else shutil.which("pytest") or "pytest"
     runs = [subprocess.run(cmd + ["--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
-                           text=True, env=env, timeout=600) for cmd in ([shutil.which("pytest") or "pytest"],
-                                                                         [sys.executable, "-m", "pytest"])]
+                           text=True, env=env, timeout=600) for cmd in ([bare], [sys.executable, "-m", "pytest"])]
     counts = []
     for r in runs:
         assert r.returncode == 0 and "error" not in r.stdout.lower().split("collected")[-1], r.stdout[-2000:]

@@ -48,8 +48,10 @@ def test_the_kernels_build_here_with_vector_code():
     kernels would hide a broken build)."""
     assert native.library() is not None, native.status()
     assert native.isa() in native.VECTOR_ISAS
-    products = "int16 VNNI" if {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags() else "float32"
-    assert native.status() == f"lrq native ({native.isa()}; 4-bit bf16 products: {products})"
+    products = {"int16 VNNI" if {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags() else "float32"}
+    if os.environ.get("LRQ_NATIVE_MARCH", "native") != "native":   # built for another target than this CPU
+        products = {"int16 VNNI", "float32"}
+    assert native.status() in {f"lrq native ({native.isa()}; 4-bit bf16 products: {p})" for p in products}
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
@@ -122,6 +124,48 @@ def test_prefill_runs_the_native_dequantization(monkeypatch):
     assert not calls and y.shape == (200, 576) and torch.isfinite(y).all()
     ref = (x.float() @ w.dequantized_t(torch.float32)[:576, :576]).bfloat16()
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n,k,group", [(1536, 576, 128), (576, 1536, None), (224, 576, 64), (96, 100, 32),
+                                       (48, 100, 32)])
+def test_prefill_operand_in_onednns_blocked_layout(n, k, group):
+    """A bf16 prefill call writes its dequantized weight into oneDNN's blocked layout (OneDNNOperand) where this
+    torch's oneDNN lays a weight out as UNPACK_BF16_BLOCKED writes it: the operand then equals oneDNN's own reorder
+    of the plain dequantized weight, every bit (whole 64-feature blocks, a remainder block of 32, padded rows), and
+    the product the plain operand's to the bf16 output's rounding. A shape the layout cannot hold (n_pad not a
+    multiple of 32), or another layout, runs the plain operand."""
+    from lrq.cpu_kernels import OneDNNOperand
+    w = _weights(n, k, group)
+    n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
+    x = torch.randn(40, k_pad, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x[:, k:] = 0                                   # the padded inputs, as mm pads them
+    plain = x @ w.dequantized_t(torch.bfloat16)
+    y = w._blocked_mm(x)
+    if n_pad % 32 or not OneDNNOperand._ops_exist():
+        assert y is None and not OneDNNOperand.layout_matches(n_pad, k_pad)
+    else:
+        assert OneDNNOperand.layout_matches(n_pad, k_pad), "oneDNN's bf16 layout moved: UNPACK_BF16_BLOCKED is stale"
+        mine = OneDNNOperand._raw(OneDNNOperand.scratch(n_pad, k_pad)).view(torch.int16)
+        ref = torch.ops.mkldnn._reorder_linear_weight(w.dequantized_t(torch.bfloat16).t().contiguous(), 64)
+        assert torch.equal(mine, OneDNNOperand._raw(ref).view(torch.int16))
+        assert y.shape == plain.shape and _relative_error(w, x[:, :k].float(), y[:, :n].float()) < 2 ** -8
+    out = w.mm(x[:, :k])
+    assert out.shape == (40, n) and _relative_error(w, x[:, :k].float(), out.float()) < 2 ** -8
+
+
+def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
+    """Two layers of one shape share one operand: each call's product is its own layer's (nothing of the previous
+    layer kept by oneDNN); a layout the probe does not recognise runs the plain operand."""
+    from lrq.cpu_kernels import OneDNNOperand
+    a, b = _weights(576, 576, 128, seed=1), _weights(576, 576, 128, seed=2)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ya, yb, ya2 = a.mm(x), b.mm(x), a.mm(x)
+    assert torch.equal(ya, ya2) and not torch.equal(ya, yb)
+    assert _relative_error(b, x.float(), yb.float()) < 2 ** -8
+    monkeypatch.setattr(OneDNNOperand, "_ok", {})
+    monkeypatch.setattr(OneDNNOperand, "_probe", classmethod(lambda cls, n, k: False))
+    assert a._blocked_mm(x) is None
+    assert _relative_error(a, x.float(), a.mm(x).float()) < 2 ** -8
 
 
 def test_rows_apart_by_their_stride_and_nan_kept():

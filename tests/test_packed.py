@@ -198,7 +198,7 @@ def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme
     calls = []
     for mod, name in ((P, "unpack_planar"), (P, "dequantize"), (B, "_unpack"), (K, "_int4pack"),
                       (K, "_int4pack_source"), (K, "_unpack_int4pack_t"), (K.Int8Weights, "dequantized"),
-                      (K.Int4Weights, "dequantized_t")):
+                      (K.Int4Weights, "dequantized_t"), (K.Int4Weights, "_blocked_mm")):
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=getattr(mod, name), **kw: calls.append(_n) or _f(*a, **kw))
     held = p.storage_bytes()
@@ -207,11 +207,15 @@ def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme
         assert calls == []
         p(torch.randn(2, 70, 576).bfloat16())
     from lrq import native
-    # the 4-bit form's transient operand: lrq.native reads the packing in C, else torch's ops unpack it; W4A8's
+    # the 4-bit form's transient operand: lrq.native writes it into oneDNN's blocked layout (OneDNNOperand) where
+    # that layout is oneDNN's here, else reads the packing into a plain one in C, else torch's ops unpack it; W4A8's
     # prefill reads its levels into a transient int8 weight (in C where lrq.native is built)
     torch_unpacks = ["_unpack_int4pack_t"] if native.library() is None else []
-    transient = {K.Int4Weights: ["dequantized_t"] + torch_unpacks, K.Int4Int8Weights: torch_unpacks,
-                 K.Int8Weights: ["dequantized"]}
+    w = p.cpu_weights
+    blocked = (isinstance(w, K.Int4Weights) and native.library() is not None
+               and K.OneDNNOperand.layout_matches(w.packed.shape[0], w.packed.shape[1] * 2))
+    transient = {K.Int4Weights: ["_blocked_mm"] + ([] if blocked else ["dequantized_t"] + torch_unpacks),
+                 K.Int4Int8Weights: torch_unpacks, K.Int8Weights: ["dequantized"]}
     assert calls == transient.get(type(p.cpu_weights), [])
     assert p.storage_bytes() == held
 

@@ -423,8 +423,30 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
  *     vectorized addcmul), rounded once to bf16 (nearest even) for the latter: the values
  *     lrq.cpu_kernels.Int4Weights.dequantized_t_torch computes, bit for bit; a 4-bit prefill call multiplies by this
  *     transient operand (torch's GEMM, far faster there than its int4 GEMM);
- *   UNPACK_I8: the levels less 8 (int8): W4A8's prefill operand for the int8 GEMM (Int4Int8Weights.mm). */
-enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2 };
+ *   UNPACK_I8: the levels less 8 (int8): W4A8's prefill operand for the int8 GEMM (Int4Int8Weights.mm);
+ *   UNPACK_BF16_BLOCKED: UNPACK_BF16's values, not transposed, in oneDNN's blocked layout for a bf16 inner product
+ *     (what torch.ops.mkldnn._reorder_linear_weight makes of an [n, k] weight for a batch above one, read off by
+ *     lrq.cpu_kernels.OneDNNOperand before it is used): [n_pad / 32][k_pad / 2][32][2], the two values of each pair
+ *     rows k and k + 1 of one feature. A prefill call's GEMM then reads it as the prepacked dense model's does,
+ *     without oneDNN reordering a plain operand first. n_pad must be a multiple of 32. */
+enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2, UNPACK_BF16_BLOCKED = 3 };
+
+/* rows k and k + 1 of `width` features (bf16, t0 and t1) into the blocked layout of features c0.. (c0 % 32 == 0) */
+static void put_blocked(uint16_t *out, const uint16_t *t0, const uint16_t *t1, int c0, int width, int k, int k_pad) {
+  for (int sb = 0; sb < width; sb += 32) {
+    uint16_t *dst = out + (size_t)((c0 + sb) / 32) * 32 * k_pad + (size_t)(k / 2) * 64;
+#if defined(__AVX512BW__)
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    __m512i a = _mm512_loadu_si512(t0 + sb), b = _mm512_loadu_si512(t1 + sb);
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, b));
+#else
+    for (int i = 0; i < 32; i++) { dst[2 * i] = t0[sb + i]; dst[2 * i + 1] = t1[sb + i]; }
+#endif
+  }
+}
 
 static void unpack_row(const uint8_t *r, const float *sg, const float *zg, void *out, size_t row, int half, int form) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -484,9 +506,60 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const float *s = L->s, *zc = L->zc;
   int n_pad = L->n_pad, k_pad = L->k_pad, group = L->group, block = L->block;
   if ((block != 64 && block != 32) || group <= 0 || n_pad % 16 || k_pad % 2 || form < 0 ||
-      form > UNPACK_I8)
+      form > UNPACK_BF16_BLOCKED || (form == UNPACK_BF16_BLOCKED && n_pad % 32))
     return 1;
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
+  if (form == UNPACK_BF16_BLOCKED) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) \
+        if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
+    for (int b = 0; b < units; b++) {
+      const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
+      int c0 = b * block, width = b < nb ? block : rem;
+      uint16_t t[2][64];
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if (b < nb && block == 64 && group % 2 == 0) {   /* in registers: both rows' 64 values a step, the group's scales kept */
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        uint16_t *d0 = (uint16_t *)out + (size_t)(c0 / 32) * 32 * k_pad, *d1 = d0 + (size_t)32 * k_pad;
+        for (int g0 = 0; g0 < k_pad; g0 += group) {
+          const float *sg = s + (size_t)(g0 / group) * n_pad + c0, *zg = zc + (size_t)(g0 / group) * n_pad + c0;
+          __m512 s0 = vload(sg), s1 = vload(sg + 16), s2 = vload(sg + 32), s3 = vload(sg + 48);
+          __m512 z0 = vload(zg), z1 = vload(zg + 16), z2 = vload(zg + 32), z3 = vload(zg + 48);
+          for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k += 2) {   /* group % 2 == 0 */
+            const uint8_t *r = blk + (size_t)k * 32;
+            b16 a0 = bload(r), a1 = bload(r + 16), e0 = bload(r + 32), e1 = bload(r + 48);   /* rows k, k + 1 */
+            __m512i ka = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(a1), s1, z1), vfmav(lo_f(a0), s0, z0));
+            __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(e1), s1, z1), vfmav(lo_f(e0), s0, z0));
+            __m512i ha = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(a1), s3, z3), vfmav(hi_f(a0), s2, z2));
+            __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(e1), s3, z3), vfmav(hi_f(e0), s2, z2));
+            uint16_t *p0 = d0 + (size_t)(k / 2) * 64, *p1 = d1 + (size_t)(k / 2) * 64;
+            _mm512_storeu_si512(p0, _mm512_permutex2var_epi16(ka, lo, kb));
+            _mm512_storeu_si512(p0 + 32, _mm512_permutex2var_epi16(ka, hi, kb));
+            _mm512_storeu_si512(p1, _mm512_permutex2var_epi16(ha, lo, hb));
+            _mm512_storeu_si512(p1 + 32, _mm512_permutex2var_epi16(ha, hi, hb));
+          }
+        }
+        continue;
+      }
+#endif
+      for (int k = 0; k < k_pad; k += 2) {
+        for (int r = 0; r < 2; r++) {
+          const float *sg = s + (size_t)((k + r) / group) * n_pad + c0, *zg = zc + (size_t)((k + r) / group) * n_pad + c0;
+          if (b < nb) {
+            unpack_row(blk + (size_t)(k + r) * half, sg, zg, t[r], 0, half, UNPACK_BF16);
+          } else {
+            for (int j = 0; j < rem; j++) {
+              uint8_t byte = blk[(size_t)(k + r) * (rem / 2) + j / 2], q = (j & 1) ? byte >> 4 : byte & 15;
+              t[r][j] = f32_to_bf16(fmaf((float)q, sg[j], zg[j]));
+            }
+          }
+        }
+        put_blocked(out, t[0], t[1], c0, width, k, k_pad);
+      }
+    }
+    return 0;
+  }
   #pragma omp parallel for num_threads(nthreads) schedule(static) \
       if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
   for (int b = 0; b < units; b++) {
