@@ -304,12 +304,12 @@ class Int4Weights:
         if x.dtype != torch.bfloat16 or lib is None or not x.is_contiguous():
             return None
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
-        operand = OneDNNOperand.scratch(n_pad, k_pad)
-        if operand is None:
+        entry = OneDNNOperand.scratch("bf16", n_pad, k_pad)
+        if entry is None:
             return None
-        native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], torch.ops.mkldnn.data_ptr(operand),
-                                             native.UNPACK_BF16_BLOCKED, torch.get_num_threads()), "int4 unpacking")
-        return torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
+        native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], entry[1], native.UNPACK_BF16_BLOCKED,
+                                             torch.get_num_threads()), "int4 unpacking")
+        return torch.ops.mkldnn._linear_pointwise(x, entry[0], None, "none", [], "")
 
     def offset_levels_t(self) -> torch.Tensor:
         """The levels less 8, transposed (int8 [k_pad, n_pad]): W4A8's transient operand for the int8 GEMM, through
@@ -366,69 +366,103 @@ class Int4Weights:
 
 
 class OneDNNOperand:
-    """A bf16 weight operand in oneDNN's own blocked layout, one per shape and thread, reused by every 4-bit layer of
-    that shape at prefill: lrq.native writes each layer's dequantized weight into it and oneDNN's inner product
-    (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked dense baseline
-    run) reads it as it is. A plain transient operand is reordered by oneDNN on every call instead (on a 2-core Intel
-    Xeon with AMX a 512 x 576 x 1536 GEMM took 842 us from it against 697 from the blocked one). It holds no weight
-    of its own: a buffer of the largest layer shape's size per shape, like an activation buffer.
+    """A weight operand in oneDNN's own blocked layout, one per kind, shape and thread, reused by every layer of that
+    shape at prefill: lrq.native writes each layer's weight into it and oneDNN reads it as it is, as a prepacked
+    weight, instead of reordering a plain transient operand on every call. It holds no weight of its own: a buffer of
+    one layer's size per shape, like an activation buffer. Two kinds:
+
+    * "bf16": a 4-bit layer's dequantized weight (UNPACK_BF16_BLOCKED, [n / 32][k / 2][32][2]) for oneDNN's bf16
+      inner product (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked
+      dense baseline run). On a 2-core Intel Xeon with AMX a 512 x 576 x 1536 GEMM took 842 us from the plain
+      operand against 697 from the blocked one;
+    * "int8": the int8 levels of W8A8 (lrq_int8_blocked) or W4A8 (UNPACK_I8_BLOCKED), [n / 64][k / 4][64][4] and
+      the negated sums of each feature's levels, for oneDNN's quantized inner product
+      (torch.ops.onednn.qlinear_pointwise with unit scales and no zero points: the exact int32 product, returned as
+      float32, exact where it is below 2^24 in size and else rounded once, 6e-8 relative, as the float32
+      corrections after it are). The same GEMM took 631 us there against torch._int_mm's 1,137.
 
     The layout is read off, not assumed: at a shape's first use, four reorders of weights whose values encode their
-    own row and column (integers below 128, exact in bf16) must place every value where UNPACK_BF16_BLOCKED writes it,
-    [n / 32][k / 2][32][2]; a torch or oneDNN that lays it out otherwise (or lacks the ops) gets None, and the
-    caller its plain operand."""
-    _ok: dict[tuple[int, int], bool] = {}
+    own row and column (integers below 128, exact in bf16 and int8) must place every value where lrq.native writes
+    it (and, for int8, a weight's compensation must be its negated row sums); a torch or oneDNN that lays it out
+    otherwise (or lacks the ops) gets None, and the caller its plain operand."""
+    _ok: dict[tuple[str, int, int], bool] = {}
     _local = threading.local()
 
     @staticmethod
-    def _ops_exist() -> bool:
-        ops = torch.ops.mkldnn
+    def _ops_exist(kind: str) -> bool:
         try:
-            return (torch.backends.mkldnn.is_available() and ops._is_mkldnn_bf16_supported()
-                    and all(hasattr(ops, f) for f in ("_reorder_linear_weight", "_linear_pointwise", "data_ptr",
-                                                      "_nbytes")))
+            mk = torch.ops.mkldnn
+            if not (torch.backends.mkldnn.is_available() and hasattr(mk, "data_ptr") and hasattr(mk, "_nbytes")):
+                return False
+            if kind == "bf16":
+                return (mk._is_mkldnn_bf16_supported() and hasattr(mk, "_reorder_linear_weight")
+                        and hasattr(mk, "_linear_pointwise"))
+            return (hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")
+                    and int_mm_ok())   # oneDNN's int8 products exact here (VNNI/AMX; not AVX2's int16 sums)
         except (AttributeError, RuntimeError):
             return False
 
+    @staticmethod
+    def _make(kind: str, w: torch.Tensor) -> torch.Tensor:
+        """oneDNN's own reorder of a plain [n, k] weight (bf16 or int8)."""
+        if kind == "bf16":
+            return torch.ops.mkldnn._reorder_linear_weight(w, PROBE_BATCH)
+        return torch.ops.onednn.qlinear_prepack(w, [PROBE_BATCH, w.shape[1]])
+
     @classmethod
-    def layout_matches(cls, n: int, k: int) -> bool:
-        key = (n, k)
+    def layout_matches(cls, kind: str, n: int, k: int) -> bool:
+        key = (kind, n, k)
         if key not in cls._ok:
-            cls._ok[key] = n % 32 == 0 and k % 2 == 0 and cls._ops_exist() and cls._probe(n, k)
+            shape_ok = n % 32 == 0 and k % 2 == 0 if kind == "bf16" else n % 64 == 0 and k % 4 == 0
+            cls._ok[key] = shape_ok and cls._ops_exist(kind) and cls._probe(kind, n, k)
         return cls._ok[key]
 
     @staticmethod
-    def _raw(t: torch.Tensor) -> torch.Tensor:
+    def _raw(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         nbytes = torch.ops.mkldnn._nbytes(t)
-        buf = (ctypes.c_uint16 * (nbytes // 2)).from_address(torch.ops.mkldnn.data_ptr(t))
-        return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16)
+        buf = (ctypes.c_uint8 * nbytes).from_address(torch.ops.mkldnn.data_ptr(t))
+        return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype)
 
     @classmethod
-    def _probe(cls, n: int, k: int) -> bool:
+    def _probe(cls, kind: str, n: int, k: int) -> bool:
+        dtype = torch.bfloat16 if kind == "bf16" else torch.int8
         rows, cols = torch.arange(n)[:, None].expand(n, k), torch.arange(k)[None, :].expand(n, k)
         found = []
         for v in (rows % 128, rows // 128, cols % 128, cols // 128):
-            t = torch.ops.mkldnn._reorder_linear_weight(v.to(torch.bfloat16).contiguous(), PROBE_BATCH)
-            raw = cls._raw(t)
-            if raw.numel() != n * k:
+            raw = cls._raw(cls._make(kind, v.to(dtype).contiguous()), dtype)
+            if raw.numel() != n * k + (0 if kind == "bf16" else 4 * n):
                 return False
-            found.append(raw.long())
+            found.append(raw[:n * k].long())
         pos = torch.arange(n * k)
-        pair, inner, kp, blk = pos % 2, (pos // 2) % 32, (pos // 64) % (k // 2), pos // (64 * (k // 2))
-        return (torch.equal(found[0] + 128 * found[1], blk * 32 + inner)
-                and torch.equal(found[2] + 128 * found[3], kp * 2 + pair))
+        nb, kb = (32, 2) if kind == "bf16" else (64, 4)
+        inner, feat, kq, blk = pos % kb, (pos // kb) % nb, (pos // (kb * nb)) % (k // kb), pos // (nb * k)
+        if not (torch.equal(found[0] + 128 * found[1], blk * nb + feat)
+                and torch.equal(found[2] + 128 * found[3], kq * kb + inner)):
+            return False
+        if kind == "int8":   # the compensation after the levels: each feature's negated sum
+            w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+            tail = cls._raw(cls._make(kind, w), torch.uint8)[n * k:].view(torch.int32)
+            return torch.equal(tail, -w.sum(dim=1, dtype=torch.int32))
+        return True
 
     @classmethod
-    def scratch(cls, n: int, k: int) -> torch.Tensor | None:
-        """This thread's operand for an [n, k] weight (made at the shape's first use), or None where the layout does
-        not match."""
-        if not cls.layout_matches(n, k):
+    def scratch(cls, kind: str, n: int, k: int) -> tuple | None:
+        """This thread's (operand, its data address) for an [n, k] weight of `kind` (made at the shape's first
+        use), or None where the layout does not match."""
+        if not cls.layout_matches(kind, n, k):
             return None
         mine = cls._local.__dict__.setdefault("operands", {})
-        if (n, k) not in mine:
-            mine[(n, k)] = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k, dtype=torch.bfloat16),
-                                                                   PROBE_BATCH)
-        return mine[(n, k)]
+        if (kind, n, k) not in mine:
+            t = cls._make(kind, torch.zeros(n, k, dtype=torch.bfloat16 if kind == "bf16" else torch.int8))
+            mine[(kind, n, k)] = (t, torch.ops.mkldnn.data_ptr(t), torch.ones(n), torch.zeros(n, dtype=torch.long))
+        return mine[(kind, n, k)]
+
+    @staticmethod
+    def int8_product(xa: torch.Tensor, entry: tuple) -> torch.Tensor:
+        """xa (int8 [m, k], contiguous) times the int8 operand `entry` (scratch's): the int32 product as float32."""
+        op, _, ones, zeros = entry
+        return torch.ops.onednn.qlinear_pointwise(xa, 1.0, 0, op, ones, zeros, None, 1.0, 0, torch.float32, "none",
+                                                  [], "")
 
 
 def _offset_weights(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
@@ -490,7 +524,8 @@ class Int8Weights:
 def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
                     col_term: torch.Tensor, zero_term: torch.Tensor, scale: torch.Tensor,
                     asymmetric: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float32 output of an int8 x int8 -> int32 GEMM acc = xa @ wa (wa = q - offset):
+    """The float32 output of an int8 x int8 -> int32 GEMM acc = xa @ wa (wa = q - offset; or its float32 value, as
+    oneDNN's quantized inner product returns it: OneDNNOperand):
     sum_k (xq - az)(q - z) = sum xa*wa + (offset - z) sum xa - (az - 128) (sum wa + k (offset - z)).
     The GEMM is exact in int32; the two corrections are added in float32 (one rounding each, relative 6e-8) and
     the scales multiplied: four operations after the GEMM (rowsum = sum xa per row, float32 [m, 1], is computed
@@ -501,13 +536,14 @@ def _int8_corrected(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch.Tenso
     lib = native.library()
     m, n = acc.shape
     xz, xs = (torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in (x_zero, x_scale))
-    if (lib is not None and acc.dtype == torch.int32 and acc.stride(-1) == 1 and acc.device.type == "cpu"
+    if (lib is not None and acc.dtype in (torch.int32, torch.float32) and acc.stride(-1) == 1 and acc.device.type == "cpu"
             and out_dtype in (torch.float32, torch.bfloat16) and xz.numel() in (1, m) and xs.numel() in (1, m)):
         xz, xs, rs = xz.contiguous(), xs.contiguous(), rowsum.reshape(-1).float().contiguous()
         y = torch.empty(m, n, dtype=out_dtype)
         lib.lrq_int8_correct(acc.data_ptr(), acc.stride(0), m, n, rs.data_ptr(), xz.data_ptr(), xz.numel() > 1,
                              xs.data_ptr(), xs.numel() > 1, col_term.data_ptr(), zero_term.data_ptr(), asymmetric,
-                             scale.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+                             scale.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads(),
+                             acc.dtype == torch.float32)
         return y
     return _int8_corrected_torch(acc, rowsum, x_zero, x_scale, col_term, zero_term, scale, asymmetric)
 
@@ -611,8 +647,20 @@ class Int8GemmWeights:
         if xa.shape[0] <= NATIVE_INT8_MAX_M and xa.stride(-1) == 1 and native.library() is not None:
             return self.native_mm(xa, x_zero, x_scale)
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
-        return _int8_corrected(_int_mm(xa, self.weight.t()), rowsum, x_zero, x_scale, self.col_term,
+        return _int8_corrected(self._product(xa), rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric, out_dtype)
+
+    def _product(self, xa: torch.Tensor) -> torch.Tensor:
+        """xa @ weight.t(), exact: through oneDNN's quantized inner product on the levels written into its blocked
+        layout (OneDNNOperand "int8", float32 out) where it runs here, else torch._int_mm (int32)."""
+        lib = native.library()
+        n, k = self.weight.shape
+        entry = OneDNNOperand.scratch("int8", n, k) if lib is not None and xa.is_contiguous() else None
+        if entry is None:
+            return _int_mm(xa, self.weight.t())
+        native.checked(lib.lrq_int8_blocked(self.weight.data_ptr(), self.wsum.data_ptr(), n, k, entry[1],
+                                            torch.get_num_threads()), "int8 blocking")
+        return OneDNNOperand.int8_product(xa, entry)
 
     def native_mm(self, xa: torch.Tensor, x_zero, x_scale) -> torch.Tensor:
         """mm through lrq's own int8 kernel (lrq.native): float32 [m, n]."""
@@ -679,8 +727,17 @@ class Int4Int8Weights:
         """The int8 GEMM path, arguments as Int8GemmWeights.mm: the levels as a transient int8 weight."""
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
-        n_pad = w.packed.shape[0]
-        acc = _int_mm(xa, w.offset_levels_t()[:w.k])
+        n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
+        lib = native.library()
+        entry = (OneDNNOperand.scratch("int8", n_pad, k_pad) if lib is not None and w.decodable
+                 and w.block == 64 else None)
+        if entry is not None:   # the levels less 8 written into oneDNN's blocked int8 layout, its GEMM
+            native.checked(lib.lrq_int4_unpack_t(w._native_layer()[1], entry[1], native.UNPACK_I8_BLOCKED,
+                                                 torch.get_num_threads()), "int4 unpacking")
+            xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))
+            acc = OneDNNOperand.int8_product(xp.contiguous(), entry)
+        else:
+            acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric, out_dtype)
 

@@ -114,7 +114,9 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_int8_activations.restype = None
     lib.lrq_int8_activations_vectorized.argtypes = []
     lib.lrq_int8_activations_vectorized.restype = i
-    lib.lrq_int8_correct.argtypes = [p, lg, i, i, p, p, i, p, i, p, p, i, p, p, i, i]
+    lib.lrq_int8_correct.argtypes = [p, lg, i, i, p, p, i, p, i, p, p, i, p, p, i, i, i]
+    lib.lrq_int8_blocked.argtypes = [p, p, i, i, p, i]
+    lib.lrq_int8_blocked.restype = i
     lib.lrq_int8_correct.restype = None
     lib.lrq_dense_gemv.argtypes = [p, p, p, i, i, i, i]
     lib.lrq_dense_gemv.restype = i
@@ -155,7 +157,8 @@ class DecoderLayer(ctypes.Structure):
                                                         "max_len")])
 
 
-UNPACK_F32, UNPACK_BF16, UNPACK_I8, UNPACK_BF16_BLOCKED = 0, 1, 2, 3   # lrq_int4_unpack_t's forms (cpu_gemv.c)
+UNPACK_F32, UNPACK_BF16, UNPACK_I8, UNPACK_BF16_BLOCKED, UNPACK_I8_BLOCKED = 0, 1, 2, 3, 4   # lrq_int4_unpack_t's
+#                                                                                       forms (cpu_gemv.c)
 
 
 def checked(rc: int, what: str) -> None:

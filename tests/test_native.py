@@ -141,11 +141,11 @@ def test_prefill_operand_in_onednns_blocked_layout(n, k, group):
     x[:, k:] = 0                                   # the padded inputs, as mm pads them
     plain = x @ w.dequantized_t(torch.bfloat16)
     y = w._blocked_mm(x)
-    if n_pad % 32 or not OneDNNOperand._ops_exist():
-        assert y is None and not OneDNNOperand.layout_matches(n_pad, k_pad)
+    if n_pad % 32 or not OneDNNOperand._ops_exist("bf16"):
+        assert y is None and not OneDNNOperand.layout_matches("bf16", n_pad, k_pad)
     else:
-        assert OneDNNOperand.layout_matches(n_pad, k_pad), "oneDNN's bf16 layout moved: UNPACK_BF16_BLOCKED is stale"
-        mine = OneDNNOperand._raw(OneDNNOperand.scratch(n_pad, k_pad)).view(torch.int16)
+        assert OneDNNOperand.layout_matches("bf16", n_pad, k_pad), "oneDNN's layout moved: UNPACK_BF16_BLOCKED is stale"
+        mine = OneDNNOperand._raw(OneDNNOperand.scratch("bf16", n_pad, k_pad)[0]).view(torch.int16)
         ref = torch.ops.mkldnn._reorder_linear_weight(w.dequantized_t(torch.bfloat16).t().contiguous(), 64)
         assert torch.equal(mine, OneDNNOperand._raw(ref).view(torch.int16))
         assert y.shape == plain.shape and _relative_error(w, x[:, :k].float(), y[:, :n].float()) < 2 ** -8
@@ -163,9 +163,48 @@ def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
     assert torch.equal(ya, ya2) and not torch.equal(ya, yb)
     assert _relative_error(b, x.float(), yb.float()) < 2 ** -8
     monkeypatch.setattr(OneDNNOperand, "_ok", {})
-    monkeypatch.setattr(OneDNNOperand, "_probe", classmethod(lambda cls, n, k: False))
+    monkeypatch.setattr(OneDNNOperand, "_probe", classmethod(lambda cls, kind, n, k: False))
     assert a._blocked_mm(x) is None
     assert _relative_error(a, x.float(), a.mm(x).float()) < 2 ** -8
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (192, 576), (576, 1536), (48, 100)])
+def test_int8_prefill_operands_in_onednns_blocked_layout(n, k):
+    """W8A8's and W4A8's prefill products through oneDNN's quantized inner product: the int8 operand lrq.native
+    writes (lrq_int8_blocked from W8A8's levels, UNPACK_I8_BLOCKED from W4A8's 4-bit packing) equals
+    torch.ops.onednn.qlinear_prepack's of the plain levels, every byte and the compensation after them, and the
+    product is the exact integer one (as float32); shapes the layout cannot hold, or CPUs whose oneDNN int8
+    products are not exact, run torch._int_mm."""
+    from lrq.cpu_kernels import Int4Int8Weights, OneDNNOperand
+    g = torch.Generator().manual_seed(n + k)
+    q8 = torch.randint(0, 256, (n, k), generator=g)
+    w8 = Int8GemmWeights.build(q8, torch.rand(n, 1, generator=g) + 0.01, torch.randint(0, 256, (n, 1), generator=g).float(), 8)
+    q4 = torch.randint(0, 16, (n, k), generator=g)
+    w4 = Int4Int8Weights.build(q4, torch.rand(n, 1, generator=g) + 0.01, torch.randint(0, 16, (n, 1), generator=g).float())
+    xa = torch.randint(-128, 128, (70, k), dtype=torch.int8, generator=g)
+    exact8 = (xa.long() @ w8.weight.long().t()).float()
+    assert torch.equal(w8._product(xa).float(), exact8)
+    runs = not (n % 64 or k % 4) and OneDNNOperand._ops_exist("int8")
+    assert OneDNNOperand.layout_matches("int8", n, k) == runs
+    if runs:
+        assert w8._product(xa).dtype == torch.float32       # oneDNN's product, not torch._int_mm's int32
+        entry = OneDNNOperand.scratch("int8", n, k)
+        mine = OneDNNOperand._raw(entry[0], torch.uint8)
+        assert torch.equal(mine, OneDNNOperand._raw(OneDNNOperand._make("int8", w8.weight), torch.uint8))
+        w4i = w4.int4
+        n_pad, k_pad = w4i.packed.shape[0], w4i.packed.shape[1] * 2
+        levels = (w4i.levels().to(torch.int16) - 8).to(torch.int8)
+        plain = torch.zeros(n_pad, k_pad, dtype=torch.int8)
+        plain[:n, :k] = levels
+        out = OneDNNOperand.scratch("int8", n_pad, k_pad)
+        assert native.library().lrq_int4_unpack_t(w4i._native_layer()[1], out[1], native.UNPACK_I8_BLOCKED, 2) == 0
+        assert torch.equal(OneDNNOperand._raw(out[0], torch.uint8),
+                           OneDNNOperand._raw(OneDNNOperand._make("int8", plain), torch.uint8))
+    # W4A8's prefill result equals the int32 path's, corrections and all
+    xz, xs = torch.full((70, 1), 3.0), torch.rand(70, 1, generator=g) + 0.1
+    ref = _int8_corrected_torch((xa.long() @ (q4 - 8).t()).int(), xa.sum(1, keepdim=True, dtype=torch.float32), xz,
+                                xs, w4.col_term, w4.zero_term, w4.scale, w4.asymmetric)
+    assert torch.equal(w4.mm(xa, xz, xs), ref)
 
 
 def test_rows_apart_by_their_stride_and_nan_kept():

@@ -213,7 +213,7 @@ def test_no_format_unpacks_or_dequantizes_per_call_at_decode(monkeypatch, scheme
     torch_unpacks = ["_unpack_int4pack_t"] if native.library() is None else []
     w = p.cpu_weights
     blocked = (isinstance(w, K.Int4Weights) and native.library() is not None
-               and K.OneDNNOperand.layout_matches(w.packed.shape[0], w.packed.shape[1] * 2))
+               and K.OneDNNOperand.layout_matches("bf16", w.packed.shape[0], w.packed.shape[1] * 2))
     transient = {K.Int4Weights: ["_blocked_mm"] + ([] if blocked else ["dequantized_t"] + torch_unpacks),
                  K.Int4Int8Weights: torch_unpacks, K.Int8Weights: ["dequantized"]}
     assert calls == transient.get(type(p.cpu_weights), [])

@@ -428,8 +428,13 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
  *     (what torch.ops.mkldnn._reorder_linear_weight makes of an [n, k] weight for a batch above one, read off by
  *     lrq.cpu_kernels.OneDNNOperand before it is used): [n_pad / 32][k_pad / 2][32][2], the two values of each pair
  *     rows k and k + 1 of one feature. A prefill call's GEMM then reads it as the prepacked dense model's does,
- *     without oneDNN reordering a plain operand first. n_pad must be a multiple of 32. */
-enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2, UNPACK_BF16_BLOCKED = 3 };
+ *     without oneDNN reordering a plain operand first. n_pad must be a multiple of 32.
+ *   UNPACK_I8_BLOCKED: UNPACK_I8's levels in oneDNN's blocked int8 layout for its quantized inner product (what
+ *     torch.ops.onednn.qlinear_prepack makes of an [n, k] int8 weight; lrq.cpu_kernels.OneDNNOperand checks it):
+ *     [n_pad / 64][k_pad / 4][64][4] bytes, the four of a feature rows 4i..4i+3, then int32 [n_pad] the negated
+ *     sums of each feature's levels (oneDNN's compensation for its u8 x s8 products); n_pad a multiple of 64 and
+ *     k_pad of 4. */
+enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2, UNPACK_BF16_BLOCKED = 3, UNPACK_I8_BLOCKED = 4 };
 
 /* rows k and k + 1 of `width` features (bf16, t0 and t1) into the blocked layout of features c0.. (c0 % 32 == 0) */
 static void put_blocked(uint16_t *out, const uint16_t *t0, const uint16_t *t1, int c0, int width, int k, int k_pad) {
@@ -506,9 +511,65 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const float *s = L->s, *zc = L->zc;
   int n_pad = L->n_pad, k_pad = L->k_pad, group = L->group, block = L->block;
   if ((block != 64 && block != 32) || group <= 0 || n_pad % 16 || k_pad % 2 || form < 0 ||
-      form > UNPACK_BF16_BLOCKED || (form == UNPACK_BF16_BLOCKED && n_pad % 32))
+      form > UNPACK_I8_BLOCKED || (form == UNPACK_BF16_BLOCKED && n_pad % 32) ||
+      (form == UNPACK_I8_BLOCKED && (n_pad % 64 || k_pad % 4 || block != 64)))
     return 1;
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
+  if (form == UNPACK_I8_BLOCKED) {
+    int32_t *comp = (int32_t *)((int8_t *)out + (size_t)n_pad * k_pad);
+    #pragma omp parallel for num_threads(nthreads) schedule(static) \
+        if (nthreads > 1 && nb > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
+    for (int b = 0; b < nb; b++) {
+      const uint8_t *blk = packed + (size_t)b * 64 * k_pad / 2;
+      int8_t *dst = (int8_t *)out + (size_t)b * 64 * k_pad;
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+      /* four rows a step: lane bytes [row k, k+1, k+2, k+3] of one feature, features 0-15, 16-31 (low nibbles) and
+       * 32-47, 48-63 (high), the levels less 8; their sums by vpdpbusd with ones */
+      __m512i idx0, idx1;
+      {
+        uint8_t a0[64], a1[64];
+        for (int f = 0; f < 16; f++)
+          for (int e = 0; e < 4; e++) {
+            a0[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f);
+            a1[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f + 16);
+          }
+        idx0 = _mm512_loadu_si512(a0); idx1 = _mm512_loadu_si512(a1);
+      }
+      const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
+      __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+      for (int k = 0; k < k_pad; k += 4) {
+        __m512i A = _mm512_loadu_si512(blk + (size_t)k * 32), B = _mm512_loadu_si512(blk + (size_t)k * 32 + 64);
+        __m512i LA = _mm512_and_si512(A, low), LB = _mm512_and_si512(B, low);
+        __m512i HA = _mm512_and_si512(_mm512_srli_epi16(A, 4), low), HB = _mm512_and_si512(_mm512_srli_epi16(B, 4), low);
+        __m512i v0 = _mm512_sub_epi8(_mm512_permutex2var_epi8(LA, idx0, LB), eight);
+        __m512i v1 = _mm512_sub_epi8(_mm512_permutex2var_epi8(LA, idx1, LB), eight);
+        __m512i v2 = _mm512_sub_epi8(_mm512_permutex2var_epi8(HA, idx0, HB), eight);
+        __m512i v3 = _mm512_sub_epi8(_mm512_permutex2var_epi8(HA, idx1, HB), eight);
+        int8_t *d = dst + (size_t)(k / 4) * 256;
+        _mm512_storeu_si512(d, v0); _mm512_storeu_si512(d + 64, v1);
+        _mm512_storeu_si512(d + 128, v2); _mm512_storeu_si512(d + 192, v3);
+        s0 = _mm512_dpbusd_epi32(s0, ones, v0); s1 = _mm512_dpbusd_epi32(s1, ones, v1);
+        s2 = _mm512_dpbusd_epi32(s2, ones, v2); s3 = _mm512_dpbusd_epi32(s3, ones, v3);
+      }
+      int32_t *c = comp + (size_t)b * 64;
+      const __m512i zero = _mm512_setzero_si512();
+      _mm512_storeu_si512(c, _mm512_sub_epi32(zero, s0)); _mm512_storeu_si512(c + 16, _mm512_sub_epi32(zero, s1));
+      _mm512_storeu_si512(c + 32, _mm512_sub_epi32(zero, s2)); _mm512_storeu_si512(c + 48, _mm512_sub_epi32(zero, s3));
+#else
+      for (int f = 0; f < 64; f++) {
+        int32_t sum = 0;
+        for (int k = 0; k < k_pad; k++) {
+          uint8_t byte = blk[(size_t)k * 32 + f % 32];
+          int8_t v = (int8_t)((f < 32 ? byte & 15 : byte >> 4) - 8);
+          dst[(size_t)(k / 4) * 256 + f * 4 + k % 4] = v;
+          sum += v;
+        }
+        comp[(size_t)b * 64 + f] = -sum;
+      }
+#endif
+    }
+    return 0;
+  }
   if (form == UNPACK_BF16_BLOCKED) {
     #pragma omp parallel for num_threads(nthreads) schedule(static) \
         if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
@@ -946,22 +1007,51 @@ int lrq_int8_activations_vectorized(void) {
 #endif
 }
 
+/* int8_blocked: W8A8's int8 weight w [n, k] (levels less the offset) in oneDNN's blocked int8 layout, as
+ * UNPACK_I8_BLOCKED writes a 4-bit one: [n / 64][k / 4][64][4] bytes, then int32 [n] = -wsum (n % 64 == 0,
+ * k % 4 == 0). Each 64-byte piece holds 16 features' 4 bytes: one gather of 16 int32 from 16 rows. */
+int lrq_int8_blocked(const int8_t *w, const int32_t *wsum, int n, int k, int8_t *out, int nthreads) {
+  if (n % 64 || k % 4 || n < 1 || k < 1) return 1;
+  int nb = n / 64, kq = k / 4;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nb > 1 && (size_t)n * k >= PARALLEL_FROM)
+  for (int b = 0; b < nb; b++)
+    for (int g = 0; g < 64; g += 16) {
+      const int8_t *src = w + (size_t)(b * 64 + g) * k;
+#if defined(__AVX512F__)
+      const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(kq));
+      for (int q = 0; q < kq; q++)
+        _mm512_storeu_si512(out + ((size_t)b * kq + q) * 256 + g * 4,
+                            _mm512_i32gather_epi32(rows, (const void *)(src + (size_t)q * 4), 4));
+#else
+      for (int q = 0; q < kq; q++)
+        for (int f = 0; f < 16; f++) memcpy(out + ((size_t)b * kq + q) * 256 + (g + f) * 4, src + (size_t)f * k + q * 4, 4);
+#endif
+    }
+  int32_t *comp = (int32_t *)(out + (size_t)n * k);
+  for (int j = 0; j < n; j++) comp[j] = -wsum[j];
+  return 0;
+}
+
 /* int8_correct: lrq.cpu_kernels._int8_corrected over a prefill call's int32 product acc [m, n] (rows acc_stride
- * apart), in its order of float32 operations, y = ((acc - x_zero col_term) + rowsum zero_term) x_scale scale, written
- * as float32 or rounded once to bf16 (what the float32 result's cast gives): one pass instead of five. */
-void lrq_int8_correct(const int32_t *acc, long acc_stride, int m, int n, const float *rowsum, const float *x_zero,
+ * apart; or its float32 value, acc_f32, as oneDNN's quantized inner product returns it), in its order of float32
+ * operations, y = ((acc - x_zero col_term) + rowsum zero_term) x_scale scale, written as float32 or rounded once to
+ * bf16 (what the float32 result's cast gives): one pass instead of five. */
+void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const float *rowsum, const float *x_zero,
                       int zero_per_row, const float *x_scale, int scale_per_row, const float *col_term,
-                      const float *zero_term, int asymmetric, const float *scale, void *y, int y_bf16, int nthreads) {
+                      const float *zero_term, int asymmetric, const float *scale, void *y, int y_bf16, int nthreads,
+                      int acc_f32) {
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)m * n >= PARALLEL_FROM)
   for (int t = 0; t < m; t++) {
-    const int32_t *a = acc + (size_t)t * acc_stride;
+    const int32_t *a = (const int32_t *)acc_any + (size_t)t * acc_stride;
+    const float *af = (const float *)acc_any + (size_t)t * acc_stride;
     float xz = x_zero[zero_per_row ? t : 0], xsc = x_scale[scale_per_row ? t : 0], rs = rowsum[t];
 #ifdef ROWS_AVX512
     const __m512 vxz = _mm512_set1_ps(xz), vxsc = _mm512_set1_ps(xsc), vrs = _mm512_set1_ps(rs);
     for (int j = 0; j < n; j += 16) {
       __mmask16 m = tail16(n - j);
-      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j)),
-                               _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)));
+      __m512 av = acc_f32 ? _mm512_maskz_loadu_ps(m, af + j) : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j));
+      __m512 v = _mm512_sub_ps(av, _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)));
       if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, _mm512_maskz_loadu_ps(m, zero_term + j)));
       v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), _mm512_maskz_loadu_ps(m, scale + j));
       if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (size_t)t * n + j, m, bf16_round16(v));
@@ -970,7 +1060,7 @@ void lrq_int8_correct(const int32_t *acc, long acc_stride, int m, int n, const f
     continue;
 #endif
     for (int j = 0; j < n; j++) {
-      float v = (float)a[j] - xz * col_term[j];
+      float v = (acc_f32 ? af[j] : (float)a[j]) - xz * col_term[j];
       if (asymmetric) v += rs * zero_term[j];
       store_any(y, y_bf16, (size_t)t * n + j, v * xsc * scale[j]);
     }
