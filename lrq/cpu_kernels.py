@@ -12,11 +12,12 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
   int8 through `_weight_int8pack_mm`, one call per group (one in all per channel); the zero points add
   rowsum(x) * (2^(b-1) - z) * s.
 * `Int4Int8Weights` (W4A8 with integer activations, per channel): an Int4Weights; at decode the dequantized
-  activations through the int4 kernel, at prefill its levels as a transient int8 weight through torch._int_mm
-  (see the class).
+  activations through the int4 kernel, at prefill its levels as a transient int8 weight through oneDNN's quantized
+  inner product (OneDNNOperand) or torch._int_mm (see the class).
 * `Int8GemmWeights` (W8A8, more than 4 bits with integer activations, per channel): q - 2^(b-1) as int8,
-  multiplied with the activation levels by torch._int_mm (int8 x int8 -> int32); the zero points are corrected
-  in float32 after it.
+  multiplied with the activation levels exactly (oneDNN's quantized inner product on a blocked copy of the levels
+  made per call, OneDNNOperand, or torch._int_mm: int8 x int8 -> int32); the zero points are corrected in float32
+  after it.
 
 torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
 scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
@@ -369,7 +370,9 @@ class OneDNNOperand:
     """A weight operand in oneDNN's own blocked layout, one per kind, shape and thread, reused by every layer of that
     shape at prefill: lrq.native writes each layer's weight into it and oneDNN reads it as it is, as a prepacked
     weight, instead of reordering a plain transient operand on every call. It holds no weight of its own: a buffer of
-    one layer's size per shape, like an activation buffer. Two kinds:
+    one layer's size per shape, like an activation buffer, kept for the process once made (SmolLM2-135M's four
+    shapes: 5.3 MB in bf16 and 2.7 MB in int8; a 7B model's largest bf16 shape alone is 86 MB, the size of the
+    transient operand it replaces). Two kinds:
 
     * "bf16": a 4-bit layer's dequantized weight (UNPACK_BF16_BLOCKED, [n / 32][k / 2][32][2]) for oneDNN's bf16
       inner product (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked
@@ -704,8 +707,9 @@ class Int4Int8Weights:
     * decode (fewer than DEQUANTIZE_FROM_M tokens; every call in float32): the activations on their grid,
       dequantized in the model's dtype (the fake-quant path's own values), through the 4-bit form (torch's int4
       kernel in bf16): a decode step reads half the bytes of an int8 weight;
-    * prefill: the levels read out of the int4 packing as int8 (q - 8) into a transient [k, n], the exact int32
-      GEMM torch._int_mm and Int8GemmWeights' corrections (the transient dropped after the call)."""
+    * prefill: the levels read out of the int4 packing as int8 (q - 8) into oneDNN's blocked int8 layout
+      (OneDNNOperand, one reused buffer per shape) for its quantized inner product, or where that does not run
+      into a transient [k, n] for torch._int_mm; the exact integer product, then Int8GemmWeights' corrections."""
     int4: Int4Weights
     zero_term: torch.Tensor    # float32 [n]: 8 - z
     col_term: torch.Tensor     # float32 [n]: sum_k (q - 8) + k (8 - z)
