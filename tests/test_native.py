@@ -126,31 +126,70 @@ def test_prefill_runs_the_native_dequantization(monkeypatch):
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
 
 
+def _blocked(plain: torch.Tensor, nb: int, kb: int) -> torch.Tensor:
+    """A plain [n, k] weight in oneDNN's blocked order [n / nb][k / kb][nb][kb], flattened (the tests' reference)."""
+    n, k = plain.shape
+    return plain.reshape(n // nb, nb, k // kb, kb).permute(0, 2, 1, 3).reshape(-1)
+
+
 @pytest.mark.parametrize("n,k,group", [(1536, 576, 128), (576, 1536, None), (224, 576, 64), (96, 100, 32),
                                        (48, 100, 32)])
 def test_prefill_operand_in_onednns_blocked_layout(n, k, group):
-    """A bf16 prefill call writes its dequantized weight into oneDNN's blocked layout (OneDNNOperand) where this
-    torch's oneDNN lays a weight out as UNPACK_BF16_BLOCKED writes it: the operand then equals oneDNN's own reorder
-    of the plain dequantized weight, every bit (whole 64-feature blocks, a remainder block of 32, padded rows), and
-    the product the plain operand's to the bf16 output's rounding. A shape the layout cannot hold (n_pad not a
-    multiple of 32), or another layout, runs the plain operand."""
+    """A bf16 prefill call writes its dequantized weight in oneDNN's blocked layout (OneDNNOperand): what lrq.native
+    writes (UNPACK_BF16_BLOCKED) is the plain dequantized weight in [n / 32][k / 2][32][2] order, every bit (whole
+    64-feature blocks, a remainder block of 32, padded rows), on any CPU; where this oneDNN lays weights out so
+    (the probe says), it is also oneDNN's own reorder of that weight, and the product is the plain operand's to the
+    bf16 output's rounding; where not (another layout, n_pad not a multiple of 32), the plain operand runs."""
     from lrq.cpu_kernels import OneDNNOperand
     w = _weights(n, k, group)
     n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
+    plain = w.dequantized_t(torch.bfloat16).t().contiguous()          # [n_pad, k_pad]
+    if n_pad % 32 == 0:
+        out = torch.empty(n_pad * k_pad, dtype=torch.bfloat16)
+        assert native.library().lrq_int4_unpack_t(w._native_layer()[1], out.data_ptr(), native.UNPACK_BF16_BLOCKED,
+                                                  2) == 0
+        assert torch.equal(out.view(torch.int16), _blocked(plain, 32, 2).view(torch.int16))
     x = torch.randn(40, k_pad, generator=torch.Generator().manual_seed(5)).bfloat16()
     x[:, k:] = 0                                   # the padded inputs, as mm pads them
-    plain = x @ w.dequantized_t(torch.bfloat16)
     y = w._blocked_mm(x)
-    if n_pad % 32 or not OneDNNOperand._ops_exist("bf16"):
-        assert y is None and not OneDNNOperand.layout_matches("bf16", n_pad, k_pad)
-    else:
-        assert OneDNNOperand.layout_matches("bf16", n_pad, k_pad), "oneDNN's layout moved: UNPACK_BF16_BLOCKED is stale"
+    if OneDNNOperand.layout_matches("bf16", n_pad, k_pad):
         mine = OneDNNOperand._raw(OneDNNOperand.scratch("bf16", n_pad, k_pad)[0]).view(torch.int16)
-        ref = torch.ops.mkldnn._reorder_linear_weight(w.dequantized_t(torch.bfloat16).t().contiguous(), 64)
-        assert torch.equal(mine, OneDNNOperand._raw(ref).view(torch.int16))
-        assert y.shape == plain.shape and _relative_error(w, x[:, :k].float(), y[:, :n].float()) < 2 ** -8
+        assert torch.equal(mine, OneDNNOperand._raw(OneDNNOperand._make("bf16", plain)).view(torch.int16))
+        assert y.shape == (40, n_pad) and _relative_error(w, x[:, :k].float(), y[:, :n].float()) < 2 ** -8
+    else:
+        assert y is None
     out = w.mm(x[:, :k])
     assert out.shape == (40, n) and _relative_error(w, x[:, :k].float(), out.float()) < 2 ** -8
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_the_layout_probe_accepts_our_layout_and_only_it(monkeypatch, kind):
+    """The probe against a simulated oneDNN (a reorder that lays weights out in a given order, its compensation the
+    negated row sums): ours is accepted, a 16-wide block, a transposed inner block or a wrong compensation refused.
+    And on a CPU with AMX (where this torch's oneDNN was read to lay bf16 and int8 weights out as lrq.native writes
+    them, on an Intel Xeon) the real one is accepted: a probe refusing everything would keep the slower operands."""
+    from lrq.cpu_kernels import OneDNNOperand
+    nb, kb = (32, 2) if kind == "bf16" else (64, 4)
+    real = OneDNNOperand.layout_matches(kind, 256, 128)
+
+    def simulated(order, sums=1):
+        def make(_kind, w):
+            n, k = w.shape
+            body = order(w).contiguous().view(torch.uint8)
+            tail = (-sums * w.sum(dim=1, dtype=torch.int32)).view(torch.uint8) if kind == "int8" else body[:0]
+            return torch.cat([body, tail])
+        return make
+
+    ours = lambda w: _blocked(w, nb, kb)                                           # noqa: E731
+    narrow = lambda w: _blocked(w, 16, kb)                                         # noqa: E731
+    swapped = lambda w: w.reshape(-1, nb, w.shape[1] // kb, kb).permute(0, 2, 3, 1).reshape(-1)   # noqa: E731
+    monkeypatch.setattr(OneDNNOperand, "_raw", staticmethod(lambda t, dtype=torch.bfloat16: t.view(dtype)))
+    cases = [(ours, 1, True), (narrow, 1, False), (swapped, 1, False)] + ([(ours, 2, False)] if kind == "int8" else [])
+    for order, sums, accepted in cases:
+        monkeypatch.setattr(OneDNNOperand, "_make", staticmethod(simulated(order, sums)))
+        assert OneDNNOperand._probe(kind, 256, 128) is accepted
+    if {"amx_bf16", "amx_int8"} <= _cpu_flags():
+        assert real
 
 
 def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
@@ -170,36 +209,44 @@ def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
 
 @pytest.mark.parametrize("n,k", [(1536, 576), (192, 576), (576, 1536), (48, 100)])
 def test_int8_prefill_operands_in_onednns_blocked_layout(n, k):
-    """W8A8's and W4A8's prefill products through oneDNN's quantized inner product: the int8 operand lrq.native
-    writes (lrq_int8_blocked from W8A8's levels, UNPACK_I8_BLOCKED from W4A8's 4-bit packing) equals
-    torch.ops.onednn.qlinear_prepack's of the plain levels, every byte and the compensation after them, and the
-    product is the exact integer one (as float32); shapes the layout cannot hold, or CPUs whose oneDNN int8
-    products are not exact, run torch._int_mm."""
+    """W8A8's and W4A8's prefill products through oneDNN's quantized inner product: what lrq.native writes
+    (lrq_int8_blocked from W8A8's levels, UNPACK_I8_BLOCKED from W4A8's 4-bit packing) is the plain levels in
+    [n / 64][k / 4][64][4] order followed by each feature's negated sum, on any CPU; where this oneDNN lays int8
+    weights out so (the probe says), it is qlinear_prepack's own bytes; the products are the exact integer ones
+    either way (torch._int_mm where the layout differs or the CPU's oneDNN int8 products are not exact)."""
     from lrq.cpu_kernels import Int4Int8Weights, OneDNNOperand
     g = torch.Generator().manual_seed(n + k)
     q8 = torch.randint(0, 256, (n, k), generator=g)
-    w8 = Int8GemmWeights.build(q8, torch.rand(n, 1, generator=g) + 0.01, torch.randint(0, 256, (n, 1), generator=g).float(), 8)
+    w8 = Int8GemmWeights.build(q8, torch.rand(n, 1, generator=g) + 0.01,
+                               torch.randint(0, 256, (n, 1), generator=g).float(), 8)
     q4 = torch.randint(0, 16, (n, k), generator=g)
-    w4 = Int4Int8Weights.build(q4, torch.rand(n, 1, generator=g) + 0.01, torch.randint(0, 16, (n, 1), generator=g).float())
+    w4 = Int4Int8Weights.build(q4, torch.rand(n, 1, generator=g) + 0.01,
+                               torch.randint(0, 16, (n, 1), generator=g).float())
+    lib = native.library()
+
+    def blocked_with_sums(plain: torch.Tensor) -> torch.Tensor:
+        sums = (-plain.sum(dim=1, dtype=torch.int32)).view(torch.uint8)
+        return torch.cat([_blocked(plain, 64, 4).view(torch.uint8), sums])
+
+    w4i = w4.int4
+    n_pad, k_pad = w4i.packed.shape[0], w4i.packed.shape[1] * 2
+    plain4 = torch.zeros(n_pad, k_pad, dtype=torch.int8)
+    plain4[:n, :k] = (w4i.levels().to(torch.int16) - 8).to(torch.int8)
+    if n % 64 == 0 and k % 4 == 0:
+        out = torch.empty(n * k + 4 * n, dtype=torch.uint8)
+        assert lib.lrq_int8_blocked(w8.weight.data_ptr(), w8.wsum.data_ptr(), n, k, out.data_ptr(), 2) == 0
+        assert torch.equal(out, blocked_with_sums(w8.weight))
+    if n_pad % 64 == 0 and k_pad % 4 == 0:
+        out = torch.empty(n_pad * k_pad + 4 * n_pad, dtype=torch.uint8)
+        assert lib.lrq_int4_unpack_t(w4i._native_layer()[1], out.data_ptr(), native.UNPACK_I8_BLOCKED, 2) == 0
+        assert torch.equal(out, blocked_with_sums(plain4))
+    if OneDNNOperand.layout_matches("int8", n, k):
+        assert torch.equal(blocked_with_sums(w8.weight), OneDNNOperand._raw(OneDNNOperand._make("int8", w8.weight),
+                                                                            torch.uint8))
     xa = torch.randint(-128, 128, (70, k), dtype=torch.int8, generator=g)
-    exact8 = (xa.long() @ w8.weight.long().t()).float()
-    assert torch.equal(w8._product(xa).float(), exact8)
-    runs = not (n % 64 or k % 4) and OneDNNOperand._ops_exist("int8")
-    assert OneDNNOperand.layout_matches("int8", n, k) == runs
-    if runs:
-        assert w8._product(xa).dtype == torch.float32       # oneDNN's product, not torch._int_mm's int32
-        entry = OneDNNOperand.scratch("int8", n, k)
-        mine = OneDNNOperand._raw(entry[0], torch.uint8)
-        assert torch.equal(mine, OneDNNOperand._raw(OneDNNOperand._make("int8", w8.weight), torch.uint8))
-        w4i = w4.int4
-        n_pad, k_pad = w4i.packed.shape[0], w4i.packed.shape[1] * 2
-        levels = (w4i.levels().to(torch.int16) - 8).to(torch.int8)
-        plain = torch.zeros(n_pad, k_pad, dtype=torch.int8)
-        plain[:n, :k] = levels
-        out = OneDNNOperand.scratch("int8", n_pad, k_pad)
-        assert native.library().lrq_int4_unpack_t(w4i._native_layer()[1], out[1], native.UNPACK_I8_BLOCKED, 2) == 0
-        assert torch.equal(OneDNNOperand._raw(out[0], torch.uint8),
-                           OneDNNOperand._raw(OneDNNOperand._make("int8", plain), torch.uint8))
+    product = w8._product(xa)
+    assert product.dtype == (torch.float32 if OneDNNOperand.layout_matches("int8", n, k) else torch.int32)
+    assert torch.equal(product.float(), (xa.long() @ w8.weight.long().t()).float())
     # W4A8's prefill result equals the int32 path's, corrections and all
     xz, xs = torch.full((70, 1), 3.0), torch.rand(70, 1, generator=g) + 0.1
     ref = _int8_corrected_torch((xa.long() @ (q4 - 8).t()).int(), xa.sum(1, keepdim=True, dtype=torch.float32), xz,
