@@ -87,6 +87,7 @@ FLOAT32_DECODE = ("exact", "bf16")
 NATIVE_MAX_M = {torch.bfloat16: 1, torch.float32: 8}
 # the batch OneDNNOperand asks oneDNN's reorder to lay a weight out for (any above one gives the same layout here)
 PROBE_BATCH = 512
+PROBE_PIECE = 1 << 20   # positions OneDNNOperand's probe compares at once
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
@@ -428,20 +429,27 @@ class OneDNNOperand:
 
     @classmethod
     def _probe(cls, kind: str, n: int, k: int) -> bool:
+        """Whether oneDNN lays an [n, k] weight of `kind` out as lrq.native writes it: four reorders, one at a time,
+        of weights holding their row mod 128, row // 128, column mod 128, column // 128 (exact in bf16 and int8),
+        each compared in pieces with where the blocked order puts them (a 7B model's largest layer at a time, not
+        four)."""
         dtype = torch.bfloat16 if kind == "bf16" else torch.int8
-        rows, cols = torch.arange(n)[:, None].expand(n, k), torch.arange(k)[None, :].expand(n, k)
-        found = []
-        for v in (rows % 128, rows // 128, cols % 128, cols // 128):
-            raw = cls._raw(cls._make(kind, v.to(dtype).contiguous()), dtype)
+        nb, kb = (32, 2) if kind == "bf16" else (64, 4)
+        rows, cols = torch.arange(n, dtype=torch.int32)[:, None], torch.arange(k, dtype=torch.int32)[None, :]
+        for of_rows, part in ((True, lambda v: v % 128), (True, lambda v: v // 128), (False, lambda v: v % 128),
+                              (False, lambda v: v // 128)):
+            w = part(rows if of_rows else cols).expand(n, k).to(dtype).contiguous()
+            raw = cls._raw(cls._make(kind, w), dtype)
+            del w
             if raw.numel() != n * k + (0 if kind == "bf16" else 4 * n):
                 return False
-            found.append(raw[:n * k].long())
-        pos = torch.arange(n * k)
-        nb, kb = (32, 2) if kind == "bf16" else (64, 4)
-        inner, feat, kq, blk = pos % kb, (pos // kb) % nb, (pos // (kb * nb)) % (k // kb), pos // (nb * k)
-        if not (torch.equal(found[0] + 128 * found[1], blk * nb + feat)
-                and torch.equal(found[2] + 128 * found[3], kq * kb + inner)):
-            return False
+            for p0 in range(0, n * k, PROBE_PIECE):
+                p1 = min(p0 + PROBE_PIECE, n * k)
+                pos = torch.arange(p0, p1, dtype=torch.int64)
+                where = ((pos // (nb * k)) * nb + (pos // kb) % nb if of_rows
+                         else ((pos // (kb * nb)) % (k // kb)) * kb + pos % kb)
+                if not torch.equal(raw[p0:p1].to(torch.int64), part(where)):
+                    return False
         if kind == "int8":   # the compensation after the levels: each feature's negated sum
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
             tail = cls._raw(cls._make(kind, w), torch.uint8)[n * k:].view(torch.int32)
