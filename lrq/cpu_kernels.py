@@ -46,6 +46,7 @@ rows, 1 bit a weight read per token instead of 0.5); torch's float32 form is mad
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -306,12 +307,12 @@ class Int4Weights:
         if x.dtype != torch.bfloat16 or lib is None or not x.is_contiguous():
             return None
         n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
-        entry = OneDNNOperand.scratch("bf16", n_pad, k_pad)
-        if entry is None:
-            return None
-        native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], entry[1], native.UNPACK_BF16_BLOCKED,
-                                             torch.get_num_threads()), "int4 unpacking")
-        return torch.ops.mkldnn._linear_pointwise(x, entry[0], None, "none", [], "")
+        with OneDNNOperand.borrowed("bf16", n_pad, k_pad) as entry:
+            if entry is None:
+                return None
+            native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], entry[1], native.UNPACK_BF16_BLOCKED,
+                                                 torch.get_num_threads()), "int4 unpacking")
+            return torch.ops.mkldnn._linear_pointwise(x, entry[0], None, "none", [], "")
 
     def offset_levels_t(self) -> torch.Tensor:
         """The levels less 8, transposed (int8 [k_pad, n_pad]): W4A8's transient operand for the int8 GEMM, through
@@ -368,8 +369,9 @@ class Int4Weights:
 
 
 class OneDNNOperand:
-    """A weight operand in oneDNN's own blocked layout, one per kind, shape and thread, reused by every layer of that
-    shape at prefill: lrq.native writes each layer's weight into it and oneDNN reads it as it is, as a prepacked
+    """A weight operand in oneDNN's own blocked layout, one per kind and shape, reused by every layer of that
+    shape at prefill (one for the process; a call while another thread holds it runs its plain operand): lrq.native
+    writes each layer's weight into it and oneDNN reads it as it is, as a prepacked
     weight, instead of reordering a plain transient operand on every call. It holds no weight of its own: a buffer of
     one layer's size per shape, like an activation buffer, kept for the process once made (SmolLM2-135M's four
     shapes: 5.3 MB in bf16 and 2.7 MB in int8; a 7B model's largest bf16 shape alone is 86 MB, the size of the
@@ -390,7 +392,8 @@ class OneDNNOperand:
     it (and, for int8, a weight's compensation must be its negated row sums); a torch or oneDNN that lays it out
     otherwise (or lacks the ops) gets None, and the caller its plain operand."""
     _ok: dict[tuple[str, int, int], bool] = {}
-    _local = threading.local()
+    _operands: dict[tuple[str, int, int], tuple] = {}
+    _lock = threading.Lock()
 
     @staticmethod
     def _ops_exist(kind: str) -> bool:
@@ -458,15 +461,30 @@ class OneDNNOperand:
 
     @classmethod
     def scratch(cls, kind: str, n: int, k: int) -> tuple | None:
-        """This thread's (operand, its data address) for an [n, k] weight of `kind` (made at the shape's first
-        use), or None where the layout does not match."""
+        """The process's (operand, its data address, unit scales, zero points) for an [n, k] weight of `kind` (made
+        at the shape's first use), or None where the layout does not match. A caller writes it only while it holds
+        it (`borrowed`)."""
         if not cls.layout_matches(kind, n, k):
             return None
-        mine = cls._local.__dict__.setdefault("operands", {})
-        if (kind, n, k) not in mine:
+        if (kind, n, k) not in cls._operands:
             t = cls._make(kind, torch.zeros(n, k, dtype=torch.bfloat16 if kind == "bf16" else torch.int8))
-            mine[(kind, n, k)] = (t, torch.ops.mkldnn.data_ptr(t), torch.ones(n), torch.zeros(n, dtype=torch.long))
-        return mine[(kind, n, k)]
+            cls._operands[(kind, n, k)] = (t, torch.ops.mkldnn.data_ptr(t), torch.ones(n),
+                                           torch.zeros(n, dtype=torch.long))
+        return cls._operands[(kind, n, k)]
+
+    @classmethod
+    @contextlib.contextmanager
+    def borrowed(cls, kind: str, n: int, k: int):
+        """The operand (`scratch`'s tuple) for the duration of one call, or None where the layout does not match or
+        another thread holds the operands (that call then runs its plain operand: one buffer per shape for the
+        process, never one per thread)."""
+        if not cls.layout_matches(kind, n, k) or not cls._lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            yield cls.scratch(kind, n, k)
+        finally:
+            cls._lock.release()
 
     @staticmethod
     def int8_product(xa: torch.Tensor, entry: tuple) -> torch.Tensor:
@@ -666,12 +684,13 @@ class Int8GemmWeights:
         layout (OneDNNOperand "int8", float32 out) where it runs here, else torch._int_mm (int32)."""
         lib = native.library()
         n, k = self.weight.shape
-        entry = OneDNNOperand.scratch("int8", n, k) if lib is not None and xa.is_contiguous() else None
-        if entry is None:
-            return _int_mm(xa, self.weight.t())
-        native.checked(lib.lrq_int8_blocked(self.weight.data_ptr(), self.wsum.data_ptr(), n, k, entry[1],
-                                            torch.get_num_threads()), "int8 blocking")
-        return OneDNNOperand.int8_product(xa, entry)
+        if lib is not None and xa.is_contiguous():
+            with OneDNNOperand.borrowed("int8", n, k) as entry:
+                if entry is not None:
+                    native.checked(lib.lrq_int8_blocked(self.weight.data_ptr(), self.wsum.data_ptr(), n, k, entry[1],
+                                                        torch.get_num_threads()), "int8 blocking")
+                    return OneDNNOperand.int8_product(xa, entry)
+        return _int_mm(xa, self.weight.t())
 
     def native_mm(self, xa: torch.Tensor, x_zero, x_scale) -> torch.Tensor:
         """mm through lrq's own int8 kernel (lrq.native): float32 [m, n]."""
@@ -741,14 +760,15 @@ class Int4Int8Weights:
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
         lib = native.library()
-        entry = (OneDNNOperand.scratch("int8", n_pad, k_pad) if lib is not None and w.decodable
-                 and w.block == 64 else None)
-        if entry is not None:   # the levels less 8 written into oneDNN's blocked int8 layout, its GEMM
-            native.checked(lib.lrq_int4_unpack_t(w._native_layer()[1], entry[1], native.UNPACK_I8_BLOCKED,
-                                                 torch.get_num_threads()), "int4 unpacking")
-            xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))
-            acc = OneDNNOperand.int8_product(xp.contiguous(), entry)
-        else:
+        acc = None
+        if lib is not None and w.decodable and w.block == 64:
+            with OneDNNOperand.borrowed("int8", n_pad, k_pad) as entry:
+                if entry is not None:   # the levels less 8 written into oneDNN's blocked int8 layout, its GEMM
+                    native.checked(lib.lrq_int4_unpack_t(w._native_layer()[1], entry[1], native.UNPACK_I8_BLOCKED,
+                                                         torch.get_num_threads()), "int4 unpacking")
+                    xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))
+                    acc = OneDNNOperand.int8_product(xp.contiguous(), entry)
+        if acc is None:
             acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric, out_dtype)

@@ -194,13 +194,17 @@ def test_the_layout_probe_accepts_our_layout_and_only_it(monkeypatch, kind):
 
 def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
     """Two layers of one shape share one operand: each call's product is its own layer's (nothing of the previous
-    layer kept by oneDNN); a layout the probe does not recognise runs the plain operand."""
+    layer kept by oneDNN); while another thread holds the operands, and for a layout the probe does not recognise,
+    the plain operand runs."""
     from lrq.cpu_kernels import OneDNNOperand
     a, b = _weights(576, 576, 128, seed=1), _weights(576, 576, 128, seed=2)
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
     ya, yb, ya2 = a.mm(x), b.mm(x), a.mm(x)
     assert torch.equal(ya, ya2) and not torch.equal(ya, yb)
     assert _relative_error(b, x.float(), yb.float()) < 2 ** -8
+    # one buffer per shape for the process: a call while another thread holds it runs the plain operand
+    with OneDNNOperand._lock:
+        assert a._blocked_mm(x) is None and torch.equal(a.mm(x), x @ a.dequantized_t(torch.bfloat16))
     monkeypatch.setattr(OneDNNOperand, "_ok", {})
     monkeypatch.setattr(OneDNNOperand, "_probe", classmethod(lambda cls, kind, n, k: False))
     assert a._blocked_mm(x) is None
