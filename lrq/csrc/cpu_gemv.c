@@ -48,6 +48,8 @@ static inline v16 vload_bf16(const uint16_t *p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline float vsum(v16 v) { return _mm512_reduce_add_ps(v); }
+/* the first `left` of 16 lanes (all 16 from 16 on) */
+static inline __mmask16 tail16(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 #define NIBBLES 1
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef struct { __m256 a, b; } v16;
@@ -266,7 +268,7 @@ static int i16_chunks(const float *x, int k_pad, int group, int16_t *xi, float *
       int ce = c0 + I16_CHUNK < ge ? c0 + I16_CHUNK : ge;
       __m512 m = _mm512_setzero_ps();
       for (int i = c0; i < ce; i += 16) {
-        __mmask16 k = ce - i >= 16 ? 0xFFFF : (__mmask16)((1u << (ce - i)) - 1);
+        __mmask16 k = tail16(ce - i);
         m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + i)));   /* a NaN lane: max keeps m */
       }
       float mx = _mm512_reduce_max_ps(m);
@@ -276,7 +278,7 @@ static int i16_chunks(const float *x, int k_pad, int group, int16_t *xi, float *
       __m512 up = _mm512_set1_ps(ldexpf(1.0f, 15 - ex));   /* |x| * up < 2^15 */
       xinv[ci] = ldexpf(1.0f, ex - 15);
       for (int i = c0; i < ce; i += 16) {
-        __mmask16 k = ce - i >= 16 ? 0xFFFF : (__mmask16)((1u << (ce - i)) - 1);
+        __mmask16 k = tail16(ce - i);
         __m512 v = _mm512_maskz_loadu_ps(k, x + i);
         if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return 0;   /* NaN */
         /* nearest even (the default rounding), saturated to int16 (a float32 input can round to 2^15) */
@@ -436,17 +438,22 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
  *     k_pad of 4. */
 enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2, UNPACK_BF16_BLOCKED = 3, UNPACK_I8_BLOCKED = 4 };
 
+#if defined(__AVX512BW__)
+/* 32 bf16 values of row k (a) and of row k + 1 (b), one per feature, as the 32 pairs (a[i], b[i]) at dst */
+static inline void store_pairs(uint16_t *dst, __m512i a, __m512i b) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+  _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, _mm512_add_epi16(lo, _mm512_set1_epi16(16)), b));
+}
+#endif
+
 /* rows k and k + 1 of `width` features (bf16, t0 and t1) into the blocked layout of features c0.. (c0 % 32 == 0) */
 static void put_blocked(uint16_t *out, const uint16_t *t0, const uint16_t *t1, int c0, int width, int k, int k_pad) {
   for (int sb = 0; sb < width; sb += 32) {
     uint16_t *dst = out + (size_t)((c0 + sb) / 32) * 32 * k_pad + (size_t)(k / 2) * 64;
 #if defined(__AVX512BW__)
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    __m512i a = _mm512_loadu_si512(t0 + sb), b = _mm512_loadu_si512(t1 + sb);
-    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
-    _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, b));
+    store_pairs(dst, _mm512_loadu_si512(t0 + sb), _mm512_loadu_si512(t1 + sb));
 #else
     for (int i = 0; i < 32; i++) { dst[2 * i] = t0[sb + i]; dst[2 * i + 1] = t1[sb + i]; }
 #endif
@@ -517,6 +524,17 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
   if (form == UNPACK_I8_BLOCKED) {
     int32_t *comp = (int32_t *)((int8_t *)out + (size_t)n_pad * k_pad);
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    /* the byte placement: output byte 4f + e of features 0-15 (idx0) or 16-31 (idx1) from row e's byte f (or f + 16)
+     * of the two 64-byte loads (rows k, k+1 | rows k+2, k+3) */
+    uint8_t place0[64], place1[64];
+    for (int f = 0; f < 16; f++)
+      for (int e = 0; e < 4; e++) {
+        place0[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f);
+        place1[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f + 16);
+      }
+    const __m512i idx0 = _mm512_loadu_si512(place0), idx1 = _mm512_loadu_si512(place1);
+#endif
     #pragma omp parallel for num_threads(nthreads) schedule(static) \
         if (nthreads > 1 && nb > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
     for (int b = 0; b < nb; b++) {
@@ -525,16 +543,6 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
       /* four rows a step: lane bytes [row k, k+1, k+2, k+3] of one feature, features 0-15, 16-31 (low nibbles) and
        * 32-47, 48-63 (high), the levels less 8; their sums by vpdpbusd with ones */
-      __m512i idx0, idx1;
-      {
-        uint8_t a0[64], a1[64];
-        for (int f = 0; f < 16; f++)
-          for (int e = 0; e < 4; e++) {
-            a0[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f);
-            a1[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f + 16);
-          }
-        idx0 = _mm512_loadu_si512(a0); idx1 = _mm512_loadu_si512(a1);
-      }
       const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
       __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
       for (int k = 0; k < k_pad; k += 4) {
@@ -579,9 +587,6 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
       uint16_t t[2][64];
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if (b < nb && block == 64 && group % 2 == 0) {   /* in registers: both rows' 64 values a step, the group's scales kept */
-        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
         uint16_t *d0 = (uint16_t *)out + (size_t)(c0 / 32) * 32 * k_pad, *d1 = d0 + (size_t)32 * k_pad;
         for (int g0 = 0; g0 < k_pad; g0 += group) {
           const float *sg = s + (size_t)(g0 / group) * n_pad + c0, *zg = zc + (size_t)(g0 / group) * n_pad + c0;
@@ -594,11 +599,8 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
             __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(e1), s1, z1), vfmav(lo_f(e0), s0, z0));
             __m512i ha = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(a1), s3, z3), vfmav(hi_f(a0), s2, z2));
             __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(e1), s3, z3), vfmav(hi_f(e0), s2, z2));
-            uint16_t *p0 = d0 + (size_t)(k / 2) * 64, *p1 = d1 + (size_t)(k / 2) * 64;
-            _mm512_storeu_si512(p0, _mm512_permutex2var_epi16(ka, lo, kb));
-            _mm512_storeu_si512(p0 + 32, _mm512_permutex2var_epi16(ka, hi, kb));
-            _mm512_storeu_si512(p1, _mm512_permutex2var_epi16(ha, lo, hb));
-            _mm512_storeu_si512(p1 + 32, _mm512_permutex2var_epi16(ha, hi, hb));
+            store_pairs(d0 + (size_t)(k / 2) * 64, ka, kb);
+            store_pairs(d1 + (size_t)(k / 2) * 64, ha, hb);
           }
         }
         continue;
@@ -871,7 +873,6 @@ static void grid_from_range(float lo, float hi, float qmax, float eps, float *sc
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ROWS_AVX512 1
-static inline __mmask16 tail16(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 /* 16 values (fewer where the mask says; the rest 0) of a bf16 or float32 row, as float32 */
 static inline __m512 load16(const void *x, int bf16, size_t i, __mmask16 m) {
   if (bf16)
@@ -1067,7 +1068,6 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
   }
 }
 
-/* the instruction set the compiler targeted */
 /* how the 4-bit kernel multiplies bf16 activations (lrq.native.status names it) */
 const char *lrq_int4_bf16_products(void) {
 #if defined(I16_DOT)
@@ -1077,6 +1077,7 @@ const char *lrq_int4_bf16_products(void) {
 #endif
 }
 
+/* the instruction set the compiler targeted */
 const char *lrq_isa(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
   return "avx512-bf16";
