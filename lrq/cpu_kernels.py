@@ -306,13 +306,13 @@ class Int4Weights:
         lib = native.library()
         if x.dtype != torch.bfloat16 or lib is None or not x.is_contiguous():
             return None
-        n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
-        with OneDNNOperand.borrowed("bf16", n_pad, k_pad) as entry:
-            if entry is None:
-                return None
-            native.checked(lib.lrq_int4_unpack_t(self._native_layer()[1], entry[1], native.UNPACK_BF16_BLOCKED,
-                                                 torch.get_num_threads()), "int4 unpacking")
-            return torch.ops.mkldnn._linear_pointwise(x, entry[0], None, "none", [], "")
+        return OneDNNOperand.product("bf16", x, self.packed.shape[0], self.packed.shape[1] * 2,
+                                     lambda at: self._unpack_into(at, native.UNPACK_BF16_BLOCKED))
+
+    def _unpack_into(self, address: int, form: int) -> None:
+        """lrq_int4_unpack_t's `form` of this layer written at `address` (lrq.native built)."""
+        native.checked(native.library().lrq_int4_unpack_t(self._native_layer()[1], address, form,
+                                                          torch.get_num_threads()), "int4 unpacking")
 
     def offset_levels_t(self) -> torch.Tensor:
         """The levels less 8, transposed (int8 [k_pad, n_pad]): W4A8's transient operand for the int8 GEMM, through
@@ -410,11 +410,17 @@ class OneDNNOperand:
             return False
 
     @staticmethod
-    def _make(kind: str, w: torch.Tensor) -> torch.Tensor:
-        """oneDNN's own reorder of a plain [n, k] weight (bf16 or int8)."""
+    def reorder(kind: str, w: torch.Tensor, batch: int = PROBE_BATCH) -> torch.Tensor:
+        """oneDNN's own reorder of a plain [n, k] weight for `batch` rows: "int8" for its quantized inner product,
+        "bf16" for its floating-point one (a bf16 or float32 weight; the prepacked dense baseline's too)."""
         if kind == "bf16":
-            return torch.ops.mkldnn._reorder_linear_weight(w, PROBE_BATCH)
-        return torch.ops.onednn.qlinear_prepack(w, [PROBE_BATCH, w.shape[1]])
+            return torch.ops.mkldnn._reorder_linear_weight(w, batch)
+        return torch.ops.onednn.qlinear_prepack(w, [batch, w.shape[1]])
+
+    @staticmethod
+    def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] (bf16 or float32) times a bf16/float32 weight in oneDNN's layout (`reorder`), plus bias."""
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     @classmethod
     def layout_matches(cls, kind: str, n: int, k: int) -> bool:
@@ -442,7 +448,7 @@ class OneDNNOperand:
         for of_rows, part in ((True, lambda v: v % 128), (True, lambda v: v // 128), (False, lambda v: v % 128),
                               (False, lambda v: v // 128)):
             w = part(rows if of_rows else cols).expand(n, k).to(dtype).contiguous()
-            raw = cls._raw(cls._make(kind, w), dtype)
+            raw = cls._raw(cls.reorder(kind, w), dtype)
             del w
             if raw.numel() != n * k + (0 if kind == "bf16" else 4 * n):
                 return False
@@ -455,7 +461,7 @@ class OneDNNOperand:
                     return False
         if kind == "int8":   # the compensation after the levels: each feature's negated sum
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
-            tail = cls._raw(cls._make(kind, w), torch.uint8)[n * k:].view(torch.int32)
+            tail = cls._raw(cls.reorder(kind, w), torch.uint8)[n * k:].view(torch.int32)
             return torch.equal(tail, -w.sum(dim=1, dtype=torch.int32))
         return True
 
@@ -467,7 +473,7 @@ class OneDNNOperand:
         if not cls.layout_matches(kind, n, k):
             return None
         if (kind, n, k) not in cls._operands:
-            t = cls._make(kind, torch.zeros(n, k, dtype=torch.bfloat16 if kind == "bf16" else torch.int8))
+            t = cls.reorder(kind, torch.zeros(n, k, dtype=torch.bfloat16 if kind == "bf16" else torch.int8))
             cls._operands[(kind, n, k)] = (t, torch.ops.mkldnn.data_ptr(t), torch.ones(n),
                                            torch.zeros(n, dtype=torch.long))
         return cls._operands[(kind, n, k)]
@@ -486,12 +492,20 @@ class OneDNNOperand:
         finally:
             cls._lock.release()
 
-    @staticmethod
-    def int8_product(xa: torch.Tensor, entry: tuple) -> torch.Tensor:
-        """xa (int8 [m, k], contiguous) times the int8 operand `entry` (scratch's): the int32 product as float32."""
-        op, _, ones, zeros = entry
-        return torch.ops.onednn.qlinear_pointwise(xa, 1.0, 0, op, ones, zeros, None, 1.0, 0, torch.float32, "none",
-                                                  [], "")
+    @classmethod
+    def product(cls, kind: str, x: torch.Tensor, n: int, k: int, write) -> torch.Tensor | None:
+        """x (contiguous [m, k]: bf16, or int8 for "int8") times the [n, k] weight that `write(address)` puts into
+        the operand: bf16 [m, n] from oneDNN's bf16 inner product, or the exact integer product as float32 from its
+        quantized one (unit scales, no zero points). None where the operand is not to be had (`borrowed`)."""
+        with cls.borrowed(kind, n, k) as entry:
+            if entry is None:
+                return None
+            op, address, ones, zeros = entry
+            write(address)
+            if kind == "bf16":
+                return cls.linear(x, op)
+            return torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, op, ones, zeros, None, 1.0, 0, torch.float32,
+                                                      "none", [], "")
 
 
 def _offset_weights(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
@@ -684,13 +698,12 @@ class Int8GemmWeights:
         layout (OneDNNOperand "int8", float32 out) where it runs here, else torch._int_mm (int32)."""
         lib = native.library()
         n, k = self.weight.shape
+        acc = None
         if lib is not None and xa.is_contiguous():
-            with OneDNNOperand.borrowed("int8", n, k) as entry:
-                if entry is not None:
-                    native.checked(lib.lrq_int8_blocked(self.weight.data_ptr(), self.wsum.data_ptr(), n, k, entry[1],
-                                                        torch.get_num_threads()), "int8 blocking")
-                    return OneDNNOperand.int8_product(xa, entry)
-        return _int_mm(xa, self.weight.t())
+            acc = OneDNNOperand.product("int8", xa, n, k, lambda at: native.checked(
+                lib.lrq_int8_blocked(self.weight.data_ptr(), self.wsum.data_ptr(), n, k, at, torch.get_num_threads()),
+                "int8 blocking"))
+        return _int_mm(xa, self.weight.t()) if acc is None else acc
 
     def native_mm(self, xa: torch.Tensor, x_zero, x_scale) -> torch.Tensor:
         """mm through lrq's own int8 kernel (lrq.native): float32 [m, n]."""
@@ -759,15 +772,11 @@ class Int4Int8Weights:
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
-        lib = native.library()
         acc = None
-        if lib is not None and w.decodable and w.block == 64:
-            with OneDNNOperand.borrowed("int8", n_pad, k_pad) as entry:
-                if entry is not None:   # the levels less 8 written into oneDNN's blocked int8 layout, its GEMM
-                    native.checked(lib.lrq_int4_unpack_t(w._native_layer()[1], entry[1], native.UNPACK_I8_BLOCKED,
-                                                         torch.get_num_threads()), "int4 unpacking")
-                    xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))
-                    acc = OneDNNOperand.int8_product(xp.contiguous(), entry)
+        if native.library() is not None and w.decodable and w.block == 64:   # the levels less 8, oneDNN's GEMM
+            xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))
+            acc = OneDNNOperand.product("int8", xp.contiguous(), n_pad, k_pad,
+                                        lambda at: w._unpack_into(at, native.UNPACK_I8_BLOCKED))
         if acc is None:
             acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,

@@ -154,7 +154,7 @@ def test_prefill_operand_in_onednns_blocked_layout(n, k, group):
     y = w._blocked_mm(x)
     if OneDNNOperand.layout_matches("bf16", n_pad, k_pad):
         mine = OneDNNOperand._raw(OneDNNOperand.scratch("bf16", n_pad, k_pad)[0]).view(torch.int16)
-        assert torch.equal(mine, OneDNNOperand._raw(OneDNNOperand._make("bf16", plain)).view(torch.int16))
+        assert torch.equal(mine, OneDNNOperand._raw(OneDNNOperand.reorder("bf16", plain)).view(torch.int16))
         assert y.shape == (40, n_pad) and _relative_error(w, x[:, :k].float(), y[:, :n].float()) < 2 ** -8
     else:
         assert y is None
@@ -186,7 +186,7 @@ def test_the_layout_probe_accepts_our_layout_and_only_it(monkeypatch, kind):
     monkeypatch.setattr(OneDNNOperand, "_raw", staticmethod(lambda t, dtype=torch.bfloat16: t.view(dtype)))
     cases = [(ours, 1, True), (narrow, 1, False), (swapped, 1, False)] + ([(ours, 2, False)] if kind == "int8" else [])
     for order, sums, accepted in cases:
-        monkeypatch.setattr(OneDNNOperand, "_make", staticmethod(simulated(order, sums)))
+        monkeypatch.setattr(OneDNNOperand, "reorder", staticmethod(simulated(order, sums)))
         assert OneDNNOperand._probe(kind, 256, 128) is accepted
     if {"amx_bf16", "amx_int8"} <= _cpu_flags():
         assert real
@@ -245,7 +245,7 @@ def test_int8_prefill_operands_in_onednns_blocked_layout(n, k):
         assert lib.lrq_int4_unpack_t(w4i._native_layer()[1], out.data_ptr(), native.UNPACK_I8_BLOCKED, 2) == 0
         assert torch.equal(out, blocked_with_sums(plain4))
     if OneDNNOperand.layout_matches("int8", n, k):
-        assert torch.equal(blocked_with_sums(w8.weight), OneDNNOperand._raw(OneDNNOperand._make("int8", w8.weight),
+        assert torch.equal(blocked_with_sums(w8.weight), OneDNNOperand._raw(OneDNNOperand.reorder("int8", w8.weight),
                                                                             torch.uint8))
     xa = torch.randint(-128, 128, (70, k), dtype=torch.int8, generator=g)
     product = w8._product(xa)

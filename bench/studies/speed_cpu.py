@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lrq.cpu_kernels import onednn
+from lrq.cpu_kernels import OneDNNOperand, onednn
 from lrq.errors import UserError
 
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
@@ -409,13 +409,12 @@ class PrepackedLinear(nn.Module):
     def __init__(self, lin: nn.Linear, batch: int):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch))
+        self.register_buffer("packed", OneDNNOperand.reorder("bf16", lin.weight.detach(), batch))
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with onednn(True):
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none",
-                                                   [], "")
+            y = OneDNNOperand.linear(x.reshape(-1, self.in_features), self.packed, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
