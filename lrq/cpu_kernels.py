@@ -19,6 +19,11 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
   made per call, OneDNNOperand, or torch._int_mm: int8 x int8 -> int32); the zero points are corrected in float32
   after it.
 
+On a CPU with AMX-INT8 (Intel Xeon 4th generation and later) a W8A8 or W4A8 prefill call runs lrq.native's own
+tile kernel instead (`amx_int8_linear`): the same exact integer product and float32 corrections, bit for bit, in
+one call that reads the held weight a panel of 64 features at a time (no per-call copy of the whole weight, no
+float32 product in memory). `LRQ_AMX=0` turns it off (an A/B measurement).
+
 torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
 scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
 one thread: bf16 is vectorized (the int4 GEMM 2x faster than bf16 BLAS at batch 1, 2.5x slower at 512 tokens);
@@ -50,6 +55,7 @@ import contextlib
 import ctypes
 import functools
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -92,6 +98,10 @@ PROBE_PIECE = 1 << 20   # positions OneDNNOperand's probe compares at once
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
+# lrq.native's AMX tile kernel for W8A8/W4A8 prefill calls (amx_int8_linear), where the CPU and build have it; LRQ_AMX=0
+# keeps oneDNN's GEMM and the separate corrections. From this many tokens (below it the call is a decode step).
+AMX_PREFILL = os.environ.get("LRQ_AMX", "1") != "0"
+AMX_FROM_M = NATIVE_INT8_MAX_M + 1
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
 DEQUANTIZE_CHUNK = 1 << 16
 
@@ -601,6 +611,38 @@ def _int8_corrected_torch(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch
     return y.mul_(x_scale).mul_(scale)
 
 
+def amx_ready() -> bool:
+    """Whether W8A8/W4A8 prefill calls run lrq.native's AMX tile kernel here (AMX_PREFILL, the build and the CPU)."""
+    lib = native.library()
+    return AMX_PREFILL and lib is not None and bool(lib.lrq_amx_int8_ready())
+
+
+def amx_int8_linear(xa: torch.Tensor, x_zero, x_scale, rowsum: torch.Tensor, n: int, col_term: torch.Tensor,
+                    zero_term: torch.Tensor, scale: torch.Tensor, asymmetric: bool, out_dtype: torch.dtype,
+                    weight: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor | None:
+    """_int8_corrected(xa @ w.T, ...) in one lrq.native call on AMX tiles (lrq_amx_int8_linear, bit for bit the same
+    values): w the int8 levels `weight` [n, k] (W8A8) or the 4-bit packing whose native layer struct is at `layer`
+    (W4A8, its levels less 8). [m, n] in `out_dtype` (bf16 or float32), or None where the kernel does not run (no
+    AMX here, LRQ_AMX=0, k or the packed n not a multiple of 64, a decode-sized call, another dtype)."""
+    m, k = xa.shape
+    if (m < AMX_FROM_M or k % 64 or xa.stride(-1) != 1 or out_dtype not in (torch.float32, torch.bfloat16)
+            or not amx_ready()):
+        return None
+    xz, xs = (torch.as_tensor(v, dtype=torch.float32).reshape(-1).contiguous() for v in (x_zero, x_scale))
+    if xz.numel() not in (1, m) or xs.numel() not in (1, m):
+        return None
+    rs = rowsum.reshape(-1).float().contiguous()
+    y = torch.empty(m, n, dtype=out_dtype)
+    rc = native.library().lrq_amx_int8_linear(
+        xa.data_ptr(), xa.stride(0), m, k, None if weight is None else weight.data_ptr(), layer, n, rs.data_ptr(),
+        xz.data_ptr(), xz.numel() > 1, xs.data_ptr(), xs.numel() > 1, col_term.data_ptr(), zero_term.data_ptr(),
+        asymmetric, scale.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+    if rc == 1:
+        return None
+    native.checked(rc, "AMX int8 kernel")
+    return y
+
+
 EXACT_FLOAT_K = 1024   # int8 x int8 products summed over 1024 terms stay below 2^24: exact in float32
 
 
@@ -686,10 +728,15 @@ class Int8GemmWeights:
         scale(s), float32 scalars or [m, 1] per token; rowsum = xa's row sums (float32 [m, 1]; computed here where
         not given). Float32 out (a GEMM call: `out_dtype` where lrq.native writes it, _int8_corrected). A decode
         call (m <= NATIVE_INT8_MAX_M) runs lrq's own kernel where it is built: the same exact int32 product and
-        corrections in one call (torch._int_mm at one token: oneDNN's GEMM)."""
+        corrections in one call (torch._int_mm at one token: oneDNN's GEMM); a prefill call runs lrq.native's AMX
+        tile kernel where the CPU has it (amx_int8_linear: the same values in one call)."""
         if xa.shape[0] <= NATIVE_INT8_MAX_M and xa.stride(-1) == 1 and native.library() is not None:
             return self.native_mm(xa, x_zero, x_scale)
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
+        y = amx_int8_linear(xa, x_zero, x_scale, rowsum, self.weight.shape[0], self.col_term, self.zero_term,
+                            self.scale, self.asymmetric, out_dtype, weight=self.weight)
+        if y is not None:
+            return y
         return _int8_corrected(self._product(xa), rowsum, x_zero, x_scale, self.col_term,
                                self.zero_term, self.scale, self.asymmetric, out_dtype)
 
@@ -772,6 +819,11 @@ class Int4Int8Weights:
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
+        if w.decodable and w.block == 64 and k_pad == w.k and native.library() is not None:
+            y = amx_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term, self.zero_term, self.scale,
+                                self.asymmetric, out_dtype, layer=w._native_layer()[1])
+            if y is not None:
+                return y
         acc = None
         if native.library() is not None and w.decodable and w.block == 64:   # the levels less 8, oneDNN's GEMM
             xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))

@@ -534,3 +534,82 @@ def test_integer_layers_without_an_exact_int_mm(monkeypatch):
     a[:, :1200], b[:1200] = -128, -128                    # partial sums past 2^24 without the slicing
     monkeypatch.setattr(K, "_INT_MM", False)
     assert torch.equal(K._int_mm(a, b).long(), a.long() @ b.long())
+
+
+def _int8_layer(kind: str, n: int, k: int, symmetric: bool, seed: int):
+    from lrq.cpu_kernels import Int4Int8Weights
+    g = torch.Generator().manual_seed(seed)
+    top = 16 if kind == "w4a8" else 256
+    q = torch.randint(0, top, (n, k), generator=g)
+    q[0] = top - 1                                       # a feature at the grid's edge: the largest products
+    zero = torch.full((n, 1), top // 2) if symmetric else torch.randint(0, top, (n, 1), generator=g)
+    scale = torch.rand(n, 1, generator=g) * 0.02 + 1e-3
+    if kind == "w4a8":
+        return Int4Int8Weights.build(q, scale, zero.float())
+    return Int8GemmWeights.build(q, scale, zero.float(), 8)
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "w4a8"])
+def test_amx_prefill_is_the_corrected_integer_product_bit_for_bit(kind, monkeypatch):
+    """On a CPU with AMX-INT8 a W8A8/W4A8 prefill call runs lrq.native's tile kernel (amx_int8_linear), not oneDNN's
+    GEMM and the separate corrections; its output equals theirs (LRQ_AMX=0's path) to the bit in float32 and bf16:
+    per-token and static grids, symmetric and asymmetric weights, extreme levels, rows that do not fill a block of 32
+    (37, 70), features that do not fill a panel of 64 (W4A8: 200 of 256), depths 64 to 1536, strided rows, one and two
+    threads; a call of a few tokens keeps the decode kernel."""
+    import lrq.cpu_kernels as K
+    if not K.amx_ready():
+        pytest.skip("this CPU has no AMX-INT8 (test_the_amx_kernel_is_built_for_amx_cpus_only checks the build)")
+    calls = []
+    real = K.amx_int8_linear
+    monkeypatch.setattr(K, "amx_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(1)
+    threads = torch.get_num_threads()
+    try:
+        for i, (n, k, m) in enumerate([(192, 576, 70), (64, 64, 37), (200 if kind == "w4a8" else 128, 1536, 33),
+                                       (576, 128, 512)]):
+            w = _int8_layer(kind, n, k, symmetric=i == 1, seed=i)
+            xs_full = torch.randint(-128, 128, (m, k + 64), dtype=torch.int8, generator=g)
+            xa = xs_full[:, 32:32 + k]                    # rows k + 64 apart
+            xa[:3] = 127
+            xa[3] = -128
+            rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32)
+            grids = [(torch.tensor(-3.0), torch.tensor(0.02)),
+                     (torch.randint(-20, 20, (m, 1), generator=g).float(), torch.rand(m, 1, generator=g) * 0.05)]
+            for (xz, xsc) in grids:
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    for out in (torch.float32, torch.bfloat16):
+                        calls.clear()
+                        got = w.mm(xa, xz, xsc, rowsum, out)
+                        assert calls == [m]
+                        monkeypatch.setattr(K, "AMX_PREFILL", False)
+                        want = w.mm(xa, xz, xsc, rowsum, out)
+                        monkeypatch.setattr(K, "AMX_PREFILL", True)
+                        assert got.dtype == want.dtype == out and got.shape == (m, n)
+                        assert torch.equal(got, want), (n, k, m, out, t)
+            calls.clear()
+            monkeypatch.setattr(K, "amx_int8_linear", lambda *a, **kw: pytest.fail("a decode call ran the tiles"))
+            small = w.mm(xa[:K.AMX_FROM_M - 1], grids[0][0], grids[0][1], rowsum[:K.AMX_FROM_M - 1]) \
+                if kind == "w8a8" else None                # W4A8's decode calls run its 4-bit form, not mm
+            assert small is None or small.shape == (K.AMX_FROM_M - 1, n)
+            monkeypatch.setattr(K, "amx_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_amx_kernel_is_built_for_amx_cpus_only(tmp_path):
+    """The AMX tile code is compiled where the target has AMX-INT8 (here: -march=sapphirerapids, whatever this CPU
+    is) and nowhere else (an Ice Lake target: AVX-512 VNNI, no AMX): the assembly holds tdpbssd in the first and not in the second, and both
+    builds keep lrq_amx_int8_ready and lrq_amx_int8_linear (which refuse, returning 0 and 1, without AMX)."""
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.fail("no C compiler: lrq.native cannot be built (the suite needs one)")
+    for march, amx in (("sapphirerapids", True), ("icelake-server", False)):
+        asm = tmp_path / f"{march}.s"
+        run = subprocess.run([cc, "-O3", f"-march={march}", "-fopenmp", "-S", str(native.SOURCE), "-o", str(asm)],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        text = asm.read_text()
+        assert ("tdpbssd" in text) is amx and ("ldtilecfg" in text) is amx
+        assert "lrq_amx_int8_ready:" in text and "lrq_amx_int8_linear:" in text

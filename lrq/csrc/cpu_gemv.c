@@ -513,6 +513,56 @@ static void unpack_row(const uint8_t *r, const float *sg, const float *zg, void 
   }
 }
 
+/* one block of 64 features of a 4-bit packing (block 64: k_pad rows of 32 bytes, feature j in byte j's low nibble
+ * and feature j + 32 in its high one) as int8 levels less 8 in oneDNN's and AMX's blocked order, [k_pad / 4][64][4]
+ * (the four bytes of a feature rows 4i..4i+3), and comp[64] = the negated sum of each feature's levels
+ * (UNPACK_I8_BLOCKED; the AMX W4A8 prefill's weight panel) */
+static void i8_levels_block(const uint8_t *blk, int k_pad, int8_t *dst, int32_t *comp) {
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+  /* the byte placement: output byte 4f + e of features 0-15 (place0) or 16-31 (place1) from row e's byte f (or
+   * f + 16) of the two 64-byte loads (rows k, k+1 | rows k+2, k+3): (e & 1) * 32 + (e >> 1) * 64 + f */
+  static const uint8_t place0[64] = {0, 32, 64, 96, 1, 33, 65, 97, 2, 34, 66, 98, 3, 35, 67, 99, 4, 36, 68, 100, 5,
+      37, 69, 101, 6, 38, 70, 102, 7, 39, 71, 103, 8, 40, 72, 104, 9, 41, 73, 105, 10, 42, 74, 106, 11, 43, 75, 107,
+      12, 44, 76, 108, 13, 45, 77, 109, 14, 46, 78, 110, 15, 47, 79, 111};
+  static const uint8_t place1[64] = {16, 48, 80, 112, 17, 49, 81, 113, 18, 50, 82, 114, 19, 51, 83, 115, 20, 52, 84,
+      116, 21, 53, 85, 117, 22, 54, 86, 118, 23, 55, 87, 119, 24, 56, 88, 120, 25, 57, 89, 121, 26, 58, 90, 122, 27,
+      59, 91, 123, 28, 60, 92, 124, 29, 61, 93, 125, 30, 62, 94, 126, 31, 63, 95, 127};
+  const __m512i idx0 = _mm512_loadu_si512(place0), idx1 = _mm512_loadu_si512(place1);
+  /* four rows a step: lane bytes [row k, k+1, k+2, k+3] of one feature, features 0-15, 16-31 (low nibbles) and
+   * 32-47, 48-63 (high), the levels less 8; their sums by vpdpbusd with ones */
+  const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  for (int k = 0; k < k_pad; k += 4) {
+    __m512i A = _mm512_loadu_si512(blk + (size_t)k * 32), B = _mm512_loadu_si512(blk + (size_t)k * 32 + 64);
+    __m512i LA = _mm512_and_si512(A, low), LB = _mm512_and_si512(B, low);
+    __m512i HA = _mm512_and_si512(_mm512_srli_epi16(A, 4), low), HB = _mm512_and_si512(_mm512_srli_epi16(B, 4), low);
+    __m512i v0 = _mm512_sub_epi8(_mm512_permutex2var_epi8(LA, idx0, LB), eight);
+    __m512i v1 = _mm512_sub_epi8(_mm512_permutex2var_epi8(LA, idx1, LB), eight);
+    __m512i v2 = _mm512_sub_epi8(_mm512_permutex2var_epi8(HA, idx0, HB), eight);
+    __m512i v3 = _mm512_sub_epi8(_mm512_permutex2var_epi8(HA, idx1, HB), eight);
+    int8_t *d = dst + (size_t)(k / 4) * 256;
+    _mm512_storeu_si512(d, v0); _mm512_storeu_si512(d + 64, v1);
+    _mm512_storeu_si512(d + 128, v2); _mm512_storeu_si512(d + 192, v3);
+    s0 = _mm512_dpbusd_epi32(s0, ones, v0); s1 = _mm512_dpbusd_epi32(s1, ones, v1);
+    s2 = _mm512_dpbusd_epi32(s2, ones, v2); s3 = _mm512_dpbusd_epi32(s3, ones, v3);
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  _mm512_storeu_si512(comp, _mm512_sub_epi32(zero, s0)); _mm512_storeu_si512(comp + 16, _mm512_sub_epi32(zero, s1));
+  _mm512_storeu_si512(comp + 32, _mm512_sub_epi32(zero, s2)); _mm512_storeu_si512(comp + 48, _mm512_sub_epi32(zero, s3));
+#else
+  for (int f = 0; f < 64; f++) {
+    int32_t sum = 0;
+    for (int k = 0; k < k_pad; k++) {
+      uint8_t byte = blk[(size_t)k * 32 + f % 32];
+      int8_t v = (int8_t)((f < 32 ? byte & 15 : byte >> 4) - 8);
+      dst[(size_t)(k / 4) * 256 + f * 4 + k % 4] = v;
+      sum += v;
+    }
+    comp[f] = -sum;
+  }
+#endif
+}
+
 int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const uint8_t *packed = L->packed;
   const float *s = L->s, *zc = L->zc;
@@ -524,58 +574,11 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
   if (form == UNPACK_I8_BLOCKED) {
     int32_t *comp = (int32_t *)((int8_t *)out + (size_t)n_pad * k_pad);
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-    /* the byte placement: output byte 4f + e of features 0-15 (idx0) or 16-31 (idx1) from row e's byte f (or f + 16)
-     * of the two 64-byte loads (rows k, k+1 | rows k+2, k+3) */
-    uint8_t place0[64], place1[64];
-    for (int f = 0; f < 16; f++)
-      for (int e = 0; e < 4; e++) {
-        place0[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f);
-        place1[4 * f + e] = (uint8_t)((e & 1) * 32 + (e >> 1) * 64 + f + 16);
-      }
-    const __m512i idx0 = _mm512_loadu_si512(place0), idx1 = _mm512_loadu_si512(place1);
-#endif
     #pragma omp parallel for num_threads(nthreads) schedule(static) \
         if (nthreads > 1 && nb > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
-    for (int b = 0; b < nb; b++) {
-      const uint8_t *blk = packed + (size_t)b * 64 * k_pad / 2;
-      int8_t *dst = (int8_t *)out + (size_t)b * 64 * k_pad;
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-      /* four rows a step: lane bytes [row k, k+1, k+2, k+3] of one feature, features 0-15, 16-31 (low nibbles) and
-       * 32-47, 48-63 (high), the levels less 8; their sums by vpdpbusd with ones */
-      const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
-      __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
-      for (int k = 0; k < k_pad; k += 4) {
-        __m512i A = _mm512_loadu_si512(blk + (size_t)k * 32), B = _mm512_loadu_si512(blk + (size_t)k * 32 + 64);
-        __m512i LA = _mm512_and_si512(A, low), LB = _mm512_and_si512(B, low);
-        __m512i HA = _mm512_and_si512(_mm512_srli_epi16(A, 4), low), HB = _mm512_and_si512(_mm512_srli_epi16(B, 4), low);
-        __m512i v0 = _mm512_sub_epi8(_mm512_permutex2var_epi8(LA, idx0, LB), eight);
-        __m512i v1 = _mm512_sub_epi8(_mm512_permutex2var_epi8(LA, idx1, LB), eight);
-        __m512i v2 = _mm512_sub_epi8(_mm512_permutex2var_epi8(HA, idx0, HB), eight);
-        __m512i v3 = _mm512_sub_epi8(_mm512_permutex2var_epi8(HA, idx1, HB), eight);
-        int8_t *d = dst + (size_t)(k / 4) * 256;
-        _mm512_storeu_si512(d, v0); _mm512_storeu_si512(d + 64, v1);
-        _mm512_storeu_si512(d + 128, v2); _mm512_storeu_si512(d + 192, v3);
-        s0 = _mm512_dpbusd_epi32(s0, ones, v0); s1 = _mm512_dpbusd_epi32(s1, ones, v1);
-        s2 = _mm512_dpbusd_epi32(s2, ones, v2); s3 = _mm512_dpbusd_epi32(s3, ones, v3);
-      }
-      int32_t *c = comp + (size_t)b * 64;
-      const __m512i zero = _mm512_setzero_si512();
-      _mm512_storeu_si512(c, _mm512_sub_epi32(zero, s0)); _mm512_storeu_si512(c + 16, _mm512_sub_epi32(zero, s1));
-      _mm512_storeu_si512(c + 32, _mm512_sub_epi32(zero, s2)); _mm512_storeu_si512(c + 48, _mm512_sub_epi32(zero, s3));
-#else
-      for (int f = 0; f < 64; f++) {
-        int32_t sum = 0;
-        for (int k = 0; k < k_pad; k++) {
-          uint8_t byte = blk[(size_t)k * 32 + f % 32];
-          int8_t v = (int8_t)((f < 32 ? byte & 15 : byte >> 4) - 8);
-          dst[(size_t)(k / 4) * 256 + f * 4 + k % 4] = v;
-          sum += v;
-        }
-        comp[(size_t)b * 64 + f] = -sum;
-      }
-#endif
-    }
+    for (int b = 0; b < nb; b++)
+      i8_levels_block(packed + (size_t)b * 64 * k_pad / 2, k_pad, (int8_t *)out + (size_t)b * 64 * k_pad,
+                      comp + (size_t)b * 64);
     return 0;
   }
   if (form == UNPACK_BF16_BLOCKED) {
@@ -1008,31 +1011,49 @@ int lrq_int8_activations_vectorized(void) {
 #endif
 }
 
+/* 64 rows of an int8 weight [n, k] (from w, k apart) in the blocked order [k / 4][64][4] (k % 4 == 0): each 64-byte
+ * piece holds 16 features' 4 bytes, one gather of 16 int32 from 16 rows (lrq_int8_blocked, the AMX W8A8 panel) */
+static void int8_levels_block(const int8_t *w, int k, int8_t *dst) {
+  int kq = k / 4;
+  for (int g = 0; g < 64; g += 16) {
+    const int8_t *src = w + (size_t)g * k;
+#if defined(__AVX512F__)
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(kq));
+    for (int q = 0; q < kq; q++)
+      _mm512_storeu_si512(dst + (size_t)q * 256 + g * 4, _mm512_i32gather_epi32(rows, (const void *)(src + (size_t)q * 4), 4));
+#else
+    for (int q = 0; q < kq; q++)
+      for (int f = 0; f < 16; f++) memcpy(dst + (size_t)q * 256 + (g + f) * 4, src + (size_t)f * k + q * 4, 4);
+#endif
+  }
+}
+
 /* int8_blocked: W8A8's int8 weight w [n, k] (levels less the offset) in oneDNN's blocked int8 layout, as
  * UNPACK_I8_BLOCKED writes a 4-bit one: [n / 64][k / 4][64][4] bytes, then int32 [n] = -wsum (n % 64 == 0,
  * k % 4 == 0). Each 64-byte piece holds 16 features' 4 bytes: one gather of 16 int32 from 16 rows. */
 int lrq_int8_blocked(const int8_t *w, const int32_t *wsum, int n, int k, int8_t *out, int nthreads) {
   if (n % 64 || k % 4 || n < 1 || k < 1) return 1;
-  int nb = n / 64, kq = k / 4;
+  int nb = n / 64;
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nb > 1 && (size_t)n * k >= PARALLEL_FROM)
-  for (int b = 0; b < nb; b++)
-    for (int g = 0; g < 64; g += 16) {
-      const int8_t *src = w + (size_t)(b * 64 + g) * k;
-#if defined(__AVX512F__)
-      const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(kq));
-      for (int q = 0; q < kq; q++)
-        _mm512_storeu_si512(out + ((size_t)b * kq + q) * 256 + g * 4,
-                            _mm512_i32gather_epi32(rows, (const void *)(src + (size_t)q * 4), 4));
-#else
-      for (int q = 0; q < kq; q++)
-        for (int f = 0; f < 16; f++) memcpy(out + ((size_t)b * kq + q) * 256 + (g + f) * 4, src + (size_t)f * k + q * 4, 4);
-#endif
-    }
+  for (int b = 0; b < nb; b++) int8_levels_block(w + (size_t)b * 64 * k, k, out + (size_t)b * 64 * k);
   int32_t *comp = (int32_t *)(out + (size_t)n * k);
   for (int j = 0; j < n; j++) comp[j] = -wsum[j];
   return 0;
 }
+
+#ifdef ROWS_AVX512
+/* int8_correct's operations on 16 outputs of one row (features j.., mask m) from their float32 product av, written
+ * at y + o + j */
+static inline void correct16(__m512 av, __mmask16 m, int j, __m512 vxz, __m512 vxsc, __m512 vrs, const float *col_term,
+                             const float *zero_term, int asymmetric, const float *scale, void *y, int y_bf16, size_t o) {
+  __m512 v = _mm512_sub_ps(av, _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)));
+  if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, _mm512_maskz_loadu_ps(m, zero_term + j)));
+  v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), _mm512_maskz_loadu_ps(m, scale + j));
+  if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + o + j, m, bf16_round16(v));
+  else _mm512_mask_storeu_ps((float *)y + o + j, m, v);
+}
+#endif
 
 /* int8_correct: lrq.cpu_kernels._int8_corrected over a prefill call's int32 product acc [m, n] (rows acc_stride
  * apart; or its float32 value, acc_f32, as oneDNN's quantized inner product returns it), in its order of float32
@@ -1052,11 +1073,7 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
     for (int j = 0; j < n; j += 16) {
       __mmask16 m = tail16(n - j);
       __m512 av = acc_f32 ? _mm512_maskz_loadu_ps(m, af + j) : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j));
-      __m512 v = _mm512_sub_ps(av, _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)));
-      if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, _mm512_maskz_loadu_ps(m, zero_term + j)));
-      v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), _mm512_maskz_loadu_ps(m, scale + j));
-      if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (size_t)t * n + j, m, bf16_round16(v));
-      else _mm512_mask_storeu_ps((float *)y + (size_t)t * n + j, m, v);
+      correct16(av, m, j, vxz, vxsc, vrs, col_term, zero_term, asymmetric, scale, y, y_bf16, (size_t)t * n);
     }
     continue;
 #endif
@@ -1066,6 +1083,124 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
       store_any(y, y_bf16, (size_t)t * n + j, v * xsc * scale[j]);
     }
   }
+}
+
+/* ---- W8A8 / W4A8 prefill on AMX tiles (Intel Xeon 4th generation and later: AMX-INT8) ----
+ * amx_int8_linear: int8_correct's y [m, n] (float32 or bf16, rows n apart) from the activation levels xa (int8 [m,
+ * k], rows x_stride apart; level - 128, as int8_activations writes them) and the weight's levels less their offset,
+ * computed in one call: the exact int32 product sum_k xa w by AMX's signed int8 tile products (tdpbssd), then
+ * int8_correct's float32 operations on it while it is in the core's cache, without a float32 [m, n] product in memory
+ * and without writing the whole weight into a GEMM library's layout on every call. The weight is either W8A8's int8
+ * levels w [n, k] (`w`, as held; L NULL) or a 4-bit packing (L: W4A8, its levels less 8), and is read one panel of
+ * 64 output features at a time into the tiles' order, [k / 4][64][4] (int8_levels_block / i8_levels_block: the
+ * blocked order oneDNN takes too), which stays in L1/L2 while every 32 rows of xa pass over it: 2 x 2 tiles of
+ * 16 rows x 16 features, 64 levels of k a step. Panels split over threads. k a multiple of 64, the panels' n (or
+ * the packing's n_pad) of 64; m any (the last rows' block through a zero-padded copy). Returns 1 for arguments it
+ * does not take (or where the CPU or the kernel lets no AMX run: lrq_amx_int8_ready), 2 out of memory. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(ROWS_AVX512)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_INT8 1
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
+#endif
+
+/* whether this build and CPU run amx_int8_linear: AMX-TILE and AMX-INT8 in CPUID and the kernel's permission for the
+ * process's tile data (Linux's arch_prctl ARCH_REQ_XCOMP_PERM; asked once) */
+int lrq_amx_int8_ready(void) {
+#ifdef AMX_INT8
+  static int ready = -1;
+  if (ready < 0) {
+    unsigned a, b, c, d;
+    ready = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+            syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }
+  return ready;
+#else
+  return 0;
+#endif
+}
+
+int lrq_amx_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int8_t *w, const int4_layer *L, int n,
+                        const float *rowsum, const float *x_zero, int zero_per_row, const float *x_scale,
+                        int scale_per_row, const float *col_term, const float *zero_term, int asymmetric,
+                        const float *scale, void *y, int y_bf16, int nthreads) {
+#ifdef AMX_INT8
+  int n_pad = L ? L->n_pad : n;
+  if (!lrq_amx_int8_ready() || m < 1 || k < 64 || k % 64 || n < 1 || n_pad % 64 || n > n_pad || (!L && !w) ||
+      (L && (L->block != 64 || L->k_pad != k)))
+    return 1;
+  int panels = n_pad / 64, failed = 0;
+  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1 && (size_t)m * n * k >= PARALLEL_FROM)
+  {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    int8_t *panel = aligned_alloc(64, (size_t)k * 64), *tail = m % 32 ? aligned_alloc(64, (size_t)k * 32) : NULL;
+    int32_t acc[32 * 32] __attribute__((aligned(64))), comp[64];
+    int ok = panel && (m % 32 == 0 || tail);
+    if (!ok) {
+      #pragma omp atomic write
+      failed = 1;
+    } else {
+      _tile_loadconfig(&cfg);
+    }
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+      if (ok) {
+          if (L) i8_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, k, panel, comp);
+          else int8_levels_block(w + (size_t)p * 64 * k, k, panel);
+          for (int t0 = 0; t0 < m; t0 += 32) {
+            int rows = m - t0 < 32 ? m - t0 : 32;
+            const int8_t *a = xa + (size_t)t0 * x_stride;
+            long as = x_stride;
+            if (rows < 32) {   /* the last rows, zero-padded to the block */
+              for (int r = 0; r < 32; r++)
+                if (r < rows) memcpy(tail + (size_t)r * k, a + (size_t)r * x_stride, k);
+                else memset(tail + (size_t)r * k, 0, k);
+              a = tail, as = k;
+            }
+            for (int h = 0; h < 2; h++) {   /* features 32h.. of the panel: tiles 0-3 the 2 x 2 outputs, 4-5 xa, 6-7 w */
+              const int8_t *b = panel + 128 * h;
+              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+              for (int kk = 0; kk < k; kk += 64) {
+                _tile_loadd(4, a + kk, as);
+                _tile_loadd(5, a + 16 * as + kk, as);
+                _tile_loadd(6, b + (size_t)kk * 64, 256);
+                _tile_loadd(7, b + (size_t)kk * 64 + 64, 256);
+                _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+              }
+              _tile_stored(0, acc, 128); _tile_stored(1, acc + 16, 128);
+              _tile_stored(2, acc + 16 * 32, 128); _tile_stored(3, acc + 16 * 32 + 16, 128);
+              int j0 = p * 64 + 32 * h;
+              if (j0 >= n) continue;
+              for (int r = 0; r < rows; r++) {
+                int t = t0 + r;
+                const __m512 vxz = _mm512_set1_ps(x_zero[zero_per_row ? t : 0]),
+                             vxsc = _mm512_set1_ps(x_scale[scale_per_row ? t : 0]), vrs = _mm512_set1_ps(rowsum[t]);
+                for (int c = 0; c < 32; c += 16) {
+                  if (j0 + c >= n) break;
+                  __m512 av = _mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + c));
+                  correct16(av, tail16(n - j0 - c), j0 + c, vxz, vxsc, vrs, col_term, zero_term, asymmetric, scale, y,
+                            y_bf16, (size_t)t * n);
+                }
+              }
+            }
+        }
+      }
+    }
+    if (ok) _tile_release();
+    free(panel);
+    free(tail);
+  }
+  return failed ? 2 : 0;
+#else
+  (void)xa, (void)x_stride, (void)m, (void)k, (void)w, (void)L, (void)n, (void)rowsum, (void)x_zero, (void)zero_per_row;
+  (void)x_scale, (void)scale_per_row, (void)col_term, (void)zero_term, (void)asymmetric, (void)scale, (void)y;
+  (void)y_bf16, (void)nthreads;
+  return 1;
+#endif
 }
 
 /* how the 4-bit kernel multiplies bf16 activations (lrq.native.status names it) */
