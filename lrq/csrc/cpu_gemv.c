@@ -1105,6 +1105,41 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
 #endif
 
+#ifdef AMX_INT8
+/* int8_correct's operations (correct16's, in its order) on rows r0..r1 of a 32 x 32 block of int32 products acc (rows
+ * t0 + r, features j0.., those below n written): the features' terms loaded once a call, and the bf16 rounding by
+ * vcvtneps2bf16 (the same bits as bf16_round16 for every value but a float32 denormal, which it reads as 0: a vector
+ * holding one takes bf16_round16) */
+static void amx_correct_rows(const int32_t *acc, int r0, int r1, int t0, int j0, int n, const float *rowsum,
+                              const float *x_zero, int zero_per_row, const float *x_scale, int scale_per_row,
+                              const float *col_term, const float *zero_term, int asymmetric, const float *scale,
+                              void *y, int y_bf16) {
+  __mmask16 mk[2] = {tail16(n - j0), j0 + 16 < n ? tail16(n - j0 - 16) : 0};
+  __m512 col[2], zt[2], sc[2];
+  for (int c = 0; c < 2; c++) {
+    col[c] = _mm512_maskz_loadu_ps(mk[c], col_term + j0 + 16 * c);
+    zt[c] = _mm512_maskz_loadu_ps(mk[c], zero_term + j0 + 16 * c);
+    sc[c] = _mm512_maskz_loadu_ps(mk[c], scale + j0 + 16 * c);
+  }
+  for (int r = r0; r < r1; r++) {
+    int t = t0 + r;
+    const __m512 vxz = _mm512_set1_ps(x_zero[zero_per_row ? t : 0]), vxsc = _mm512_set1_ps(x_scale[scale_per_row ? t : 0]),
+                 vrs = _mm512_set1_ps(rowsum[t]);
+    for (int c = 0; c < 2 && mk[c]; c++) {
+      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), _mm512_mul_ps(vxz, col[c]));
+      if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt[c]));
+      v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc[c]);
+      size_t o = (size_t)t * n + j0 + 16 * c;
+      if (y_bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)y + o, mk[c], _mm512_fpclass_ps_mask(v, 0x30) /* denormals */
+                                 ? bf16_round16(v) : (__m256i)_mm512_cvtneps_pbh(v));
+      else
+        _mm512_mask_storeu_ps((float *)y + o, mk[c], v);
+    }
+  }
+}
+#endif
+
 /* whether this build and CPU run amx_int8_linear: AMX-TILE and AMX-INT8 in CPUID and the kernel's permission for the
  * process's tile data (Linux's arch_prctl ARCH_REQ_XCOMP_PERM; asked once) */
 int lrq_amx_int8_ready(void) {
@@ -1138,7 +1173,7 @@ int lrq_amx_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     int8_t *panel = aligned_alloc(64, (size_t)k * 64), *tail = m % 32 ? aligned_alloc(64, (size_t)k * 32) : NULL;
-    int32_t acc[32 * 32] __attribute__((aligned(64))), comp[64];
+    int32_t acc[2 * 32 * 32] __attribute__((aligned(64))), comp[64];
     int ok = panel && (m % 32 == 0 || tail);
     if (!ok) {
       #pragma omp atomic write
@@ -1148,47 +1183,48 @@ int lrq_amx_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int
     }
     #pragma omp for schedule(static)
     for (int p = 0; p < panels; p++) {
-      if (ok) {
-          if (L) i8_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, k, panel, comp);
-          else int8_levels_block(w + (size_t)p * 64 * k, k, panel);
-          for (int t0 = 0; t0 < m; t0 += 32) {
-            int rows = m - t0 < 32 ? m - t0 : 32;
-            const int8_t *a = xa + (size_t)t0 * x_stride;
-            long as = x_stride;
-            if (rows < 32) {   /* the last rows, zero-padded to the block */
-              for (int r = 0; r < 32; r++)
-                if (r < rows) memcpy(tail + (size_t)r * k, a + (size_t)r * x_stride, k);
-                else memset(tail + (size_t)r * k, 0, k);
-              a = tail, as = k;
+      if (!ok) continue;
+      if (L) i8_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, k, panel, comp);
+      else int8_levels_block(w + (size_t)p * 64 * k, k, panel);
+      /* each 32 x 32 block's corrections run while the tiles compute the next block (two product buffers): its rows
+       * spread over the next block's steps of k, so the vector and tile units work at once */
+      int pend_t0 = 0, pend_rows = 0, pend_j0 = 0, cur = 0, steps = k / 64;
+      for (int t0 = 0; t0 < m; t0 += 32) {
+        int rows = m - t0 < 32 ? m - t0 : 32;
+        const int8_t *a = xa + (size_t)t0 * x_stride;
+        long as = x_stride;
+        if (rows < 32) {   /* the last rows, zero-padded to the block */
+          for (int r = 0; r < 32; r++)
+            if (r < rows) memcpy(tail + (size_t)r * k, a + (size_t)r * x_stride, k);
+            else memset(tail + (size_t)r * k, 0, k);
+          a = tail, as = k;
+        }
+        for (int h = 0; h < 2; h++) {   /* features 32h.. of the panel: tiles 0-3 the 2 x 2 outputs, 4-5 xa, 6-7 w */
+          const int8_t *b = panel + 128 * h;
+          const int32_t *prev = acc + (cur ^ 1) * 1024;
+          int done = 0, per = (pend_rows + steps - 1) / steps;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int kk = 0; kk < k; kk += 64) {
+            _tile_loadd(4, a + kk, as);
+            _tile_loadd(5, a + 16 * as + kk, as);
+            _tile_loadd(6, b + (size_t)kk * 64, 256);
+            _tile_loadd(7, b + (size_t)kk * 64 + 64, 256);
+            _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+            if (done < pend_rows) {
+              int e = done + per < pend_rows ? done + per : pend_rows;
+              amx_correct_rows(prev, done, e, pend_t0, pend_j0, n, rowsum, x_zero, zero_per_row, x_scale,
+                               scale_per_row, col_term, zero_term, asymmetric, scale, y, y_bf16);
+              done = e;
             }
-            for (int h = 0; h < 2; h++) {   /* features 32h.. of the panel: tiles 0-3 the 2 x 2 outputs, 4-5 xa, 6-7 w */
-              const int8_t *b = panel + 128 * h;
-              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-              for (int kk = 0; kk < k; kk += 64) {
-                _tile_loadd(4, a + kk, as);
-                _tile_loadd(5, a + 16 * as + kk, as);
-                _tile_loadd(6, b + (size_t)kk * 64, 256);
-                _tile_loadd(7, b + (size_t)kk * 64 + 64, 256);
-                _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
-              }
-              _tile_stored(0, acc, 128); _tile_stored(1, acc + 16, 128);
-              _tile_stored(2, acc + 16 * 32, 128); _tile_stored(3, acc + 16 * 32 + 16, 128);
-              int j0 = p * 64 + 32 * h;
-              if (j0 >= n) continue;
-              for (int r = 0; r < rows; r++) {
-                int t = t0 + r;
-                const __m512 vxz = _mm512_set1_ps(x_zero[zero_per_row ? t : 0]),
-                             vxsc = _mm512_set1_ps(x_scale[scale_per_row ? t : 0]), vrs = _mm512_set1_ps(rowsum[t]);
-                for (int c = 0; c < 32; c += 16) {
-                  if (j0 + c >= n) break;
-                  __m512 av = _mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + c));
-                  correct16(av, tail16(n - j0 - c), j0 + c, vxz, vxsc, vrs, col_term, zero_term, asymmetric, scale, y,
-                            y_bf16, (size_t)t * n);
-                }
-              }
-            }
+          }
+          int32_t *out = acc + cur * 1024;
+          _tile_stored(0, out, 128); _tile_stored(1, out + 16, 128);
+          _tile_stored(2, out + 16 * 32, 128); _tile_stored(3, out + 16 * 32 + 16, 128);
+          pend_t0 = t0, pend_j0 = p * 64 + 32 * h, pend_rows = pend_j0 < n ? rows : 0, cur ^= 1;
         }
       }
+      amx_correct_rows(acc + (cur ^ 1) * 1024, 0, pend_rows, pend_t0, pend_j0, n, rowsum, x_zero, zero_per_row,
+                       x_scale, scale_per_row, col_term, zero_term, asymmetric, scale, y, y_bf16);
     }
     if (ok) _tile_release();
     free(panel);
