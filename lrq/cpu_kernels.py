@@ -19,10 +19,11 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
   made per call, OneDNNOperand, or torch._int_mm: int8 x int8 -> int32); the zero points are corrected in float32
   after it.
 
-On a CPU with AMX-INT8 (Intel Xeon 4th generation and later) a W8A8 or W4A8 prefill call runs lrq.native's own
-tile kernel instead (`amx_int8_linear`): the same exact integer product and float32 corrections, bit for bit, in
-one call that reads the held weight a panel of 64 features at a time (no per-call copy of the whole weight, no
-float32 product in memory). `LRQ_AMX=0` turns it off (an A/B measurement).
+On a CPU with AMX (Intel Xeon 4th generation and later) a W8A8 or W4A8 prefill call runs lrq.native's own tile
+kernel instead (`amx_int8_linear`): the same exact integer product and float32 corrections, bit for bit, in one
+call that reads the held weight a panel of 64 features at a time (no per-call copy of the whole weight, no float32
+product in memory); a 4-bit weight-only bf16 prefill call likewise (`Int4Weights._amx_mm`: each panel dequantized
+to the bf16 operand's values in cache, bf16 tile products). `LRQ_AMX=0` turns them off (an A/B measurement).
 
 torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
 scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
@@ -98,8 +99,9 @@ PROBE_PIECE = 1 << 20   # positions OneDNNOperand's probe compares at once
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
-# lrq.native's AMX tile kernel for W8A8/W4A8 prefill calls (amx_int8_linear), where the CPU and build have it; LRQ_AMX=0
-# keeps oneDNN's GEMM and the separate corrections. From this many tokens (below it the call is a decode step).
+# lrq.native's AMX tile kernels for prefill calls (W8A8/W4A8: amx_int8_linear; 4-bit weight-only bf16:
+# Int4Weights._amx_mm), where the CPU and build have them; LRQ_AMX=0 keeps oneDNN's GEMMs. From AMX_FROM_M tokens
+# (below it the call is a decode step).
 AMX_PREFILL = os.environ.get("LRQ_AMX", "1") != "0"
 AMX_FROM_M = NATIVE_INT8_MAX_M + 1
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
@@ -279,7 +281,9 @@ class Int4Weights:
         if self.bf16_kernel_for(xr.dtype, xr.shape[0]):
             y = torch._weight_int4pack_mm_for_cpu(xr.bfloat16(), self.packed, self.group, self.scales)
         elif self.decodable and xr.shape[0] >= self.dequantize_from(xr.dtype):
-            y = self._blocked_mm(xr)
+            y = self._amx_mm(xr)
+            if y is None:
+                y = self._blocked_mm(xr)
             if y is None:
                 y = xr @ self.dequantized_t(xr.dtype)      # a transient [k_pad, n_pad] copy, dropped after the call
         else:
@@ -307,6 +311,21 @@ class Int4Weights:
             return self.dequantized_t_torch(dtype)
         out = self._native_unpack_t(native.UNPACK_BF16 if dtype == torch.bfloat16 else native.UNPACK_F32, dtype)
         return self.dequantized_t_torch(dtype) if out is None else out
+
+    def _amx_mm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [m, k_pad] bf16 times the weight on AMX tiles (lrq.native's lrq_amx_bf16_linear: each panel of 64
+        features dequantized into the tiles' order as the bf16 prefill operand's values, bf16 tile products summed in
+        float32, rounded once): [m, n] bf16, or None where it does not run (no AMX here, LRQ_AMX=0, not bf16, a
+        packing it does not take)."""
+        if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[0] < AMX_FROM_M or not amx_ready():
+            return None
+        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        rc = native.library().lrq_amx_bf16_linear(self._native_layer()[1], x.data_ptr(), x.stride(0), x.shape[0],
+                                                  self.n, y.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            return None
+        native.checked(rc, "AMX bf16 kernel")
+        return y
 
     def _blocked_mm(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [m, k_pad] bf16 times the weight through oneDNN's bf16 inner product on an operand in its own blocked
@@ -612,9 +631,9 @@ def _int8_corrected_torch(acc: torch.Tensor, rowsum: torch.Tensor, x_zero: torch
 
 
 def amx_ready() -> bool:
-    """Whether W8A8/W4A8 prefill calls run lrq.native's AMX tile kernel here (AMX_PREFILL, the build and the CPU)."""
+    """Whether prefill calls run lrq.native's AMX tile kernels here (AMX_PREFILL, the build and the CPU)."""
     lib = native.library()
-    return AMX_PREFILL and lib is not None and bool(lib.lrq_amx_int8_ready())
+    return AMX_PREFILL and lib is not None and bool(lib.lrq_amx_ready())
 
 
 def amx_int8_linear(xa: torch.Tensor, x_zero, x_scale, rowsum: torch.Tensor, n: int, col_term: torch.Tensor,

@@ -117,8 +117,10 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_int8_correct.argtypes = [p, lg, i, i, p, p, i, p, i, p, p, i, p, p, i, i, i]
     lib.lrq_int8_blocked.argtypes = [p, p, i, i, p, i]
     lib.lrq_int8_blocked.restype = i
-    lib.lrq_amx_int8_ready.argtypes = []
-    lib.lrq_amx_int8_ready.restype = i
+    lib.lrq_amx_ready.argtypes = []
+    lib.lrq_amx_ready.restype = i
+    lib.lrq_amx_bf16_linear.argtypes = [p, p, lg, i, i, p, i]
+    lib.lrq_amx_bf16_linear.restype = i
     lib.lrq_amx_int8_linear.argtypes = [p, lg, i, i, p, p, i, p, p, i, p, i, p, p, i, p, p, i, i]
     lib.lrq_amx_int8_linear.restype = i
     lib.lrq_int8_correct.restype = None

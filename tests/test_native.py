@@ -600,7 +600,7 @@ def test_amx_prefill_is_the_corrected_integer_product_bit_for_bit(kind, monkeypa
 def test_amx_kernel_is_built_for_amx_cpus_only(tmp_path):
     """The AMX tile code is compiled where the target has AMX-INT8 (here: -march=sapphirerapids, whatever this CPU
     is) and nowhere else (an Ice Lake target: AVX-512 VNNI, no AMX): the assembly holds tdpbssd in the first and not in the second, and both
-    builds keep lrq_amx_int8_ready and lrq_amx_int8_linear (which refuse, returning 0 and 1, without AMX)."""
+    builds keep lrq_amx_ready and lrq_amx_int8_linear (which refuse, returning 0 and 1, without AMX)."""
     import shutil
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -612,4 +612,37 @@ def test_amx_kernel_is_built_for_amx_cpus_only(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         text = asm.read_text()
         assert ("tdpbssd" in text) is amx and ("ldtilecfg" in text) is amx
-        assert "lrq_amx_int8_ready:" in text and "lrq_amx_int8_linear:" in text
+        assert "lrq_amx_ready:" in text and "lrq_amx_int8_linear:" in text
+
+
+def test_amx_weight_only_prefill_is_the_bf16_product(monkeypatch):
+    """On a CPU with AMX a bf16 prefill call of a 4-bit weight-only layer runs lrq.native's bf16 tile kernel
+    (Int4Weights._amx_mm): each panel dequantized to the values of the bf16 operand oneDNN's path multiplies, summed in
+    float32 and rounded once, so its error against the float64 product of those values is the bf16 output's rounding,
+    as oneDNN's is; whole blocks and rows that do not fill one, per channel and g128, one and two threads."""
+    import lrq.cpu_kernels as K
+    if not K.amx_ready():
+        pytest.skip("this CPU has no AMX (test_amx_kernel_is_built_for_amx_cpus_only checks the build)")
+    ran = []
+    real = K.Int4Weights._amx_mm
+    monkeypatch.setattr(K.Int4Weights, "_amx_mm", lambda self, x: ran.append(x.shape[0]) or real(self, x))
+    g = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    try:
+        for (n, k, group), m in [((1536, 576, 128), 70), ((576, 1536, None), 512), ((192, 576, 64), 37)]:
+            w = _weights(n, k, group)
+            x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+            ref_w = w.dequantized_t(torch.bfloat16)[:k, :n].double()
+            ref, size = x.double() @ ref_w, x.double().abs() @ ref_w.abs()
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                ran.clear()
+                got = w.mm(x)
+                assert ran == [m] and got.dtype == torch.bfloat16 and got.shape == (m, n)
+                monkeypatch.setattr(K, "AMX_PREFILL", False)
+                theirs = w.mm(x)
+                monkeypatch.setattr(K, "AMX_PREFILL", True)
+                err, their_err = (((y.double() - ref).abs() / size).max().item() for y in (got, theirs))
+                assert err <= 2 ** -8 and err <= 1.01 * their_err + 1e-6, (n, k, m, err, their_err)
+    finally:
+        torch.set_num_threads(threads)

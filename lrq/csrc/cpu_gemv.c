@@ -563,6 +563,30 @@ static void i8_levels_block(const uint8_t *blk, int k_pad, int8_t *dst, int32_t 
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* one block of 64 features of a 4-bit packing (block 64) dequantized to bf16 (UNPACK_BF16's values) in the blocked
+ * order [k_pad / 2][32][2] of features c0..c0+31 at d0 and c0+32..c0+63 at d1 (UNPACK_BF16_BLOCKED; the AMX
+ * weight-only prefill's panel): both rows' 64 values a step in registers, the group's scales kept (group even) */
+static void bf16_levels_block(const uint8_t *blk, const float *s, const float *zc, int n_pad, int c0, int k_pad,
+                              int group, uint16_t *d0, uint16_t *d1) {
+  for (int g0 = 0; g0 < k_pad; g0 += group) {
+    const float *sg = s + (size_t)(g0 / group) * n_pad + c0, *zg = zc + (size_t)(g0 / group) * n_pad + c0;
+    __m512 s0 = vload(sg), s1 = vload(sg + 16), s2 = vload(sg + 32), s3 = vload(sg + 48);
+    __m512 z0 = vload(zg), z1 = vload(zg + 16), z2 = vload(zg + 32), z3 = vload(zg + 48);
+    for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k += 2) {
+      const uint8_t *r = blk + (size_t)k * 32;
+      b16 a0 = bload(r), a1 = bload(r + 16), e0 = bload(r + 32), e1 = bload(r + 48);   /* rows k, k + 1 */
+      __m512i ka = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(a1), s1, z1), vfmav(lo_f(a0), s0, z0));
+      __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(e1), s1, z1), vfmav(lo_f(e0), s0, z0));
+      __m512i ha = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(a1), s3, z3), vfmav(hi_f(a0), s2, z2));
+      __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(e1), s3, z3), vfmav(hi_f(e0), s2, z2));
+      store_pairs(d0 + (size_t)(k / 2) * 64, ka, kb);
+      store_pairs(d1 + (size_t)(k / 2) * 64, ha, hb);
+    }
+  }
+}
+#endif
+
 int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const uint8_t *packed = L->packed;
   const float *s = L->s, *zc = L->zc;
@@ -589,23 +613,9 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
       int c0 = b * block, width = b < nb ? block : rem;
       uint16_t t[2][64];
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if (b < nb && block == 64 && group % 2 == 0) {   /* in registers: both rows' 64 values a step, the group's scales kept */
-        uint16_t *d0 = (uint16_t *)out + (size_t)(c0 / 32) * 32 * k_pad, *d1 = d0 + (size_t)32 * k_pad;
-        for (int g0 = 0; g0 < k_pad; g0 += group) {
-          const float *sg = s + (size_t)(g0 / group) * n_pad + c0, *zg = zc + (size_t)(g0 / group) * n_pad + c0;
-          __m512 s0 = vload(sg), s1 = vload(sg + 16), s2 = vload(sg + 32), s3 = vload(sg + 48);
-          __m512 z0 = vload(zg), z1 = vload(zg + 16), z2 = vload(zg + 32), z3 = vload(zg + 48);
-          for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k += 2) {   /* group % 2 == 0 */
-            const uint8_t *r = blk + (size_t)k * 32;
-            b16 a0 = bload(r), a1 = bload(r + 16), e0 = bload(r + 32), e1 = bload(r + 48);   /* rows k, k + 1 */
-            __m512i ka = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(a1), s1, z1), vfmav(lo_f(a0), s0, z0));
-            __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(e1), s1, z1), vfmav(lo_f(e0), s0, z0));
-            __m512i ha = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(a1), s3, z3), vfmav(hi_f(a0), s2, z2));
-            __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(e1), s3, z3), vfmav(hi_f(e0), s2, z2));
-            store_pairs(d0 + (size_t)(k / 2) * 64, ka, kb);
-            store_pairs(d1 + (size_t)(k / 2) * 64, ha, hb);
-          }
-        }
+      if (b < nb && block == 64 && group % 2 == 0) {   /* in registers */
+        uint16_t *d0 = (uint16_t *)out + (size_t)(c0 / 32) * 32 * k_pad;
+        bf16_levels_block(blk, s, zc, n_pad, c0, k_pad, group, d0, d0 + (size_t)32 * k_pad);
         continue;
       }
 #endif
@@ -1085,69 +1095,181 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
   }
 }
 
-/* ---- W8A8 / W4A8 prefill on AMX tiles (Intel Xeon 4th generation and later: AMX-INT8) ----
- * amx_int8_linear: int8_correct's y [m, n] (float32 or bf16, rows n apart) from the activation levels xa (int8 [m,
- * k], rows x_stride apart; level - 128, as int8_activations writes them) and the weight's levels less their offset,
- * computed in one call: the exact int32 product sum_k xa w by AMX's signed int8 tile products (tdpbssd), then
- * int8_correct's float32 operations on it while it is in the core's cache, without a float32 [m, n] product in memory
- * and without writing the whole weight into a GEMM library's layout on every call. The weight is either W8A8's int8
- * levels w [n, k] (`w`, as held; L NULL) or a 4-bit packing (L: W4A8, its levels less 8), and is read one panel of
- * 64 output features at a time into the tiles' order, [k / 4][64][4] (int8_levels_block / i8_levels_block: the
- * blocked order oneDNN takes too), which stays in L1/L2 while every 32 rows of xa pass over it: 2 x 2 tiles of
- * 16 rows x 16 features, 64 levels of k a step. Panels split over threads. k a multiple of 64, the panels' n (or
- * the packing's n_pad) of 64; m any (the last rows' block through a zero-padded copy). Returns 1 for arguments it
- * does not take (or where the CPU or the kernel lets no AMX run: lrq_amx_int8_ready), 2 out of memory. */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(ROWS_AVX512)
+/* ---- prefill GEMMs on AMX tiles (Intel Xeon 4th generation and later: AMX-INT8, AMX-BF16) ----
+ * A prefill call of a packed layer computed in one call over the weight as held, one panel of 64 output features at
+ * a time written into the tiles' order (in L1/L2 while every 32 rows of x pass over it; 2 x 2 tiles of 16 rows x
+ * 16 features, 64 bytes of k a step), its outputs finished in the core's cache while the tiles compute the next
+ * block: no per-call copy of the whole weight in a GEMM library's layout, no float32 product in memory. Panels split
+ * over threads; m any (the last rows' block through a zero-padded copy). Two kinds:
+ *
+ * amx_int8_linear (W8A8, W4A8): int8_correct's y [m, n] (float32 or bf16) from the activation levels xa (int8 [m,
+ *   k], rows x_stride apart; level - 128, as int8_activations writes them) and the weight's levels less their offset:
+ *   the exact int32 product by signed int8 tile products (tdpbssd), then int8_correct's float32 operations in its
+ *   order (bit for bit its values). The weight is W8A8's int8 levels w [n, k] (`w`; L NULL: int8_levels_block) or a
+ *   4-bit packing (L: W4A8's levels less 8, i8_levels_block), panels [k / 4][64][4]. k a multiple of 64.
+ * amx_bf16_linear (4-bit weight-only, bf16): y [m, n] bf16 = x [m, k_pad] (bf16, rows x_stride apart) times the
+ *   packing's dequantized weight (UNPACK_BF16's values, bf16_levels_block: panels [2][k_pad / 2][32][2]) by bf16
+ *   tile products summed in float32 (tdpbf16ps), rounded once (nearest even); the product oneDNN's bf16 GEMM makes
+ *   of the same operand, summed in another order. block 64, group even, k_pad a multiple of 32.
+ *
+ * Both need the packing's n_pad (or W8A8's n) a multiple of 64. They return 1 for arguments they do not take or
+ * where the CPU or the kernel lets no AMX run (lrq_amx_ready), 2 out of memory. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(ROWS_AVX512) && \
+    defined(__AVX512BF16__)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_INT8 1
+#define AMX_TILES 1
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
-#endif
 
-#ifdef AMX_INT8
-/* int8_correct's operations (correct16's, in its order) on rows r0..r1 of a 32 x 32 block of int32 products acc (rows
- * t0 + r, features j0.., those below n written): the features' terms loaded once a call, and the bf16 rounding by
- * vcvtneps2bf16 (the same bits as bf16_round16 for every value but a float32 denormal, which it reads as 0: a vector
- * holding one takes bf16_round16) */
-static void amx_correct_rows(const int32_t *acc, int r0, int r1, int t0, int j0, int n, const float *rowsum,
-                              const float *x_zero, int zero_per_row, const float *x_scale, int scale_per_row,
-                              const float *col_term, const float *zero_term, int asymmetric, const float *scale,
-                              void *y, int y_bf16) {
+typedef struct {
+  int bf16;                                 /* amx_bf16_linear; else amx_int8_linear */
+  const void *x; long x_stride; int m, k;   /* x: int8 levels or bf16 values, rows x_stride elements apart */
+  const int8_t *w; const int4_layer *L; int n, n_pad;
+  const float *rowsum, *x_zero, *x_scale, *col_term, *zero_term, *scale;   /* amx_int8_linear's corrections */
+  int zero_per_row, scale_per_row, asymmetric;
+  void *y; int y_bf16;
+} amx_job;
+
+/* bf16 of 16 float32 values: vcvtneps2bf16 (the same bits as bf16_round16 for every value but a float32 denormal,
+ * which it reads as 0: a vector holding one takes bf16_round16) */
+static inline __m256i amx_bf16(__m512 v) {
+  return _mm512_fpclass_ps_mask(v, 0x30) ? bf16_round16(v) : (__m256i)_mm512_cvtneps_pbh(v);
+}
+
+/* the outputs of rows r0..r1 of a 32 x 32 block of products acc (rows t0 + r, features j0.., those below n
+ * written): amx_int8_linear's int8_correct operations (correct16's, in its order; the features' terms loaded once a
+ * call) or amx_bf16_linear's rounding */
+static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1, int t0, int j0) {
+  int n = J->n;
   __mmask16 mk[2] = {tail16(n - j0), j0 + 16 < n ? tail16(n - j0 - 16) : 0};
+  if (J->bf16) {
+    for (int r = r0; r < r1; r++)
+      for (int c = 0; c < 2 && mk[c]; c++)
+        _mm256_mask_storeu_epi16((uint16_t *)J->y + (size_t)(t0 + r) * n + j0 + 16 * c, mk[c],
+                                 amx_bf16(_mm512_load_ps((const float *)acc + r * 32 + 16 * c)));
+    return;
+  }
   __m512 col[2], zt[2], sc[2];
   for (int c = 0; c < 2; c++) {
-    col[c] = _mm512_maskz_loadu_ps(mk[c], col_term + j0 + 16 * c);
-    zt[c] = _mm512_maskz_loadu_ps(mk[c], zero_term + j0 + 16 * c);
-    sc[c] = _mm512_maskz_loadu_ps(mk[c], scale + j0 + 16 * c);
+    col[c] = _mm512_maskz_loadu_ps(mk[c], J->col_term + j0 + 16 * c);
+    zt[c] = _mm512_maskz_loadu_ps(mk[c], J->zero_term + j0 + 16 * c);
+    sc[c] = _mm512_maskz_loadu_ps(mk[c], J->scale + j0 + 16 * c);
   }
   for (int r = r0; r < r1; r++) {
     int t = t0 + r;
-    const __m512 vxz = _mm512_set1_ps(x_zero[zero_per_row ? t : 0]), vxsc = _mm512_set1_ps(x_scale[scale_per_row ? t : 0]),
-                 vrs = _mm512_set1_ps(rowsum[t]);
+    const __m512 vxz = _mm512_set1_ps(J->x_zero[J->zero_per_row ? t : 0]),
+                 vxsc = _mm512_set1_ps(J->x_scale[J->scale_per_row ? t : 0]), vrs = _mm512_set1_ps(J->rowsum[t]);
     for (int c = 0; c < 2 && mk[c]; c++) {
       __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), _mm512_mul_ps(vxz, col[c]));
-      if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt[c]));
+      if (J->asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt[c]));
       v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc[c]);
       size_t o = (size_t)t * n + j0 + 16 * c;
-      if (y_bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)y + o, mk[c], _mm512_fpclass_ps_mask(v, 0x30) /* denormals */
-                                 ? bf16_round16(v) : (__m256i)_mm512_cvtneps_pbh(v));
-      else
-        _mm512_mask_storeu_ps((float *)y + o, mk[c], v);
+      if (J->y_bf16) _mm256_mask_storeu_epi16((uint16_t *)J->y + o, mk[c], amx_bf16(v));
+      else _mm512_mask_storeu_ps((float *)J->y + o, mk[c], v);
     }
   }
 }
+
+/* panel p (features 64p..) of the job's weight in the tiles' order */
+static void amx_panel(const amx_job *J, int p, uint8_t *panel) {
+  int k = J->k;
+  if (J->bf16) {
+    const int4_layer *L = J->L;
+    bf16_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, L->s, L->zc, L->n_pad, 64 * p, k, L->group,
+                      (uint16_t *)panel, (uint16_t *)panel + (size_t)32 * k);
+  } else if (J->L) {
+    int32_t comp[64];
+    i8_levels_block((const uint8_t *)J->L->packed + (size_t)p * 32 * k, k, (int8_t *)panel, comp);
+  } else {
+    int8_levels_block(J->w + (size_t)p * 64 * k, k, (int8_t *)panel);
+  }
+}
+
+static int amx_run(const amx_job *J, int nthreads) {
+  int m = J->m, k = J->k, panels = J->n_pad / 64, failed = 0, esize = J->bf16 ? 2 : 1;
+  size_t row_bytes = (size_t)k * esize;
+  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1 && (size_t)m * J->n * k >= PARALLEL_FROM)
+  {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    uint8_t *panel = aligned_alloc(64, row_bytes * 64), *tail = m % 32 ? aligned_alloc(64, row_bytes * 32) : NULL;
+    int32_t acc[2 * 32 * 32] __attribute__((aligned(64)));
+    int ok = panel && (m % 32 == 0 || tail);
+    if (!ok) {
+      #pragma omp atomic write
+      failed = 1;
+    } else {
+      _tile_loadconfig(&cfg);
+    }
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+      if (!ok) continue;
+      amx_panel(J, p, panel);
+      /* each 32 x 32 block's outputs are finished while the tiles compute the next block (two product buffers):
+       * its rows spread over the next block's steps of k (on this CPU the two units did not overlap much: 438 ->
+       * 410 us for 1536 x 576 x 512 int8, the corrections alone 93) */
+      int pend_t0 = 0, pend_rows = 0, pend_j0 = 0, cur = 0, steps = (int)(row_bytes / 64);
+      for (int h = 0; h < 2; h++) {   /* features 32h.. of the panel: their part of it stays in L1 for every block */
+        /* int8 [k / 4][64][4]: rows 256 bytes apart, features 32h at byte 128h; bf16 [2][k / 2][32][2]: half h after
+         * 64 k bytes a feature row, rows 128 bytes apart. A step of 64 bytes of k is 16 rows of either. */
+        const uint8_t *b = J->bf16 ? panel + (size_t)h * 64 * k : panel + 128 * h;
+        long bs = J->bf16 ? 128 : 256;
+        for (int t0 = 0; t0 < m; t0 += 32) {   /* tiles 0-3 the 2 x 2 outputs, 4-5 x, 6-7 w */
+          int rows = m - t0 < 32 ? m - t0 : 32;
+          const uint8_t *a = (const uint8_t *)J->x + (size_t)t0 * J->x_stride * esize;
+          long as = J->x_stride * esize;
+          if (rows < 32) {   /* the last rows, zero-padded to the block */
+            for (int r = 0; r < 32; r++)
+              if (r < rows) memcpy(tail + r * row_bytes, a + r * as, row_bytes);
+              else memset(tail + r * row_bytes, 0, row_bytes);
+            a = tail, as = (long)row_bytes;
+          }
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          const int32_t *prev = acc + (cur ^ 1) * 1024;
+          int done = 0, per = (pend_rows + steps - 1) / steps;
+          for (size_t kb = 0; kb < row_bytes; kb += 64) {   /* x's tiles streamed past L1 (the panel's stay there) */
+            _tile_stream_loadd(4, a + kb, as);
+            _tile_stream_loadd(5, a + 16 * as + kb, as);
+            _tile_loadd(6, b + kb / 64 * 16 * bs, bs);
+            _tile_loadd(7, b + kb / 64 * 16 * bs + 64, bs);
+            if (J->bf16) {
+              _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            } else {
+              _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+            }
+            if (done < pend_rows) {
+              int e = done + per < pend_rows ? done + per : pend_rows;
+              amx_finish_rows(J, prev, done, e, pend_t0, pend_j0);
+              done = e;
+            }
+          }
+          int32_t *out = acc + cur * 1024;
+          _tile_stored(0, out, 128); _tile_stored(1, out + 16, 128);
+          _tile_stored(2, out + 16 * 32, 128); _tile_stored(3, out + 16 * 32 + 16, 128);
+          pend_t0 = t0, pend_j0 = p * 64 + 32 * h, pend_rows = pend_j0 < J->n ? rows : 0, cur ^= 1;
+        }
+      }
+      amx_finish_rows(J, acc + (cur ^ 1) * 1024, 0, pend_rows, pend_t0, pend_j0);
+    }
+    if (ok) _tile_release();
+    free(panel);
+    free(tail);
+  }
+  return failed ? 2 : 0;
+}
 #endif
 
-/* whether this build and CPU run amx_int8_linear: AMX-TILE and AMX-INT8 in CPUID and the kernel's permission for the
- * process's tile data (Linux's arch_prctl ARCH_REQ_XCOMP_PERM; asked once) */
-int lrq_amx_int8_ready(void) {
-#ifdef AMX_INT8
+/* whether this build and CPU run the AMX kernels: AMX-TILE, AMX-INT8 and AMX-BF16 in CPUID and the kernel's
+ * permission for the process's tile data (Linux's arch_prctl ARCH_REQ_XCOMP_PERM; asked once) */
+int lrq_amx_ready(void) {
+#ifdef AMX_TILES
   static int ready = -1;
   if (ready < 0) {
     unsigned a, b, c, d;
-    ready = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+    ready = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && (d >> 22 & 1) &&
             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
   }
   return ready;
@@ -1160,81 +1282,31 @@ int lrq_amx_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int
                         const float *rowsum, const float *x_zero, int zero_per_row, const float *x_scale,
                         int scale_per_row, const float *col_term, const float *zero_term, int asymmetric,
                         const float *scale, void *y, int y_bf16, int nthreads) {
-#ifdef AMX_INT8
+#ifdef AMX_TILES
   int n_pad = L ? L->n_pad : n;
-  if (!lrq_amx_int8_ready() || m < 1 || k < 64 || k % 64 || n < 1 || n_pad % 64 || n > n_pad || (!L && !w) ||
+  if (!lrq_amx_ready() || m < 1 || k < 64 || k % 64 || n < 1 || n_pad % 64 || n > n_pad || (!L && !w) ||
       (L && (L->block != 64 || L->k_pad != k)))
     return 1;
-  int panels = n_pad / 64, failed = 0;
-  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1 && (size_t)m * n * k >= PARALLEL_FROM)
-  {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    int8_t *panel = aligned_alloc(64, (size_t)k * 64), *tail = m % 32 ? aligned_alloc(64, (size_t)k * 32) : NULL;
-    int32_t acc[2 * 32 * 32] __attribute__((aligned(64))), comp[64];
-    int ok = panel && (m % 32 == 0 || tail);
-    if (!ok) {
-      #pragma omp atomic write
-      failed = 1;
-    } else {
-      _tile_loadconfig(&cfg);
-    }
-    #pragma omp for schedule(static)
-    for (int p = 0; p < panels; p++) {
-      if (!ok) continue;
-      if (L) i8_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, k, panel, comp);
-      else int8_levels_block(w + (size_t)p * 64 * k, k, panel);
-      /* each 32 x 32 block's corrections run while the tiles compute the next block (two product buffers): its rows
-       * spread over the next block's steps of k, so the vector and tile units work at once */
-      int pend_t0 = 0, pend_rows = 0, pend_j0 = 0, cur = 0, steps = k / 64;
-      for (int t0 = 0; t0 < m; t0 += 32) {
-        int rows = m - t0 < 32 ? m - t0 : 32;
-        const int8_t *a = xa + (size_t)t0 * x_stride;
-        long as = x_stride;
-        if (rows < 32) {   /* the last rows, zero-padded to the block */
-          for (int r = 0; r < 32; r++)
-            if (r < rows) memcpy(tail + (size_t)r * k, a + (size_t)r * x_stride, k);
-            else memset(tail + (size_t)r * k, 0, k);
-          a = tail, as = k;
-        }
-        for (int h = 0; h < 2; h++) {   /* features 32h.. of the panel: tiles 0-3 the 2 x 2 outputs, 4-5 xa, 6-7 w */
-          const int8_t *b = panel + 128 * h;
-          const int32_t *prev = acc + (cur ^ 1) * 1024;
-          int done = 0, per = (pend_rows + steps - 1) / steps;
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int kk = 0; kk < k; kk += 64) {
-            _tile_loadd(4, a + kk, as);
-            _tile_loadd(5, a + 16 * as + kk, as);
-            _tile_loadd(6, b + (size_t)kk * 64, 256);
-            _tile_loadd(7, b + (size_t)kk * 64 + 64, 256);
-            _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
-            if (done < pend_rows) {
-              int e = done + per < pend_rows ? done + per : pend_rows;
-              amx_correct_rows(prev, done, e, pend_t0, pend_j0, n, rowsum, x_zero, zero_per_row, x_scale,
-                               scale_per_row, col_term, zero_term, asymmetric, scale, y, y_bf16);
-              done = e;
-            }
-          }
-          int32_t *out = acc + cur * 1024;
-          _tile_stored(0, out, 128); _tile_stored(1, out + 16, 128);
-          _tile_stored(2, out + 16 * 32, 128); _tile_stored(3, out + 16 * 32 + 16, 128);
-          pend_t0 = t0, pend_j0 = p * 64 + 32 * h, pend_rows = pend_j0 < n ? rows : 0, cur ^= 1;
-        }
-      }
-      amx_correct_rows(acc + (cur ^ 1) * 1024, 0, pend_rows, pend_t0, pend_j0, n, rowsum, x_zero, zero_per_row,
-                       x_scale, scale_per_row, col_term, zero_term, asymmetric, scale, y, y_bf16);
-    }
-    if (ok) _tile_release();
-    free(panel);
-    free(tail);
-  }
-  return failed ? 2 : 0;
+  amx_job J = {0, xa, x_stride, m, k, w, L, n, n_pad, rowsum, x_zero, x_scale, col_term, zero_term, scale,
+               zero_per_row, scale_per_row, asymmetric, y, y_bf16};
+  return amx_run(&J, nthreads);
 #else
   (void)xa, (void)x_stride, (void)m, (void)k, (void)w, (void)L, (void)n, (void)rowsum, (void)x_zero, (void)zero_per_row;
   (void)x_scale, (void)scale_per_row, (void)col_term, (void)zero_term, (void)asymmetric, (void)scale, (void)y;
   (void)y_bf16, (void)nthreads;
+  return 1;
+#endif
+}
+
+int lrq_amx_bf16_linear(const int4_layer *L, const uint16_t *x, long x_stride, int m, int n, void *y, int nthreads) {
+#ifdef AMX_TILES
+  if (!lrq_amx_ready() || m < 1 || n < 1 || L->block != 64 || L->group % 2 || L->n_pad % 64 || L->k_pad % 32 ||
+      n > L->n_pad)
+    return 1;
+  amx_job J = {1, x, x_stride, m, L->k_pad, NULL, L, n, L->n_pad, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, y, 1};
+  return amx_run(&J, nthreads);
+#else
+  (void)L, (void)x, (void)x_stride, (void)m, (void)n, (void)y, (void)nthreads;
   return 1;
 #endif
 }
