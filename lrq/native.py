@@ -184,5 +184,6 @@ def status() -> str:
     """One line for reports: which decode kernels run, or why torch's do."""
     lib = library()
     if lib is not None:
-        return f"lrq native ({isa()}; 4-bit bf16 products: {lib.lrq_int4_bf16_products().decode()})"
+        amx = "; prefill on AMX tiles" if lib.lrq_amx_ready() else ""
+        return f"lrq native ({isa()}; 4-bit bf16 products: {lib.lrq_int4_bf16_products().decode()}{amx})"
     return "torch (lrq native: " + ("; ".join(dict.fromkeys(_REASON)) or "unavailable") + ")"
