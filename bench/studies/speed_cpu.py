@@ -656,8 +656,10 @@ def _anchor_markdown(doc: dict) -> str:
 
 def _head_sentence(prof: dict, doc: dict) -> str:
     by = {r["candidate"]: r for r in doc["rows"]}
+    fused = {g["group"]: g["ms_per_token"] for g in prof["groups"]}.get(PROFILE_GROUPS[4], 0.0)
     text = (f"The head {'dominates' if prof['head_dominates'] else 'does not dominate'} (it costs "
-            f"{'at least' if prof['head_dominates'] else 'less than'} all the quantized linears together)")
+            f"{'at least' if prof['head_dominates'] else 'less than'} all the quantized linears together"
+            f"{', counted as the fused decoder layers that hold them' if fused > 0 else ''})")
     head_row, ours = by.get(prof["candidate"] + HEAD_INT8), by.get(prof["candidate"])
     if head_row and ours:
         text += (f"; `{head_row['candidate']}` above is the same model with an int8 per-channel head (torch "
