@@ -88,6 +88,27 @@ def test_process_killed_mid_transaction_leaves_no_rows(tmp_path):
     assert len(rows) == 3 and not ResultStore(path).has_unit("half")
 
 
+def test_a_store_locked_at_opening_is_opened_again(tmp_path, monkeypatch):
+    """Two runs opening one new store at once can meet "database is locked" from SQLite at once (its WAL switch):
+    the opening is tried again and succeeds; a store that stays locked is still an error naming it."""
+    import bench.common.store as S
+    from lrq.errors import UserError
+    monkeypatch.setattr(S, "OPEN_TRIES", 4)
+    real, calls = ResultStore._conn, []
+
+    def flaky(self):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise sqlite3.OperationalError("database is locked")
+        return real(self)
+    monkeypatch.setattr(ResultStore, "_conn", flaky)
+    store = ResultStore(tmp_path / "r.sqlite")
+    assert len(calls) >= 3 and store.rows() == []
+    monkeypatch.setattr(ResultStore, "_conn", lambda self: (_ for _ in ()).throw(sqlite3.OperationalError("database is locked")))
+    with pytest.raises(UserError, match="cannot open the results store .*database is locked"):
+        ResultStore(tmp_path / "s.sqlite")
+
+
 def test_unwritable_store_is_a_user_error(tmp_path):
     from lrq.errors import UserError
     blocker = tmp_path / "file"

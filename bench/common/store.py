@@ -181,6 +181,9 @@ def _damaged(path: Path, e: Exception) -> UserError:
                      f"| sqlite3 recovered.sqlite` and pass --results recovered.sqlite, or start a new store.")
 
 
+OPEN_TRIES = 20   # ResultStore._open_once: how often a store that SQLite says is locked is opened again
+
+
 class ResultStore:
     """The results store. `readonly=True` (what `results`, `report` and `compare` use) opens the file with
     SQLite's read-only mode, falling back to its immutable mode where even the WAL index cannot be created
@@ -194,7 +197,7 @@ class ResultStore:
         try:
             if not readonly:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn().close()
+            self._open_once()
         except sqlite3.DatabaseError as e:
             raise _diagnose(self.path, e, opening=True) from None
         except OSError as e:
@@ -243,6 +246,24 @@ class ResultStore:
             raise _diagnose(self.path, e, opening=True) from None
         if problems != ["ok"]:
             raise _damaged(self.path, RuntimeError("; ".join(problems[:3])))
+
+    def _open_once(self, tries: int | None = None) -> None:
+        """Open (and, writable, create) the store once. Two runs starting on one new store at the same moment can
+        meet SQLite's "database is locked" while one of them switches it to WAL or writes its schema, returned at
+        once rather than after the busy timeout (a lost race, not a fault; the suite's two-run test failed once to
+        open its store, the message cut): tried again after a short pause, up to `tries` (OPEN_TRIES) times, before
+        it is an error."""
+        import random
+        import time
+        tries = tries or OPEN_TRIES
+        for attempt in range(tries):
+            try:
+                self._conn().close()
+                return
+            except sqlite3.OperationalError as e:
+                if attempt == tries - 1 or not any(w in str(e).lower() for w in ("locked", "busy")):
+                    raise
+                time.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
 
     def _conn(self) -> sqlite3.Connection:
         if self.readonly:
