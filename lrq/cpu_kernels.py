@@ -838,14 +838,14 @@ class Int4Int8Weights:
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
-        if w.decodable and w.block == 64 and k_pad == w.k and native.library() is not None:
-            y = amx_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term, self.zero_term, self.scale,
-                                self.asymmetric, out_dtype, layer=w._native_layer()[1])
+        acc = None
+        if native.library() is not None and w.decodable and w.block == 64:   # a packing lrq.native reads
+            y = None if k_pad != w.k else amx_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term,
+                                                          self.zero_term, self.scale, self.asymmetric, out_dtype,
+                                                          layer=w._native_layer()[1])
             if y is not None:
                 return y
-        acc = None
-        if native.library() is not None and w.decodable and w.block == 64:   # the levels less 8, oneDNN's GEMM
-            xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))
+            xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))   # the levels less 8, oneDNN's GEMM
             acc = OneDNNOperand.product("int8", xp.contiguous(), n_pad, k_pad,
                                         lambda at: w._unpack_into(at, native.UNPACK_I8_BLOCKED))
         if acc is None:

@@ -115,6 +115,7 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_int8_activations_vectorized.argtypes = []
     lib.lrq_int8_activations_vectorized.restype = i
     lib.lrq_int8_correct.argtypes = [p, lg, i, i, p, p, i, p, i, p, p, i, p, p, i, i, i]
+    lib.lrq_int8_correct.restype = None
     lib.lrq_int8_blocked.argtypes = [p, p, i, i, p, i]
     lib.lrq_int8_blocked.restype = i
     lib.lrq_amx_ready.argtypes = []
@@ -123,7 +124,6 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_amx_bf16_linear.restype = i
     lib.lrq_amx_int8_linear.argtypes = [p, lg, i, i, p, p, i, p, p, i, p, i, p, p, i, p, p, i, i]
     lib.lrq_amx_int8_linear.restype = i
-    lib.lrq_int8_correct.restype = None
     lib.lrq_dense_gemv.argtypes = [p, p, p, i, i, i, i]
     lib.lrq_dense_gemv.restype = i
     lib.lrq_decoder_layer_step.argtypes = [p, p, i, i]

@@ -247,21 +247,20 @@ class ResultStore:
         if problems != ["ok"]:
             raise _damaged(self.path, RuntimeError("; ".join(problems[:3])))
 
-    def _open_once(self, tries: int | None = None) -> None:
+    def _open_once(self) -> None:
         """Open (and, writable, create) the store once. Two runs starting on one new store at the same moment can
         meet SQLite's "database is locked" while one of them switches it to WAL or writes its schema, returned at
         once rather than after the busy timeout (a lost race, not a fault; the suite's two-run test failed once to
-        open its store, the message cut): tried again after a short pause, up to `tries` (OPEN_TRIES) times, before
-        it is an error."""
+        open its store, the message cut): tried again after a short pause, up to OPEN_TRIES times, before it is an
+        error."""
         import random
         import time
-        tries = tries or OPEN_TRIES
-        for attempt in range(tries):
+        for attempt in range(OPEN_TRIES):
             try:
                 self._conn().close()
                 return
             except sqlite3.OperationalError as e:
-                if attempt == tries - 1 or not any(w in str(e).lower() for w in ("locked", "busy")):
+                if attempt == OPEN_TRIES - 1 or not any(w in str(e).lower() for w in ("locked", "busy")):
                     raise
                 time.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
 

@@ -1053,15 +1053,14 @@ int lrq_int8_blocked(const int8_t *w, const int32_t *wsum, int n, int k, int8_t 
 }
 
 #ifdef ROWS_AVX512
-/* int8_correct's operations on 16 outputs of one row (features j.., mask m) from their float32 product av, written
- * at y + o + j */
-static inline void correct16(__m512 av, __mmask16 m, int j, __m512 vxz, __m512 vxsc, __m512 vrs, const float *col_term,
-                             const float *zero_term, int asymmetric, const float *scale, void *y, int y_bf16, size_t o) {
-  __m512 v = _mm512_sub_ps(av, _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)));
-  if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, _mm512_maskz_loadu_ps(m, zero_term + j)));
-  v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), _mm512_maskz_loadu_ps(m, scale + j));
-  if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + o + j, m, bf16_round16(v));
-  else _mm512_mask_storeu_ps((float *)y + o + j, m, v);
+/* int8_correct's operations, in their order, on 16 outputs of one row from their float32 product av: the row's
+ * x_zero, x_scale and row sum broadcast (vxz, vxsc, vrs), the features' col_term, zero_term and scale (col, zt, sc).
+ * lrq_int8_correct and the AMX kernel both compute it here, so their values agree to the bit. */
+static inline __m512 corrected16(__m512 av, __m512 vxz, __m512 vxsc, __m512 vrs, __m512 col, __m512 zt, __m512 sc,
+                                 int asymmetric) {
+  __m512 v = _mm512_sub_ps(av, _mm512_mul_ps(vxz, col));
+  if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt));
+  return _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc);
 }
 #endif
 
@@ -1083,7 +1082,10 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
     for (int j = 0; j < n; j += 16) {
       __mmask16 m = tail16(n - j);
       __m512 av = acc_f32 ? _mm512_maskz_loadu_ps(m, af + j) : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j));
-      correct16(av, m, j, vxz, vxsc, vrs, col_term, zero_term, asymmetric, scale, y, y_bf16, (size_t)t * n);
+      __m512 v = corrected16(av, vxz, vxsc, vrs, _mm512_maskz_loadu_ps(m, col_term + j),
+                             _mm512_maskz_loadu_ps(m, zero_term + j), _mm512_maskz_loadu_ps(m, scale + j), asymmetric);
+      if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (size_t)t * n + j, m, bf16_round16(v));
+      else _mm512_mask_storeu_ps((float *)y + (size_t)t * n + j, m, v);
     }
     continue;
 #endif
@@ -1138,8 +1140,8 @@ static inline __m256i amx_bf16(__m512 v) {
 }
 
 /* the outputs of rows r0..r1 of a 32 x 32 block of products acc (rows t0 + r, features j0.., those below n
- * written): amx_int8_linear's int8_correct operations (correct16's, in its order; the features' terms loaded once a
- * call) or amx_bf16_linear's rounding */
+ * written): amx_int8_linear's int8_correct operations (corrected16; the features' terms loaded once a call) or
+ * amx_bf16_linear's rounding */
 static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1, int t0, int j0) {
   int n = J->n;
   __mmask16 mk[2] = {tail16(n - j0), j0 + 16 < n ? tail16(n - j0 - 16) : 0};
@@ -1161,9 +1163,8 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
     const __m512 vxz = _mm512_set1_ps(J->x_zero[J->zero_per_row ? t : 0]),
                  vxsc = _mm512_set1_ps(J->x_scale[J->scale_per_row ? t : 0]), vrs = _mm512_set1_ps(J->rowsum[t]);
     for (int c = 0; c < 2 && mk[c]; c++) {
-      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), _mm512_mul_ps(vxz, col[c]));
-      if (J->asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt[c]));
-      v = _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc[c]);
+      __m512 v = corrected16(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), vxz, vxsc, vrs, col[c], zt[c],
+                             sc[c], J->asymmetric);
       size_t o = (size_t)t * n + j0 + 16 * c;
       if (J->y_bf16) _mm256_mask_storeu_epi16((uint16_t *)J->y + o, mk[c], amx_bf16(v));
       else _mm512_mask_storeu_ps((float *)J->y + o, mk[c], v);
@@ -1197,7 +1198,13 @@ static int amx_run(const amx_job *J, int nthreads) {
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     uint8_t *panel = aligned_alloc(64, row_bytes * 64), *tail = m % 32 ? aligned_alloc(64, row_bytes * 32) : NULL;
     int32_t acc[2 * 32 * 32] __attribute__((aligned(64)));
-    int ok = panel && (m % 32 == 0 || tail);
+    int ok = panel && (m % 32 == 0 || tail), last = m - m % 32;
+    if (tail) {   /* the last rows, zero-padded to a block of 32: copied once, read by every panel */
+      const uint8_t *src = (const uint8_t *)J->x + (size_t)last * J->x_stride * esize;
+      for (int r = 0; r < 32; r++)
+        if (last + r < m) memcpy(tail + r * row_bytes, src + (size_t)r * J->x_stride * esize, row_bytes);
+        else memset(tail + r * row_bytes, 0, row_bytes);
+    }
     if (!ok) {
       #pragma omp atomic write
       failed = 1;
@@ -1220,14 +1227,8 @@ static int amx_run(const amx_job *J, int nthreads) {
         long bs = J->bf16 ? 128 : 256;
         for (int t0 = 0; t0 < m; t0 += 32) {   /* tiles 0-3 the 2 x 2 outputs, 4-5 x, 6-7 w */
           int rows = m - t0 < 32 ? m - t0 : 32;
-          const uint8_t *a = (const uint8_t *)J->x + (size_t)t0 * J->x_stride * esize;
-          long as = J->x_stride * esize;
-          if (rows < 32) {   /* the last rows, zero-padded to the block */
-            for (int r = 0; r < 32; r++)
-              if (r < rows) memcpy(tail + r * row_bytes, a + r * as, row_bytes);
-              else memset(tail + r * row_bytes, 0, row_bytes);
-            a = tail, as = (long)row_bytes;
-          }
+          const uint8_t *a = rows < 32 ? tail : (const uint8_t *)J->x + (size_t)t0 * J->x_stride * esize;
+          long as = rows < 32 ? (long)row_bytes : J->x_stride * esize;
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
           const int32_t *prev = acc + (cur ^ 1) * 1024;
           int done = 0, per = J->bf16 ? pend_rows : (pend_rows + steps - 1) / steps;
