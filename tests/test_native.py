@@ -558,8 +558,9 @@ def test_amx_prefill_is_the_corrected_integer_product_bit_for_bit(kind, monkeypa
     """On a CPU with AMX-INT8 a W8A8/W4A8 prefill call runs lrq.native's tile kernel (amx_int8_linear), not oneDNN's
     GEMM and the separate corrections; its output equals theirs (LRQ_AMX=0's path) to the bit in float32 and bf16:
     per-token and static grids, symmetric and asymmetric weights, extreme levels, rows that do not fill a block of 32
-    (37, 70), features that do not fill a panel of 64 (W4A8: 200 of 256), depths 64 to 1536, strided rows, one and two
-    threads; a call of a few tokens keeps the decode kernel."""
+    (37, 70), features that do not fill a panel of 64 (W4A8: 200 of 256), depths 64 to 2048 (2048: k in two chunks,
+    the rows in two passes of 352 and 348 over the panels), strided rows, one and two threads; a call of a few tokens
+    keeps the decode kernel."""
     import lrq.cpu_kernels as K
     if not K.amx_ready():
         pytest.skip("this CPU has no AMX-INT8 (test_the_amx_kernel_is_built_for_amx_cpus_only checks the build)")
@@ -570,7 +571,7 @@ def test_amx_prefill_is_the_corrected_integer_product_bit_for_bit(kind, monkeypa
     threads = torch.get_num_threads()
     try:
         for i, (n, k, m) in enumerate([(192, 576, 70), (64, 64, 37), (200 if kind == "w4a8" else 128, 1536, 33),
-                                       (576, 128, 512)]):
+                                       (576, 128, 512), (64, 2048, 700)]):
             w = _int8_layer(kind, n, k, symmetric=i == 1, seed=i)
             xs_full = torch.randint(-128, 128, (m, k + 64), dtype=torch.int8, generator=g)
             xa = xs_full[:, 32:32 + k]                    # rows k + 64 apart
@@ -623,7 +624,8 @@ def test_amx_weight_only_prefill_is_the_bf16_product(monkeypatch):
     """On a CPU with AMX a bf16 prefill call of a 4-bit weight-only layer runs lrq.native's bf16 tile kernel
     (Int4Weights._amx_mm): each panel dequantized to the values of the bf16 operand oneDNN's path multiplies, summed in
     float32 and rounded once, so its error against the float64 product of those values is the bf16 output's rounding,
-    as oneDNN's is; whole blocks and rows that do not fill one, per channel and g128, one and two threads."""
+    as oneDNN's is; whole blocks and rows that do not fill one, per channel and g128, one and two threads, depth 1536
+    in three chunks of k and its rows in two passes over the panels (512 rows: 256 each; 357: 192 and 165)."""
     import lrq.cpu_kernels as K
     if not K.amx_ready():
         pytest.skip("this CPU has no AMX (test_amx_kernel_is_built_for_amx_cpus_only checks the build)")
@@ -633,7 +635,8 @@ def test_amx_weight_only_prefill_is_the_bf16_product(monkeypatch):
     g = torch.Generator().manual_seed(3)
     threads = torch.get_num_threads()
     try:
-        for (n, k, group), m in [((1536, 576, 128), 70), ((576, 1536, None), 512), ((192, 576, 64), 37)]:
+        for (n, k, group), m in [((1536, 576, 128), 70), ((576, 1536, None), 512), ((192, 576, 64), 37),
+                                 ((128, 1536, 128), 357)]:
             w = _weights(n, k, group)
             x = (torch.randn(m, k, generator=g) * 3).bfloat16()
             ref_w = w.dequantized_t(torch.bfloat16)[:k, :n].double()
