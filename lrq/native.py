@@ -104,6 +104,10 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_w8a8_gemv.restype = i
     lib.lrq_rms_norm.argtypes = [p, p, p, i, i, i, f]
     lib.lrq_rms_norm.restype = None
+    lib.lrq_rms_norm_rows.argtypes = [p, p, p, p, i, i, i, f, i]
+    lib.lrq_rms_norm_rows.restype = None
+    lib.lrq_silu_mul.argtypes = [p, p, p, i, lg, i]
+    lib.lrq_silu_mul.restype = None
     lib.lrq_attend.argtypes = [p, lg, p, p, lg, p, i, i, i, i, i, f]
     lib.lrq_attend.restype = i
     lib.lrq_rope_cache.argtypes = [p, p, p, p, p, p, p, lg, i, i, i, i, i]

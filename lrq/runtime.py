@@ -12,6 +12,8 @@ linears, dense or `PackedLinear`, its activation, its rotary embedding) and fewe
   result as the Hugging Face norm's two);
 - `scaled_dot_product_attention` with grouped heads (no repeated keys), causal from the cache's start, a mask
   only where a chunk of several tokens follows cached ones;
+- several tokens (a prefill): each residual add with the norm after it, and the MLP's SiLU with its product, as one
+  lrq.native pass over the rows each (`rows_native`; torch's CPU rms_norm on bf16 is about twenty operations);
 - the head on the positions asked for only;
 - a decode step (one token) with oneDNN off (`onednn_decode`): torch's own bf16 matrix-vector kernels are faster.
 
@@ -76,6 +78,43 @@ def _rms(norm: nn.Module, x: torch.Tensor, lib=None) -> torch.Tensor:
                 x.numel() // x.shape[-1], x.shape[-1], norm.variance_epsilon)
         return y
     return F.rms_norm(x, (x.shape[-1],), w, eps=norm.variance_epsilon)
+
+
+def _rows_ok(lib, *ts: torch.Tensor) -> bool:
+    """Whether lrq.native's row kernels take these tensors: lib built, one dtype (bf16 or float32), contiguous, CPU."""
+    d = ts[0].dtype
+    return lib is not None and d in (torch.bfloat16, torch.float32) and all(
+        t.dtype == d and t.is_contiguous() and t.device.type == "cpu" for t in ts)
+
+
+def _add_norm(x: torch.Tensor, resid: torch.Tensor | None, norm: nn.Module | None, lib) -> torch.Tensor | None:
+    """x += resid in place (when given; rounded to x's dtype as x + resid is), then norm(x) (None: the add only):
+    one lrq.native pass over the rows (lrq_rms_norm_rows) where it takes them, else torch's operations."""
+    w = None if norm is None else norm.weight
+    if resid is not None and resid.shape != x.shape:   # a broadcast: torch's add
+        x.add_(resid)
+        resid = None
+    if _rows_ok(lib, x, *(t for t in (resid, w) if t is not None)):
+        y = None if norm is None else torch.empty_like(x)
+        _native("rms_norm_rows", lib.lrq_rms_norm_rows, x.data_ptr(), None if resid is None else resid.data_ptr(),
+                None if w is None else w.data_ptr(), None if y is None else y.data_ptr(), x.dtype == torch.bfloat16,
+                x.numel() // x.shape[-1], x.shape[-1], 0.0 if norm is None else norm.variance_epsilon,
+                torch.get_num_threads())
+        return y
+    if resid is not None:
+        x.add_(resid)
+    return None if norm is None else _rms(norm, x)
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor, lib) -> torch.Tensor:
+    """silu(g) * u, each rounded to the dtype as the module's two operations are: one lrq.native pass (lrq_silu_mul)
+    where it takes them, else torch's."""
+    if g.shape == u.shape and _rows_ok(lib, g, u):
+        y = torch.empty_like(g)
+        _native("silu_mul", lib.lrq_silu_mul, g.data_ptr(), u.data_ptr(), y.data_ptr(), g.dtype == torch.bfloat16,
+                g.numel(), torch.get_num_threads())
+        return y
+    return F.silu(g) * u
 
 
 def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
@@ -157,6 +196,9 @@ class LeanDecoder:
         # it can be (see _fused_layer); False: the module path above (to compare)
         self.fused = True
         self._fused: list | None = None
+        # several tokens (a prefill) with lrq.native's row kernels for the norms, residual adds and SiLU products
+        # (_layers_rows); False: torch's operations (to compare)
+        self.rows_native = True
 
     def reset(self) -> None:
         """An empty cache; the fused layers' arguments are made again at the next step: weights replaced since
@@ -197,6 +239,25 @@ class LeanDecoder:
         if self._fused is None:
             self._fused = [self._fused_layer(i, layer) for i, layer in enumerate(self.layers)]
         return self._fused
+
+    def _layers_rows(self, x: torch.Tensor, start: int, mask, lib) -> torch.Tensor:
+        """The decoder layers over several tokens with each residual add, the norm after it and the MLP's SiLU product
+        as lrq.native row kernels (lrq_rms_norm_rows, lrq_silu_mul: one pass each where torch makes about twenty
+        operations of an rms_norm on bf16) wherever the tensors allow, else torch's operations; the linears and the
+        attention are the modules' and torch's as on the other path. x is the embedding's own output: the residual
+        stream is added into it in place (the same rounding as x + r)."""
+        x = x.contiguous()
+        silu = getattr(self.model.config, "hidden_act", None) in ("silu", "swish")
+        resid = None
+        for i, layer in enumerate(self.layers):
+            h = _add_norm(x, resid, layer.input_layernorm, lib)
+            resid = self._attention(i, layer, h, start, mask, None)
+            h = _add_norm(x, resid, layer.post_attention_layernorm, lib)
+            mlp = layer.mlp
+            g, u = mlp.gate_proj(h), mlp.up_proj(h)
+            resid = mlp.down_proj(_silu_mul(g, u, lib) if silu else mlp.act_fn(g) * u)
+        _add_norm(x, resid, None, lib)
+        return x
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, -1), sin)
@@ -256,7 +317,10 @@ class LeanDecoder:
             fused = made if lib is not None and made is not None else [None] * len(self.layers)
             if any(fused):
                 x = x.contiguous() if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-            for i, layer in enumerate(self.layers):
+            rows = self._lib if lib is None and self.rows_native else None
+            if rows is not None:   # several tokens: the norms, residual adds and SiLU products as lrq.native rows
+                x = self._layers_rows(x, start, mask, rows)
+            for i, layer in enumerate(self.layers if rows is None else ()):
                 if fused[i] is not None:   # x is this step's own tensor: the layer's output is written into it
                     rc = _native("decoder_layer", lib.lrq_decoder_layer_step, fused[i][0], x.data_ptr(), start,
                                  torch.get_num_threads())

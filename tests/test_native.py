@@ -653,3 +653,80 @@ def test_amx_weight_only_prefill_is_the_bf16_product(monkeypatch):
                 assert err <= 2 ** -8 and err <= 1.01 * their_err + 1e-6, (n, k, m, err, their_err)
     finally:
         torch.set_num_threads(threads)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors are (finite values of one sign; 0 where equal)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ai - bi).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_rows_add_the_residual_and_norm_as_torch(dtype):
+    """lrq_rms_norm_rows (the lean runtime's prefill rows): x += res in place with torch's rounding of x + res (to
+    the bit), then rms_norm(x) * w as torch's fused rms_norm computes it up to the order of its float32 sums (bf16:
+    every value within one bf16 step and nearly all equal; float32: within a few ulps); rows of 576 and of 100 (a
+    partial vector), with and without the residual, one and two threads; y NULL adds only."""
+    import torch.nn.functional as F
+    lib = native.library()
+    assert lib is not None, native.status()
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        for rows, n in ((37, 576), (300, 100)):
+            for with_res in (True, False):
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+                    res = (torch.randn(rows, n, generator=g) * 2).to(dtype)
+                    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+                    want_x = x + res if with_res else x.clone()
+                    want = F.rms_norm(want_x, (n,), w, eps=1e-5)
+                    y = torch.empty_like(x)
+                    lib.lrq_rms_norm_rows(x.data_ptr(), res.data_ptr() if with_res else None, w.data_ptr(),
+                                          y.data_ptr(), dtype == torch.bfloat16, rows, n, 1e-5, t)
+                    assert torch.equal(x, want_x)
+                    if dtype == torch.bfloat16:
+                        assert _bf16_ulps(y, want).max() <= 1 and (y == want).float().mean() >= 0.99
+                    else:
+                        torch.testing.assert_close(y, want, rtol=2e-6, atol=1e-6)
+        x, res = torch.ones(4, 64, dtype=dtype), torch.full((4, 64), 0.5, dtype=dtype)
+        lib.lrq_rms_norm_rows(x.data_ptr(), res.data_ptr(), None, None, dtype == torch.bfloat16, 4, 64, 0.0, 1)
+        assert torch.equal(x, torch.full((4, 64), 1.5, dtype=dtype))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_is_torchs_silu_times_up(dtype):
+    """lrq_silu_mul (the MLP's act(gate) * up over a prefill's rows): torch's F.silu(g) * u with its two roundings,
+    up to the exponential's last float32 bits (bf16: within one bf16 step, nearly all equal; float32: relative 1e-6 of
+    the float64 value); torch's values where they are special (NaN, +-inf, underflow to -0, large); a count that is
+    not a multiple of 16; one and two threads."""
+    import torch.nn.functional as F
+    lib = native.library()
+    assert lib is not None, native.status()
+    g = torch.Generator().manual_seed(6)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            gate = (torch.randn(300_007, generator=g) * 4).to(dtype)
+            gate[:9] = torch.tensor([float("nan"), float("inf"), float("-inf"), -100.0, 100.0, -88.0, 0.0, -0.0, 30.0])
+            up = (torch.randn(300_007, generator=g) * 2).to(dtype)
+            up[:9] = 1.0
+            y = torch.empty_like(gate)
+            lib.lrq_silu_mul(gate.data_ptr(), up.data_ptr(), y.data_ptr(), dtype == torch.bfloat16, gate.numel(), t)
+            want = F.silu(gate) * up
+            nan = want[:9].isnan()                          # silu(nan), silu(-inf) = -inf / inf
+            assert torch.equal(y[:9].isnan(), nan) and nan.sum() == 2
+            assert torch.equal(y[:9][~nan], want[:9][~nan]) and torch.equal(y[:9][~nan].signbit(), want[:9][~nan].signbit())
+            if dtype == torch.bfloat16:
+                same_sign = y.signbit() == want.signbit()
+                assert same_sign[9:].all() and _bf16_ulps(y[9:], want[9:]).max() <= 1
+                assert (y[9:] == want[9:]).float().mean() >= 0.999
+            else:
+                exact = F.silu(gate[9:].double()) * up[9:].double()
+                assert ((y[9:].double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30).all()
+    finally:
+        torch.set_num_threads(threads)

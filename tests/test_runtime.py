@@ -199,6 +199,55 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
     assert torch.equal(tokens[0], tokens[1])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8"])
+def test_prefill_rows_through_native_kernels_give_torchs_logits(arch, dtype, scheme, monkeypatch):
+    """A prefill (several tokens, batch 1 and 2) with each residual add, the norm after it and the MLP's SiLU
+    product as lrq.native row kernels (LeanDecoder.rows_native) gives the logits of torch's operations for them:
+    float32 to float rounding, bf16 (and W8A8's activation levels) within its rounding; the kernels ran (two norms and a SiLU product a layer, the
+    last residual added), decode steps after it agree, and the greedy tokens are the same."""
+    import lrq.runtime as R
+    from lrq import native
+    assert native.library() is not None, native.status()
+    model = _qwen3() if arch == "qwen3" else tiny_model(arch, hidden=192)
+    if scheme:
+        rtn = get_method("rtn")
+        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
+                     _calibration() if get_scheme(scheme).static_activations else None)
+        pack_model(model)
+    model = model.to(dtype)
+    calls = []
+    real = R._native
+    monkeypatch.setattr(R, "_native", lambda name, fn, *a: calls.append(name) or real(name, fn, *a))
+    for batch in (1, 2):
+        ids = torch.randint(0, 128, (batch, 10), generator=torch.Generator().manual_seed(7))
+        outs, tokens = [], []
+        for rows in (True, False):
+            lean = LeanDecoder(model, 32, batch=batch)
+            lean.rows_native = rows
+            calls.clear()
+            logits = lean.forward(ids, keep=10).float()
+            n_layers = len(lean.layers)
+            assert calls.count("rms_norm_rows") == (2 * n_layers + 1 if rows else 0)
+            assert calls.count("silu_mul") == (n_layers if rows else 0)
+            steps = [logits]
+            nxt = logits[:, -1:].argmax(-1)
+            toks = [nxt]
+            for _ in range(3):
+                step = lean.forward(nxt).float()
+                steps.append(step)
+                nxt = step[:, -1:].argmax(-1)
+                toks.append(nxt)
+            outs.append(torch.cat(steps, 1))
+            tokens.append(torch.cat(toks, 1))
+        a, b = outs
+        # W8A8's static grid: a norm output one float32 ulp apart may sit on the other side of a level's edge
+        exact = dtype == torch.float32 and scheme != "w8a8"
+        assert (a - b).abs().max() <= (1e-5 if exact else 3e-2) * b.abs().max()
+        assert torch.equal(tokens[0], tokens[1])
+
+
 def test_fused_layers_are_remade_after_reset_and_refuse_bad_arguments():
     """reset() drops the fused layers' arguments (a weight replaced between generations is read afresh; until then
     the old storage is kept alive, never read after it is freed), and a position beyond the cache is refused by the
