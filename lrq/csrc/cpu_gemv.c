@@ -42,6 +42,15 @@ static inline __m256i bf16_round16(__m512 v) {   /* round to nearest even, NaN k
   r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), hi, _mm512_set1_epi32(64));
   return _mm512_cvtepi32_epi16(r);
 }
+/* bf16_round16 in fewer operations where the CPU has AVX512-BF16: vcvtneps2bf16 gives the same bits for every value
+ * but a float32 denormal, which it reads as 0 (a vector holding one takes bf16_round16) */
+static inline __m256i bf16_round16_fast(__m512 v) {
+#if defined(__AVX512BF16__)
+  return _mm512_fpclass_ps_mask(v, 0x30) ? bf16_round16(v) : (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return bf16_round16(v);
+#endif
+}
 static inline void vstore_bf16(uint16_t *p, v16 v) { _mm256_storeu_si256((__m256i *)p, bf16_round16(v)); }
 static inline v16 vwiden(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
 static inline v16 vload_bf16(const uint16_t *p) {
@@ -963,12 +972,12 @@ void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, in
  * prefill of SmolLM2-135M: 15 % of it), its SiLU and the product with the up projection two passes more. */
 #ifdef ROWS_AVX512
 static inline void store16(void *p, int bf16, size_t i, __mmask16 m, __m512 v) {
-  if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16_round16(v));
+  if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16_round16_fast(v));
   else _mm512_mask_storeu_ps((float *)p + i, m, v);
 }
 /* v as stored in the dtype (bf16: rounded to nearest even) and read back as float32 */
 static inline __m512 rounded16(__m512 v, int bf16) {
-  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round16(v)), 16)) : v;
+  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round16_fast(v)), 16)) : v;
 }
 /* e^x for 16 float32 values: x = n ln2 + r (n nearest, ln2 in two parts, |r| <= ln2 / 2), e^r = 1 + r + r^2 P(r)
  * with Cephes' degree-5 coefficients for expf (about 1e-7 relative), times 2^n by vscalefps (inf above about 88.7,
@@ -1036,8 +1045,16 @@ void lrq_silu_mul(const void *g, const void *u, void *y, int bf16, long count, i
     for (size_t i = i0; i < i1; i += 16) {
       __mmask16 m = tail16((int)(i1 - i < 16 ? i1 - i : 16));
       __m512 gv = load16(g, bf16, i, m);
-      __m512 a = rounded16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), bf16);
-      store16(y, bf16, i, m, _mm512_mul_ps(a, load16(u, bf16, i, m)));
+      __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+      /* g / d as g times 1 / d (vrcp14ps and one Newton step: within an ulp or two of the quotient, a vdivps costing
+       * about as much as the rest of the loop); where d is over 2^126 (its reciprocal would be a denormal, or d is
+       * inf) the division itself */
+      __m512 r = _mm512_rcp14_ps(d);
+      r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r);
+      __m512 a = _mm512_mul_ps(gv, r);
+      __mmask16 big = _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p126f), _CMP_GT_OQ);
+      if (big) a = _mm512_mask_div_ps(a, big, gv, d);
+      store16(y, bf16, i, m, _mm512_mul_ps(rounded16(a, bf16), load16(u, bf16, i, m)));
     }
     continue;
 #endif
@@ -1233,11 +1250,6 @@ typedef struct {
   void *y; int y_bf16;
 } amx_job;
 
-/* bf16 of 16 float32 values: vcvtneps2bf16 (the same bits as bf16_round16 for every value but a float32 denormal,
- * which it reads as 0: a vector holding one takes bf16_round16) */
-static inline __m256i amx_bf16(__m512 v) {
-  return _mm512_fpclass_ps_mask(v, 0x30) ? bf16_round16(v) : (__m256i)_mm512_cvtneps_pbh(v);
-}
 
 /* the outputs of rows r0..r1 of a 32 x 32 block of products acc (rows t0 + r, features j0.., those below n
  * written): amx_int8_linear's int8_correct operations (corrected16; the features' terms loaded once a call) or
@@ -1249,7 +1261,7 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
     for (int r = r0; r < r1; r++)
       for (int c = 0; c < 2 && mk[c]; c++)
         _mm256_mask_storeu_epi16((uint16_t *)J->y + (size_t)(t0 + r) * n + j0 + 16 * c, mk[c],
-                                 amx_bf16(_mm512_load_ps((const float *)acc + r * 32 + 16 * c)));
+                                 bf16_round16_fast(_mm512_load_ps((const float *)acc + r * 32 + 16 * c)));
     return;
   }
   __m512 col[2], zt[2], sc[2];
@@ -1266,7 +1278,7 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
       __m512 v = corrected16(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), vxz, vxsc, vrs, col[c], zt[c],
                              sc[c], J->asymmetric);
       size_t o = (size_t)t * n + j0 + 16 * c;
-      if (J->y_bf16) _mm256_mask_storeu_epi16((uint16_t *)J->y + o, mk[c], amx_bf16(v));
+      if (J->y_bf16) _mm256_mask_storeu_epi16((uint16_t *)J->y + o, mk[c], bf16_round16_fast(v));
       else _mm512_mask_storeu_ps((float *)J->y + o, mk[c], v);
     }
   }
