@@ -106,6 +106,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_rms_norm.restype = None
     lib.lrq_rms_norm_rows.argtypes = [p, p, p, p, i, i, i, f, i]
     lib.lrq_rms_norm_rows.restype = None
+    lib.lrq_rope_cache_rows.argtypes = [p, p, p, p, p, p, p, lg, i, i, i, i, i, i, i]
+    lib.lrq_rope_cache_rows.restype = i
     lib.lrq_silu_mul.argtypes = [p, p, p, i, lg, i]
     lib.lrq_silu_mul.restype = None
     lib.lrq_attend.argtypes = [p, lg, p, p, lg, p, i, i, i, i, i, f]

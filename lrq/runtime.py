@@ -12,8 +12,9 @@ linears, dense or `PackedLinear`, its activation, its rotary embedding) and fewe
   result as the Hugging Face norm's two);
 - `scaled_dot_product_attention` with grouped heads (no repeated keys), causal from the cache's start, a mask
   only where a chunk of several tokens follows cached ones;
-- several tokens (a prefill): each residual add with the norm after it, and the MLP's SiLU with its product, as one
-  lrq.native pass over the rows each (`rows_native`; torch's CPU rms_norm on bf16 is about twenty operations);
+- several tokens (a prefill): each residual add with the norm after it, the MLP's SiLU with its product, and RoPE
+  with the cache write (batch 1) as one lrq.native pass over the rows each (`rows_native`; torch's CPU rms_norm on
+  bf16 is about twenty operations);
 - the head on the positions asked for only;
 - a decode step (one token) with oneDNN off (`onednn_decode`): torch's own bf16 matrix-vector kernels are faster.
 
@@ -251,7 +252,7 @@ class LeanDecoder:
         resid = None
         for i, layer in enumerate(self.layers):
             h = _add_norm(x, resid, layer.input_layernorm, lib)
-            resid = self._attention(i, layer, h, start, mask, None)
+            resid = self._attention(i, layer, h, start, mask, None, lib)
             h = _add_norm(x, resid, layer.post_attention_layernorm, lib)
             mlp = layer.mlp
             g, u = mlp.gate_proj(h), mlp.up_proj(h)
@@ -262,16 +263,31 @@ class LeanDecoder:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, -1), sin)
 
-    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, start: int, mask, lib) -> torch.Tensor:
-        """One layer's attention; `lib`: lrq.native for a one-token step of batch 1, else None (torch's operations)."""
+    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, start: int, mask, lib,
+                   rows=None) -> torch.Tensor:
+        """One layer's attention; `lib`: lrq.native for a one-token step of batch 1, else None (torch's operations);
+        `rows`: lrq.native for several tokens (the q/k norms, RoPE and the cache write as row kernels; batch 1)."""
         a, (b, t, _) = layer.self_attn, h.shape
         end, hd = start + t, self.head_dim
         q = a.q_proj(h).view(b, t, -1, hd)
         k = a.k_proj(h).view(b, t, -1, hd)
         v = a.v_proj(h).view(b, t, -1, hd)
-        if self.qk_norm:
+        if self.qk_norm and rows is not None:
+            q, k = _add_norm(q, None, a.q_norm, rows), _add_norm(k, None, a.k_norm, rows)
+        elif self.qk_norm:
             q, k = _rms(a.q_norm, q, lib), _rms(a.k_norm, k, lib)
         kc, vc = self.k_layers[i], self.v_layers[i]
+        if rows is not None and b == 1 and _rows_ok(rows, q, k, v, self.cos, self.sin) and kc.dtype == q.dtype:
+            # several tokens: RoPE (q in place: the projection's own output) and the cache write in one call, the
+            # values a one-token step's lrq_rope_cache makes; the attention is torch's
+            native.checked(_native("rope_cache_rows", rows.lrq_rope_cache_rows, q.data_ptr(), k.data_ptr(),
+                                   v.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), kc.data_ptr(),
+                                   vc.data_ptr(), kc.stride(1), start, t, q.shape[2], kc.shape[1], hd,
+                                   q.dtype == torch.bfloat16, torch.get_num_threads()), "rope/cache rows")
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
+                                               is_causal=mask is None and start == 0 and t > 1,
+                                               scale=a.scaling, enable_gqa=True)
+            return a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         if lib is not None and all(x.is_contiguous() and x.dtype == kc.dtype for x in (q, k, v)):
             # one token: RoPE, the cache write and the attention as two lrq.native calls (q is roped in place: the
             # projection's own fresh output, nothing else holds it)

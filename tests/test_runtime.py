@@ -203,10 +203,11 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8"])
 def test_prefill_rows_through_native_kernels_give_torchs_logits(arch, dtype, scheme, monkeypatch):
-    """A prefill (several tokens, batch 1 and 2) with each residual add, the norm after it and the MLP's SiLU
-    product as lrq.native row kernels (LeanDecoder.rows_native) gives the logits of torch's operations for them:
-    float32 to float rounding, bf16 (and W8A8's activation levels) within its rounding; the kernels ran (two norms and a SiLU product a layer, the
-    last residual added), decode steps after it agree, and the greedy tokens are the same."""
+    """A prefill (several tokens, batch 1 and 2) with each residual add, the norm after it, the MLP's SiLU product
+    and (batch 1) RoPE with the cache write as lrq.native row kernels (LeanDecoder.rows_native) gives the logits of
+    torch's operations for them:
+    float32 to float rounding, bf16 (and W8A8's activation levels) within its rounding; the kernels ran (two norms, four with Qwen3's q/k norms, a SiLU product
+    and a RoPE call a layer, the last residual added), decode steps after it agree, and the greedy tokens are the same."""
     import lrq.runtime as R
     from lrq import native
     assert native.library() is not None, native.status()
@@ -228,9 +229,10 @@ def test_prefill_rows_through_native_kernels_give_torchs_logits(arch, dtype, sch
             lean.rows_native = rows
             calls.clear()
             logits = lean.forward(ids, keep=10).float()
-            n_layers = len(lean.layers)
-            assert calls.count("rms_norm_rows") == (2 * n_layers + 1 if rows else 0)
+            n_layers, norms = len(lean.layers), 4 if lean.qk_norm else 2   # Qwen3's q/k norms too
+            assert calls.count("rms_norm_rows") == (norms * n_layers + 1 if rows else 0)
             assert calls.count("silu_mul") == (n_layers if rows else 0)
+            assert calls.count("rope_cache_rows") == (n_layers if rows and batch == 1 else 0)
             steps = [logits]
             nxt = logits[:, -1:].argmax(-1)
             toks = [nxt]
@@ -246,6 +248,50 @@ def test_prefill_rows_through_native_kernels_give_torchs_logits(arch, dtype, sch
         exact = dtype == torch.float32 and scheme != "w8a8"
         assert (a - b).abs().max() <= (1e-5 if exact else 3e-2) * b.abs().max()
         assert torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_rope_cache_rows_are_torchs_rope_and_cache_write(dtype, head_dim):
+    """lrq_rope_cache_rows (a prefill's RoPE and cache write, batch 1) gives what torch's operations gave on that
+    path (x cos rounded, then r sin' added in one fused multiply-add: bit for bit against torch 2.13's AVX-512
+    kernels on the Intel Xeon it was written on; here within the rounding a build that does not fuse would differ
+    by): q roped in place, k roped into the key cache and v copied (exactly) into the value cache at the tokens'
+    positions (here 5..41 of a cache of 64), nothing else written; head_dim 64 takes the AVX-512 lanes where built,
+    48 (half not a multiple of 16) the plain loop; one and two threads."""
+    from lrq import native
+    from transformers import LlamaConfig, LlamaForCausalLM
+    lib = native.library()
+    assert lib is not None, native.status()
+    cfg = LlamaConfig(vocab_size=64, hidden_size=4 * head_dim, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64)
+    lean = LeanDecoder(LlamaForCausalLM(cfg).to(dtype).eval(), 64)
+    t, start, g = 37, 5, torch.Generator().manual_seed(8)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            q, k, v = (torch.randn(1, t, h, head_dim, generator=g).to(dtype) for h in (4, 2, 2))
+            cos, sin = lean.cos[start:start + t, None], lean.sin[start:start + t, None]
+            want_q, want_k = lean._rope(q, cos, sin), lean._rope(k, cos, sin)
+            kc, vc = lean.k_layers[0], lean.v_layers[0]
+            kc.fill_(7)
+            vc.fill_(7)
+            rc = lib.lrq_rope_cache_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), lean.cos.data_ptr(),
+                                         lean.sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(1), start, t,
+                                         4, 2, head_dim, dtype == torch.bfloat16, n)
+            assert rc == 0
+            for got, want in ((q, want_q), (kc[0, :, start:start + t], want_k[0].transpose(0, 1))):
+                if dtype == torch.float32:   # torch's own build may or may not fuse its addcmul's multiply-add
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+                else:
+                    ulps = (got.contiguous().view(torch.int16).int() - want.contiguous().view(torch.int16).int()).abs()
+                    assert ulps.max() <= 1 and (got == want).float().mean() >= 0.99
+            assert torch.equal(vc[0, :, start:start + t], v[0].transpose(0, 1))
+            outside = torch.cat([kc[0, :, :start], kc[0, :, start + t:], vc[0, :, :start], vc[0, :, start + t:]], 1)
+            assert (outside == 7).all()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_fused_layers_are_remade_after_reset_and_refuse_bad_arguments():

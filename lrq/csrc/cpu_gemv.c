@@ -1033,6 +1033,58 @@ void lrq_rms_norm_rows(void *x, const void *res, const void *w, void *y, int bf1
   }
 }
 
+/* rope_cache_rows: rope_cache for t tokens at positions pos.. (batch 1): q [t, heads, hd] roped in place, k [t,
+ * kv_heads, hd] roped into the key cache and v copied into the value cache at rows pos + j; cos and sin' [max_len,
+ * hd] (row pos + j for token j). In 16 lanes where built with AVX-512 and hd / 2 is a multiple of 16, the values of
+ * torch's addcmul(x * cos, roll(x), sin') the prefill ran before (x cos rounded to the dtype, then r sin' added to it
+ * in one fused multiply-add, rounded: bit for bit, a test checks), in plain C elsewhere. Tokens split over threads. */
+static void rope_row_rows(const void *x, void *dst, const void *cos, const void *sin, int bf16, size_t xo,
+                          size_t dsto, int hd) {
+#ifdef ROWS_AVX512
+  int half = hd / 2;
+  if (half % 16 == 0) {
+    for (int d = 0; d < half; d += 16) {
+      __m512 x0 = load16(x, bf16, xo + d, 0xFFFF), x1 = load16(x, bf16, xo + d + half, 0xFFFF);
+      __m512 o0 = _mm512_fmadd_ps(x1, load16(sin, bf16, d, 0xFFFF),
+                                  rounded16(_mm512_mul_ps(x0, load16(cos, bf16, d, 0xFFFF)), bf16));
+      __m512 o1 = _mm512_fmadd_ps(x0, load16(sin, bf16, d + half, 0xFFFF),
+                                  rounded16(_mm512_mul_ps(x1, load16(cos, bf16, d + half, 0xFFFF)), bf16));
+      store16(dst, bf16, dsto + d, 0xFFFF, o0);
+      store16(dst, bf16, dsto + d + half, 0xFFFF, o1);
+    }
+    return;
+  }
+#endif
+  int h2 = hd / 2;
+  float tmp[1024];
+  for (int d = 0; d < hd; d++) {
+    float a = load_any(x, bf16, xo + d) * load_any(cos, bf16, d);
+    if (bf16) a = bf16_to_f32(f32_to_bf16(a));
+    tmp[d] = fmaf(load_any(x, bf16, xo + (size_t)((d + h2) % hd)), load_any(sin, bf16, d), a);
+  }
+  for (int d = 0; d < hd; d++) store_any(dst, bf16, dsto + d, tmp[d]);
+}
+
+int lrq_rope_cache_rows(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
+                        long kv_stride, int pos, int t, int heads, int kv_heads, int hd, int bf16, int nthreads) {
+  if (hd < 2 || hd > 1024 || hd % 2 || t < 1) return 1;
+  size_t elem = bf16 ? 2 : 4;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)t * (heads + kv_heads) * hd >= PARALLEL_FROM / 4)
+  for (int j = 0; j < t; j++) {
+    const char *cj = (const char *)cos + elem * (size_t)(pos + j) * hd, *sj = (const char *)sin + elem * (size_t)(pos + j) * hd;
+    for (int h = 0; h < heads; h++) {
+      size_t o = ((size_t)j * heads + h) * hd;
+      rope_row_rows(q, q, cj, sj, bf16, o, o, hd);
+    }
+    for (int h = 0; h < kv_heads; h++) {
+      size_t src = ((size_t)j * kv_heads + h) * hd, at = (size_t)h * kv_stride + (size_t)(pos + j) * hd;
+      rope_row_rows(k, kc, cj, sj, bf16, src, at, hd);
+      memcpy((char *)vc + at * elem, (const char *)v + src * elem, hd * elem);
+    }
+  }
+  return 0;
+}
+
 /* silu_mul: y = act(g) * u over `count` values (bf16 or float32), the MLP's two operations with their two roundings:
  * act(g) = g / (1 + e^-g) in float32 rounded to the dtype, then its product with u rounded (exp16 where built with
  * AVX-512, else expf). Split over threads in pieces of 4096. */
