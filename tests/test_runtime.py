@@ -157,6 +157,18 @@ def _calibration(n: int = 4, t: int = 16):
     return SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
+def _packed_tiny(arch: str, scheme: str | None, dtype: torch.dtype):
+    """A tiny model of `arch` (hidden 192; Qwen3's own config), RTN-quantized and packed under `scheme` (None: dense),
+    cast to `dtype`."""
+    model = _qwen3() if arch == "qwen3" else tiny_model(arch, hidden=192)
+    if scheme:
+        rtn = get_method("rtn")
+        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
+                     _calibration() if get_scheme(scheme).static_activations else None)
+        pack_model(model)
+    return model.to(dtype)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", [None, "w4a16", "w4a8", "w8a8", "w8a16"])
@@ -168,13 +180,7 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
     several steps, so the cache the fused layers write is the one the next step reads."""
     from lrq import native
     assert native.library() is not None, native.status()
-    model = _qwen3() if arch == "qwen3" else tiny_model(arch, hidden=192)
-    if scheme:
-        rtn = get_method("rtn")
-        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
-                     _calibration() if get_scheme(scheme).static_activations else None)
-        pack_model(model)
-    model = model.to(dtype)
+    model = _packed_tiny(arch, scheme, dtype)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))
     outs, tokens = [], []
     for fused in (True, False):
@@ -205,19 +211,13 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
 def test_prefill_rows_through_native_kernels_give_torchs_logits(arch, dtype, scheme, monkeypatch):
     """A prefill (several tokens, batch 1 and 2) with each residual add, the norm after it, the MLP's SiLU product
     and (batch 1) RoPE with the cache write as lrq.native row kernels (LeanDecoder.rows_native) gives the logits of
-    torch's operations for them:
-    float32 to float rounding, bf16 (and W8A8's activation levels) within its rounding; the kernels ran (two norms, four with Qwen3's q/k norms, a SiLU product
-    and a RoPE call a layer, the last residual added), decode steps after it agree, and the greedy tokens are the same."""
+    torch's operations for them: float32 to float rounding, bf16 (and W8A8's activation levels) within its rounding;
+    the kernels ran (two norms a layer, four with Qwen3's q/k norms, a SiLU product and a RoPE call, the last
+    residual added), decode steps after it agree, and the greedy tokens are the same."""
     import lrq.runtime as R
     from lrq import native
     assert native.library() is not None, native.status()
-    model = _qwen3() if arch == "qwen3" else tiny_model(arch, hidden=192)
-    if scheme:
-        rtn = get_method("rtn")
-        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
-                     _calibration() if get_scheme(scheme).static_activations else None)
-        pack_model(model)
-    model = model.to(dtype)
+    model = _packed_tiny(arch, scheme, dtype)
     calls = []
     real = R._native
     monkeypatch.setattr(R, "_native", lambda name, fn, *a: calls.append(name) or real(name, fn, *a))
