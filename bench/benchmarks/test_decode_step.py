@@ -6,6 +6,8 @@ explicitly):
 - one greedy decode step of a SmolLM2-135M-shaped model (random weights, built in memory: no download), dense bf16
   and packed w4a16-g128 and w4a8 (RTN, no calibration needed), through lrq.runtime.LeanDecoder with its decoder layers fused into
   one lrq.native call each and through its modules (`fused` False), at a fixed cache length of 64 positions;
+- a prefill of 256 tokens of the same models from an empty cache (the last position's logits), with the norms,
+  residual adds, SiLU products and RoPE as lrq.native row kernels (`rows`) and as torch's operations;
 - the 4-bit form's transient prefill operand (Int4Weights.dequantized_t) made by lrq.native and by torch's ops.
 
 The end-to-end comparison with interleaved rounds, the real model and llama.cpp is `python -m bench.studies.speed
@@ -57,6 +59,29 @@ def test_decode_step(benchmark, model, fused):
     benchmark.extra_info.update({"model": f"SmolLM2-135M shape, random weights, {name}", "fused": fused,
                                  "cached": CACHED, "threads": torch.get_num_threads(), "native": native.status()})
     logits = benchmark(step)
+    assert logits.shape == (1, 1, SMOLLM2["vocab_size"]) and torch.isfinite(logits).all()
+
+
+PREFILL = 256   # tokens of the timed prefill
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "torch-ops"])
+def test_prefill(benchmark, model, rows):
+    from lrq.runtime import LeanDecoder
+    if rows and native.library() is None:
+        pytest.skip(f"lrq.native is not built here: {native.status()}")
+    name, m = model
+    lean = LeanDecoder(m, PREFILL)
+    lean.rows_native = rows
+    ids = torch.arange(PREFILL)[None] % 1000
+
+    def prefill():
+        lean.reset()
+        return lean.forward(ids)
+
+    benchmark.extra_info.update({"model": f"SmolLM2-135M shape, random weights, {name}", "rows_native": rows,
+                                 "tokens": PREFILL, "threads": torch.get_num_threads(), "native": native.status()})
+    logits = benchmark(prefill)
     assert logits.shape == (1, 1, SMOLLM2["vocab_size"]) and torch.isfinite(logits).all()
 
 
