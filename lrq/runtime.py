@@ -241,6 +241,21 @@ class LeanDecoder:
             self._fused = [self._fused_layer(i, layer) for i, layer in enumerate(self.layers)]
         return self._fused
 
+    def _layers(self, x: torch.Tensor, start: int, mask, lib, fused: list) -> torch.Tensor:
+        """The decoder layers through their modules and torch's operations, a layer with fused arguments (a one-token
+        step) as one lrq.native call."""
+        for i, layer in enumerate(self.layers):
+            if fused[i] is not None:   # x is this step's own tensor: the layer's output is written into it
+                rc = _native("decoder_layer", lib.lrq_decoder_layer_step, fused[i][0], x.data_ptr(), start,
+                             torch.get_num_threads())
+                native.checked(rc, "decoder layer")
+                continue
+            x = x + self._attention(i, layer, _rms(layer.input_layernorm, x, lib), start, mask, lib)
+            mlp = layer.mlp
+            h = _rms(layer.post_attention_layernorm, x, lib)
+            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return x
+
     def _layers_rows(self, x: torch.Tensor, start: int, mask, lib) -> torch.Tensor:
         """The decoder layers over several tokens with each residual add, the norm after it and the MLP's SiLU product
         as lrq.native row kernels (lrq_rms_norm_rows, lrq_silu_mul: one pass each where torch makes about twenty
@@ -336,16 +351,8 @@ class LeanDecoder:
             rows = self._lib if lib is None and self.rows_native else None
             if rows is not None:   # several tokens: the norms, residual adds and SiLU products as lrq.native rows
                 x = self._layers_rows(x, start, mask, rows)
-            for i, layer in enumerate(self.layers if rows is None else ()):
-                if fused[i] is not None:   # x is this step's own tensor: the layer's output is written into it
-                    rc = _native("decoder_layer", lib.lrq_decoder_layer_step, fused[i][0], x.data_ptr(), start,
-                                 torch.get_num_threads())
-                    native.checked(rc, "decoder layer")
-                    continue
-                x = x + self._attention(i, layer, _rms(layer.input_layernorm, x, lib), start, mask, lib)
-                mlp = layer.mlp
-                h = _rms(layer.post_attention_layernorm, x, lib)
-                x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            else:
+                x = self._layers(x, start, mask, lib, fused)
             self.length = start + t
             h, head = _rms(inner.norm, x[:, -keep:], lib), self.model.lm_head
             if (any(fused) and type(head) is nn.Linear and head.bias is None and head.weight.dtype == h.dtype

@@ -525,7 +525,7 @@ static void unpack_row(const uint8_t *r, const float *sg, const float *zg, void 
 /* one block of 64 features of a 4-bit packing (block 64: k_pad rows of 32 bytes, feature j in byte j's low nibble
  * and feature j + 32 in its high one) as int8 levels less 8 in oneDNN's and AMX's blocked order, [k_pad / 4][64][4]
  * (the four bytes of a feature rows 4i..4i+3), and comp[64] = the negated sum of each feature's levels
- * (UNPACK_I8_BLOCKED; the AMX W4A8 prefill's weight panel) */
+ * (UNPACK_I8_BLOCKED; comp NULL: not summed, the AMX W4A8 prefill's weight panel) */
 static void i8_levels_block(const uint8_t *blk, int k_pad, int8_t *dst, int32_t *comp) {
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
   /* the byte placement: output byte 4f + e of features 0-15 (place0) or 16-31 (place1) from row e's byte f (or
@@ -552,9 +552,12 @@ static void i8_levels_block(const uint8_t *blk, int k_pad, int8_t *dst, int32_t 
     int8_t *d = dst + (size_t)(k / 4) * 256;
     _mm512_storeu_si512(d, v0); _mm512_storeu_si512(d + 64, v1);
     _mm512_storeu_si512(d + 128, v2); _mm512_storeu_si512(d + 192, v3);
-    s0 = _mm512_dpbusd_epi32(s0, ones, v0); s1 = _mm512_dpbusd_epi32(s1, ones, v1);
-    s2 = _mm512_dpbusd_epi32(s2, ones, v2); s3 = _mm512_dpbusd_epi32(s3, ones, v3);
+    if (comp) {
+      s0 = _mm512_dpbusd_epi32(s0, ones, v0); s1 = _mm512_dpbusd_epi32(s1, ones, v1);
+      s2 = _mm512_dpbusd_epi32(s2, ones, v2); s3 = _mm512_dpbusd_epi32(s3, ones, v3);
+    }
   }
+  if (!comp) return;
   const __m512i zero = _mm512_setzero_si512();
   _mm512_storeu_si512(comp, _mm512_sub_epi32(zero, s0)); _mm512_storeu_si512(comp + 16, _mm512_sub_epi32(zero, s1));
   _mm512_storeu_si512(comp + 32, _mm512_sub_epi32(zero, s2)); _mm512_storeu_si512(comp + 48, _mm512_sub_epi32(zero, s3));
@@ -567,7 +570,7 @@ static void i8_levels_block(const uint8_t *blk, int k_pad, int8_t *dst, int32_t 
       dst[(size_t)(k / 4) * 256 + f * 4 + k % 4] = v;
       sum += v;
     }
-    comp[f] = -sum;
+    if (comp) comp[f] = -sum;
   }
 #endif
 }
@@ -803,14 +806,21 @@ void lrq_rms_norm(const void *x, const void *w, void *y, int bf16, int rows, int
 /* rope_cache: one token's rotary embedding and key/value cache write, as lrq.runtime.LeanDecoder computes them
  * (x cos + roll(x, hd / 2) sin', sin' carrying rotate_half's sign): q [heads, hd] in place, k [kv_heads, hd] roped
  * into the key cache and v [kv_heads, hd] copied into the value cache at `pos` (caches [kv_heads, max_len, hd], head
- * kv_stride apart); cos and sin' are the rows of position `pos` ([hd]). In float32, rounded once. */
+ * kv_stride apart); cos and sin' are the rows of position `pos` ([hd]). In float32, rounded once. rope_row with
+ * torch_order: torch's addcmul(x * cos, roll(x), sin') instead (x cos rounded to the dtype, then r sin' added in one
+ * fused multiply-add: the prefill's rope_cache_rows). */
 static void rope_row(const void *x, void *dst, const void *cos, const void *sin, int bf16, size_t xo, size_t dsto,
-                     int hd) {
+                     int hd, int torch_order) {
   int half = hd / 2;
   float tmp[1024];
   for (int d = 0; d < hd; d++) {
-    float r = load_any(x, bf16, xo + (size_t)((d + half) % hd));
-    tmp[d] = load_any(x, bf16, xo + d) * load_any(cos, bf16, d) + r * load_any(sin, bf16, d);
+    float r = load_any(x, bf16, xo + (size_t)((d + half) % hd)), a = load_any(x, bf16, xo + d) * load_any(cos, bf16, d);
+    if (!torch_order) {
+      tmp[d] = a + r * load_any(sin, bf16, d);
+      continue;
+    }
+    if (bf16) a = bf16_to_f32(f32_to_bf16(a));
+    tmp[d] = fmaf(r, load_any(sin, bf16, d), a);
   }
   for (int d = 0; d < hd; d++) store_any(dst, bf16, dsto + d, tmp[d]);
 }
@@ -818,11 +828,11 @@ static void rope_row(const void *x, void *dst, const void *cos, const void *sin,
 int lrq_rope_cache(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
                    long kv_stride, int pos, int heads, int kv_heads, int hd, int bf16) {
   if (hd < 2 || hd > 1024 || hd % 2) return 1;
-  for (int h = 0; h < heads; h++) rope_row(q, q, cos, sin, bf16, (size_t)h * hd, (size_t)h * hd, hd);
+  for (int h = 0; h < heads; h++) rope_row(q, q, cos, sin, bf16, (size_t)h * hd, (size_t)h * hd, hd, 0);
   size_t elem = bf16 ? 2 : 4;
   for (int h = 0; h < kv_heads; h++) {
     size_t at = (size_t)h * kv_stride + (size_t)pos * hd;
-    rope_row(k, kc, cos, sin, bf16, (size_t)h * hd, at, hd);
+    rope_row(k, kc, cos, sin, bf16, (size_t)h * hd, at, hd, 0);
     memcpy((char *)vc + at * elem, (const char *)v + (size_t)h * hd * elem, hd * elem);
   }
   return 0;
@@ -902,6 +912,15 @@ static inline __m512 load16(const void *x, int bf16, size_t i, __mmask16 m) {
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i)), 16));
   return _mm512_maskz_loadu_ps(m, (const float *)x + i);
 }
+/* 16 float32 values (those the mask says) written to a bf16 (rounded to nearest even) or float32 row */
+static inline void store16(void *p, int bf16, size_t i, __mmask16 m, __m512 v) {
+  if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16_round16_fast(v));
+  else _mm512_mask_storeu_ps((float *)p + i, m, v);
+}
+/* v as stored in the dtype (bf16: rounded to nearest even) and read back as float32 */
+static inline __m512 rounded16(__m512 v, int bf16) {
+  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round16_fast(v)), 16)) : v;
+}
 /* nearbyint(x / scale) + zero for 16 values of a row: their unclamped position on the grid */
 static inline __m512 grid16(const void *x, int bf16, size_t i, __mmask16 m, __m512 scale, __m512 zero) {
   return _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, i, m), scale),
@@ -954,8 +973,7 @@ void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, in
       q = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), top),
                              _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q), q);
       __m512 v = _mm512_mul_ps(_mm512_sub_ps(q, vz), vs);
-      if (bf16) _mm256_mask_storeu_epi16((uint16_t *)y + o + i, m, bf16_round16(v));
-      else _mm512_mask_storeu_ps((float *)y + o + i, m, v);
+      store16(y, bf16, o + i, m, v);
     }
     continue;
 #endif
@@ -971,14 +989,6 @@ void lrq_per_token_dequant(const void *x, void *y, int bf16, int rows, int k, in
  * torch's CPU rms_norm on bf16 is about twenty operations (1.0 ms for 512 x 576 on one Intel Xeon thread, 61 a
  * prefill of SmolLM2-135M: 15 % of it), its SiLU and the product with the up projection two passes more. */
 #ifdef ROWS_AVX512
-static inline void store16(void *p, int bf16, size_t i, __mmask16 m, __m512 v) {
-  if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16_round16_fast(v));
-  else _mm512_mask_storeu_ps((float *)p + i, m, v);
-}
-/* v as stored in the dtype (bf16: rounded to nearest even) and read back as float32 */
-static inline __m512 rounded16(__m512 v, int bf16) {
-  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round16_fast(v)), 16)) : v;
-}
 /* e^x for 16 float32 values: x = n ln2 + r (n nearest, ln2 in two parts, |r| <= ln2 / 2), e^r = 1 + r + r^2 P(r)
  * with Cephes' degree-5 coefficients for expf (about 1e-7 relative), times 2^n by vscalefps (inf above about 88.7,
  * 0 below about -103.3, as expf); x clamped to [-110, 100] first (NaN kept: the second operand of vmaxps/vminps) */
@@ -1055,14 +1065,7 @@ static void rope_row_rows(const void *x, void *dst, const void *cos, const void 
     return;
   }
 #endif
-  int h2 = hd / 2;
-  float tmp[1024];
-  for (int d = 0; d < hd; d++) {
-    float a = load_any(x, bf16, xo + d) * load_any(cos, bf16, d);
-    if (bf16) a = bf16_to_f32(f32_to_bf16(a));
-    tmp[d] = fmaf(load_any(x, bf16, xo + (size_t)((d + h2) % hd)), load_any(sin, bf16, d), a);
-  }
-  for (int d = 0; d < hd; d++) store_any(dst, bf16, dsto + d, tmp[d]);
+  rope_row(x, dst, cos, sin, bf16, xo, dsto, hd, 1);
 }
 
 int lrq_rope_cache_rows(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
@@ -1095,7 +1098,7 @@ void lrq_silu_mul(const void *g, const void *u, void *y, int bf16, long count, i
     size_t i0 = (size_t)c * 4096, i1 = i0 + 4096 < (size_t)count ? i0 + 4096 : (size_t)count;
 #ifdef ROWS_AVX512
     for (size_t i = i0; i < i1; i += 16) {
-      __mmask16 m = tail16((int)(i1 - i < 16 ? i1 - i : 16));
+      __mmask16 m = tail16((int)(i1 - i));
       __m512 gv = load16(g, bf16, i, m);
       __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
       /* g / d as g times 1 / d (vrcp14ps and one Newton step: within an ulp or two of the quotient, a vdivps costing
@@ -1244,8 +1247,7 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
       __m512 av = acc_f32 ? _mm512_maskz_loadu_ps(m, af + j) : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j));
       __m512 v = corrected16(av, vxz, vxsc, vrs, _mm512_maskz_loadu_ps(m, col_term + j),
                              _mm512_maskz_loadu_ps(m, zero_term + j), _mm512_maskz_loadu_ps(m, scale + j), asymmetric);
-      if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (size_t)t * n + j, m, bf16_round16(v));
-      else _mm512_mask_storeu_ps((float *)y + (size_t)t * n + j, m, v);
+      store16(y, y_bf16, (size_t)t * n + j, m, v);
     }
     continue;
 #endif
@@ -1302,7 +1304,6 @@ typedef struct {
   void *y; int y_bf16;
 } amx_job;
 
-
 /* the outputs of rows r0..r1 of a 32 x 32 block of products acc (rows t0 + r, features j0.., those below n
  * written): amx_int8_linear's int8_correct operations (corrected16; the features' terms loaded once a call) or
  * amx_bf16_linear's rounding */
@@ -1312,8 +1313,7 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
   if (J->bf16) {
     for (int r = r0; r < r1; r++)
       for (int c = 0; c < 2 && mk[c]; c++)
-        _mm256_mask_storeu_epi16((uint16_t *)J->y + (size_t)(t0 + r) * n + j0 + 16 * c, mk[c],
-                                 bf16_round16_fast(_mm512_load_ps((const float *)acc + r * 32 + 16 * c)));
+        store16(J->y, 1, (size_t)(t0 + r) * n + j0 + 16 * c, mk[c], _mm512_load_ps((const float *)acc + r * 32 + 16 * c));
     return;
   }
   __m512 col[2], zt[2], sc[2];
@@ -1329,9 +1329,7 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
     for (int c = 0; c < 2 && mk[c]; c++) {
       __m512 v = corrected16(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), vxz, vxsc, vrs, col[c], zt[c],
                              sc[c], J->asymmetric);
-      size_t o = (size_t)t * n + j0 + 16 * c;
-      if (J->y_bf16) _mm256_mask_storeu_epi16((uint16_t *)J->y + o, mk[c], bf16_round16_fast(v));
-      else _mm512_mask_storeu_ps((float *)J->y + o, mk[c], v);
+      store16(J->y, J->y_bf16, (size_t)t * n + j0 + 16 * c, mk[c], v);
     }
   }
 }
@@ -1344,8 +1342,7 @@ static void amx_panel(const amx_job *J, int p, uint8_t *panel) {
     bf16_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, L->s, L->zc, L->n_pad, 64 * p, k, L->group,
                       (uint16_t *)panel, (uint16_t *)panel + (size_t)32 * k);
   } else if (J->L) {
-    int32_t comp[64];
-    i8_levels_block((const uint8_t *)J->L->packed + (size_t)p * 32 * k, k, (int8_t *)panel, comp);
+    i8_levels_block((const uint8_t *)J->L->packed + (size_t)p * 32 * k, k, (int8_t *)panel, NULL);
   } else {
     int8_levels_block(J->w + (size_t)p * 64 * k, k, (int8_t *)panel);
   }
