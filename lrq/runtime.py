@@ -71,12 +71,13 @@ def _rms(norm: nn.Module, x: torch.Tensor, lib=None) -> torch.Tensor:
     """The Llama/Qwen RMSNorm as one fused operation (torch computes it in float32 and rounds once; the Hugging Face
     norm rounds the normalized values to the model's dtype before scaling them by the weight, four operations).
     With `lib` (lrq.native, one-token steps) its C kernel: the same float32 computation in one call, where torch's
-    CPU rms_norm on bf16 makes about twenty operations (80 us for 576 values on a Zen 4: 5 ms a token)."""
+    CPU rms_norm on bf16 makes about twenty operations (80 us for 576 values on a Zen 4: 5 ms a token); the kernel the
+    fused layer step runs (lrq_rms_norm_rows, one thread)."""
     w = norm.weight
     if lib is not None and x.is_contiguous() and w.dtype == x.dtype and w.is_contiguous():
         y = torch.empty_like(x)
-        _native("rms_norm", lib.lrq_rms_norm, x.data_ptr(), w.data_ptr(), y.data_ptr(), x.dtype == torch.bfloat16,
-                x.numel() // x.shape[-1], x.shape[-1], norm.variance_epsilon)
+        _native("rms_norm", lib.lrq_rms_norm_rows, x.data_ptr(), None, w.data_ptr(), y.data_ptr(),
+                x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1], norm.variance_epsilon, 1)
         return y
     return F.rms_norm(x, (x.shape[-1],), w, eps=norm.variance_epsilon)
 
@@ -253,7 +254,9 @@ class LeanDecoder:
             x = x + self._attention(i, layer, _rms(layer.input_layernorm, x, lib), start, mask, lib)
             mlp = layer.mlp
             h = _rms(layer.post_attention_layernorm, x, lib)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            g, u = mlp.gate_proj(h), mlp.up_proj(h)
+            silu = lib is not None and getattr(self.model.config, "hidden_act", None) in ("silu", "swish")
+            x = x + mlp.down_proj(_silu_mul(g, u, lib) if silu else mlp.act_fn(g) * u)
         return x
 
     def _layers_rows(self, x: torch.Tensor, start: int, mask, lib) -> torch.Tensor:

@@ -732,3 +732,61 @@ def test_silu_mul_is_torchs_silu_times_up(dtype):
                 assert ((y[9:].double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30).all()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 128), (5, 5, 80), (12, 2, 64), (4, 2, 24)])
+def test_one_token_attention_is_sdpa_for_grouped_heads(heads, kv_heads, hd, dtype):
+    """lrq_attend (a decode step's attention: one query token against the cache) equals SDPA in float64 on the same
+    inputs: float32 within 2e-6 of the output's size, bf16 within one bf16 step of it; every group size (the query
+    heads of a key/value head four at a time: groups of 1, 3, 6 and 8), head sizes a multiple of 64, of 16 only
+    (80) and of neither (24: the plain loop); lengths below, at and above the 16 positions scored together, and
+    long (531, scores far apart); query rows further apart than hd; nothing written beyond the output's rows."""
+    lib = native.library()
+    assert lib is not None, native.status()
+    g = torch.Generator().manual_seed(heads * 1000 + hd)
+    max_len, q_stride = 600, hd + 8
+    kc = torch.randn(kv_heads, max_len, hd, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, max_len, hd, generator=g).to(dtype)
+    for length in (1, 15, 16, 17, 531):
+        q = (torch.randn(heads, q_stride, generator=g) * (3 if length == 531 else 1)).to(dtype)
+        out = torch.full((heads * hd + 16,), 7.0, dtype=dtype)
+        assert lib.lrq_attend(q.data_ptr(), q_stride, kc.data_ptr(), vc.data_ptr(), kc.stride(0), out.data_ptr(),
+                              dtype == torch.bfloat16, length, heads, kv_heads, hd, hd ** -0.5) == 0
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[None, :, None, :hd].double(), kc[None, :, :length].double(), vc[None, :, :length].double(),
+            scale=hd ** -0.5, enable_gqa=True).reshape(-1)
+        got = out[:heads * hd]
+        assert torch.equal(out[heads * hd:], torch.full((16,), 7.0, dtype=dtype))
+        if dtype == torch.float32:
+            assert (got.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+        else:
+            assert _bf16_ulps(got, ref.to(dtype)).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hd", [64, 128, 24])
+def test_one_token_rope_and_cache_write(hd, dtype):
+    """lrq_rope_cache (a decode step's RoPE and cache write; 16 lanes where hd / 2 is a multiple of 16, plain C for
+    24): q roped in place and k roped into the key cache as x cos + roll(x, hd / 2) sin' in float32 (each product
+    rounded, then their sum, rounded once to the dtype: every bit), v copied into the value cache, at `pos` only."""
+    lib = native.library()
+    assert lib is not None, native.status()
+    g = torch.Generator().manual_seed(hd)
+    heads, kv_heads, max_len, pos = 6, 2, 20, 13
+    q, k, v = (torch.randn(n, hd, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
+    cos, sin = torch.randn(max_len, hd, generator=g).to(dtype), torch.randn(max_len, hd, generator=g).to(dtype)
+    kc, vc = torch.zeros(kv_heads, max_len, hd, dtype=dtype), torch.zeros(kv_heads, max_len, hd, dtype=dtype)
+
+    def roped(x):
+        f = x.float()
+        return (f * cos[pos].float() + f.roll(hd // 2, -1) * sin[pos].float()).to(dtype)
+
+    want_q, want_k = roped(q), roped(k)
+    assert lib.lrq_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos[pos].data_ptr(), sin[pos].data_ptr(),
+                              kc.data_ptr(), vc.data_ptr(), kc.stride(0), pos, heads, kv_heads, hd,
+                              dtype == torch.bfloat16) == 0
+    assert torch.equal(q, want_q) and torch.equal(kc[:, pos], want_k) and torch.equal(vc[:, pos], v)
+    others = torch.ones(max_len, dtype=torch.bool)
+    others[pos] = False
+    assert not kc[:, others].any() and not vc[:, others].any()

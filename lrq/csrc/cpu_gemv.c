@@ -825,69 +825,6 @@ static void rope_row(const void *x, void *dst, const void *cos, const void *sin,
   for (int d = 0; d < hd; d++) store_any(dst, bf16, dsto + d, tmp[d]);
 }
 
-int lrq_rope_cache(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
-                   long kv_stride, int pos, int heads, int kv_heads, int hd, int bf16) {
-  if (hd < 2 || hd > 1024 || hd % 2) return 1;
-  for (int h = 0; h < heads; h++) rope_row(q, q, cos, sin, bf16, (size_t)h * hd, (size_t)h * hd, hd, 0);
-  size_t elem = bf16 ? 2 : 4;
-  for (int h = 0; h < kv_heads; h++) {
-    size_t at = (size_t)h * kv_stride + (size_t)pos * hd;
-    rope_row(k, kc, cos, sin, bf16, (size_t)h * hd, at, hd, 0);
-    memcpy((char *)vc + at * elem, (const char *)v + (size_t)h * hd * elem, hd * elem);
-  }
-  return 0;
-}
-
-/* attend: one query token against `len` cached positions. q [heads, hd] (rows q_stride apart), caches [kv_heads,
- * max_len, hd] (head kv_stride apart), head h reads key/value head h / (heads / kv_heads); out [heads, hd]
- * contiguous (the o_proj input as is). Scores, softmax and the weighted sum in float32, rounded once. */
-int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, long kv_stride, void *out, int bf16,
-               int len, int heads, int kv_heads, int hd, float scale) {
-  if (len < 1 || kv_heads < 1 || heads % kv_heads) return 1;
-  float *buf = scratch_get(sizeof(float) * ((size_t)len + 2 * hd));
-  if (!buf) return 2;
-  float *qf = buf + len, *acc = qf + hd;
-  for (int h = 0; h < heads; h++) {
-    size_t kvh = (size_t)(h / (heads / kv_heads)) * kv_stride;
-    for (int d = 0; d < hd; d++) { qf[d] = load_any(q, bf16, (size_t)h * q_stride + d); acc[d] = 0; }
-    float mx = -INFINITY;
-    int vec = hd % 16 == 0;   /* 16 float32 lanes at a time (every head size in use: 64, 128, ...) */
-    for (int j = 0; j < len; j++) {
-      float sc = 0;
-      size_t row = kvh + (size_t)j * hd;
-      if (vec) {
-        v16 a = vzero();
-        for (int d = 0; d < hd; d += 16)
-          a = vfmav(vload(qf + d), bf16 ? vload_bf16((const uint16_t *)kc + row + d)
-                                        : vload((const float *)kc + row + d), a);
-        sc = vsum(a);
-      } else {
-        for (int d = 0; d < hd; d++) sc += qf[d] * load_any(kc, bf16, row + d);
-      }
-      buf[j] = sc * scale;
-      if (buf[j] > mx) mx = buf[j];
-    }
-    float sum = 0;
-    for (int j = 0; j < len; j++) { buf[j] = expf(buf[j] - mx); sum += buf[j]; }
-    for (int j = 0; j < len; j++) buf[j] /= sum;
-    if (vec) {
-      for (int d = 0; d < hd; d += 16) {
-        v16 a = vzero();
-        for (int j = 0; j < len; j++) {
-          size_t at = kvh + (size_t)j * hd + d;
-          a = vfma(bf16 ? vload_bf16((const uint16_t *)vc + at) : vload((const float *)vc + at), buf[j], a);
-        }
-        vstore(acc + d, a);
-      }
-    } else {
-      for (int j = 0; j < len; j++)
-        for (int d = 0; d < hd; d++) acc[d] += buf[j] * load_any(vc, bf16, kvh + (size_t)j * hd + d);
-    }
-    for (int d = 0; d < hd; d++) store_any(out, bf16, (size_t)h * hd + d, acc[d]);
-  }
-  return 0;
-}
-
 /* per_token_dequant: lrq.quant.per_token_dequantized's values, bit for bit (the same float32 operations in the same
  * order; this file is compiled with -ffp-contract=off so none is fused): per row, lo = min(min x, 0),
  * hi = max(max x, 0), scale = max((hi - lo) / qmax, eps), zero = clamp(round(-(lo / scale)), 0, qmax), then
@@ -1009,6 +946,158 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#ifdef ROWS_AVX512
+/* 16 vectors' lane sums as one vector: lane i the sum of a[i]'s 16 lanes (pairs of unpacks, then 128-bit blocks:
+ * 45 operations where 16 reductions are about 130) */
+static inline __m512 sum16x16(const __m512 *a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; i++)   /* lanes 0, 2 of each block: position 2i's partials; 1, 3: 2i + 1's */
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {   /* lane p of block b: position 4i + p's sum over block b */
+    __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+  __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even), _mm512_shuffle_f32x4(u[0], u[1], odd));
+  __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], even), _mm512_shuffle_f32x4(u[2], u[3], odd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, even), _mm512_shuffle_f32x4(w0, w1, odd));
+}
+
+/* attend_group: lrq_attend for HN (1-4) query heads of one key/value head, each key and value row read once for
+ * all of them (grouped-query attention: SmolLM2's 9 query heads read 3 key/value heads). s: HN x (len + 16) float32
+ * scratch for the scores; hd a multiple of 16. The scores 16 positions at a time (sum16x16), the softmax with exp16
+ * and its quotients by vdivps, the weighted values 64 features at a time in 4 x HN registers. */
+static inline __attribute__((always_inline)) void attend_group(
+    const float *qf, const void *kc, const void *vc, size_t kvh, void *out, size_t out0, int bf16, int len, int hd,
+    float scale, float *s, const int HN) {
+  const size_t ss = (size_t)len + 16;
+  for (int j0 = 0; j0 < len; j0 += 16) {
+    __m512 part[4][16];
+    for (int jj = 0; jj < 16; jj++) {
+      __m512 acc[4];
+      for (int h = 0; h < HN; h++) acc[h] = _mm512_setzero_ps();
+      if (j0 + jj < len) {
+        size_t row = kvh + (size_t)(j0 + jj) * hd;
+        for (int d = 0; d < hd; d += 16) {
+          __m512 kv = load16(kc, bf16, row + d, 0xFFFF);
+          for (int h = 0; h < HN; h++) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (size_t)h * hd + d), kv, acc[h]);
+        }
+      }
+      for (int h = 0; h < HN; h++) part[h][jj] = acc[h];
+    }
+    for (int h = 0; h < HN; h++)
+      _mm512_storeu_ps(s + h * ss + j0, _mm512_mul_ps(sum16x16(part[h]), _mm512_set1_ps(scale)));
+  }
+  for (int h = 0; h < HN; h++) {
+    float *sh = s + h * ss;
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int j = 0; j < len; j += 16) mx = _mm512_mask_max_ps(mx, tail16(len - j), mx, _mm512_loadu_ps(sh + j));
+    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int j = 0; j < len; j += 16) {
+      __m512 e = _mm512_maskz_mov_ps(tail16(len - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), m)));
+      _mm512_storeu_ps(sh + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    for (int j = 0; j < len; j += 16) _mm512_storeu_ps(sh + j, _mm512_div_ps(_mm512_loadu_ps(sh + j), total));
+  }
+  for (int d0 = 0; d0 < hd; d0 += 64) {
+    __m512 acc[4][4];
+    __mmask16 mk[4];
+    for (int c = 0; c < 4; c++) {
+      mk[c] = d0 + 16 * c < hd ? 0xFFFF : 0;
+      for (int h = 0; h < HN; h++) acc[h][c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < len; j++) {
+      size_t row = kvh + (size_t)j * hd + d0;
+      __m512 v[4];
+      for (int c = 0; c < 4; c++) v[c] = load16(vc, bf16, row + 16 * c, mk[c]);
+      for (int h = 0; h < HN; h++) {
+        __m512 p = _mm512_set1_ps(s[h * ss + j]);
+        for (int c = 0; c < 4; c++) acc[h][c] = _mm512_fmadd_ps(v[c], p, acc[h][c]);
+      }
+    }
+    for (int h = 0; h < HN; h++)
+      for (int c = 0; c < 4; c++)
+        if (mk[c]) store16(out, bf16, out0 + (size_t)h * hd + d0 + 16 * c, 0xFFFF, acc[h][c]);
+  }
+}
+#endif
+
+/* attend: one query token against `len` cached positions. q [heads, hd] (rows q_stride apart), caches [kv_heads,
+ * max_len, hd] (head kv_stride apart), head h reads key/value head h / (heads / kv_heads); out [heads, hd]
+ * contiguous (the o_proj input as is). Scores, softmax and the weighted sum in float32, rounded once. */
+int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, long kv_stride, void *out, int bf16,
+               int len, int heads, int kv_heads, int hd, float scale) {
+  if (len < 1 || kv_heads < 1 || heads % kv_heads) return 1;
+#ifdef ROWS_AVX512
+  if (hd % 16 == 0) {   /* the query heads of each key/value head four at a time (attend_group) */
+    int G = heads / kv_heads;
+    size_t ss = (size_t)len + 16;
+    float *s = scratch_get(sizeof(float) * (4 * ss + 4 * (size_t)hd));
+    if (!s) return 2;
+    float *qf = s + 4 * ss;
+    for (int g = 0; g < kv_heads; g++)
+      for (int h0 = 0; h0 < G; h0 += 4) {
+        int hn = G - h0 < 4 ? G - h0 : 4, hq = g * G + h0;
+        for (int h = 0; h < hn; h++)
+          for (int d = 0; d < hd; d += 16)
+            _mm512_storeu_ps(qf + (size_t)h * hd + d, load16(q, bf16, (size_t)(hq + h) * q_stride + d, 0xFFFF));
+        size_t kvh = (size_t)g * kv_stride, o0 = (size_t)hq * hd;
+        switch (hn) {
+          case 1: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 1); break;
+          case 2: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 2); break;
+          case 3: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 3); break;
+          default: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 4);
+        }
+      }
+    return 0;
+  }
+#endif
+  float *buf = scratch_get(sizeof(float) * ((size_t)len + 2 * hd));
+  if (!buf) return 2;
+  float *qf = buf + len, *acc = qf + hd;
+  for (int h = 0; h < heads; h++) {
+    size_t kvh = (size_t)(h / (heads / kv_heads)) * kv_stride;
+    for (int d = 0; d < hd; d++) { qf[d] = load_any(q, bf16, (size_t)h * q_stride + d); acc[d] = 0; }
+    float mx = -INFINITY;
+    int vec = hd % 16 == 0;   /* 16 float32 lanes at a time (every head size in use: 64, 128, ...) */
+    for (int j = 0; j < len; j++) {
+      float sc = 0;
+      size_t row = kvh + (size_t)j * hd;
+      if (vec) {
+        v16 a = vzero();
+        for (int d = 0; d < hd; d += 16)
+          a = vfmav(vload(qf + d), bf16 ? vload_bf16((const uint16_t *)kc + row + d)
+                                        : vload((const float *)kc + row + d), a);
+        sc = vsum(a);
+      } else {
+        for (int d = 0; d < hd; d++) sc += qf[d] * load_any(kc, bf16, row + d);
+      }
+      buf[j] = sc * scale;
+      if (buf[j] > mx) mx = buf[j];
+    }
+    float sum = 0;
+    for (int j = 0; j < len; j++) { buf[j] = expf(buf[j] - mx); sum += buf[j]; }
+    for (int j = 0; j < len; j++) buf[j] /= sum;
+    if (vec) {
+      for (int d = 0; d < hd; d += 16) {
+        v16 a = vzero();
+        for (int j = 0; j < len; j++) {
+          size_t at = kvh + (size_t)j * hd + d;
+          a = vfma(bf16 ? vload_bf16((const uint16_t *)vc + at) : vload((const float *)vc + at), buf[j], a);
+        }
+        vstore(acc + d, a);
+      }
+    } else {
+      for (int j = 0; j < len; j++)
+        for (int d = 0; d < hd; d++) acc[d] += buf[j] * load_any(vc, bf16, kvh + (size_t)j * hd + d);
+    }
+    for (int d = 0; d < hd; d++) store_any(out, bf16, (size_t)h * hd + d, acc[d]);
+  }
+  return 0;
+}
+
 /* rms_norm_rows: rows [rows, n] of x (contiguous, bf16 or float32). With res: x += res first, in place, rounded to
  * x's dtype (the residual add: torch's x + res), then y = rms_norm(x) * w (rms_norm's float32 computation and its
  * one rounding, as lrq_rms_norm; the sum of squares in 16 lanes where built with AVX-512); y NULL: the add only.
@@ -1048,24 +1137,44 @@ void lrq_rms_norm_rows(void *x, const void *res, const void *w, void *y, int bf1
  * hd] (row pos + j for token j). In 16 lanes where built with AVX-512 and hd / 2 is a multiple of 16, the values of
  * torch's addcmul(x * cos, roll(x), sin') the prefill ran before (x cos rounded to the dtype, then r sin' added to it
  * in one fused multiply-add, rounded: bit for bit, a test checks), in plain C elsewhere. Tokens split over threads. */
-static void rope_row_rows(const void *x, void *dst, const void *cos, const void *sin, int bf16, size_t xo,
-                          size_t dsto, int hd) {
+/* rope_row in 16 lanes where built with AVX-512 and hd / 2 is a multiple of 16 (the same float32 operations, so the
+ * same bits: x cos + r sin' each product rounded, or torch's order), rope_row itself elsewhere */
+static void rope_row_fast(const void *x, void *dst, const void *cos, const void *sin, int bf16, size_t xo,
+                          size_t dsto, int hd, int torch_order) {
 #ifdef ROWS_AVX512
   int half = hd / 2;
   if (half % 16 == 0) {
     for (int d = 0; d < half; d += 16) {
       __m512 x0 = load16(x, bf16, xo + d, 0xFFFF), x1 = load16(x, bf16, xo + d + half, 0xFFFF);
-      __m512 o0 = _mm512_fmadd_ps(x1, load16(sin, bf16, d, 0xFFFF),
-                                  rounded16(_mm512_mul_ps(x0, load16(cos, bf16, d, 0xFFFF)), bf16));
-      __m512 o1 = _mm512_fmadd_ps(x0, load16(sin, bf16, d + half, 0xFFFF),
-                                  rounded16(_mm512_mul_ps(x1, load16(cos, bf16, d + half, 0xFFFF)), bf16));
-      store16(dst, bf16, dsto + d, 0xFFFF, o0);
+      __m512 c0 = load16(cos, bf16, d, 0xFFFF), c1 = load16(cos, bf16, d + half, 0xFFFF);
+      __m512 s0 = load16(sin, bf16, d, 0xFFFF), s1 = load16(sin, bf16, d + half, 0xFFFF), o0, o1;
+      if (torch_order) {
+        o0 = _mm512_fmadd_ps(x1, s0, rounded16(_mm512_mul_ps(x0, c0), bf16));
+        o1 = _mm512_fmadd_ps(x0, s1, rounded16(_mm512_mul_ps(x1, c1), bf16));
+      } else {
+        o0 = _mm512_add_ps(_mm512_mul_ps(x0, c0), _mm512_mul_ps(x1, s0));
+        o1 = _mm512_add_ps(_mm512_mul_ps(x1, c1), _mm512_mul_ps(x0, s1));
+      }
+      store16(dst, bf16, dsto + d, 0xFFFF, o0);   /* x read whole before: q is roped in place */
       store16(dst, bf16, dsto + d + half, 0xFFFF, o1);
     }
     return;
   }
 #endif
-  rope_row(x, dst, cos, sin, bf16, xo, dsto, hd, 1);
+  rope_row(x, dst, cos, sin, bf16, xo, dsto, hd, torch_order);
+}
+
+int lrq_rope_cache(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
+                   long kv_stride, int pos, int heads, int kv_heads, int hd, int bf16) {
+  if (hd < 2 || hd > 1024 || hd % 2) return 1;
+  for (int h = 0; h < heads; h++) rope_row_fast(q, q, cos, sin, bf16, (size_t)h * hd, (size_t)h * hd, hd, 0);
+  size_t elem = bf16 ? 2 : 4;
+  for (int h = 0; h < kv_heads; h++) {
+    size_t at = (size_t)h * kv_stride + (size_t)pos * hd;
+    rope_row_fast(k, kc, cos, sin, bf16, (size_t)h * hd, at, hd, 0);
+    memcpy((char *)vc + at * elem, (const char *)v + (size_t)h * hd * elem, hd * elem);
+  }
+  return 0;
 }
 
 int lrq_rope_cache_rows(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
@@ -1077,11 +1186,11 @@ int lrq_rope_cache_rows(void *q, const void *k, const void *v, const void *cos, 
     const char *cj = (const char *)cos + elem * (size_t)(pos + j) * hd, *sj = (const char *)sin + elem * (size_t)(pos + j) * hd;
     for (int h = 0; h < heads; h++) {
       size_t o = ((size_t)j * heads + h) * hd;
-      rope_row_rows(q, q, cj, sj, bf16, o, o, hd);
+      rope_row_fast(q, q, cj, sj, bf16, o, o, hd, 1);
     }
     for (int h = 0; h < kv_heads; h++) {
       size_t src = ((size_t)j * kv_heads + h) * hd, at = (size_t)h * kv_stride + (size_t)(pos + j) * hd;
-      rope_row_rows(k, kc, cj, sj, bf16, src, at, hd);
+      rope_row_fast(k, kc, cj, sj, bf16, src, at, hd, 1);
       memcpy((char *)vc + at * elem, (const char *)v + src * elem, hd * elem);
     }
   }
@@ -1735,29 +1844,24 @@ int lrq_decoder_layer_step(const lrq_decoder_layer *L, void *x, int pos, int nth
   void *a = b; b += elem * I;
   void *tmp = b;   /* a linear's quantized input or float32 output: up to max(I, H, qn) float32 values */
   int rc;
-  lrq_rms_norm(x, L->in_norm, h, bf16, 1, H, L->eps);
+  lrq_rms_norm_rows(x, NULL, L->in_norm, h, bf16, 1, H, L->eps, 1);
   if ((rc = linear_apply(&L->q, h, q, bf16, L->act_eps, tmp, nthreads)) ||
       (rc = linear_apply(&L->k, h, k, bf16, L->act_eps, tmp, nthreads)) ||
       (rc = linear_apply(&L->v, h, v, bf16, L->act_eps, tmp, nthreads)))
     return rc;
-  if (L->q_norm) lrq_rms_norm(q, L->q_norm, q, bf16, L->heads, hd, L->q_eps);
-  if (L->k_norm) lrq_rms_norm(k, L->k_norm, k, bf16, L->kv_heads, hd, L->k_eps);
+  if (L->q_norm) lrq_rms_norm_rows(q, NULL, L->q_norm, q, bf16, L->heads, hd, L->q_eps, 1);
+  if (L->k_norm) lrq_rms_norm_rows(k, NULL, L->k_norm, k, bf16, L->kv_heads, hd, L->k_eps, 1);
   const char *cos = (const char *)L->cos + elem * (size_t)pos * hd, *sin = (const char *)L->sin + elem * (size_t)pos * hd;
   if ((rc = lrq_rope_cache(q, k, v, cos, sin, L->kc, L->vc, L->kv_stride, pos, L->heads, L->kv_heads, hd, bf16)) ||
       (rc = lrq_attend(q, hd, L->kc, L->vc, L->kv_stride, att, bf16, pos + 1, L->heads, L->kv_heads, hd, L->scale)) ||
       (rc = linear_apply(&L->o, att, o, bf16, L->act_eps, tmp, nthreads)))
     return rc;
-  for (int i = 0; i < H; i++) store_any(x, bf16, i, load_any(x, bf16, i) + load_any(o, bf16, i));
-  lrq_rms_norm(x, L->post_norm, h, bf16, 1, H, L->eps);
+  lrq_rms_norm_rows(x, o, L->post_norm, h, bf16, 1, H, L->eps, 1);   /* x += o, then its norm */
   if ((rc = linear_apply(&L->gate, h, g, bf16, L->act_eps, tmp, nthreads)) ||
       (rc = linear_apply(&L->up, h, u, bf16, L->act_eps, tmp, nthreads)))
     return rc;
-  for (int i = 0; i < I; i++) {   /* act_fn(gate) rounded, then its product with up rounded: the module's two ops */
-    float gv = load_any(g, bf16, i);
-    store_any(a, bf16, i, gv / (1.0f + expf(-gv)));
-    store_any(a, bf16, i, load_any(a, bf16, i) * load_any(u, bf16, i));
-  }
+  lrq_silu_mul(g, u, a, bf16, I, 1);   /* act_fn(gate) rounded, then its product with up rounded */
   if ((rc = linear_apply(&L->down, a, o, bf16, L->act_eps, tmp, nthreads))) return rc;
-  for (int i = 0; i < H; i++) store_any(x, bf16, i, load_any(x, bf16, i) + load_any(o, bf16, i));
+  lrq_rms_norm_rows(x, o, NULL, NULL, bf16, 1, H, 0.0f, 1);   /* x += o */
   return 0;
 }
