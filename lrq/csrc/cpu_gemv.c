@@ -1054,47 +1054,62 @@ int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, lon
     return 0;
   }
 #endif
-  float *buf = scratch_get(sizeof(float) * ((size_t)len + 2 * hd));
+  /* elsewhere (AVX2, plain C, other head sizes): the query heads of a key/value head four at a time too, each key
+   * and value row read once for them; a score's lanes summed on their own, the softmax by expf */
+  int G = heads / kv_heads, vec = hd % 16 == 0;   /* 16 float32 lanes at a time (every head size in use: 64, 128) */
+  size_t ss = (size_t)len;
+  float *buf = scratch_get(sizeof(float) * (4 * ss + 8 * (size_t)hd));
   if (!buf) return 2;
-  float *qf = buf + len, *acc = qf + hd;
-  for (int h = 0; h < heads; h++) {
-    size_t kvh = (size_t)(h / (heads / kv_heads)) * kv_stride;
-    for (int d = 0; d < hd; d++) { qf[d] = load_any(q, bf16, (size_t)h * q_stride + d); acc[d] = 0; }
-    float mx = -INFINITY;
-    int vec = hd % 16 == 0;   /* 16 float32 lanes at a time (every head size in use: 64, 128, ...) */
-    for (int j = 0; j < len; j++) {
-      float sc = 0;
-      size_t row = kvh + (size_t)j * hd;
-      if (vec) {
-        v16 a = vzero();
-        for (int d = 0; d < hd; d += 16)
-          a = vfmav(vload(qf + d), bf16 ? vload_bf16((const uint16_t *)kc + row + d)
-                                        : vload((const float *)kc + row + d), a);
-        sc = vsum(a);
-      } else {
-        for (int d = 0; d < hd; d++) sc += qf[d] * load_any(kc, bf16, row + d);
-      }
-      buf[j] = sc * scale;
-      if (buf[j] > mx) mx = buf[j];
-    }
-    float sum = 0;
-    for (int j = 0; j < len; j++) { buf[j] = expf(buf[j] - mx); sum += buf[j]; }
-    for (int j = 0; j < len; j++) buf[j] /= sum;
-    if (vec) {
-      for (int d = 0; d < hd; d += 16) {
-        v16 a = vzero();
-        for (int j = 0; j < len; j++) {
-          size_t at = kvh + (size_t)j * hd + d;
-          a = vfma(bf16 ? vload_bf16((const uint16_t *)vc + at) : vload((const float *)vc + at), buf[j], a);
+  float *qf = buf + 4 * ss, *acc = qf + 4 * (size_t)hd;
+  for (int g = 0; g < kv_heads; g++)
+    for (int h0 = 0; h0 < G; h0 += 4) {
+      int hn = G - h0 < 4 ? G - h0 : 4, hq = g * G + h0;
+      size_t kvh = (size_t)g * kv_stride;
+      for (int h = 0; h < hn; h++)
+        for (int d = 0; d < hd; d++) qf[(size_t)h * hd + d] = load_any(q, bf16, (size_t)(hq + h) * q_stride + d);
+      for (int j = 0; j < len; j++) {
+        size_t row = kvh + (size_t)j * hd;
+        if (vec) {
+          v16 sc[4] = {vzero(), vzero(), vzero(), vzero()};
+          for (int d = 0; d < hd; d += 16) {
+            v16 kv = bf16 ? vload_bf16((const uint16_t *)kc + row + d) : vload((const float *)kc + row + d);
+            for (int h = 0; h < hn; h++) sc[h] = vfmav(vload(qf + (size_t)h * hd + d), kv, sc[h]);
+          }
+          for (int h = 0; h < hn; h++) buf[h * ss + j] = vsum(sc[h]) * scale;
+        } else {
+          for (int h = 0; h < hn; h++) {
+            float sc = 0;
+            for (int d = 0; d < hd; d++) sc += qf[(size_t)h * hd + d] * load_any(kc, bf16, row + d);
+            buf[h * ss + j] = sc * scale;
+          }
         }
-        vstore(acc + d, a);
       }
-    } else {
-      for (int j = 0; j < len; j++)
-        for (int d = 0; d < hd; d++) acc[d] += buf[j] * load_any(vc, bf16, kvh + (size_t)j * hd + d);
+      for (int h = 0; h < hn; h++) {
+        float *sh = buf + h * ss, mx = -INFINITY, sum = 0;
+        for (int j = 0; j < len; j++) if (sh[j] > mx) mx = sh[j];
+        for (int j = 0; j < len; j++) { sh[j] = expf(sh[j] - mx); sum += sh[j]; }
+        for (int j = 0; j < len; j++) sh[j] /= sum;
+      }
+      if (vec) {
+        for (int d = 0; d < hd; d += 16) {
+          v16 a[4] = {vzero(), vzero(), vzero(), vzero()};
+          for (int j = 0; j < len; j++) {
+            size_t at = kvh + (size_t)j * hd + d;
+            v16 vv = bf16 ? vload_bf16((const uint16_t *)vc + at) : vload((const float *)vc + at);
+            for (int h = 0; h < hn; h++) a[h] = vfma(vv, buf[h * ss + j], a[h]);
+          }
+          for (int h = 0; h < hn; h++) vstore(acc + (size_t)h * hd + d, a[h]);
+        }
+      } else {
+        for (int i = 0; i < hn * hd; i++) acc[i] = 0;
+        for (int j = 0; j < len; j++)
+          for (int h = 0; h < hn; h++)
+            for (int d = 0; d < hd; d++)
+              acc[(size_t)h * hd + d] += buf[h * ss + j] * load_any(vc, bf16, kvh + (size_t)j * hd + d);
+      }
+      for (int h = 0; h < hn; h++)
+        for (int d = 0; d < hd; d++) store_any(out, bf16, (size_t)(hq + h) * hd + d, acc[(size_t)h * hd + d]);
     }
-    for (int d = 0; d < hd; d++) store_any(out, bf16, (size_t)h * hd + d, acc[d]);
-  }
   return 0;
 }
 
