@@ -346,7 +346,7 @@ def _int8_reference(w: Int8GemmWeights, xa, x_zero, x_scale) -> torch.Tensor:
         * w.scale.double()
 
 
-@pytest.mark.parametrize("n,k", [(1536, 576), (40, 100), (24, 70), (576, 1536)])
+@pytest.mark.parametrize("n,k", [(1536, 576), (40, 100), (24, 70), (576, 1536), (30, 128)])   # 30: two rows after the fours
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int8_gemv_is_the_exact_integer_product(n, k, symmetric):
     """W8A8 decode: the int32 product is exact (extreme levels included: no saturating int16 step), its float32
