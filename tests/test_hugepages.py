@@ -27,10 +27,16 @@ def _vm_flags(address: int) -> set[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_gather_copies_into_one_region_marked_for_huge_pages():
+@pytest.fixture
+def thp(monkeypatch):
+    """Huge pages asked for whatever this kernel's THP mode (`never` still takes the madvise; the region then has
+    4 KB pages): the tests check what is copied where, not what the kernel grants."""
+    monkeypatch.setattr(hugepages, "available", lambda: True)
+
+
+def test_gather_copies_into_one_region_marked_for_huge_pages(thp):
     """Copies with the originals' values, dtypes and shapes, one after the other on cache lines (in the order given),
     in a 2 MB-aligned mapping the kernel was asked to back with huge pages (its VmFlags say `hg`)."""
-    assert hugepages.available(), "this machine's kernel offers no transparent huge pages (THP never)"
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(3, 100, generator=g).bfloat16(), torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=g),
           torch.randn(2, 7, 5, generator=g)]
@@ -64,11 +70,11 @@ def test_without_huge_pages_nothing_is_copied(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("scheme", [None, "w4a16", "w4a8", "w8a16"])
-def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(scheme):
+def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(scheme, thp):
     """The first forward moves each layer's linears (dense weights, or a packed model's CPU forms; the int8
-    weight-only form's per-group chunks stay) and the head into one region in the order a step reads them; prefill and decode logits and greedy tokens are the same bits as with
-    the weights left where they were (huge_pages False); a tied embedding moves with the head."""
-    assert hugepages.available(), "this machine's kernel offers no transparent huge pages (THP never)"
+    weight-only form's per-group chunks stay) and the head into one region in the order a step reads them; prefill
+    and decode logits and greedy tokens are the same bits as with the weights left where they were (huge_pages
+    False); a tied embedding moves with the head."""
     model = tiny_model("llama", hidden=192)
     if scheme:
         load_methods()
@@ -108,12 +114,11 @@ def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(s
         assert model.model.embed_tokens.weight.data_ptr() == ptrs[-1]
 
 
-def test_the_old_copies_are_freed_and_a_second_decoder_does_not_copy_again():
+def test_the_old_copies_are_freed_and_a_second_decoder_does_not_copy_again(thp):
     """After the first forward nothing refers to the weights' old storage any more (the process holds one copy:
     the packed kernels' cached arguments are made again), and a second LeanDecoder of the same model reads the
     region the first made instead of copying the weights again."""
     import weakref
-    assert hugepages.available(), "this machine's kernel offers no transparent huge pages (THP never)"
     load_methods()
     model = tiny_model("llama", hidden=192)
     rtn = get_method("rtn")
