@@ -11,7 +11,7 @@ from lrq.methods import get_method, load_methods
 from lrq.packed import pack_model
 from lrq.runtime import LeanDecoder
 from lrq.schemes import get_scheme
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 
 def _vm_flags(address: int) -> set[str]:

@@ -8,7 +8,7 @@ from lrq.methods import get_method, load_methods
 from lrq.packed import pack_model
 from lrq.runtime import LeanDecoder, lean_support
 from lrq.schemes import get_scheme
-from tests.conftest import tiny_config, tiny_model
+from conftest import tiny_config, tiny_model
 
 load_methods()
 
