@@ -102,8 +102,6 @@ def library() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.lrq_w8a8_gemv.argtypes = [p, p, p, i, lg, f, f, f, p, p, i, p, p, i, i, i, i]
     lib.lrq_w8a8_gemv.restype = i
-    lib.lrq_rms_norm.argtypes = [p, p, p, i, i, i, f]
-    lib.lrq_rms_norm.restype = None
     lib.lrq_rms_norm_rows.argtypes = [p, p, p, p, i, i, i, f, i]
     lib.lrq_rms_norm_rows.restype = None
     lib.lrq_rope_cache_rows.argtypes = [p, p, p, p, p, p, p, lg, i, i, i, i, i, i, i]

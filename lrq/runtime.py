@@ -122,6 +122,12 @@ def _silu_mul(g: torch.Tensor, u: torch.Tensor, lib) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def _step_linears(layer: nn.Module) -> tuple:
+    """A decoder layer's seven linears in the order a one-token step runs them."""
+    a, mlp = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
 def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
     """(lrq.native.Linear, what it points into) for one linear of a fused decoder layer, or None where the layer
     cannot be fused. What its own forward runs at one token, as one part of the layer's C call: a dense nn.Linear held
@@ -219,13 +225,12 @@ class LeanDecoder:
         """(address of its lrq.native.DecoderLayer, what it points into) for a one-token step of layer i in one C
         call, or None (then its modules run): SiLU MLP, norms and linears lrq.native takes (_fused_linear), the
         model's dtype bf16 or float32."""
-        cfg, a, mlp = self.model.config, layer.self_attn, layer.mlp
+        cfg, a = self.model.config, layer.self_attn
         kc, vc = self.k_layers[i], self.v_layers[i]
         dtype = kc.dtype
         if getattr(cfg, "hidden_act", None) not in ("silu", "swish") or self._lib is None:
             return None
-        parts = [_fused_linear(m, dtype) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj,
-                                                   mlp.up_proj, mlp.down_proj)]
+        parts = [_fused_linear(m, dtype) for m in _step_linears(layer)]
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + (
             [a.q_norm, a.k_norm] if self.qk_norm else [])
         if any(p is None for p in parts) or any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms) \
@@ -256,8 +261,7 @@ class LeanDecoder:
             return 0
         slots = []   # (object, attribute): the copy replaces getattr(object, attribute); a Parameter's .data
         for layer in self.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            for mod in _step_linears(layer):
                 if isinstance(mod, PackedLinear) and not mod.quantize_output:
                     w = mod.cpu_weights or mod.convert_for_cpu()
                     int4 = int4_form(w)

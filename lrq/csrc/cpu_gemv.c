@@ -735,37 +735,16 @@ int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x
                   const float *zero_term, int asymmetric, const float *scale, float *y, int m, int n, int k,
                   int nthreads);
 
+static int32_t grid_levels_row(const void *x, int bf16, size_t o, int k, float scale, float zero, float hi,
+                               int8_t *out);   /* below, beside int8_activations */
 int lrq_w8a8_gemv(const int8_t *w, const int32_t *wsum, const void *x, int x_bf16, long x_stride, float a_scale,
                   float a_zero, float a_hi, const float *col_term, const float *zero_term, int asymmetric,
                   const float *scale, float *y, int m, int n, int k, int nthreads) {
   if (m < 1 || k < 1 || !(a_scale > 0)) return 1;
   int8_t *xa = malloc((size_t)m * k);
   if (!xa) return 2;
-  for (int t = 0; t < m; t++) {
-    int i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    /* 16 at a time, the same operations: the quotient, nearest even, the zero point, the clamp, NaN to level 0 */
-    const __m512 vs = _mm512_set1_ps(a_scale), vz = _mm512_set1_ps(a_zero), lo = _mm512_set1_ps(-128.f),
-                 hi = _mm512_set1_ps(a_hi);
-    for (; i + 16 <= k; i += 16) {
-      __m512 v = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                              (const __m256i *)((const uint16_t *)x + (size_t)t * x_stride + i))), 16))
-                        : _mm512_loadu_ps((const float *)x + (size_t)t * x_stride + i);
-      v = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
-      __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(v, lo), hi), nan, _mm512_setzero_ps());
-      _mm_storeu_si128((__m128i *)(xa + (size_t)t * k + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-#endif
-    for (; i < k; i++) {
-      float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[(size_t)t * x_stride + i])
-                       : ((const float *)x)[(size_t)t * x_stride + i];
-      v = nearbyintf(v / a_scale) + a_zero;
-      v = v < -128.f ? -128.f : (v > a_hi ? a_hi : v);
-      if (v != v) v = 0;   /* NaN: a defined level (an int8 path cannot carry it; torch's cast gives 0 on x86) */
-      xa[(size_t)t * k + i] = (int8_t)v;
-    }
-  }
+  for (int t = 0; t < m; t++)
+    grid_levels_row(x, x_bf16, (size_t)t * x_stride, k, a_scale, a_zero, a_hi, xa + (size_t)t * k);
   int rc = lrq_int8_gemv(w, wsum, xa, k, &a_zero, 0, &a_scale, 0, col_term, zero_term, asymmetric, scale, y, m, n, k,
                          nthreads);
   free(xa);
@@ -1080,34 +1059,11 @@ static inline __attribute__((always_inline)) void attend_group(
 int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, long kv_stride, void *out, int bf16,
                int len, int heads, int kv_heads, int hd, float scale) {
   if (len < 1 || kv_heads < 1 || heads % kv_heads) return 1;
-#ifdef ROWS_AVX512
-  if (hd % 16 == 0) {   /* the query heads of each key/value head four at a time (attend_group) */
-    int G = heads / kv_heads;
-    size_t ss = (size_t)len + 16;
-    float *s = scratch_get(sizeof(float) * (4 * ss + 4 * (size_t)hd));
-    if (!s) return 2;
-    float *qf = s + 4 * ss;
-    for (int g = 0; g < kv_heads; g++)
-      for (int h0 = 0; h0 < G; h0 += 4) {
-        int hn = G - h0 < 4 ? G - h0 : 4, hq = g * G + h0;
-        for (int h = 0; h < hn; h++)
-          for (int d = 0; d < hd; d += 16)
-            _mm512_storeu_ps(qf + (size_t)h * hd + d, load16(q, bf16, (size_t)(hq + h) * q_stride + d, 0xFFFF));
-        size_t kvh = (size_t)g * kv_stride, o0 = (size_t)hq * hd;
-        switch (hn) {
-          case 1: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 1); break;
-          case 2: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 2); break;
-          case 3: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 3); break;
-          default: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, s, 4);
-        }
-      }
-    return 0;
-  }
-#endif
-  /* elsewhere (AVX2, plain C, other head sizes): the query heads of a key/value head four at a time too, each key
-   * and value row read once for them; a score's lanes summed on their own, the softmax by expf */
+  /* the query heads of each key/value head four at a time, each key and value row read once for them: in AVX-512
+   * builds attend_group (hd a multiple of 16), elsewhere the loop below (AVX2, plain C, other head sizes: a score's
+   * lanes summed on their own, the softmax by expf) */
   int G = heads / kv_heads, vec = hd % 16 == 0;   /* 16 float32 lanes at a time (every head size in use: 64, 128) */
-  size_t ss = (size_t)len;
+  size_t ss = (size_t)len + 16;   /* a head's scores (attend_group scores 16 positions at a time) */
   float *buf = scratch_get(sizeof(float) * (4 * ss + 8 * (size_t)hd));
   if (!buf) return 2;
   float *qf = buf + 4 * ss, *acc = qf + 4 * (size_t)hd;
@@ -1117,6 +1073,18 @@ int lrq_attend(const void *q, long q_stride, const void *kc, const void *vc, lon
       size_t kvh = (size_t)g * kv_stride;
       for (int h = 0; h < hn; h++)
         for (int d = 0; d < hd; d++) qf[(size_t)h * hd + d] = load_any(q, bf16, (size_t)(hq + h) * q_stride + d);
+#ifdef ROWS_AVX512
+      if (vec) {
+        size_t o0 = (size_t)hq * hd;
+        switch (hn) {
+          case 1: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, buf, 1); break;
+          case 2: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, buf, 2); break;
+          case 3: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, buf, 3); break;
+          default: attend_group(qf, kc, vc, kvh, out, o0, bf16, len, hd, scale, buf, 4);
+        }
+        continue;
+      }
+#endif
       for (int j = 0; j < len; j++) {
         size_t row = kvh + (size_t)j * hd;
         if (vec) {
@@ -1197,11 +1165,6 @@ void lrq_rms_norm_rows(void *x, const void *res, const void *w, void *y, int bf1
   }
 }
 
-/* rope_cache_rows: rope_cache for t tokens at positions pos.. (batch 1): q [t, heads, hd] roped in place, k [t,
- * kv_heads, hd] roped into the key cache and v copied into the value cache at rows pos + j; cos and sin' [max_len,
- * hd] (row pos + j for token j). In 16 lanes where built with AVX-512 and hd / 2 is a multiple of 16, the values of
- * torch's addcmul(x * cos, roll(x), sin') the prefill ran before (x cos rounded to the dtype, then r sin' added to it
- * in one fused multiply-add, rounded: bit for bit, a test checks), in plain C elsewhere. Tokens split over threads. */
 /* rope_row in 16 lanes where built with AVX-512 and hd / 2 is a multiple of 16 (the same float32 operations, so the
  * same bits: x cos + r sin' each product rounded, or torch's order), rope_row itself elsewhere */
 static void rope_row_fast(const void *x, void *dst, const void *cos, const void *sin, int bf16, size_t xo,
@@ -1229,6 +1192,7 @@ static void rope_row_fast(const void *x, void *dst, const void *cos, const void 
   rope_row(x, dst, cos, sin, bf16, xo, dsto, hd, torch_order);
 }
 
+/* rope_cache: see rope_row above (rope_row_fast's lanes) */
 int lrq_rope_cache(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
                    long kv_stride, int pos, int heads, int kv_heads, int hd, int bf16) {
   if (hd < 2 || hd > 1024 || hd % 2) return 1;
@@ -1242,6 +1206,11 @@ int lrq_rope_cache(void *q, const void *k, const void *v, const void *cos, const
   return 0;
 }
 
+/* rope_cache_rows: rope_cache for t tokens at positions pos.. (batch 1): q [t, heads, hd] roped in place, k [t,
+ * kv_heads, hd] roped into the key cache and v copied into the value cache at rows pos + j; cos and sin' [max_len,
+ * hd] (row pos + j for token j). In 16 lanes where built with AVX-512 and hd / 2 is a multiple of 16, the values of
+ * torch's addcmul(x * cos, roll(x), sin') the prefill ran before (x cos rounded to the dtype, then r sin' added to it
+ * in one fused multiply-add, rounded: bit for bit, a test checks), in plain C elsewhere. Tokens split over threads. */
 int lrq_rope_cache_rows(void *q, const void *k, const void *v, const void *cos, const void *sin, void *kc, void *vc,
                         long kv_stride, int pos, int t, int heads, int kv_heads, int hd, int bf16, int nthreads) {
   if (hd < 2 || hd > 1024 || hd % 2 || t < 1) return 1;
@@ -1315,36 +1284,40 @@ void lrq_int8_activations(const void *x, int bf16, long x_stride, int m, int k, 
       zero_out[r] = zero;
       scale_out[r] = scale;
     }
-#ifdef ROWS_AVX512
-    {
-      const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero), lo = _mm512_set1_ps(-128.f),
-                   hi = _mm512_set1_ps(hi_level);
-      __m512i sum = _mm512_setzero_si512();
-      int8_t *out = xa + (size_t)r * k;
-      for (int i = 0; i < k; i += 16) {
-        __mmask16 m = tail16(k - i);
-        __m512 v = grid16(x, bf16, o + i, m, vs, vz);
-        __mmask16 bad = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(v, lo), hi), bad, _mm512_setzero_ps());
-        __m512i iv = _mm512_cvtps_epi32(v);
-        sum = _mm512_mask_add_epi32(sum, m, sum, iv);
-        _mm512_mask_cvtepi32_storeu_epi8(out + i, m, iv);
-      }
-      rowsum[r] = (float)_mm512_reduce_add_epi32(sum);
-      continue;
-    }
-#endif
-    int32_t sum = 0;
-    int8_t *out = xa + (size_t)r * k;
-    for (int i = 0; i < k; i++) {
-      float v = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
-      v = v < -128.f ? -128.f : (v > hi_level ? hi_level : v);
-      if (v != v) v = 0;
-      out[i] = (int8_t)v;
-      sum += out[i];
-    }
-    rowsum[r] = (float)sum;
+    rowsum[r] = (float)grid_levels_row(x, bf16, o, k, scale, zero, hi_level, xa + (size_t)r * k);
   }
+}
+
+/* one row's levels on a grid (less 128): clamp(nearbyint(x / scale) + zero, -128, hi), a NaN to level 0, into
+ * out[k] (16 at a time where built with AVX-512); returns their sum. The prefill's int8_activations and the
+ * one-token W8A8 kernel's static grid. */
+static int32_t grid_levels_row(const void *x, int bf16, size_t o, int k, float scale, float zero, float hi,
+                               int8_t *out) {
+#ifdef ROWS_AVX512
+  const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero), lo = _mm512_set1_ps(-128.f),
+               vhi = _mm512_set1_ps(hi);
+  __m512i sum = _mm512_setzero_si512();
+  for (int i = 0; i < k; i += 16) {
+    __mmask16 m = tail16(k - i);
+    __m512 v = grid16(x, bf16, o + i, m, vs, vz);
+    __mmask16 bad = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(v, lo), vhi), bad, _mm512_setzero_ps());
+    __m512i iv = _mm512_cvtps_epi32(v);
+    sum = _mm512_mask_add_epi32(sum, m, sum, iv);
+    _mm512_mask_cvtepi32_storeu_epi8(out + i, m, iv);
+  }
+  return _mm512_reduce_add_epi32(sum);
+#else
+  int32_t sum = 0;
+  for (int i = 0; i < k; i++) {
+    float v = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
+    v = v < -128.f ? -128.f : (v > hi ? hi : v);
+    if (v != v) v = 0;   /* NaN: a defined level (an int8 path cannot carry it; torch's cast gives 0 on x86) */
+    out[i] = (int8_t)v;
+    sum += out[i];
+  }
+  return sum;
+#endif
 }
 
 /* whether int8_activations runs in AVX-512 vectors here: its plain-C loop is slower than torch's vectorized ops
