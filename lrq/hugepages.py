@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import sys
 from pathlib import Path
@@ -39,11 +40,13 @@ def available() -> bool:
     return "[always]" in setting or "[madvise]" in setting
 
 
-def _madvise():
+@functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (its madvise and, with glibc, malloc_trim)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
-    return libc.madvise
+    return libc
 
 
 def arena(nbytes: int) -> torch.Tensor | None:
@@ -56,7 +59,7 @@ def arena(nbytes: int) -> torch.Tensor | None:
         region = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         address = ctypes.addressof((ctypes.c_char * len(region)).from_buffer(region))
         start = (-address) % HUGE
-        if _madvise()(address + start, size, MADV_HUGEPAGE) != 0:
+        if _libc().madvise(address + start, size, MADV_HUGEPAGE) != 0:
             return None
     except (OSError, ValueError, AttributeError):
         return None
@@ -89,8 +92,7 @@ def release_freed() -> None:
     is glibc (malloc_trim): its allocator keeps freed blocks of the heap otherwise, and the process would go on
     holding both copies. A no-op elsewhere."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = _libc().malloc_trim
     except (OSError, AttributeError):
         return
     trim.argtypes = [ctypes.c_size_t]
