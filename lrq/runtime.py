@@ -266,7 +266,8 @@ class LeanDecoder:
                     w = mod.cpu_weights or mod.convert_for_cpu()
                     int4 = int4_form(w)
                     slots += ([(int4, "packed"), (int4, "scale_zero")] if int4 is not None else
-                              [(w, "weight")] if isinstance(getattr(w, "weight", None), torch.Tensor) else [])
+                              [(w, a) for a in ("weight", "wsum", "col_term", "zero_term", "scale")
+                               if isinstance(getattr(w, a, None), torch.Tensor)])
                 elif type(mod) is nn.Linear:
                     slots.append((mod.weight, "data"))
         if type(self.model.lm_head) is nn.Linear:

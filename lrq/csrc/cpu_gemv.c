@@ -680,14 +680,9 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   return 0;
 }
 
-/* int8_gemv: the W8A8 decode step. y[m, n] (float32) from the activation levels xa = level - 128 (int8 [m, k], rows
- * x_stride apart) and the weight levels w = q - offset (int8 [n, k], contiguous): the exact int32 product
- * acc = sum_k xa w, then lrq.cpu_kernels._int8_corrected's corrections in float32,
- *     y = ((acc - x_zero * col_term) + rowsum * zero_term) * x_scale * scale      (rowsum = sum_k xa, exact)
- * (the zero_term product only where `asymmetric`). x_zero and x_scale: one value, or one per row where their
- * *_per_row flag is set. With AVX-512 VNNI the products are vpdpbusd's u8 x s8 on the levels themselves
- * (xa + 128) less 128 * wsum (wsum = sum_k w per output, exact); with AVX2 int16 products summed in int32 (exact:
- * no saturating step); elsewhere plain C. */
+/* dot_row: one weight row's exact int32 product with one token's activation levels (int8_gemv below): with
+ * AVX-512 VNNI vpdpbusd's u8 x s8 on the levels themselves (xa + 128) less 128 * wsum; with AVX2 int16 products
+ * summed in int32 (exact: no saturating step); elsewhere plain C. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static inline int32_t dot_row(const uint8_t *xu, const int8_t *w, int k, int32_t wsum) {
   __m512i acc = _mm512_setzero_si512();
@@ -727,88 +722,167 @@ static inline int32_t dot_row(const int8_t *x, const int8_t *w, int k, int32_t w
 }
 #endif
 
-/* w8a8_gemv: the same from floating-point activations on a static grid, quantized here exactly as the fake-quant
- * path does (lrq.packed.PackedLinear._int8_activations): xa = clamp(round_half_even(x / a_scale) + a_zero, -128,
- * a_hi), in float32, then int8_gemv with x_zero = a_zero and x_scale = a_scale. */
-int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x_stride, const float *x_zero,
-                  int zero_per_row, const float *x_scale, int scale_per_row, const float *col_term,
-                  const float *zero_term, int asymmetric, const float *scale, float *y, int m, int n, int k,
-                  int nthreads);
+static inline void store_any(void *p, int bf16, size_t i, float v);   /* below */
 
-static int32_t grid_levels_row(const void *x, int bf16, size_t o, int k, float scale, float zero, float hi,
-                               int8_t *out);   /* below, beside int8_activations */
-int lrq_w8a8_gemv(const int8_t *w, const int32_t *wsum, const void *x, int x_bf16, long x_stride, float a_scale,
-                  float a_zero, float a_hi, const float *col_term, const float *zero_term, int asymmetric,
-                  const float *scale, float *y, int m, int n, int k, int nthreads) {
-  if (m < 1 || k < 1 || !(a_scale > 0)) return 1;
-  int8_t *xa = malloc((size_t)m * k);
-  if (!xa) return 2;
-  for (int t = 0; t < m; t++)
-    grid_levels_row(x, x_bf16, (size_t)t * x_stride, k, a_scale, a_zero, a_hi, xa + (size_t)t * k);
-  int rc = lrq_int8_gemv(w, wsum, xa, k, &a_zero, 0, &a_scale, 0, col_term, zero_term, asymmetric, scale, y, m, n, k,
-                         nthreads);
-  free(xa);
-  return rc;
+/* one output's float32 corrections, in lrq.cpu_kernels._int8_corrected's order */
+static inline float int8_corrected(int32_t dot, float xz, float rowsum, float xsc, const float *col_term,
+                                   const float *zero_term, int asymmetric, const float *scale, int j) {
+  float v = (float)dot - xz * col_term[j];
+  if (asymmetric) v += rowsum * zero_term[j];
+  return v * xsc * scale[j];
 }
 
+#ifdef UNSIGNED_X
+/* 16 vectors' int32 lane sums as one vector (lane i: the sum of a[i]'s lanes): sum16x16's unpacks and block
+ * shuffles on integers */
+static inline __m512i isum16x16(const __m512i *a) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; i++)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+  __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], even), _mm512_shuffle_i32x4(u[0], u[1], odd));
+  __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], even), _mm512_shuffle_i32x4(u[2], u[3], odd));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, even), _mm512_shuffle_i32x4(w0, w1, odd));
+}
+
+/* 16 weight rows (j0..j0 + 15, contiguous) against one token's unsigned levels: each 64 bytes of x loaded once for
+ * the 16 rows, the next 16 rows fetched one line a row a step (as far ahead as the dense rows' 8 bf16 rows), the 16
+ * sums reduced together (isum16x16), then the corrections in 16 lanes, written as float32 or rounded to bf16 */
+static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, const int8_t *w, const int32_t *wsum,
+                        const float *col_term, const float *zero_term, int asymmetric, const float *scale, void *y,
+                        int y_bf16, int j0, int k) {
+  const int8_t *w0 = w + (size_t)j0 * k;
+  __builtin_prefetch(wsum + j0 + 16, 0, 3); __builtin_prefetch(col_term + j0 + 16, 0, 3);   /* the next 16's */
+  __builtin_prefetch(scale + j0 + 16, 0, 3);
+  if (asymmetric) __builtin_prefetch(zero_term + j0 + 16, 0, 3);
+  __m512i a[16];
+  for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_si512();
+  int i = 0;
+  for (; i + 64 <= k; i += 64) {
+    __m512i xv = _mm512_loadu_si512(xu + i);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {
+      __builtin_prefetch(w0 + (size_t)(r + 16) * k + i, 0, 3);
+      a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_loadu_si512(w0 + (size_t)r * k + i));
+    }
+  }
+  if (i < k) {
+    __mmask64 m = (1ULL << (k - i)) - 1;
+    __m512i xv = _mm512_maskz_loadu_epi8(m, xu + i);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++)
+      a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_maskz_loadu_epi8(m, w0 + (size_t)r * k + i));
+  }
+  __m512i dot = _mm512_sub_epi32(isum16x16(a), _mm512_slli_epi32(_mm512_loadu_si512(wsum + j0), 7));
+  __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(xz), _mm512_loadu_ps(col_term + j0)));
+  if (asymmetric)
+    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(rowsum), _mm512_loadu_ps(zero_term + j0)));
+  v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xsc)), _mm512_loadu_ps(scale + j0));
+  if (y_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + j0), bf16_round16(v));
+  else _mm512_storeu_ps((float *)y + j0, v);
+}
+#endif
+
+/* one token's outputs y[n] (float32, or bf16 where y_bf16) from its levels xt (unsigned with UNSIGNED_X, as
+ * dot_row reads them) and their sum less 128 a level (rowsum); output rows split over threads */
+static void int8_token(const void *xt, float rowsum, float xz, float xsc, const int8_t *w, const int32_t *wsum,
+                       const float *col_term, const float *zero_term, int asymmetric, const float *scale, void *y,
+                       int y_bf16, int n, int k, int nthreads) {
+  int done = 0;
+#ifdef UNSIGNED_X
+  done = n / 16 * 16;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
+  for (int u = 0; u < n / 16; u++)
+    int8_rows16(xt, rowsum, xz, xsc, w, wsum, col_term, zero_term, asymmetric, scale, y, y_bf16, 16 * u, k);
+#endif
+  for (int j = done; j < n; j++)
+    store_any(y, y_bf16, j, int8_corrected(dot_row(xt, w + (size_t)j * k, k, wsum[j]), xz, rowsum, xsc, col_term,
+                                            zero_term, asymmetric, scale, j));
+}
+
+/* the levels of m tokens (rows x_stride apart) as int8_token reads them, into the calling thread's scratch; their
+ * row sums into rowsum (NULL: the caller has them) */
+static const void *int8_operand(const int8_t *xa, long x_stride, int m, int k, float *rowsum) {
+#ifdef UNSIGNED_X
+  uint8_t *xs = scratch_get((size_t)m * k);
+  if (!xs) return NULL;
+  for (int t = 0; t < m; t++)
+    for (int i = 0; i < k; i++) xs[(size_t)t * k + i] = (uint8_t)(xa[(size_t)t * x_stride + i] ^ 0x80);
+#else
+  const int8_t *xs = xa;
+  if (x_stride != k) {
+    int8_t *c = scratch_get((size_t)m * k);
+    if (!c) return NULL;
+    for (int t = 0; t < m; t++) memcpy(c + (size_t)t * k, xa + (size_t)t * x_stride, (size_t)k);
+    xs = c;
+  }
+#endif
+  if (rowsum)
+    for (int t = 0; t < m; t++) {
+      int32_t rs = 0;
+      for (int i = 0; i < k; i++) rs += xa[(size_t)t * x_stride + i];
+      rowsum[t] = (float)rs;
+    }
+  return xs;
+}
+
+/* int8_gemv: the W8A8 decode step. y[m, n] (float32) from the activation levels xa = level - 128 (int8 [m, k], rows
+ * x_stride apart) and the weight levels w = q - offset (int8 [n, k], contiguous): the exact int32 product
+ * acc = sum_k xa w, then lrq.cpu_kernels._int8_corrected's corrections in float32,
+ *     y = ((acc - x_zero * col_term) + rowsum * zero_term) * x_scale * scale      (rowsum = sum_k xa, exact)
+ * (the zero_term product only where `asymmetric`). x_zero and x_scale: one value, or one per row where their
+ * *_per_row flag is set. With AVX-512 VNNI the products are vpdpbusd's u8 x s8 on the levels themselves
+ * (xa + 128) less 128 * wsum (wsum = sum_k w per output, exact), 16 outputs at a time; with AVX2 int16 products
+ * summed in int32 (exact: no saturating step); elsewhere plain C. */
 int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x_stride, const float *x_zero,
                   int zero_per_row, const float *x_scale, int scale_per_row, const float *col_term,
                   const float *zero_term, int asymmetric, const float *scale, float *y, int m, int n, int k,
                   int nthreads) {
   if (m < 1 || n < 1 || k < 1) return 1;
-#ifdef UNSIGNED_X
-  uint8_t *xs = malloc((size_t)m * k);
-  if (!xs) return 2;
-  for (int t = 0; t < m; t++)
-    for (int i = 0; i < k; i++) xs[(size_t)t * k + i] = (uint8_t)(xa[(size_t)t * x_stride + i] ^ 0x80);
-  const long xstep = k;
-#else
-  const int8_t *xs = xa;
-  const long xstep = x_stride;
-#endif
-  for (int t = 0; t < m; t++) {
-    const int8_t *xt = xa + (size_t)t * x_stride;
-    int32_t rs = 0;
-    for (int i = 0; i < k; i++) rs += xt[i];
-    float rowsum = (float)rs, xz = x_zero[zero_per_row ? t : 0], xsc = x_scale[scale_per_row ? t : 0];
-    float *yt = y + (size_t)t * n;
-    int units = (n + 3) / 4;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
-    for (int u = 0; u < units; u++) {
-      int j0 = 4 * u, j1 = j0 + 4 < n ? j0 + 4 : n;
-      int32_t dot[4];
-#ifdef UNSIGNED_X
-      if (j1 - j0 == 4 && k % 64 == 0) {   /* four rows at a time: each x piece loaded once, the rows 16 ahead
-                                            * fetched (int8 rows are half a bf16 row: as far ahead in bytes) */
-        const uint8_t *xu = (const uint8_t *)xs + (size_t)t * xstep;
-        const int8_t *w0 = w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < k; i += 64) {
-          PREFETCH_ROWS(w0, w1, w2, w3, (size_t)16 * k + i);
-          __m512i xv = _mm512_loadu_si512(xu + i);
-          a0 = _mm512_dpbusd_epi32(a0, xv, _mm512_loadu_si512(w0 + i));
-          a1 = _mm512_dpbusd_epi32(a1, xv, _mm512_loadu_si512(w1 + i));
-          a2 = _mm512_dpbusd_epi32(a2, xv, _mm512_loadu_si512(w2 + i));
-          a3 = _mm512_dpbusd_epi32(a3, xv, _mm512_loadu_si512(w3 + i));
-        }
-        dot[0] = _mm512_reduce_add_epi32(a0) - 128 * wsum[j0];
-        dot[1] = _mm512_reduce_add_epi32(a1) - 128 * wsum[j0 + 1];
-        dot[2] = _mm512_reduce_add_epi32(a2) - 128 * wsum[j0 + 2];
-        dot[3] = _mm512_reduce_add_epi32(a3) - 128 * wsum[j0 + 3];
-      } else
-#endif
-      for (int j = j0; j < j1; j++) dot[j - j0] = dot_row(xs + (size_t)t * xstep, w + (size_t)j * k, k, wsum[j]);
-      for (int j = j0; j < j1; j++) {
-        float v = (float)dot[j - j0] - xz * col_term[j];
-        if (asymmetric) v += rowsum * zero_term[j];
-        yt[j] = v * xsc * scale[j];
-      }
-    }
+  float *rowsum = malloc(sizeof(float) * (size_t)m);
+  const uint8_t *xs = rowsum ? int8_operand(xa, x_stride, m, k, rowsum) : NULL;
+  if (!xs) {
+    free(rowsum);
+    return 2;
   }
-#ifdef UNSIGNED_X
-  free(xs);
-#endif
+  for (int t = 0; t < m; t++)
+    int8_token(xs + (size_t)t * k, rowsum[t], x_zero[zero_per_row ? t : 0], x_scale[scale_per_row ? t : 0], w, wsum,
+               col_term, zero_term, asymmetric, scale, y + (size_t)t * n, 0, n, k, nthreads);
+  free(rowsum);
   return 0;
+}
+
+/* w8a8: the same from floating-point activations on a static grid, quantized here exactly as the fake-quant path
+ * does (lrq.packed.PackedLinear._int8_activations): xa = clamp(round_half_even(x / a_scale) + a_zero, -128, a_hi),
+ * in float32, then int8_gemv's product with x_zero = a_zero and x_scale = a_scale; y float32 or, where y_bf16, in
+ * bf16 (rounded to nearest even: the fused step's output in the model's dtype). */
+static int32_t grid_levels_row(const void *x, int bf16, size_t o, int k, float scale, float zero, float hi,
+                               int8_t *out);   /* below, beside int8_activations */
+static int w8a8_rows(const int8_t *w, const int32_t *wsum, const void *x, int x_bf16, long x_stride, float a_scale,
+                     float a_zero, float a_hi, const float *col_term, const float *zero_term, int asymmetric,
+                     const float *scale, void *y, int y_bf16, int m, int n, int k, int nthreads) {
+  if (m < 1 || n < 1 || k < 1 || !(a_scale > 0)) return 1;
+  int8_t *xa = scratch_get((size_t)m * k);
+  if (!xa) return 2;
+  for (int t = 0; t < m; t++) {
+    int8_t *xt = xa + (size_t)t * k;
+    float rowsum = (float)grid_levels_row(x, x_bf16, (size_t)t * x_stride, k, a_scale, a_zero, a_hi, xt);
+#ifdef UNSIGNED_X
+    for (int i = 0; i < k; i++) xt[i] ^= (int8_t)0x80;
+#endif
+    int8_token(xt, rowsum, a_zero, a_scale, w, wsum, col_term, zero_term, asymmetric, scale,
+               (char *)y + (size_t)t * n * (y_bf16 ? 2 : 4), y_bf16, n, k, nthreads);
+  }
+  return 0;
+}
+
+int lrq_w8a8_gemv(const int8_t *w, const int32_t *wsum, const void *x, int x_bf16, long x_stride, float a_scale,
+                  float a_zero, float a_hi, const float *col_term, const float *zero_term, int asymmetric,
+                  const float *scale, float *y, int m, int n, int k, int nthreads) {
+  return w8a8_rows(w, wsum, x, x_bf16, x_stride, a_scale, a_zero, a_hi, col_term, zero_term, asymmetric, scale, y, 0,
+                   m, n, k, nthreads);
 }
 
 /* ---- the lean runtime's one-token steps (lrq.runtime.LeanDecoder): what torch runs as many small operations ---- */
@@ -1832,12 +1906,9 @@ static int linear_apply(const lrq_linear *L, const void *x, void *y, int bf16, f
     rc = lrq_int4_gemv(L->q4, x, bf16, L->k, y, 1, nthreads);
   } else if (L->kind == 2) {
     rc = lrq_dense_gemv(L->w, x, y, bf16, L->n, L->k, nthreads);
-  } else if (L->kind == 3) {   /* float32 out into tmp, then rounded to the model's dtype (the module's .to) */
-    float *yf = tmp;
-    rc = lrq_w8a8_gemv(L->w, L->wsum, x, bf16, L->k, L->a_scale, L->a_zero, L->a_hi, L->col_term, L->zero_term,
-                       L->asymmetric, L->scale, yf, 1, L->n, L->k, nthreads);
-    if (!rc)
-      for (int j = 0; j < L->n; j++) store_any(y, bf16, j, yf[j]);
+  } else if (L->kind == 3) {   /* float32 sums rounded once to the model's dtype (the module's .to) */
+    rc = w8a8_rows(L->w, L->wsum, x, bf16, L->k, L->a_scale, L->a_zero, L->a_hi, L->col_term, L->zero_term,
+                   L->asymmetric, L->scale, y, bf16, 1, L->n, L->k, nthreads);
   } else {
     return 1;
   }
