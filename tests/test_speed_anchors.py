@@ -96,6 +96,9 @@ def test_markdown_names_llama_cpp_its_gguf_the_ratio_and_the_profile():
     md = speed_cpu.markdown(fast)   # ours faster: said so, not as "0.5x slower"
     assert f"Q4_1: {ref / 10:.2f}x faster (ms/token {10 / ref:.2f}x llama.cpp's)" in md and ": met" in md
     assert speed_cpu.svg(doc).count("#d8843b") == 1   # the anchor drawn in its own colour
+    assert "revision 000000000000;" in md
+    dirty = dict(doc, git_rev="1" * 40 + "+dirty")   # code changed while it ran: the page says so, as the JSON does
+    assert "revision 111111111111+dirty;" in speed_cpu.markdown(dirty)
 
 
 @torch.no_grad()

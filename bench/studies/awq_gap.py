@@ -31,6 +31,7 @@ from typing import Any
 from bench.studies.crosscheck_llmcompressor import paired_ratio, variants as crosscheck_variants
 from lrq.errors import UserError
 from lrq.io import dumps_json
+from bench.common.provenance import short_revision
 
 # Our overrides on top of the cross-check's AWQ row: each switches one difference to llm-compressor's.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -136,7 +137,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Model {report['model']}, scheme {report['scheme']}; calibration {report['calibration']}; the cross-check's "
         f"overrides of our quick preset: {', '.join(f'{k}={v}' for k, v in report['base_overrides'].items())}. "
         f"Scored with our perplexity function (bf16 autocast) on the full protocol; the ratios are paired over "
-        f"the same windows. Cells in {report['results']}; lrq-bench {report['git_revision'][:12]}.", "", *lines, ""])
+        f"the same windows. Cells in {report['results']}; lrq-bench {short_revision(report['git_revision'])}.", "", *lines, ""])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 from baselines.llmc import setup_venv
 from lrq.errors import UserError
 from lrq.io import dumps_json
+from bench.common.provenance import short_revision
 
 Z95 = 1.959963984540054
 
@@ -261,7 +262,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"## {report['title']}", "",
         f"Model {report['model']}; calibration {report['calibration']}; evaluation with our perplexity function "
         f"(bf16 autocast) on {', '.join(ds)} ({report['eval']}); the same windows on both sides, so every ratio "
-        f"is paired over them. Cells in {report['results']}; lrq-bench {report['git_revision'][:12]}; "
+        f"is paired over them. Cells in {report['results']}; lrq-bench {short_revision(report['git_revision'])}; "
         f"llm-compressor {llmc_versions.get('llmcompressor', '-')}, compressed-tensors "
         f"{llmc_versions.get('compressed-tensors', '-')}, transformers {llmc_versions.get('transformers', '-')} there.",
         "", *lines, "", "Known differences, common to every comparison: " + "; ".join(report["common_mismatches"]) + ".",

@@ -40,6 +40,7 @@ import torch
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.io import dumps_json
+from bench.common.provenance import short_revision
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -350,7 +351,7 @@ def _where(res: dict, result: dict) -> str:
     wall = result.get("wall_s")
     resumed = result.get("resumed_at_steps")
     return (f"{wall:,.0f} s, " if wall else "") + f"{cpu_label(prov['hardware'])}, {prov['threads']} thread(s), " \
-        f"{prov['git'][:12]}" + (f", resumed at step {', '.join(map(str, resumed))}" if resumed else "")
+        f"{short_revision(prov['git'])}" + (f", resumed at step {', '.join(map(str, resumed))}" if resumed else "")
 
 
 def markdown(res: dict) -> str:
@@ -364,7 +365,7 @@ def markdown(res: dict) -> str:
              f"chain's inputs); {s['iters']} steps at batch {s['batch_size']}; {c['train_windows']} x "
              f"{c['calibration']['seq_len']} C4 training windows in order, {c['heldout_windows']} held-out windows "
              f"never trained on; errors on {s['error_samples']} windows each side every {c['every']} steps. "
-             f"Code {', '.join(dict.fromkeys(p['git'][:12] for p in res.get('provenance_of_parts') or [res['provenance']]))}"
+             f"Code {', '.join(dict.fromkeys(short_revision(p['git']) for p in res.get('provenance_of_parts') or [res['provenance']]))}"
              f"; each row's machine and wall time in its last column.", "",
              *([f"Settings beyond the paper preset: {', '.join(f'{k}={v}' for k, v in sorted(extra.items()))} "
                 "(each applies to the methods that have it).", ""] if extra else []),

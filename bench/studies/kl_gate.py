@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench.common.provenance import short_revision
 
 SIZES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 SEEDS = (0, 1, 2)
@@ -110,7 +111,7 @@ def markdown(doc: dict) -> str:
               f"{doc['base_ppl']:.3f}, KLD {doc['base_kld']:.5f}; the gate allows ppl +{doc['ppl_allowed']:.4f} and KLD "
               f"+{doc['kld_allowed']:.6f}. Smallest size flagged on every seed: perplexity gate "
               f"{sm['ppl'] if sm['ppl'] is not None else 'none tried'}, KLD gate "
-              f"{sm['kld'] if sm['kld'] is not None else 'none tried'}. {hw.get('cpu')}, git {doc['git'][:12]}."]
+              f"{sm['kld'] if sm['kld'] is not None else 'none tried'}. {hw.get('cpu')}, git {short_revision(doc['git'])}."]
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,7 @@ from bench.evaluations import stats as S
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.io import dumps_json
+from bench.common.provenance import short_revision
 
 BASELINES = ("flexround", "omniquant", "gptq", "awq", "smoothquant")
 SCHEME_FAMILIES = {"w8a8": "W8A8 (per-tensor static activations)", "w4a8": "W4A8 (per-token activations)",
@@ -506,19 +507,15 @@ def verdict_class(verdict: str) -> str:
     return VERDICTS.get(verdict, "not measurable here")
 
 
-def _rev(r: str) -> str:
-    return r[:12] + ("+dirty" if r.endswith("+dirty") else "")
-
-
 def markdown(res: dict) -> str:
     """A short table (number, claim, verdict, regime), then each row's statement, measurements and reasons."""
     out = ["# The LRQ paper's claims, re-measured", "",
            f"Model {res['model']}; results store `{res['store']}` ({res['rows']} rows, code revisions "
-           f"{', '.join(_rev(r) for r in res['row_revisions'])})"
+           f"{', '.join(short_revision(r) for r in res['row_revisions'])})"
            + "".join(f"; rank sweep `{p}`" for p in res.get("rank_stores", []))
            + "".join(f"; long run `{d}`" for d in res.get("long_runs", []))
-           + f"; written by {_rev(res['written_by'])}"
-           + (f" (re-rendered from the page {_rev(res['rerendered_from'])} wrote)" if res.get("rerendered_from") else "")
+           + f"; written by {short_revision(res['written_by'])}"
+           + (f" (re-rendered from the page {short_revision(res['rerendered_from'])} wrote)" if res.get("rerendered_from") else "")
            + ". "
            "Each verdict holds for the regime stated in its row, not beyond it.", "",
            "| # | claim | verdict | regime |", "|---|---|---|---|"]

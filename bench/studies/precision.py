@@ -30,6 +30,7 @@ import time
 import torch
 
 from lrq import precision as P
+from bench.common.provenance import short_revision
 
 EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TARGET = 1.15   # auto's evaluation throughput within this factor of the faster precision
@@ -118,7 +119,7 @@ def markdown(results: list[dict]) -> str:
                      f"({'within' if r['within_target'] else 'NOT within'} {r['target']}x) |")
     r0 = results[0]
     lines += ["", f"{r0['threads']} thread(s), {r0['windows']} WikiText-2 windows of {r0['seq_len']} tokens per timed evaluation, "
-              f"medians of {r0['reps']} alternating repetitions (matmul: of 7); git {r0['git'][:12]}, torch "
+              f"medians of {r0['reps']} alternating repetitions (matmul: of 7); git {short_revision(r0['git'])}, torch "
               f"{r0['versions'].get('torch')}."]
     return "\n".join(lines) + "\n"
 

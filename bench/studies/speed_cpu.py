@@ -44,6 +44,7 @@ from torch import nn
 
 from lrq.cpu_kernels import OneDNNOperand, onednn
 from lrq.errors import UserError
+from bench.common.provenance import short_revision
 
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
@@ -562,7 +563,7 @@ def markdown(doc: dict) -> str:
     lines = "\n".join([
         f"# CPU speed, {doc['model']}, batch 1, {doc['threads']} thread(s)", "",
         f"Machine: {doc['machine']} (flags {', '.join(doc['hardware'].get('cpu_bf16_flags') or []) or 'no bf16'}); "
-        f"torch {doc['versions'].get('torch')}; revision {doc['git_rev'][:12]}; packed models held in "
+        f"torch {doc['versions'].get('torch')}; revision {short_revision(doc['git_rev'])}; packed models held in "
         f"{doc['precision']['used']} ({doc['precision']['why']})"
         f"{_fp32_decode_sentence(doc)}; kernels' instruction set: {_isa_text(doc)}.", "",
         f"Every candidate in one process, {doc['rounds']} rounds in a rotating order; medians over rounds (min-max). "
