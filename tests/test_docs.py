@@ -45,7 +45,7 @@ def test_the_readme_is_a_front_door_to_every_docs_page():
 
 def test_the_readme_commands_are_what_ci_runs():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
-    for command in ("bash setup.sh", "python -m pytest -q", "python -m pytest -q -m heavy"):
+    for command in ("bash setup.sh", "python -m pytest -q -n 2 --dist loadfile", "python -m pytest -q -m heavy"):
         assert command in readme and command.split(" ", 1)[1] in ci.replace("bash setup.sh \"$VENV\"", "setup.sh"), command
 
 
