@@ -69,17 +69,23 @@ def test_without_huge_pages_nothing_is_copied(tmp_path, monkeypatch):
     assert not hugepages.available()
 
 
-@pytest.mark.parametrize("scheme", [None, "w4a16", "w4a8", "w8a16"])
+@pytest.mark.parametrize("scheme", [None, "w4a16", "w4a8", "w8a8", "w8a16"])
 def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(scheme, thp):
-    """The first forward moves each layer's linears (dense weights, or a packed model's CPU forms; the int8
-    weight-only form's per-group chunks stay) and the head into one region in the order a step reads them; prefill
-    and decode logits and greedy tokens are the same bits as with the weights left where they were (huge_pages
-    False); a tied embedding moves with the head."""
+    """The first forward moves each layer's linears (dense weights, or a packed model's CPU forms: W8A8's int8 levels
+    with their per-row terms; the int8 weight-only form's per-group chunks stay) and the head into one region in the
+    order a step reads them, and the decoder's key and value caches into a region of their own; prefill and decode
+    logits and greedy tokens are the same bits as with everything left where it was (huge_pages False); a tied
+    embedding moves with the head."""
     model = tiny_model("llama", hidden=192)
     if scheme:
         load_methods()
         rtn = get_method("rtn")
-        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"), None)
+        calib = None
+        if get_scheme(scheme).static_activations:   # W8A8: a calibrated static grid (random token ids)
+            from types import SimpleNamespace
+            ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+            calib = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"), calib)
         pack_model(model)
     model = model.to(torch.bfloat16)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
@@ -87,12 +93,18 @@ def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(s
     for huge in (False, True):
         lean = LeanDecoder(model, 32)
         lean.huge_pages = huge
+        caches = [c.data_ptr() for c in lean._caches]
         logits = [lean.forward(ids)]
         nxt = logits[-1][:, -1:].argmax(-1)
         for _ in range(4):
             logits.append(lean.forward(nxt))
             nxt = logits[-1][:, -1:].argmax(-1)
         runs.append((torch.cat([x[:, -1] for x in logits]), lean.greedy(ids, 5)))
+        moved_caches = [c.data_ptr() for c in lean._caches]
+        assert (moved_caches != caches) == huge
+        assert [lean.k_layers[0].data_ptr(), lean.v_layers[0].data_ptr()] == moved_caches   # the views the steps read
+        if huge:
+            assert "hg" in _vm_flags(moved_caches[0]) and lean._caches[0].abs().sum() > 0   # written where moved
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     moved = []
     for layer in model.model.layers:
@@ -103,8 +115,10 @@ def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(s
             else:
                 from lrq.cpu_kernels import int4_form
                 int4 = int4_form(mod.cpu_weights)
+                w = mod.cpu_weights
                 moved += ([int4.packed, int4.scale_zero] if int4 is not None else
-                          [mod.cpu_weights.weight] if hasattr(mod.cpu_weights, "weight") else [])   # w8a16: none
+                          [w.weight, w.wsum, w.col_term, w.zero_term, w.scale] if scheme == "w8a8" else
+                          [w.weight] if hasattr(w, "weight") else [])   # w8a16: none
     moved.append(model.lm_head.weight)
     ptrs = [t.data_ptr() for t in moved]
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in moved]

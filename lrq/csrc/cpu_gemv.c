@@ -1081,6 +1081,13 @@ static inline __attribute__((always_inline)) void attend_group(
       for (int h = 0; h < HN; h++) acc[h] = _mm512_setzero_ps();
       if (j0 + jj < len) {
         size_t row = kvh + (size_t)(j0 + jj) * hd;
+        /* the key row 16 positions on, and the value row as far on (read after the softmax, from L2 then) */
+        const char *kn = (const char *)kc + (row + (size_t)16 * hd) * (bf16 ? 2 : 4);
+        const char *vn = (const char *)vc + row * (bf16 ? 2 : 4);
+        for (int b = 0; b < hd * (bf16 ? 2 : 4); b += 64) {
+          _mm_prefetch(kn + b, _MM_HINT_T0);
+          _mm_prefetch(vn + b, _MM_HINT_T1);
+        }
         for (int d = 0; d < hd; d += 16) {
           __m512 kv = load16(kc, bf16, row + d, 0xFFFF);
           for (int h = 0; h < HN; h++) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (size_t)h * hd + d), kv, acc[h]);
