@@ -185,9 +185,8 @@ class LeanDecoder:
         dtype = emb.dtype if emb.is_floating_point() else torch.float32
         shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, self.head_dim)
         # the key and value caches, as per-layer views made once (the views keep the two allocations alive)
-        self._caches = (torch.zeros(shape, dtype=dtype, device=emb.device),
-                        torch.zeros(shape, dtype=dtype, device=emb.device))
-        self.k_layers, self.v_layers = (c.unbind(0) for c in self._caches)
+        self.k_layers = torch.zeros(shape, dtype=dtype, device=emb.device).unbind(0)
+        self.v_layers = torch.zeros(shape, dtype=dtype, device=emb.device).unbind(0)
         with torch.no_grad():
             pos = torch.arange(max_len, device=emb.device)[None]
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=emb.device), pos)
@@ -289,21 +288,6 @@ class LeanDecoder:
         del held, slots
         hugepages.release_freed()   # the old copies' pages back to the system, not kept by the C allocator
         return len(copies)
-
-    def _huge_page_caches(self) -> bool:
-        """Moves this decoder's key and value caches (their contents kept) into a region of huge pages, once: a
-        one-token step reads a layer's whole cache (after a 512-token prompt, 400 KB a layer for SmolLM2-135M), as
-        cold as the weights. False where the kernel offers no huge pages."""
-        from lrq import hugepages
-        if any(c.device.type != "cpu" or not c.is_contiguous() for c in self._caches):
-            return False
-        copies = hugepages.gather(list(self._caches))
-        if copies is None:
-            return False
-        self._caches = tuple(copies)
-        self.k_layers, self.v_layers = (c.unbind(0) for c in self._caches)
-        hugepages.release_freed()
-        return True
 
     def _fused_layers(self) -> list:
         if self._fused is None:
@@ -409,11 +393,10 @@ class LeanDecoder:
         mask = None
         if t > 1 and start > 0:   # a chunk after cached tokens: row j sees keys up to start + j
             mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
-        if self.huge_pages and not self._huge_done:   # before any struct points into the weights or caches
+        if self.huge_pages and not self._huge_done:   # before any struct points into the weights
             self._huge_done = True
             self._fused = None
             self._huge_page_weights()
-            self._huge_page_caches()
         with onednn(False if t == 1 and not self.onednn_decode else torch.backends.mkldnn.enabled):
             inner = self.model.model
             lib = self._lib if t == 1 and b == 1 else None

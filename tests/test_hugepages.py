@@ -73,9 +73,10 @@ def test_without_huge_pages_nothing_is_copied(tmp_path, monkeypatch):
 def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(scheme, thp):
     """The first forward moves each layer's linears (dense weights, or a packed model's CPU forms: W8A8's int8 levels
     with their per-row terms; the int8 weight-only form's per-group chunks stay) and the head into one region in the
-    order a step reads them, and the decoder's key and value caches into a region of their own; prefill and decode
-    logits and greedy tokens are the same bits as with everything left where it was (huge_pages False); a tied
-    embedding moves with the head."""
+    order a step reads them; prefill and decode logits and greedy tokens are the same bits as with the weights left
+    where they were (huge_pages False); a tied embedding moves with the head. The key and value caches stay where
+    they are (zeros the kernel maps as they are first written: moved into huge pages they would be resident whole,
+    however few positions a run uses)."""
     model = tiny_model("llama", hidden=192)
     if scheme:
         load_methods()
@@ -93,18 +94,14 @@ def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(s
     for huge in (False, True):
         lean = LeanDecoder(model, 32)
         lean.huge_pages = huge
-        caches = [c.data_ptr() for c in lean._caches]
+        caches = [lean.k_layers[0].data_ptr(), lean.v_layers[0].data_ptr()]
         logits = [lean.forward(ids)]
         nxt = logits[-1][:, -1:].argmax(-1)
         for _ in range(4):
             logits.append(lean.forward(nxt))
             nxt = logits[-1][:, -1:].argmax(-1)
         runs.append((torch.cat([x[:, -1] for x in logits]), lean.greedy(ids, 5)))
-        moved_caches = [c.data_ptr() for c in lean._caches]
-        assert (moved_caches != caches) == huge
-        assert [lean.k_layers[0].data_ptr(), lean.v_layers[0].data_ptr()] == moved_caches   # the views the steps read
-        if huge:
-            assert "hg" in _vm_flags(moved_caches[0]) and lean._caches[0].abs().sum() > 0   # written where moved
+        assert [lean.k_layers[0].data_ptr(), lean.v_layers[0].data_ptr()] == caches
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     moved = []
     for layer in model.model.layers:
