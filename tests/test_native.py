@@ -460,6 +460,25 @@ def test_avx2_layout_and_avx2_build(tmp_path):
     assert build["isa"] == "avx2" and build["err"] < 1e-6
 
 
+def test_the_c_file_builds_without_warnings_for_every_kind_of_cpu(tmp_path):
+    """The C file's branches compile cleanly for each kind of x86-64 CPU it meets, whatever this one is: plain
+    x86-64 (no AVX2: the portable loops), haswell (AVX2, a Zen 3), cooperlake (AVX-512 VNNI and BF16, as a Zen 4)
+    and sapphirerapids (AMX). -Wall -Werror: an intrinsic used outside the branch that includes it (an implicit
+    declaration, a link failure on that CPU only) fails here, not on the user's machine."""
+    import subprocess
+    cc = native._compiler()
+    assert cc is not None, "a C compiler (cc/gcc) is needed"
+    runs = {}
+    for march in ("x86-64", "haswell", "cooperlake", "sapphirerapids"):
+        flags = [f if not f.startswith("-march=") else f"-march={march}" for f in native._flags()]
+        runs[march] = subprocess.Popen([cc, *flags, "-Wall", "-Werror", str(native.SOURCE), "-o",
+                                        str(tmp_path / f"{march}.so"), "-lm"], stderr=subprocess.PIPE, text=True)
+    for march, run in runs.items():
+        err = run.communicate(timeout=300)[1]
+        assert run.returncode == 0, f"-march={march}: {err[-600:]}"
+        assert (tmp_path / f"{march}.so").stat().st_size > 0
+
+
 def test_without_a_compiler_torch_kernels_run_and_say_why(tmp_path):
     bad = tmp_path / "cc"
     bad.write_text("#!/bin/sh\necho 'cc: simulated failure' >&2\nexit 1\n")

@@ -136,21 +136,21 @@ static inline float vsum(v16 v) { float t = 0; for (int i = 0; i < 16; i++) t +=
 #define FLOAT_AHEAD 4096   /* bytes of a block's levels fetched ahead by the float32 kernels */
 #endif
 /* a later group's scales and zero terms of this block (`bytes` of each, n_pad floats apart from group to group) */
-#define FLOAT_SCALES_AHEAD(s, zc, gi, n_pad, bytes)                                                            \
+#define SCALES_AHEAD(s, zc, gi, n_pad, bytes)                                                            \
   do {                                                                                                      \
     const char *ps_ = (const char *)((s) + (size_t)(gi) * (n_pad)), *pz_ = (const char *)((zc) + (size_t)(gi) * (n_pad)); \
-    for (int l_ = 0; l_ < (bytes); l_ += 64) { _mm_prefetch(ps_ + l_, _MM_HINT_T0); _mm_prefetch(pz_ + l_, _MM_HINT_T0); } \
+    for (int l_ = 0; l_ < (bytes); l_ += 64) { __builtin_prefetch(ps_ + l_, 0, 3); __builtin_prefetch(pz_ + l_, 0, 3); } \
   } while (0)
 /* one block of 64 features (torch's AVX-512 packing), one token */
 static void block64(const uint8_t *blk, const float *s, const float *zc, const float *x, const float *xs,
                     float *y, int k_pad, int group, int n_pad) {
   v16 o0 = vzero(), o1 = o0, o2 = o0, o3 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    if (g0 + 2 * group < k_pad) FLOAT_SCALES_AHEAD(s, zc, gi + 2, n_pad, 256);
+    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, n_pad, 256);
     v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
     for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
       const uint8_t *r = blk + (size_t)k * 32;
-      if (k % 2 == 0) _mm_prefetch((const char *)(r + FLOAT_AHEAD), _MM_HINT_T0);
+      if (k % 2 == 0) __builtin_prefetch(r + FLOAT_AHEAD, 0, 3);
       b16 v0 = bload(r), v1 = bload(r + 16);
       float xk = x[k];
       a0 = vfma(lo_f(v0), xk, a0); a1 = vfma(lo_f(v1), xk, a1);
@@ -171,10 +171,10 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
                     float *y, int k_pad, int group, int n_pad) {
   v16 o0 = vzero(), o1 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    if (g0 + 2 * group < k_pad) FLOAT_SCALES_AHEAD(s, zc, gi + 2, n_pad, 128);
+    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, n_pad, 128);
     v16 a0 = vzero(), a1 = a0;
     for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
-      if (k % 4 == 0) _mm_prefetch((const char *)(blk + (size_t)k * 16 + FLOAT_AHEAD), _MM_HINT_T0);
+      if (k % 4 == 0) __builtin_prefetch(blk + (size_t)k * 16 + FLOAT_AHEAD, 0, 3);
       b16 v = bload(blk + (size_t)k * 16);
       float xk = x[k];
       a0 = vfma(lo_f(v), xk, a0); a1 = vfma(hi_f(v), xk, a1);
@@ -220,11 +220,7 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
 #define I16_DOT 1
 #define I16_CHUNK 256
 /* a group's 64 scales and 64 zero terms of this block (4 + 4 cache lines, n_pad floats apart from the next group's) */
-#define SCALE_PREFETCH(s, zc, gi, n_pad)                                                                       \
-  do {                                                                                                      \
-    const char *ps_ = (const char *)((s) + (size_t)(gi) * (n_pad)), *pz_ = (const char *)((zc) + (size_t)(gi) * (n_pad)); \
-    for (int l_ = 0; l_ < 256; l_ += 64) { _mm_prefetch(ps_ + l_, _MM_HINT_T0); _mm_prefetch(pz_ + l_, _MM_HINT_T0); } \
-  } while (0)
+#define SCALE_PREFETCH(s, zc, gi, n_pad) SCALES_AHEAD(s, zc, gi, n_pad, 256)
 static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
                         const float *xs, float *y, int k_pad, int group, int n_pad) {
   const __m512i place = _mm512_set_epi8(
