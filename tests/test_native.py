@@ -353,8 +353,8 @@ def test_int8_gemv_is_the_exact_integer_product(n, k, symmetric):
     corrections are the torch path's (_int8_corrected_torch on torch._int_mm) to the bit, per tensor and per token."""
     w = _int8(n, k, symmetric)
     g = torch.Generator().manual_seed(3)
-    for m, per_row in ((1, False), (3, True)):
-        xa = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    for m, per_row, strided in ((1, False, False), (3, True, False), (2, True, True)):   # strided: rows k + 8 apart
+        xa = torch.randint(-128, 128, (m, k + 8 if strided else k), dtype=torch.int8, generator=g)[:, :k]
         xa[0, :16] = -128
         xz = torch.randint(-20, 20, (m, 1), generator=g).float() if per_row else torch.tensor(-3.0)
         xs = torch.rand(m, 1, generator=g) * 0.1 if per_row else torch.tensor(0.05)

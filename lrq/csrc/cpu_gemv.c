@@ -706,6 +706,15 @@ static inline int32_t dot_row(const uint8_t *xu, const int8_t *w, int k, int32_t
 }
 #define UNSIGNED_X 1
 #elif defined(__AVX2__)
+/* an AVX2 dot product's eight int32 lanes summed, plus the levels i..k-1 past its last 16 (plain products) */
+static inline int32_t lanes_and_tail(__m256i acc, const int8_t *x, const int8_t *w, int i, int k) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  int32_t r = _mm_cvtsi128_si32(h);
+  for (; i < k; i++) r += (int32_t)x[i] * w[i];
+  return r;
+}
 static inline int32_t dot_row(const int8_t *x, const int8_t *w, int k, int32_t wsum) {
   (void)wsum;
   __m256i acc = _mm256_setzero_si256();
@@ -715,12 +724,7 @@ static inline int32_t dot_row(const int8_t *x, const int8_t *w, int k, int32_t w
     __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i)));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
   }
-  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-  int32_t r = _mm_cvtsi128_si32(h);
-  for (; i < k; i++) r += (int32_t)x[i] * w[i];
-  return r;
+  return lanes_and_tail(acc, x, w, i, k);
 }
 #else
 static inline int32_t dot_row(const int8_t *x, const int8_t *w, int k, int32_t wsum) {
@@ -794,8 +798,6 @@ static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, co
 }
 #endif
 
-/* one token's outputs y[n] (float32, or bf16 where y_bf16) from its levels xt (unsigned with UNSIGNED_X, as
- * dot_row reads them) and their sum less 128 a level (rowsum); output rows split over threads */
 #if !defined(UNSIGNED_X) && defined(__AVX2__)
 /* AVX2: four weight rows (j0..j0 + 3) against one token's levels, each 16 levels of x widened once for the four,
  * the rows 16 ahead fetched (as the VNNI kernel); int16 products summed in pairs into int32 (exact) */
@@ -810,19 +812,15 @@ static void int8_rows4(const int8_t *x, const int8_t *w, int j0, int k, int32_t 
     ROW_STEP(a0, w0); ROW_STEP(a1, w1); ROW_STEP(a2, w2); ROW_STEP(a3, w3);
 #undef ROW_STEP
   }
-  __m256i acc[4] = {a0, a1, a2, a3};
-  const int8_t *rows[4] = {w0, w1, w2, w3};
-  for (int r = 0; r < 4; r++) {
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    int32_t v = _mm_cvtsi128_si32(h);
-    for (int t = i; t < k; t++) v += (int32_t)x[t] * rows[r][t];
-    dot[r] = v;
-  }
+  dot[0] = lanes_and_tail(a0, x, w0, i, k);
+  dot[1] = lanes_and_tail(a1, x, w1, i, k);
+  dot[2] = lanes_and_tail(a2, x, w2, i, k);
+  dot[3] = lanes_and_tail(a3, x, w3, i, k);
 }
 #endif
 
+/* one token's outputs y[n] (float32, or bf16 where y_bf16) from its levels xt (unsigned with UNSIGNED_X, as
+ * dot_row reads them) and their sum less 128 a level (rowsum); output rows split over threads */
 static void int8_token(const void *xt, float rowsum, float xz, float xsc, const int8_t *w, const int32_t *wsum,
                        const float *col_term, const float *zero_term, int asymmetric, const float *scale, void *y,
                        int y_bf16, int n, int k, int nthreads) {
@@ -850,30 +848,25 @@ static void int8_token(const void *xt, float rowsum, float xz, float xsc, const 
                                             zero_term, asymmetric, scale, j));
 }
 
-/* the levels of m tokens (rows x_stride apart) as int8_token reads them, into the calling thread's scratch; their
- * row sums into rowsum (NULL: the caller has them) */
-static const void *int8_operand(const int8_t *xa, long x_stride, int m, int k, float *rowsum) {
+/* the levels of m tokens (rows x_stride apart) as int8_token reads them, and the rows' step there: with UNSIGNED_X
+ * made unsigned into the calling thread's scratch (rows k apart), elsewhere xa itself; their row sums into rowsum */
+static const uint8_t *int8_operand(const int8_t *xa, long x_stride, int m, int k, float *rowsum, long *step) {
+  for (int t = 0; t < m; t++) {
+    int32_t rs = 0;
+    for (int i = 0; i < k; i++) rs += xa[(size_t)t * x_stride + i];
+    rowsum[t] = (float)rs;
+  }
 #ifdef UNSIGNED_X
   uint8_t *xs = scratch_get((size_t)m * k);
   if (!xs) return NULL;
   for (int t = 0; t < m; t++)
     for (int i = 0; i < k; i++) xs[(size_t)t * k + i] = (uint8_t)(xa[(size_t)t * x_stride + i] ^ 0x80);
-#else
-  const int8_t *xs = xa;
-  if (x_stride != k) {
-    int8_t *c = scratch_get((size_t)m * k);
-    if (!c) return NULL;
-    for (int t = 0; t < m; t++) memcpy(c + (size_t)t * k, xa + (size_t)t * x_stride, (size_t)k);
-    xs = c;
-  }
-#endif
-  if (rowsum)
-    for (int t = 0; t < m; t++) {
-      int32_t rs = 0;
-      for (int i = 0; i < k; i++) rs += xa[(size_t)t * x_stride + i];
-      rowsum[t] = (float)rs;
-    }
+  *step = k;
   return xs;
+#else
+  *step = x_stride;
+  return (const uint8_t *)xa;
+#endif
 }
 
 /* int8_gemv: the W8A8 decode step. y[m, n] (float32) from the activation levels xa = level - 128 (int8 [m, k], rows
@@ -890,13 +883,14 @@ int lrq_int8_gemv(const int8_t *w, const int32_t *wsum, const int8_t *xa, long x
                   int nthreads) {
   if (m < 1 || n < 1 || k < 1) return 1;
   float *rowsum = malloc(sizeof(float) * (size_t)m);
-  const uint8_t *xs = rowsum ? int8_operand(xa, x_stride, m, k, rowsum) : NULL;
+  long step;
+  const uint8_t *xs = rowsum ? int8_operand(xa, x_stride, m, k, rowsum, &step) : NULL;
   if (!xs) {
     free(rowsum);
     return 2;
   }
   for (int t = 0; t < m; t++)
-    int8_token(xs + (size_t)t * k, rowsum[t], x_zero[zero_per_row ? t : 0], x_scale[scale_per_row ? t : 0], w, wsum,
+    int8_token(xs + (size_t)t * step, rowsum[t], x_zero[zero_per_row ? t : 0], x_scale[scale_per_row ? t : 0], w, wsum,
                col_term, zero_term, asymmetric, scale, y + (size_t)t * n, 0, n, k, nthreads);
   free(rowsum);
   return 0;
