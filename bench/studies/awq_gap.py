@@ -28,10 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.common.provenance import short_revision
 from bench.studies.crosscheck_llmcompressor import paired_ratio, variants as crosscheck_variants
 from lrq.errors import UserError
 from lrq.io import dumps_json
-from bench.common.provenance import short_revision
 
 # Our overrides on top of the cross-check's AWQ row: each switches one difference to llm-compressor's.
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from baselines.llmc import setup_venv
+from bench.common.provenance import short_revision
 from lrq.errors import UserError
 from lrq.io import dumps_json
-from bench.common.provenance import short_revision
 
 Z95 = 1.959963984540054
 

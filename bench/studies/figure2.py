@@ -37,10 +37,10 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.common.provenance import short_revision
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.io import dumps_json
-from bench.common.provenance import short_revision
 
 
 def parse_args(argv=None) -> argparse.Namespace:

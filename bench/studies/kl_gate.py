@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from bench.common.provenance import short_revision
 
 SIZES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)

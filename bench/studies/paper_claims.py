@@ -36,11 +36,11 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from bench.common.provenance import short_revision
 from bench.evaluations import stats as S
 from lrq.errors import UserError
 from lrq.io import atomic_write_text
 from lrq.io import dumps_json
-from bench.common.provenance import short_revision
 
 BASELINES = ("flexround", "omniquant", "gptq", "awq", "smoothquant")
 SCHEME_FAMILIES = {"w8a8": "W8A8 (per-tensor static activations)", "w4a8": "W4A8 (per-token activations)",

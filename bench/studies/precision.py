@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from lrq import precision as P
 from bench.common.provenance import short_revision
+from lrq import precision as P
 
 EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TARGET = 1.15   # auto's evaluation throughput within this factor of the faster precision

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.common.provenance import short_revision
 from lrq.cpu_kernels import OneDNNOperand, onednn
 from lrq.errors import UserError
-from bench.common.provenance import short_revision
 
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
