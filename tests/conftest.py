@@ -78,6 +78,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **kw):
     return model
 
 
+def random_calibration(n: int = 4, t: int = 16):
+    """A stand-in calibration set (random token ids) for the schemes with static activations."""
+    from types import SimpleNamespace
+    ids = torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(1))
+    return SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def arch(request):
     return request.param

@@ -11,7 +11,7 @@ from lrq.methods import get_method, load_methods
 from lrq.packed import pack_model
 from lrq.runtime import LeanDecoder
 from lrq.schemes import get_scheme
-from conftest import tiny_model
+from conftest import random_calibration, tiny_model
 
 
 def _vm_flags(address: int) -> set[str]:
@@ -81,12 +81,8 @@ def test_lean_decoder_moves_the_weights_a_step_reads_and_gives_the_same_logits(s
     if scheme:
         load_methods()
         rtn = get_method("rtn")
-        calib = None
-        if get_scheme(scheme).static_activations:   # W8A8: a calibrated static grid (random token ids)
-            from types import SimpleNamespace
-            ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-            calib = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
-        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"), calib)
+        rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
+                     random_calibration() if get_scheme(scheme).static_activations else None)   # W8A8: a static grid
         pack_model(model)
     model = model.to(torch.bfloat16)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,7 @@ from lrq.methods import get_method, load_methods
 from lrq.packed import pack_model
 from lrq.runtime import LeanDecoder, lean_support
 from lrq.schemes import get_scheme
-from conftest import tiny_config, tiny_model
+from conftest import random_calibration, tiny_config, tiny_model
 
 load_methods()
 
@@ -150,13 +150,6 @@ def test_native_norms_and_attention_equal_torchs(arch, dtype):
     assert (outs[0] - outs[1]).abs().max().item() <= tol
 
 
-def _calibration(n: int = 4, t: int = 16):
-    """A stand-in calibration set (random token ids) for the schemes with static activations."""
-    from types import SimpleNamespace
-    ids = torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(1))
-    return SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
-
-
 def _packed_tiny(arch: str, scheme: str | None, dtype: torch.dtype):
     """A tiny model of `arch` (hidden 192; Qwen3's own config), RTN-quantized and packed under `scheme` (None: dense),
     cast to `dtype`."""
@@ -164,7 +157,7 @@ def _packed_tiny(arch: str, scheme: str | None, dtype: torch.dtype):
     if scheme:
         rtn = get_method("rtn")
         rtn.quantize(model, get_scheme(scheme), rtn.config("quick"),
-                     _calibration() if get_scheme(scheme).static_activations else None)
+                     random_calibration() if get_scheme(scheme).static_activations else None)
         pack_model(model)
     return model.to(dtype)
 
