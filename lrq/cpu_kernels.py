@@ -99,6 +99,9 @@ PROBE_PIECE = 1 << 20   # positions OneDNNOperand's probe compares at once
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
+# The same for the 8-bit weight-only form per channel (Int8Weights: w8a16, an int8 output head): lrq's kernel up to
+# this many tokens, torch's `_weight_int8pack_mm` or the dequantized GEMM above.
+NATIVE_INT8W_MAX_M = 4
 # lrq.native's AMX tile kernels for prefill calls (W8A8/W4A8: amx_int8_linear; 4-bit weight-only bf16:
 # Int4Weights._amx_mm), where the CPU and build have them; LRQ_AMX=0 keeps oneDNN's GEMMs. From AMX_FROM_M tokens
 # (below it the call is a decode step).
@@ -565,7 +568,25 @@ class Int8Weights:
         return cls(chunks, widths, s.t().contiguous(), by_dtype(torch.ones(q.shape[0])),
                    ((offset - zero.float()) * s).t().contiguous(), group_size, offset)
 
+    def native_for(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether a call of m tokens in `dtype` runs lrq's own int8 weight-only kernel (per channel only)."""
+        return (len(self.chunks) == 1 and m <= NATIVE_INT8W_MAX_M and dtype in (torch.bfloat16, torch.float32)
+                and native.library() is not None)
+
+    def native_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] (bf16 or float32, unit stride) -> [m, n] in x's dtype: lrq_int8w_gemv, the products and
+        the zero points' term summed in float32 and rounded once."""
+        (w,), m, n = self.chunks, x.shape[0], self.chunks[0].shape[0]
+        y = torch.empty(m, n, dtype=x.dtype)
+        rc = native.library().lrq_int8w_gemv(
+            w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr(), x.data_ptr(),
+            x.dtype == torch.bfloat16, x.stride(0), y.data_ptr(), m, n, self.widths[0], torch.get_num_threads())
+        native.checked(rc, "int8 weight-only kernel")
+        return y
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_for(x.shape[0], x.dtype) and x.stride(-1) == 1:
+            return self.native_mm(x)
         xr, y, a = run_dtype(x), 0, 0
         if xr.shape[0] >= INT8_DEQUANTIZE_FROM_M[xr.dtype]:   # a transient dense weight, dropped after the call
             return F.linear(xr, self.dequantized(xr.dtype)).to(x.dtype)

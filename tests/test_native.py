@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lrq import native
-from lrq.cpu_kernels import NATIVE_MAX_M, Int4Weights, Int8GemmWeights, _int8_corrected, _int8_corrected_torch
+from lrq.cpu_kernels import (NATIVE_INT8W_MAX_M, NATIVE_MAX_M, Int4Weights, Int8GemmWeights, Int8Weights,
+                              _int8_corrected, _int8_corrected_torch)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -367,6 +369,38 @@ def test_int8_gemv_is_the_exact_integer_product(n, k, symmetric):
         assert ((y - torch_path).abs().max() / torch_path.abs().max()).item() < 1e-6
 
 
+@pytest.mark.parametrize("n,k", [(37, 100), (64, 576), (5, 16), (200, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_weight_only_decode_is_the_dequantized_product(n, k, dtype, m):
+    """An 8-bit weight-only layer per channel (w8a16; an int8 output head) at decode: lrq's kernel against the float64
+    product of the dequantized weight, rows of x read at their stride, the output in x's dtype rounded once (bf16:
+    within one bf16 step of the exact value); ragged widths (k not a multiple of 16) read only their k columns."""
+    g = torch.Generator().manual_seed(n + k)
+    q, s = torch.randint(0, 256, (n, k), generator=g), torch.rand(n, 1, generator=g) * 0.02 + 1e-4
+    w = Int8Weights.build(q, s, torch.randint(0, 256, (n, 1), generator=g).float(), 8, None)
+    assert w.native_for(m, dtype)
+    x = torch.randn(m, k + 7, generator=g).to(dtype)[:, 3:k + 3]   # strided rows
+    calls = []
+    lib = native.library()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(lib, name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "library", lambda: Spy())
+        y = w.mm(x)
+    assert calls and set(calls) == {"lrq_int8w_gemv"} and y.dtype == dtype and y.shape == (m, n)
+    ref_w = w.dequantized(torch.float32).double()
+    exact = x.double() @ ref_w.t()
+    bound = (x.double().abs() @ ref_w.abs().t()) * 1e-6 + (exact.abs() * 2.0 ** -8 if dtype == torch.bfloat16 else 0)
+    assert ((y.double() - exact).abs() <= bound).all()
+    # the same values as the torch path (_weight_int8pack_mm) within its bf16 product rounding
+    assert torch.allclose(y.float(), F.linear(x.float(), w.dequantized(torch.float32)), rtol=0.02, atol=1e-3)
+    assert not w.native_for(NATIVE_INT8W_MAX_M + 1, dtype)   # above it: torch's kernel or the dequantized GEMM
+
+
 def test_w8a8_static_decode_quantizes_on_the_fake_quant_grid():
     """From float activations: the levels the kernel makes are the fake-quant path's (round half to even, the
     zero point, the clamp), bf16 inputs read as they are; NaN becomes a defined level, not undefined behaviour."""
@@ -409,6 +443,14 @@ if native.library() is not None:
     y = w8.native_mm(xa, torch.tensor(-7.0), torch.tensor(0.5))
     ref = ((xa.double() + 7) @ (w8.weight.double() + w8.zero_term.double()[:, None]).t()) * 0.5 * w8.scale.double()
     errs.append(((y.double() - ref).abs().max() / ref.abs().max()).item())
+from lrq.cpu_kernels import Int8Weights   # the int8 weight-only kernel (an int8 head, w8a16), a ragged k
+w8w = Int8Weights.build(torch.randint(0, 256, (37, 100), generator=g), torch.rand(37, 1, generator=g) * 0.01,
+                        torch.randint(0, 256, (37, 1), generator=g).float(), 8, None)
+if native.library() is not None:
+    x = torch.randn(2, 100, generator=g)
+    ref_w = w8w.dequantized(torch.float32).double()
+    y = w8w.native_mm(x).double()
+    errs.append(((y - x.double() @ ref_w.t()).abs() / (x.double().abs() @ ref_w.abs().t())).max().item())
 if native.library() is not None:   # the one-token attention kernel (bf16 and float32 caches) against SDPA
     for dt in (torch.float32, torch.bfloat16):
         q = torch.randn(1, 1, 8, 64, generator=g).to(dt)

@@ -1929,6 +1929,71 @@ int lrq_dense_gemv(const void *w, const void *x, void *y, int bf16, int n, int k
   return 0;
 }
 
+/* int8w_gemv: the decode step of an 8-bit weight-only layer held per channel (lrq.cpu_kernels.Int8Weights: an
+ * int8 output head, w8a16): per token
+ *     y[j] = scale[j] * sum_k w[j, k] x[k] + zero_term[j] * sum_k x[k]
+ * with w = q - offset (int8 [n, w_stride], the columns from k on zero; w_stride a multiple of 16 at least k), x in the
+ * model's dtype (rows x_stride apart), the levels widened to float32 and multiplied with x in float32 vectors of 16
+ * inputs, summed in float32 and rounded once to the model's dtype (y [m, n] contiguous). Four rows at a time, the
+ * rows 8 ahead prefetched; rows split over threads. */
+#if defined(__AVX512F__)
+static inline v16 vload_i8(const int8_t *p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline v16 vload_i8(const int8_t *p) {
+  v16 r = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
+  return r;
+}
+#else
+static inline v16 vload_i8(const int8_t *p) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = p[i]; return r; }
+#endif
+
+static void int8w_rows(const int8_t *w, long ws, const float *scale, const float *zero_term, const float *xf,
+                       float xsum, void *y, int bf16, int j0, int j1, int kp) {
+  for (; j0 + 4 <= j1; j0 += 4) {
+    const int8_t *w0 = w + (size_t)j0 * ws, *w1 = w0 + ws, *w2 = w1 + ws, *w3 = w2 + ws;
+    v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < kp; i += 16) {
+      if (i % 64 == 0) PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * ws + i);
+      v16 xv = vload(xf + i);
+      a0 = vfmav(vload_i8(w0 + i), xv, a0); a1 = vfmav(vload_i8(w1 + i), xv, a1);
+      a2 = vfmav(vload_i8(w2 + i), xv, a2); a3 = vfmav(vload_i8(w3 + i), xv, a3);
+    }
+    store_any(y, bf16, j0, vsum(a0) * scale[j0] + zero_term[j0] * xsum);
+    store_any(y, bf16, j0 + 1, vsum(a1) * scale[j0 + 1] + zero_term[j0 + 1] * xsum);
+    store_any(y, bf16, j0 + 2, vsum(a2) * scale[j0 + 2] + zero_term[j0 + 2] * xsum);
+    store_any(y, bf16, j0 + 3, vsum(a3) * scale[j0 + 3] + zero_term[j0 + 3] * xsum);
+  }
+  for (; j0 < j1; j0++) {
+    const int8_t *wr = w + (size_t)j0 * ws;
+    v16 a = vzero();
+    for (int i = 0; i < kp; i += 16) a = vfmav(vload_i8(wr + i), vload(xf + i), a);
+    store_any(y, bf16, j0, vsum(a) * scale[j0] + zero_term[j0] * xsum);
+  }
+}
+
+int lrq_int8w_gemv(const int8_t *w, long w_stride, const float *scale, const float *zero_term, const void *x,
+                   int bf16, long x_stride, void *y, int m, int n, int k, int nthreads) {
+  int kp = (k + 15) / 16 * 16;
+  if (m < 1 || n < 1 || k < 1 || w_stride < kp || w_stride % 16) return 1;
+  float *xf = scratch_get(sizeof(float) * (size_t)kp);
+  if (!xf) return 2;
+  for (int t = 0; t < m; t++) {
+    float xsum = 0;
+    for (int i = 0; i < k; i++) xsum += xf[i] = load_any(x, bf16, (size_t)t * x_stride + i);
+    for (int i = k; i < kp; i++) xf[i] = 0;
+    void *yt = (char *)y + (size_t)t * n * (bf16 ? 2 : 4);
+    int chunk = 16, units = (n + chunk - 1) / chunk;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
+    for (int u = 0; u < units; u++)
+      int8w_rows(w, w_stride, scale, zero_term, xf, xsum, yt, bf16, u * chunk, u * chunk + chunk < n ? u * chunk + chunk : n,
+                 kp);
+  }
+  return 0;
+}
+
 typedef struct {
   int32_t kind;        /* 1: 4-bit (an int4_layer, k == k_pad), 2: dense (weight [n, k] in the model's dtype),
                         * 3: W8A8 on a static grid (int8 weight levels [n, k], lrq_w8a8_gemv's arguments below) */
