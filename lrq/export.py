@@ -98,6 +98,10 @@ def save_compressed(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None
 
     compressed-tensors (and so vLLM and transformers) refuse a group size that does not divide every
     layer's input width; such a model is written only with allow_ragged=True (lrq-bench reads it back)."""
+    if getattr(model, "_lrq_head", None):
+        raise UserError(f"this model's output head was packed in memory ({model._lrq_head}, lrq.packed.quantize_head): "
+                        "the checkpoint leaves lm_head unquantized, so export the model before quantizing its head "
+                        "and quantize the head again after loading it")
     scheme = _scheme_of(model)
     problem = None if allow_ragged else group_fit_problem(scheme, [m.in_features for _, _, m in iter_linears(model)])
     if problem:

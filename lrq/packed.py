@@ -42,8 +42,8 @@ from torch import nn
 
 from lrq.arch import iter_linears, set_submodule, decoder_blocks
 import lrq.native as native
-from lrq.cpu_kernels import (NATIVE_INT8_MAX_M, Int4Int8Weights, Int8GemmWeights, _int_mm_available,  # noqa: F401
-                              cpu_weights, int4_form, int_mm_ok)
+from lrq.cpu_kernels import (NATIVE_INT8_MAX_M, Int4Int8Weights, Int8GemmWeights, Int8Weights,  # noqa: F401
+                              _int_mm_available, cpu_weights, int4_form, int_mm_ok)
 from lrq.errors import UserError
 from lrq.packing import pack_planar, planar_words, unpack_planar
 from lrq.qlinear import QuantLinear
@@ -435,3 +435,78 @@ def pack_model(model: nn.Module) -> dict[str, int]:
             after += p.storage_bytes()
             set_submodule(blocks[i], name, p)
     return {"linear_bytes_bf16": before, "linear_bytes_packed": after}
+
+
+HEAD_FORMATS = ("int8",)   # what quantize_head holds an output head in
+
+
+class PackedEmbedding(nn.Module):
+    """The input embedding of a model whose tied output head quantize_head packed: each looked-up row dequantized
+    from the head's own int8 levels, (q - z) * s in float32 rounded once to `dtype`, so the one table is held once
+    (as llama.cpp holds a tied Q8_0 token embedding). The head is referred to, not a submodule: its buffers are
+    counted and saved once."""
+
+    def __init__(self, head: PackedLinear, dtype: torch.dtype, padding_idx: int | None = None,
+                 embed_scale: torch.Tensor | None = None):
+        """`embed_scale`: the factor a scaled embedding (Gemma's) multiplies its rows by, in `dtype`, as it does."""
+        super().__init__()
+        self._head, self.dtype, self.padding_idx = [head], dtype, padding_idx
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.embed_scale = None if embed_scale is None else embed_scale.detach().clone()
+
+    @property
+    def head(self) -> PackedLinear:
+        return self._head[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.head.cpu_weights or self.head.convert_for_cpu()
+        (levels,), k, flat = w.chunks, self.embedding_dim, ids.reshape(-1)
+        rows = levels[flat, :k].float().mul_(w.scales[0, flat, None]).add_(w.zero_term[0, flat, None])
+        rows = rows.to(self.dtype)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(self.dtype)
+        return rows.view(*ids.shape, k)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 levels of the output head, dtype={self.dtype}"
+
+
+@torch.no_grad()
+def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = True) -> dict[str, int]:
+    """Hold the output head as 8-bit levels per output channel (round to nearest on each row's min-max grid, the
+    w8a16 scheme's; the CPU form lrq.cpu_kernels.Int8Weights, run by lrq.native's int8 weight-only kernel at decode)
+    instead of in the model's dtype. A tied input embedding then reads the same levels (PackedEmbedding), so the table
+    is held once at a quarter of float32's bytes or half of bf16's; `share_embedding=False` keeps the embedding's own
+    table (the head alone quantized, the table held twice).
+
+    A deployment choice beside the method, not part of it: every method leaves the head unquantized (METHOD.md) and
+    the export (lrq.export, compressed-tensors) ignores lm_head, so a model with a packed head is not exported.
+    It changes the logits (and, tied, the embeddings): measure what it costs (bench.studies.speed's `+int8 head`
+    candidates, docs/packed-weights-and-export.md). CPU models only. Returns the head's bytes before and after."""
+    from lrq.quant import minmax_qparams
+    from lrq.schemes import get_scheme
+    if fmt not in HEAD_FORMATS:
+        raise UserError(f"output head format {fmt!r}: choose one of {', '.join(HEAD_FORMATS)}")
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if isinstance(head, PackedLinear):
+        raise UserError("the output head is already packed (quantize_head ran on this model)")
+    if type(head) is not nn.Linear or head.weight.device.type != "cpu":
+        raise UserError(f"quantize_head takes a model whose output head is an nn.Linear on the CPU, not "
+                        f"{type(head).__name__} on {getattr(getattr(head, 'weight', None), 'device', '?')}")
+    before = head.weight.numel() * head.weight.element_size()
+    # a tied embedding reads the head's levels where its forward is a plain lookup, or a lookup times its
+    # embed_scale (Gemma); any other kind keeps its own table (held as before)
+    tied = (share_embedding and isinstance(emb, nn.Embedding) and emb.weight is head.weight and head.bias is None
+            and (type(emb) is nn.Embedding or isinstance(getattr(emb, "embed_scale", None), (torch.Tensor, float))))
+    scheme = get_scheme("w8a16")
+    scale, zero = minmax_qparams(head.weight, scheme.w_bits, scheme.group_size)
+    packed = PackedLinear.from_quant_linear(QuantLinear.from_linear(head, scheme, scale, zero))
+    if not isinstance(packed.cpu_weights, Int8Weights) or len(packed.cpu_weights.chunks) != 1:
+        raise RuntimeError("quantize_head expected an int8 per-channel CPU form; a bug, please report")
+    model.set_output_embeddings(packed)
+    if tied:
+        scale = getattr(emb, "embed_scale", None)
+        model.set_input_embeddings(PackedEmbedding(packed, emb.weight.dtype, emb.padding_idx,
+                                                   None if scale is None else torch.as_tensor(scale)))
+    model._lrq_head = fmt
+    return {"head_bytes": before, "head_bytes_packed": packed.storage_bytes(), "embedding_shared": int(tied)}

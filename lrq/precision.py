@@ -229,8 +229,12 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits of `head` (a Linear: the vocabulary projection) on `hidden`, outside any autocast."""
-    return float32_logits(hidden, head.weight, getattr(head, "bias", None))
+    """float32 logits of `head` (a Linear: the vocabulary projection; or a head packed by lrq.packed.quantize_head,
+    its levels dequantized in float32) on `hidden`, outside any autocast."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        weight = head.dequantized_weight(torch.float32)
+    return float32_logits(hidden, weight, getattr(head, "bias", None))
 
 
 @contextlib.contextmanager

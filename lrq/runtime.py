@@ -181,7 +181,9 @@ class LeanDecoder:
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.qk_norm = hasattr(attn, "q_norm")
-        emb = inner.embed_tokens.weight
+        # the embedding's table (a PackedEmbedding, lrq.packed.quantize_head's, reads the head's levels: its dtype)
+        emb = getattr(inner.embed_tokens, "weight", None)
+        emb = emb if emb is not None else torch.empty(0, dtype=inner.embed_tokens.dtype)
         dtype = emb.dtype if emb.is_floating_point() else torch.float32
         shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, self.head_dim)
         # the key and value caches, as per-layer views made once (the views keep the two allocations alive)
@@ -270,9 +272,13 @@ class LeanDecoder:
                                if isinstance(getattr(w, a, None), torch.Tensor)])
                 elif type(mod) is nn.Linear:
                     slots.append((mod.weight, "data"))
-        if type(self.model.lm_head) is nn.Linear:
-            slots.append((self.model.lm_head.weight, "data"))
+        head = self.model.lm_head
+        if type(head) is nn.Linear:
+            slots.append((head.weight, "data"))
+        elif isinstance(head, PackedLinear) and len(getattr(head.cpu_weights, "chunks", ())) == 1:
+            slots.append((head.cpu_weights, "chunks"))   # an int8 head (lrq.packed.quantize_head), its one chunk
         held = [(o, n, o.data if n == "data" else getattr(o, n)) for o, n in slots]
+        held = [(o, n, t[0] if n == "chunks" else t) for o, n, t in held]
         held = [(o, n, t) for o, n, t in held if t.device.type == "cpu" and t.is_contiguous()]
         copies = hugepages.gather([t for _, _, t in held])
         if copies is None:
@@ -280,6 +286,8 @@ class LeanDecoder:
         for (obj, name, _), copy in zip(held, copies):
             if name == "data":
                 obj.data = copy
+            elif name == "chunks":
+                obj.chunks = (copy,)
             else:
                 setattr(obj, name, copy)
                 if hasattr(obj, "native_args"):
@@ -416,7 +424,8 @@ class LeanDecoder:
             h, head = _rms(inner.norm, x[:, -keep:], lib), self.model.lm_head
             if (any(fused) and type(head) is nn.Linear and head.bias is None and head.weight.dtype == h.dtype
                     and head.weight.is_contiguous() and h.is_contiguous()):
-                # the head through lrq's GEMV too (dense and packed models alike: every format keeps it dense)
+                # the head through lrq's GEMV too (dense and packed models alike: every format keeps it dense;
+                # one lrq.packed.quantize_head packed runs its own forward, lrq's int8 kernel)
                 y = torch.empty(*h.shape[:-1], head.out_features, dtype=h.dtype)
                 native.checked(_native("head", lib.lrq_dense_gemv, head.weight.data_ptr(), h.data_ptr(),
                                        y.data_ptr(), h.dtype == torch.bfloat16, head.out_features,

@@ -474,3 +474,62 @@ def test_the_int4_packing_is_read_under_torchs_avx2_kernels_too():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "32"
+
+
+@pytest.mark.parametrize("arch,dtype", [("gemma3", torch.bfloat16), ("gemma3", torch.float32),
+                                        ("llama", torch.bfloat16)])
+def test_an_int8_head_is_the_dequantized_head_and_a_tied_table_is_held_once(arch, dtype):
+    """quantize_head: the head computes with its 8-bit levels per output channel (the w8a16 grid, fp16 scales as
+    packed), a tied embedding (gemma3's, scaled) reads the same levels and holds no table of its own, an untied one
+    (llama's here) is left as it was; the lean runtime's decode gives the model's own logits; the export refuses."""
+    from lrq.export import save_compressed
+    from lrq.packed import PackedEmbedding, quantize_head
+    from lrq.precision import head_logits
+    from lrq.quant import dequantize, quantize
+    from lrq.runtime import LeanDecoder
+    model = tiny_model(arch, vocab_size=320, hidden=96).to(dtype)
+    tied = model.get_input_embeddings().weight is model.lm_head.weight
+    assert tied == (arch == "gemma3")
+    w = model.lm_head.weight.detach().float().clone()
+    scale, zero = minmax_qparams(w, 8)
+    w_hat = dequantize(quantize(w, scale, zero, 8), scale.half().float(), zero)   # what the packed head holds
+    emb_before = model.get_input_embeddings()
+    params_before = sum(p.numel() for p in model.parameters())
+    sizes = quantize_head(model)
+    head, emb = model.lm_head, model.get_input_embeddings()
+    assert isinstance(head, PackedLinear) and head.scheme.name == "w8a16" and sizes["embedding_shared"] == int(tied)
+    assert torch.equal(head.dequantized_weight(), w_hat)
+    assert sizes["head_bytes_packed"] < 0.3 * 320 * 96 * 4 + 320 * 40   # a byte a weight and a few per row
+    if tied:
+        assert isinstance(emb, PackedEmbedding)
+        assert sum(p.numel() for p in model.parameters()) == params_before - 320 * 96   # the table is gone
+        ids = torch.tensor([[0, 5, 319], [7, 7, 1]])
+        scale_e = emb_before.embed_scale.to(dtype)
+        torch.testing.assert_close(emb(ids), w_hat[ids].to(dtype) * scale_e, rtol=0, atol=0)
+    else:
+        assert emb is emb_before
+    x = torch.randn(2, 5, 96).to(dtype)
+    for rows in (x[:1, :1], x):   # one token (lrq's int8 kernel where built) and ten (torch's int8 kernel)
+        exact = rows.float() @ w_hat.t()
+        # bf16: the output's rounding, and torch's kernel rounds its product of the offset levels (q - 128) too
+        room = rows.float().abs() @ (w_hat.abs() + 128 * scale.half().float()).t()
+        bound = room * (2 ** -7 if dtype == torch.bfloat16 else 1e-5) + 1e-6
+        assert ((head(rows).float() - exact).abs() <= bound).all()
+    torch.testing.assert_close(head_logits(head, x), x.float() @ w_hat.t(), rtol=1e-5, atol=1e-5)
+    if arch == "llama":   # the lean runtime (llama-shaped models) gives the model's own logits
+        ids = torch.randint(0, 320, (1, 9))
+        with torch.no_grad():
+            ref = model(ids).logits[:, -1:].float()
+            lean = LeanDecoder(model, max_len=16)
+            got = lean.forward(ids).float()
+            ref_step = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1:].float()
+            step = lean.forward(ids[:, :1]).float()   # a one-token step: the fused layers, then the int8 head
+        tol = dict(rtol=0.02, atol=0.02) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, ref, **tol)
+        torch.testing.assert_close(step, ref_step, **tol)
+    with pytest.raises(UserError, match="already packed"):
+        quantize_head(model)
+    with pytest.raises(UserError, match="export the model before quantizing its head"):
+        save_compressed(model, "/nonexistent/never-written")
+    with pytest.raises(UserError, match="choose one of int8"):
+        quantize_head(tiny_model("llama"), "int4")

@@ -118,11 +118,15 @@ def test_profile_groups_a_packed_models_decode_and_the_int8_head():
     assert list(ms) == list(speed_cpu.PROFILE_GROUPS) and ms.pop(fused) == 0 and all(v > 0 for v in ms.values())
     assert sum(ms.values()) == pytest.approx(prof["wall_ms_per_token"], rel=1e-6)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())   # hooks removed
+    # the study's int8-head copy: lrq.packed.quantize_head (tested in test_packed), profiled as the output head
+    from lrq.packed import PackedLinear, quantize_head
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
-    head = speed_cpu.Int8Head(model.lm_head.weight)
-    ref, got = model.lm_head(x).float(), head(x).float()
-    assert got.shape == ref.shape and (got - ref).norm() / ref.norm() < 0.02
-    assert head(x.float()).dtype == torch.float32
+    ref = model.lm_head(x).float()
+    quantize_head(model)
+    got = model.lm_head(x).float()
+    assert isinstance(model.lm_head, PackedLinear) and got.shape == ref.shape and (got - ref).norm() / ref.norm() < 0.02
+    prof = speed_cpu.profile_decode(model, torch.arange(16).unsqueeze(0), steps=3)
+    assert {g["group"]: g["ms_per_token"] for g in prof["groups"]}["output head"] > 0
 
 
 @pytest.mark.anchors

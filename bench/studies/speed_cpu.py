@@ -26,8 +26,8 @@ weight memory is the resident memory the loaded GGUF added (its weights mapped a
 cache and compute buffers), with the file's size beside it. With anchors, the w4a16-g128 model's decode is also
 profiled (`profile_decode`: where its time goes; the first packed scheme where w4a16-g128 is not measured); when
 its bf16 output head costs at least as much as all its quantized linears together, or --int8-head asks, a copy with
-an int8 head (`Int8Head`, the nearest torch kernel to the Q8_0 head of the Q4_1 GGUF) is measured as an extra
-candidate; the defaults do not change.
+an int8 head (lrq.packed.quantize_head: 8-bit levels per output channel, the tied embedding reading the same levels;
+the Q4_1 GGUF holds its tied table as Q8_0) is measured as an extra candidate; the defaults do not change.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lrq.errors import UserError
 DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
 
-HEAD_INT8 = " +int8 head"        # the suffix of a packed candidate whose output head is Int8Head
+HEAD_INT8 = " +int8 head"        # the suffix of a packed candidate whose output head lrq.packed.quantize_head packed
 PROFILE_GROUPS = ("quantized linears", "output head", "attention/SDPA, RoPE, norms and other ops",
                   "framework/Python overhead", "fused decoder layers (one lrq.native call each)")
 
@@ -81,33 +81,15 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-class Int8Head(nn.Module):
-    """An output head as int8 levels per output channel (symmetric, absmax / 127) through torch's
-    `_weight_int8pack_mm`: the nearest torch CPU kernel to llama.cpp's Q8_0 head (which scales groups of 32)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        w = weight.detach().float()
-        s = w.abs().amax(1).clamp_min(1e-12) / 127
-        self.register_buffer("q", torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
-        self.register_buffer("s_bf16", s.bfloat16())
-        self.register_buffer("s_fp32", s)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bf16 = x.dtype == torch.bfloat16
-        x2 = (x if bf16 else x.float()).reshape(-1, x.shape[-1]).contiguous()
-        y = torch._weight_int8pack_mm(x2, self.q, self.s_bf16 if bf16 else self.s_fp32)
-        return y.reshape(*x.shape[:-1], -1)
-
-
 def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, dense: bool = True) -> list[Candidate]:
     """The dense model in bf16 and float32, and each scheme's packed model held in `dtype`, each with the resident
     memory its building left in the process. A scheme named `<scheme> +int8 head` is that scheme's packed model
-    with its output head replaced by Int8Head. `dense=False`: the schemes only (after a first build)."""
+    with its output head (and tied embedding) packed by lrq.packed.quantize_head. `dense=False`: the schemes only
+    (after a first build)."""
     from bench.common.models import load_model
     from bench.evaluations import data as D
     from lrq.methods import get_method, load_methods
-    from lrq.packed import pack_model
+    from lrq.packed import pack_model, quantize_head
     from lrq.schemes import get_scheme
     load_methods()
     # one throwaway build first: what the first load and calibration leave for good (imported code, cached texts,
@@ -134,7 +116,7 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, de
             rtn.quantize(model, scheme, rtn.config("quick"), calib)
             pack_model(model)
             if name.endswith(HEAD_INT8):
-                model.lm_head = Int8Head(model.get_output_embeddings().weight)
+                quantize_head(model, "int8")
         del loaded, calib
         _own_memory(model)
         _warm(model)   # what a format converts or caches at its first forward is part of what it holds
@@ -274,10 +256,11 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
             stack.pop().__exit__(None, None, None)
         handles.extend([module.register_forward_pre_hook(enter), module.register_forward_hook(leave)])
 
+    head = model.get_output_embeddings()
     for m in model.modules():
-        if isinstance(m, PackedLinear):
+        if isinstance(m, PackedLinear) and m is not head:   # a head quantize_head packed is still the head
             label(m, PROFILE_GROUPS[0])
-    label(model.get_output_embeddings(), PROFILE_GROUPS[1])
+    label(head, PROFILE_GROUPS[1])
     try:
         plain_ms, _ = decode(target, prompt, steps)
         first, step = _stepper(target)
@@ -663,8 +646,9 @@ def _head_sentence(prof: dict, doc: dict) -> str:
             f"{', counted as the fused decoder layers that hold them' if fused > 0 else ''})")
     head_row, ours = by.get(prof["candidate"] + HEAD_INT8), by.get(prof["candidate"])
     if head_row and ours:
-        text += (f"; `{head_row['candidate']}` above is the same model with an int8 per-channel head (torch "
-                 f"`_weight_int8pack_mm`; llama.cpp's Q4_1 file holds its tied head as Q8_0, groups of 32)"
+        text += (f"; `{head_row['candidate']}` above is the same model with an int8 per-channel head "
+                 f"(lrq.packed.quantize_head, the tied embedding reading its levels; llama.cpp's Q4_1 file holds "
+                 f"its tied table as Q8_0, groups of 32; what it costs in accuracy: bench.studies.head_int8)"
                  f"{'' if prof['head_dominates'] else ', measured because --int8-head asked for it'}: decode "
                  f"{head_row['decode_ms']:.1f} ms/token against {ours['decode_ms']:.1f} with the bf16 head")
     return text + "."

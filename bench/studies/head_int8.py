@@ -1,0 +1,136 @@
+"""What an int8 output head costs in accuracy (lrq.packed.quantize_head), beside what it buys in speed (bench.studies.speed).
+
+    python -m bench.studies.head_int8 [--tokens 65536] [--schemes fp,w4a16-g128] [--data-dir DIR] [--out reports/head-int8]
+
+For the default model as it is (`fp`) and quantized with RTN at each scheme, the same model twice: its output head
+as held (tied to the embedding; computed in the run's precision, the logits scored in float32) and packed to 8-bit
+levels per output channel by quantize_head, the tied embedding reading the same levels or keeping its own table. Both run the first `--tokens` tokens of WikiText-2 in 2,048-token windows
+under the suite's precision (`--precision`, auto by default), the logits scored in float32 as the perplexity
+evaluation scores them. Reported per base model: the perplexity with each head, their ratio over paired windows
+with its 95 % t-interval, the mean KL divergence of the int8-head model from the model as held and their top-1
+agreement. Writes head_int8.json and .md with the configuration, versions, hardware and git revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+from lrq import precision as P
+
+
+def compare(a: torch.nn.Module, b: torch.nn.Module, wins: list[torch.Tensor], chunk: int = 256) -> dict:
+    """Per-window mean NLL of both models, and the KL divergence KL(a || b) and top-1 agreement per position (the
+    keys say bf16 head for a's, the head as held, and int8 head for b's)."""
+    from bench.evaluations import kl as K
+    from bench.evaluations.perplexity import final_hidden
+    from lrq.precision import float32_logits
+
+    def head_weight(m):   # the head as float32 once per model (lrq.precision.head_logits' values)
+        h = m.get_output_embeddings()
+        w = h.weight if isinstance(getattr(h, "weight", None), torch.Tensor) else h.dequantized_weight(torch.float32)
+        return w.detach().float()
+    wa, wb = head_weight(a), head_weight(b)
+    nll_a, nll_b, kls, agree = [], [], [], []
+    with torch.no_grad():
+        for w in wins:
+            ha, t = final_hidden(a, w)
+            hb, _ = final_hidden(b, w)
+            sa = sb = 0.0
+            for i in range(0, len(t), chunk):
+                la = torch.log_softmax(float32_logits(ha[i:i + chunk], wa), -1)
+                lb = torch.log_softmax(float32_logits(hb[i:i + chunk], wb), -1)
+                tt = t[i:i + chunk, None]
+                sa -= float(la.gather(1, tt).sum())
+                sb -= float(lb.gather(1, tt).sum())
+                k, ag, _ = K.kl_exact(la, lb)
+                kls.append(k)
+                agree.append(ag)
+            nll_a.append(sa / len(t))
+            nll_b.append(sb / len(t))
+    kl, ag = torch.cat(kls).double(), torch.cat(agree).float()
+    return {"window_nll_bf16_head": nll_a, "window_nll_int8_head": nll_b,
+            "ppl_bf16_head": math.exp(sum(nll_a) / len(nll_a)), "ppl_int8_head": math.exp(sum(nll_b) / len(nll_b)),
+            "kld_mean": float(kl.mean()), "kld_p99": float(kl.quantile(0.99)) if kl.numel() <= 1 << 24 else None,
+            "top1_agree": float(ag.mean()), "positions": int(kl.numel())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.studies.head_int8", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--schemes", default="fp,w4a16-g128", help="comma-separated: fp and/or RTN schemes")
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", default="reports/head-int8")
+    a = p.parse_args(argv)
+    import lrq
+    from bench.common.models import load_model
+    from bench.common.provenance import cpu_label, git_revision, hardware, versions
+    from bench.evaluations import data as D
+    from bench.evaluations.perplexity import windows
+    from bench.evaluations.stats import paired_ppl
+    from lrq.errors import UserError
+    from lrq.io import atomic_write_text, dumps_json
+    from lrq.packed import quantize_head
+    loaded = load_model("smollm2-135m")
+    ids = D.tokenize(loaded.tokenizer, D.eval_text("wikitext2", D.resolve_data_dir(a.data_dir)).text)[:a.tokens]
+    wins = windows(ids, 2048)
+    if not wins:
+        raise UserError(f"--tokens {a.tokens}: fewer than one 2,048-token window")
+    decided = P.Precision.decide(a.precision)
+    rows = []
+    for name in [s.strip() for s in a.schemes.split(",") if s.strip()]:
+        base = copy.deepcopy(loaded.model).eval()
+        if name != "fp":
+            lrq.quantize(base, "rtn", name)
+        for shared in (True, False):   # the tied embedding reading the head's levels, or keeping its own table
+            other = copy.deepcopy(base)
+            sizes = quantize_head(other, "int8", share_embedding=shared)
+            with P.use(decided), P.autocast("cpu"):
+                r = compare(base, other, wins)
+            c = paired_ppl(r["window_nll_int8_head"], r["window_nll_bf16_head"])
+            r |= {"base": name, "method": None if name == "fp" else "rtn", "embedding": "shared" if shared else "own",
+                  "head_bytes": sizes, "ppl_ratio": c.effect, "ppl_ratio_lo": c.lo, "ppl_ratio_hi": c.hi,
+                  "windows": c.n}
+            rows.append(r)
+            print(f"{name} ({r['embedding']} embedding): ppl {r['ppl_bf16_head']:.3f} -> {r['ppl_int8_head']:.3f}, "
+                  f"ratio {c.effect:.4f} [{c.lo:.4f}, {c.hi:.4f}], KLD {r['kld_mean']:.5f}, top-1 "
+                  f"{r['top1_agree']:.4f}", flush=True)
+            del other
+        del base
+    hw = hardware()
+    doc = {"config": {"model": "smollm2-135m", "tokens": int(len(ids)), "windows": len(wins), "seq_len": 2048,
+                      "data": "wikitext2 test", "precision": decided.info(), "threads": torch.get_num_threads(),
+                      "command": f"python -m bench.studies.head_int8 --tokens {a.tokens} --schemes {a.schemes}",
+                      "versions": versions(), "hardware": hw, "machine": cpu_label(hw), "git": git_revision()},
+           "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "head_int8.json", dumps_json(doc, indent=1))
+    cfg = doc["config"]
+    md = ["# What an int8 output head costs in accuracy", "",
+          f"smollm2-135m, the first {cfg['tokens']:,} WikiText-2 test tokens ({cfg['windows']} windows of 2,048), "
+          f"precision {decided.used} ({decided.asked}: {decided.why}); "
+          f"{cfg['machine']}; torch {cfg['versions'].get('torch')}, git {cfg['git'][:12]}. "
+          f"Command: `{cfg['command']}`. The int8 head: lrq.packed.quantize_head (8-bit levels per output channel on "
+          "each row's min-max grid; the tied embedding reading the same levels or keeping its own table). The "
+          "ratio's interval: 95 % t over paired windows.", "",
+          "| model | input embedding | perplexity, head as held | perplexity, int8 head | ratio (int8 / held) "
+          "[95 % CI] | mean KLD | top-1 agreement | head bytes (held -> int8) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        label = "FP" if r["base"] == "fp" else f"RTN {r['base']}"
+        hb, emb = r["head_bytes"], ("the head's int8 levels" if r["embedding"] == "shared" else "its own table")
+        md.append(f"| {label} | {emb} | {r['ppl_bf16_head']:.3f} | {r['ppl_int8_head']:.3f} | {r['ppl_ratio']:.4f} "
+                  f"[{r['ppl_ratio_lo']:.4f}, {r['ppl_ratio_hi']:.4f}] | {r['kld_mean']:.5f} | {r['top1_agree']:.4f} | "
+                  f"{hb['head_bytes'] / 2**20:.1f} -> {hb['head_bytes_packed'] / 2**20:.1f} MiB |")
+    atomic_write_text(out / "head_int8.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
