@@ -5,6 +5,7 @@
     lrq.pack(model)                                  # real low-bit storage (lrq.packed.PackedLinear)
     lrq.save(model, "out/", tokenizer)               # compressed-tensors pack-quantized folder
     model = lrq.load("out/")                         # back, with identical logits
+    model = lrq.load("out/", head="int8")            # ... with an int8 output head (faster CPU decode; see docs)
 
 `lrq-bench` (the benchmark harness in `bench/`) quantizes every cell through `lrq.quantize` too.
 Methods: lrq, flexround, rtn, smoothquant, gptq, awq, omniquant (`lrq.list_methods()`); schemes: w8a8,
@@ -114,7 +115,13 @@ def save(model, folder: str | os.PathLike, tokenizer=None, metadata: dict | None
     return save_compressed(model, folder, tokenizer=tokenizer, metadata=metadata, allow_ragged=allow_ragged)
 
 
-def load(folder: str | os.PathLike, dtype=None):
-    """The model `save` wrote, with packed linears (identical logits)."""
+def load(folder: str | os.PathLike, dtype=None, head: str | None = None):
+    """The model `save` wrote, with packed linears (identical logits). `head="int8"`: its output head (and a tied
+    embedding with it) held as 8-bit levels per output channel, a deployment choice on the CPU that changes the logits
+    (lrq.packed.quantize_head; what it costs: bench.studies.head_int8)."""
     from lrq.export import load_compressed
-    return load_compressed(folder, dtype)
+    model = load_compressed(folder, dtype)
+    if head is not None:
+        from lrq.packed import quantize_head
+        quantize_head(model, head)
+    return model

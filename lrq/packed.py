@@ -459,9 +459,13 @@ class PackedEmbedding(nn.Module):
         return self._head[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.head.cpu_weights or self.head.convert_for_cpu()
-        (levels,), k, flat = w.chunks, self.embedding_dim, ids.reshape(-1)
-        rows = levels[flat, :k].float().mul_(w.scales[0, flat, None]).add_(w.zero_term[0, flat, None])
+        head, k, flat = self.head, self.embedding_dim, ids.reshape(-1)
+        if head.cpu_weights is None and head.weight_packed.device.type != "cpu":   # moved to a GPU: the planar words
+            rows = head.dequantized_weight(torch.float32)[flat]
+        else:
+            w = head.cpu_weights or head.convert_for_cpu()
+            (levels,) = w.chunks
+            rows = levels[flat, :k].float().mul_(w.scales[0, flat, None]).add_(w.zero_term[0, flat, None])
         rows = rows.to(self.dtype)
         if self.embed_scale is not None:
             rows = rows * self.embed_scale.to(self.dtype)

@@ -33,6 +33,12 @@ def test_quantize_pack_save_load_round_trip(tmp_path):
     back = lrq.load(tmp_path / "m")
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, model(x).logits)
+    # loaded with an int8 output head: close to the model's logits, not equal (a deployment choice that changes them)
+    small = lrq.load(tmp_path / "m", head="int8")
+    assert type(small.lm_head).__name__ == "PackedLinear" and small.lm_head.bits == 8
+    with torch.no_grad():
+        ref, got = model(x).logits, small(x).logits
+    assert not torch.equal(got, ref) and (got - ref).norm() < 0.02 * ref.norm()
 
 
 def test_the_api_and_a_configured_method_give_the_same_weights():
