@@ -226,6 +226,21 @@ def test_anchors_join_the_same_rotating_rounds(tiny_model_dir, data_dir, tmp_pat
                       "dense fp32 [oneDNN prepacked]"}   # no anchor, no int8-head copy
 
 
+def test_int8_head_all_copies_every_packed_scheme_without_anchors(tiny_model_dir, data_dir, tmp_path):
+    """--int8-head all: every packed scheme gets its int8-head copy (lrq.packed.quantize_head) in the same rounds,
+    with no anchors and no profile; the copies stay out of the results store."""
+    out, store = tmp_path / "h", tmp_path / "r.sqlite"
+    assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
+                       "--schemes", "w4a16,w8a8", "--rounds", "1", "--prefill", "16", "--decode", "2",
+                       "--int8-head", "all", "--out", str(out), "--results", str(store)]) == 0
+    doc = json.loads((out / "speed.json").read_text())
+    rows = {r["candidate"]: r for r in doc["rows"]}
+    assert {"w4a16 +int8 head", "w8a8 +int8 head"} <= set(rows) and "profile" not in doc
+    assert all(rows[n + " +int8 head"]["decode_ms"] > 0 for n in ("w4a16", "w8a8"))
+    from bench.common.store import ResultStore
+    assert not any(r.scheme.endswith("+int8 head") for r in ResultStore(store).rows())
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_profile_counts_native_kernels_where_they_run(fused):
     """lrq.native's C calls are no aten ops: the quantized linears' time is their modules' wall time, and the lean

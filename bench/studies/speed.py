@@ -153,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp32-decode", default="exact", choices=["exact", "bf16"],
                     help="e2e on the CPU, packed models held in float32: how their 4-bit layers run a decode step "
                          "(exact: a transient float32 weight per call; bf16: the vectorized bf16 int4 kernel)")
-    ap.add_argument("--int8-head", action="store_true",
-                    help="e2e on the CPU with anchors: also measure the profiled scheme with an int8 output head "
-                         "(otherwise only when its profile shows the head costing as much as all quantized linears)")
+    ap.add_argument("--int8-head", nargs="?", const="profiled", default=None, choices=["profiled", "all"],
+                    help="e2e on the CPU: also measure packed models with an int8 output head (lrq.packed."
+                         "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "
+                         "is otherwise measured only when its profile shows the head costing as much as all "
+                         "quantized linears; `all` every packed scheme's")
     args = ap.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     if args.what == "e2e" and not (args.shape or args.device == "cuda"):

@@ -472,8 +472,10 @@ def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[C
 
 
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
-        data_dir: str | None, anchors: list[str] | None = None, int8_head: bool = False,
+        data_dir: str | None, anchors: list[str] | None = None, int8_head: bool | str = False,
         runtime: str = "auto", float32_decode: str = "exact") -> dict:
+    """The study. `int8_head`: True (or "profiled") measures the profiled scheme's int8-head copy as well (with
+    anchors: the profile is theirs), "all" every packed scheme's."""
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
@@ -485,7 +487,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     _set_float32_decode(cands, float32_decode)
     max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
     cands = attach_runtime(cands, runtime, max_len)
-    profiled, extra, anchor_cands = None, {}, []
+    profiled, extra, anchor_cands, head_copies = None, {}, [], []
     if anchors:
         packed = [c for c in cands if c.kind == "packed"]   # w4a16-g128, the anchor's comparison, else the first
         target = next((c for c in packed if c.name == "w4a16-g128"), packed[0] if packed else None)
@@ -496,10 +498,15 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
             profiled["head_dominates"] = head_dominates(profiled)
             print(f"profile of {target.name} decode: " + ", ".join(
                 f"{g['group']} {g['ms_per_token']:.1f} ms" for g in profiled["groups"]), flush=True)
-            if profiled["head_dominates"] or int8_head:
-                cands += attach_runtime(build(model_name, [target.name + HEAD_INT8], dtype, data_dir,
-                                              dense=False), "hf" if runtime == "hf" else "auto", max_len)
+            if (profiled["head_dominates"] or int8_head) and int8_head != "all":
+                head_copies = [target.name]
         anchor_cands, extra = build_anchors(model_name, anchors, threads, n_ctx)
+    if int8_head == "all":
+        head_copies = [c.name for c in cands if c.kind == "packed"]
+    if head_copies:   # the int8-head copies (lrq.packed.quantize_head), built after the profile
+        heads = build(model_name, [n + HEAD_INT8 for n in head_copies], dtype, data_dir, dense=False)
+        _set_float32_decode(heads, float32_decode)
+        cands += attach_runtime(heads, "hf" if runtime == "hf" else "auto", max_len)
     prepacked, prepack_skipped = _prepacked(cands, prefill_len)
     cands += _without_onednn(cands) + _torch_linears(cands) + prepacked + anchor_cands
     try:
