@@ -445,6 +445,32 @@ def test_the_one_token_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
         monkeypatch.undo()
 
 
+def test_the_amx_prefill_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
+    """A bf16 prefill call of a 4-bit weight-only layer goes straight to the AMX tile kernel where it runs (no
+    _forward_cpu): the same output bits, a bias added as the general path adds it; W4A8, float32, padded K and short
+    calls take the general path. Without AMX (or LRQ_AMX=0) every call takes the general path, as before."""
+    assert _quant_linear("w3a16").bias is not None
+    import lrq.packed as P
+    from lrq.cpu_kernels import amx_ready
+    general_path = P.PackedLinear._forward_cpu
+    cases = (("w4a16-g128", 576), ("w3a16", 192), ("w4a8", 576), ("w4a16", 200))   # each with a bias
+    for scheme_name, k in cases:
+        p = PackedLinear.from_quant_linear(_quant_linear(scheme_name, cin=k, cout=128))
+        general = []
+        monkeypatch.setattr(P.PackedLinear, "_forward_cpu", lambda self, x: general.append(1) or general_path(self, x))
+        x = torch.randn(2, 40, k).bfloat16()
+        with torch.no_grad():
+            fast = p(x)
+            takes = amx_ready() and scheme_name != "w4a8" and k != 200
+            assert general == ([] if takes else [1]), scheme_name
+            monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])
+            assert fast.shape == (2, 40, 128) and torch.equal(fast, general_path(p, x)), scheme_name
+            general.clear()
+            p(torch.randn(3, k).bfloat16()), p(torch.randn(64, k))   # a short call, float32
+            assert general == [1, 1]
+        monkeypatch.undo()
+
+
 def test_the_int4_packing_is_read_under_torchs_avx2_kernels_too():
     """torch packs int4 weights in blocks of 64 output features where its AVX512 kernels run and of 32 with its AVX2
     ones (an AMD Zen 3): the prefill path must read both, or a Zen 3 falls back to the scalar float32 kernel at every
