@@ -422,51 +422,34 @@ def test_float32_decode_through_the_bf16_kernel_when_asked(monkeypatch, scheme_n
         set_float32_decode(model, "fast")
 
 
-def test_the_one_token_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
-    """A bf16 decode step of a 4-bit layer (weight-only, or W4A8 on its dequantized activations) skips _forward_cpu's
-    Python: the same kernel calls, the same output bits; anything else (several tokens, float32, padded K, W8A8) takes
-    the general path."""
-    import lrq.packed as P
-    general_path = P.PackedLinear._forward_cpu
-    cases = (("w4a16-g128", 576), ("w3a16", 192), ("w4a8", 576), ("w4a16", 200), ("w8a8", 576))   # 200: K padded
-    for scheme_name, k in cases:
-        p = PackedLinear.from_quant_linear(_quant_linear(scheme_name, cin=k, cout=40))
-        general = []
-        monkeypatch.setattr(P.PackedLinear, "_forward_cpu", lambda self, x: general.append(1) or general_path(self, x))
-        x = torch.randn(1, 1, k).bfloat16()
-        with torch.no_grad():
-            fast = p(x)
-            assert general == ([1] if k == 200 or scheme_name == "w8a8" else []), scheme_name
-            monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])      # the general path quantizes on its own
-            assert fast.shape == (1, 1, 40) and torch.equal(fast, general_path(p, x)), scheme_name
-            general.clear()
-            p(torch.randn(2, k).bfloat16()), p(torch.randn(1, k))
-            assert general == [1, 1]
-        monkeypatch.undo()
-
-
-def test_the_amx_prefill_shortcut_is_the_general_path_bit_for_bit(monkeypatch):
-    """A bf16 prefill call of a 4-bit weight-only layer goes straight to the AMX tile kernel where it runs (no
-    _forward_cpu): the same output bits, a bias added as the general path adds it; W4A8, float32, padded K and short
-    calls take the general path. Without AMX (or LRQ_AMX=0) every call takes the general path, as before."""
-    assert _quant_linear("w3a16").bias is not None
+@pytest.mark.parametrize("call", ["one token", "amx prefill"])
+def test_the_shortcuts_are_the_general_path_bit_for_bit(monkeypatch, call):
+    """One token: a bf16 decode step of a 4-bit layer (weight-only, or W4A8 on its dequantized activations) skips
+    _forward_cpu's Python; padded K and W8A8 take the general path. AMX prefill: a bf16 prefill call of a 4-bit
+    weight-only layer goes straight to the AMX tile kernel where it runs (without AMX, or LRQ_AMX=0, every call takes
+    the general path, as before); W4A8 and padded K take the general path. Both: the same kernel calls, the same output
+    bits (a bias added as the general path adds it: every case has one); several tokens for the one-token shortcut,
+    a short call for the prefill one, and float32 calls take the general path."""
     import lrq.packed as P
     from lrq.cpu_kernels import amx_ready
+    assert _quant_linear("w3a16").bias is not None
     general_path = P.PackedLinear._forward_cpu
-    cases = (("w4a16-g128", 576), ("w3a16", 192), ("w4a8", 576), ("w4a16", 200))   # each with a bias
-    for scheme_name, k in cases:
-        p = PackedLinear.from_quant_linear(_quant_linear(scheme_name, cin=k, cout=128))
+    one = call == "one token"
+    cases = (("w4a16-g128", 576), ("w3a16", 192), ("w4a8", 576), ("w4a16", 200)) + ((("w8a8", 576),) if one else ())
+    cout, shape = (40, (1, 1)) if one else (128, (2, 40))   # the AMX kernel takes whole panels of 64 features
+    for scheme_name, k in cases:   # 200: K padded
+        p = PackedLinear.from_quant_linear(_quant_linear(scheme_name, cin=k, cout=cout))
         general = []
         monkeypatch.setattr(P.PackedLinear, "_forward_cpu", lambda self, x: general.append(1) or general_path(self, x))
-        x = torch.randn(2, 40, k).bfloat16()
+        x = torch.randn(*shape, k).bfloat16()
+        takes = k != 200 and (scheme_name != "w8a8" if one else (amx_ready() and scheme_name != "w4a8"))
         with torch.no_grad():
             fast = p(x)
-            takes = amx_ready() and scheme_name != "w4a8" and k != 200
             assert general == ([] if takes else [1]), scheme_name
-            monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])
-            assert fast.shape == (2, 40, 128) and torch.equal(fast, general_path(p, x)), scheme_name
+            monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])      # the general path quantizes on its own
+            assert fast.shape == (*shape, cout) and torch.equal(fast, general_path(p, x)), scheme_name
             general.clear()
-            p(torch.randn(3, k).bfloat16()), p(torch.randn(64, k))   # a short call, float32
+            p(torch.randn(2 if one else 3, k).bfloat16()), p(torch.randn(1 if one else 64, k))
             assert general == [1, 1]
         monkeypatch.undo()
 
