@@ -8,7 +8,9 @@ explicitly):
   one lrq.native call each and through its modules (`fused` False), at a fixed cache length of 64 positions;
 - a prefill of 256 tokens of the same models from an empty cache (the last position's logits), with the norms,
   residual adds, SiLU products and RoPE as lrq.native row kernels (`rows`) and as torch's operations;
-- the 4-bit form's transient prefill operand (Int4Weights.dequantized_t) made by lrq.native and by torch's ops.
+- the 4-bit form's transient prefill operand (Int4Weights.dequantized_t) made by lrq.native and by torch's ops;
+- the output head of SmolLM2-135M (49,152 x 576) for one token: bf16 through lrq's dense GEMV, int8 levels per channel
+  (lrq.packed.quantize_head's form) through lrq's int8 kernel and through torch's `_weight_int8pack_mm`.
 
 The end-to-end comparison with interleaved rounds, the real model and llama.cpp is `python -m bench.studies.speed
 e2e --device cpu` (reports/speed-cpu/); these cases are for tracking one kernel or one step across commits.
@@ -99,3 +101,30 @@ def test_prefill_operand(benchmark, maker, shape):
     benchmark.extra_info.update({"N": n, "K": k, "group": 128, "maker": maker})
     out = benchmark(make, torch.bfloat16)
     assert out.shape == (k, n) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("head", ["bf16 lrq", "int8 lrq", "int8 torch"])
+def test_output_head(benchmark, head):
+    from lrq.cpu_kernels import Int8Weights
+    if "lrq" in head and native.library() is None:
+        pytest.skip(f"lrq.native is not built here: {native.status()}")
+    n, k = SMOLLM2["vocab_size"], SMOLLM2["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(1, k, generator=g).bfloat16()
+    if head == "bf16 lrq":
+        y = torch.empty(1, n, dtype=torch.bfloat16)
+
+        def run():
+            native.checked(native.library().lrq_dense_gemv(weight.data_ptr(), x.data_ptr(), y.data_ptr(), 1, n, k,
+                                                           torch.get_num_threads()), "head")
+            return y
+    else:
+        from lrq.quant import minmax_qparams, quantize
+        s, z = minmax_qparams(weight.float(), 8)
+        w = Int8Weights.build(quantize(weight.float(), s, z, 8), s, z, 8, None)
+        (levels,), unit = w.chunks, w.unit[torch.bfloat16]
+        run = (lambda: w.native_mm(x)) if head == "int8 lrq" else (lambda: torch._weight_int8pack_mm(x, levels, unit))
+    benchmark.extra_info.update({"N": n, "K": k, "head": head})
+    out = benchmark(run)
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
