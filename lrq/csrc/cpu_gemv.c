@@ -1605,14 +1605,24 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
     zt[c] = _mm512_maskz_loadu_ps(mk[c], J->zero_term + j0 + 16 * c);
     sc[c] = _mm512_maskz_loadu_ps(mk[c], J->scale + j0 + 16 * c);
   }
+  /* corrected16's operations with what is the same for every row made once: x_zero * col_term and the broadcast
+   * x_scale where the grid is one for the call (a static grid, W8A8), the same products, so the same bits */
+  const int zero_per_row = J->zero_per_row, scale_per_row = J->scale_per_row, asymmetric = J->asymmetric;
+  __m512 vxsc = _mm512_set1_ps(J->x_scale[0]), xzc[2];
+  for (int c = 0; c < 2; c++) xzc[c] = _mm512_mul_ps(_mm512_set1_ps(J->x_zero[0]), col[c]);
   for (int r = r0; r < r1; r++) {
     int t = t0 + r;
-    const __m512 vxz = _mm512_set1_ps(J->x_zero[J->zero_per_row ? t : 0]),
-                 vxsc = _mm512_set1_ps(J->x_scale[J->scale_per_row ? t : 0]), vrs = _mm512_set1_ps(J->rowsum[t]);
+    const __m512 vrs = _mm512_set1_ps(J->rowsum[t]);
+    if (zero_per_row) {
+      const __m512 vxz = _mm512_set1_ps(J->x_zero[t]);
+      xzc[0] = _mm512_mul_ps(vxz, col[0]);
+      xzc[1] = _mm512_mul_ps(vxz, col[1]);
+    }
+    if (scale_per_row) vxsc = _mm512_set1_ps(J->x_scale[t]);
     for (int c = 0; c < 2 && mk[c]; c++) {
-      __m512 v = corrected16(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), vxz, vxsc, vrs, col[c], zt[c],
-                             sc[c], J->asymmetric);
-      store16(J->y, J->y_bf16, (size_t)t * n + j0 + 16 * c, mk[c], v);
+      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), xzc[c]);
+      if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt[c]));
+      store16(J->y, J->y_bf16, (size_t)t * n + j0 + 16 * c, mk[c], _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc[c]));
     }
   }
 }
