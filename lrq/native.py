@@ -147,8 +147,9 @@ class Int4Layer(ctypes.Structure):
 class Linear(ctypes.Structure):
     """One linear of a fused decoder layer (cpu_gemv.c's lrq_linear): kind 1 a 4-bit layer (`q4`: the address of its
     Int4Layer), kind 2 a dense weight [n, k] in the model's dtype (`w`), kind 3 W8A8 on a static grid (`w` its int8
-    levels, then lrq_w8a8_gemv's other arguments); `act_bits` the per-token fake quantization of its input (W4A8),
-    0 for none; `bias` [n] in the model's dtype or None."""
+    levels, then lrq_w8a8_gemv's other arguments), kind 4 8-bit weight-only per channel (`w` its int8 levels, rows k
+    rounded up to 16 apart, `scale` and `zero_term` [n] float32: lrq_int8w_gemv's); `act_bits` the per-token fake
+    quantization of its input (W4A8), 0 for none; `bias` [n] in the model's dtype or None."""
     _fields_ = [("kind", ctypes.c_int32), ("act_bits", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("q4", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("wsum", ctypes.c_void_p), ("col_term", ctypes.c_void_p), ("zero_term", ctypes.c_void_p),

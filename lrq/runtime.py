@@ -128,12 +128,19 @@ def _step_linears(layer: nn.Module) -> tuple:
     return a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
+def _one_chunk(w) -> bool:
+    """Whether a CPU form is the int8 weight-only one per channel (Int8Weights with one chunk: w8a16, an int8 head)."""
+    from lrq.cpu_kernels import Int8Weights
+    return isinstance(w, Int8Weights) and len(w.chunks) == 1
+
+
 def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
     """(lrq.native.Linear, what it points into) for one linear of a fused decoder layer, or None where the layer
     cannot be fused. What its own forward runs at one token, as one part of the layer's C call: a dense nn.Linear held
     in the model's dtype (lrq's bf16/float32 GEMV); a PackedLinear on lrq.native's 4-bit kernel (weight-only, or
-    W4A8 on its per-token dequantized activations) or its W8A8 kernel on a static grid."""
-    from lrq.cpu_kernels import int4_form
+    W4A8 on its per-token dequantized activations), its W8A8 kernel on a static grid or its int8 weight-only kernel
+    (w8a16 per channel)."""
+    from lrq.cpu_kernels import Int8Weights, int4_form
     from lrq.packed import PackedLinear
     if isinstance(mod, PackedLinear):
         if mod.quantize_output:
@@ -147,6 +154,14 @@ def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
             return (native.Linear(3, 0, n, k, None, w.weight.data_ptr(), bias_ptr, w.wsum.data_ptr(),
                                   w.col_term.data_ptr(), w.zero_term.data_ptr(), w.scale.data_ptr(), w.asymmetric,
                                   *mod.native_static_grid()), (w, bias))
+        if isinstance(w, Int8Weights):   # the module's own one-token int8 weight-only kernel
+            if s.a_bits is not None or not w.native_for(1, dtype):
+                return None
+            (levels,), k = w.chunks, w.widths[0]
+            if levels.stride(0) != (k + 15) // 16 * 16 or not levels.is_contiguous():
+                return None
+            return (native.Linear(4, 0, levels.shape[0], k, None, levels.data_ptr(), bias_ptr, None, None,
+                                  w.zero_term.data_ptr(), w.scales.data_ptr()), (levels, w.scales, w.zero_term, bias))
         if int4 is None or int4.k != int4.packed.shape[1] * 2 or not int4.native_for(1, dtype):
             return None
         if int4 is w and s.a_bits is None:
@@ -268,6 +283,7 @@ class LeanDecoder:
                     w = mod.cpu_weights or mod.convert_for_cpu()
                     int4 = int4_form(w)
                     slots += ([(int4, "packed"), (int4, "scale_zero")] if int4 is not None else
+                              [(w, "chunks"), (w, "scales"), (w, "zero_term")] if _one_chunk(w) else
                               [(w, a) for a in ("weight", "wsum", "col_term", "zero_term", "scale")
                                if isinstance(getattr(w, a, None), torch.Tensor)])
                 elif type(mod) is nn.Linear:
@@ -275,8 +291,8 @@ class LeanDecoder:
         head = self.model.lm_head
         if type(head) is nn.Linear:
             slots.append((head.weight, "data"))
-        elif isinstance(head, PackedLinear) and len(getattr(head.cpu_weights, "chunks", ())) == 1:
-            slots.append((head.cpu_weights, "chunks"))   # an int8 head (lrq.packed.quantize_head), its one chunk
+        elif isinstance(head, PackedLinear) and _one_chunk(head.cpu_weights):   # an int8 head (quantize_head)
+            slots += [(head.cpu_weights, "chunks"), (head.cpu_weights, "scales"), (head.cpu_weights, "zero_term")]
         held = [(o, n, o.data if n == "data" else getattr(o, n)) for o, n in slots]
         held = [(o, n, t[0] if n == "chunks" else t) for o, n, t in held]
         held = [(o, n, t) for o, n, t in held if t.device.type == "cpu" and t.is_contiguous()]

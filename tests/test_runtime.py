@@ -168,9 +168,9 @@ def _packed_tiny(arch: str, scheme: str | None, dtype: torch.dtype):
 def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
     """A one-token step with each decoder layer in one lrq.native call (lrq_decoder_layer_step) gives the logits
     of the same step through the modules: packed layers run the same C kernels with the same roundings (bf16: every
-    bit, the few ulps of float32 otherwise), dense layers lrq's GEMV (float rounding). Its layers are fused where
-    every part can be (w8a16's int8 weight-only form cannot: its modules run) and the greedy tokens agree over
-    several steps, so the cache the fused layers write is the one the next step reads."""
+    bit, the few ulps of float32 otherwise), dense layers lrq's GEMV (float rounding). Every layer is fused (w8a16's
+    int8 weight-only form too) and the greedy tokens agree over several steps, so the cache the fused layers write
+    is the one the next step reads."""
     from lrq import native
     assert native.library() is not None, native.status()
     model = _packed_tiny(arch, scheme, dtype)
@@ -187,7 +187,7 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
             toks.append(nxt)
         if fused:
             n_fused = sum(f is not None for f in lean._fused)
-            assert n_fused == (0 if scheme == "w8a16" else len(lean.layers))
+            assert n_fused == len(lean.layers)
         outs.append(torch.cat(steps, 1))
         tokens.append(torch.cat(toks, 1))
     a, b = outs

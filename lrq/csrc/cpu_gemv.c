@@ -2006,7 +2006,9 @@ int lrq_int8w_gemv(const int8_t *w, long w_stride, const float *scale, const flo
 
 typedef struct {
   int32_t kind;        /* 1: 4-bit (an int4_layer, k == k_pad), 2: dense (weight [n, k] in the model's dtype),
-                        * 3: W8A8 on a static grid (int8 weight levels [n, k], lrq_w8a8_gemv's arguments below) */
+                        * 3: W8A8 on a static grid (int8 weight levels [n, k], lrq_w8a8_gemv's arguments below),
+                        * 4: 8-bit weight-only per channel (int8w_gemv: levels [n, k rounded up to 16] in w, scale and
+                        *    zero_term [n]) */
   int32_t act_bits;    /* 0, or the bits of its input's per-token fake quantization (W4A8: 8) */
   int32_t n, k;
   const int4_layer *q4;
@@ -2043,6 +2045,8 @@ static int linear_apply(const lrq_linear *L, const void *x, void *y, int bf16, f
     rc = lrq_int4_gemv(L->q4, x, bf16, L->k, y, 1, nthreads);
   } else if (L->kind == 2) {
     rc = lrq_dense_gemv(L->w, x, y, bf16, L->n, L->k, nthreads);
+  } else if (L->kind == 4) {   /* rounded once to the model's dtype, as the module's own call */
+    rc = lrq_int8w_gemv(L->w, (L->k + 15) / 16 * 16, L->scale, L->zero_term, x, bf16, L->k, y, 1, L->n, L->k, nthreads);
   } else if (L->kind == 3) {   /* float32 sums rounded once to the model's dtype (the module's .to) */
     rc = w8a8_rows(L->w, L->wsum, x, bf16, L->k, L->a_scale, L->a_zero, L->a_hi, L->col_term, L->zero_term,
                    L->asymmetric, L->scale, y, bf16, 1, L->n, L->k, nthreads);
