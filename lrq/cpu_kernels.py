@@ -589,7 +589,8 @@ class Int8Weights:
             return self.native_mm(x)
         xr, y, a = run_dtype(x), 0, 0
         if xr.shape[0] >= INT8_DEQUANTIZE_FROM_M[xr.dtype]:   # a transient dense weight, dropped after the call
-            return F.linear(xr, self.dequantized(xr.dtype)).to(x.dtype)
+            y = self._blocked_mm(xr)
+            return (F.linear(xr, self.dequantized(xr.dtype)) if y is None else y).to(x.dtype)
         for j, (w, width) in enumerate(zip(self.chunks, self.widths)):
             xj = F.pad(xr[:, a:a + width], (0, w.shape[1] - width)).contiguous()
             y = y + torch._weight_int8pack_mm(xj, w, self.unit[xr.dtype]).float() * self.scales[j]
@@ -597,8 +598,33 @@ class Int8Weights:
         sums = _group_view(x.float(), self.group_size, 0.0).sum(-1)     # [m, n_groups]
         return (y + sums @ self.zero_term).to(x.dtype)
 
+    def _blocked_mm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 prefill call per channel through oneDNN's bf16 inner product on an operand in its blocked layout
+        (OneDNNOperand), dequantized into it by lrq.native (lrq_int8w_unpack's form 2: the values `dequantized`
+        makes, rounded to bf16): the GEMM the prepacked dense model runs. [m, n] bf16, or None where it cannot run."""
+        lib = native.library()
+        if x.dtype != torch.bfloat16 or lib is None or len(self.chunks) != 1 or not x.is_contiguous():
+            return None
+        (w,), k = self.chunks, self.widths[0]
+        return OneDNNOperand.product("bf16", x, w.shape[0], k, lambda at: native.checked(lib.lrq_int8w_unpack(
+            w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr(), w.shape[0], k, at, 2,
+            torch.get_num_threads()), "int8 unpacking"))
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [n, k]: (q - offset) * s + (offset - z) * s per group, in float32, cast once to `dtype`."""
+        """The weight [n, k]: (q - offset) * s + (offset - z) * s per group, in float32, cast once to `dtype`: one
+        lrq.native pass per channel (lrq_int8w_unpack, the same values), else torch's ops (`dequantized_torch`)."""
+        lib = native.library()
+        if lib is None or len(self.chunks) != 1 or dtype not in (torch.float32, torch.bfloat16):
+            return self.dequantized_torch(dtype)
+        (w,), k = self.chunks, self.widths[0]
+        out = torch.empty(w.shape[0], k, dtype=dtype)
+        native.checked(lib.lrq_int8w_unpack(w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr(),
+                                            w.shape[0], k, out.data_ptr(), int(dtype == torch.bfloat16),
+                                            torch.get_num_threads()), "int8 unpacking")
+        return out
+
+    def dequantized_torch(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`dequantized` with torch's ops."""
         out = torch.empty(self.chunks[0].shape[0], sum(self.widths))
         a = 0
         for j, (w, width) in enumerate(zip(self.chunks, self.widths)):

@@ -132,6 +132,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_dense_gemv.restype = i
     lib.lrq_int8w_gemv.argtypes = [p, lg, p, p, p, i, lg, p, i, i, i, i]
     lib.lrq_int8w_gemv.restype = i
+    lib.lrq_int8w_unpack.argtypes = [p, lg, p, p, i, i, p, i, i]
+    lib.lrq_int8w_unpack.restype = i
     lib.lrq_decoder_layer_step.argtypes = [p, p, i, i]
     lib.lrq_decoder_layer_step.restype = i
     return lib

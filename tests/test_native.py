@@ -401,6 +401,38 @@ def test_int8_weight_only_decode_is_the_dequantized_product(n, k, dtype, m):
     assert not w.native_for(NATIVE_INT8W_MAX_M + 1, dtype)   # above it: torch's kernel or the dequantized GEMM
 
 
+@pytest.mark.parametrize("n,k", [(64, 576), (96, 100), (40, 33), (32, 34)])
+def test_int8_weight_only_prefill_operands(n, k, monkeypatch):
+    """The dense operand of an 8-bit weight-only prefill call (lrq_int8w_unpack): float32 and bf16 [n, k] bit for bit
+    torch's ops' values (ragged k included), and in oneDNN's blocked layout a bf16 prefill call multiplies by (where
+    the layout matches, as it does at SmolLM2's shapes; oneDNN pads some depths, and its probe then refuses): the
+    product of x and those bf16 values, within float32 sums' order; where it cannot, the plain bf16 operand."""
+    from lrq.cpu_kernels import OneDNNOperand
+    g = torch.Generator().manual_seed(n * k)
+    w = Int8Weights.build(torch.randint(0, 256, (n, k), generator=g), torch.rand(n, 1, generator=g) * 0.01,
+                          torch.randint(0, 256, (n, 1), generator=g).float(), 8, None)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(w.dequantized(dtype), w.dequantized_torch(dtype))
+    x = torch.randn(64, k, generator=g).bfloat16()
+    forms = []
+    real = native.library()
+
+    class Spy:
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            if name != "lrq_int8w_unpack":
+                return f
+            return lambda *a: forms.append(a[7]) or f(*a)
+    monkeypatch.setattr(native, "library", lambda: Spy())
+    y = w.mm(x)
+    blocked = OneDNNOperand.layout_matches("bf16", n, k)   # oneDNN pads some depths (100, 34): the probe says no
+    assert blocked or (n, k) != (64, 576) or not OneDNNOperand._ops_exist("bf16")
+    assert forms == ([2] if blocked else [1])
+    ref = x.double() @ w.dequantized_torch(torch.bfloat16).double().t()
+    room = x.double().abs() @ w.dequantized_torch(torch.bfloat16).double().abs().t()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs() <= room * 2 ** -7 + 1e-6).all()
+
+
 def test_w8a8_static_decode_quantizes_on_the_fake_quant_grid():
     """From float activations: the levels the kernel makes are the fake-quant path's (round half to even, the
     zero point, the clamp), bf16 inputs read as they are; NaN becomes a defined level, not undefined behaviour."""

@@ -2004,6 +2004,107 @@ int lrq_int8w_gemv(const int8_t *w, long w_stride, const float *scale, const flo
   return 0;
 }
 
+/* int8w_unpack: an 8-bit weight-only layer's weight (int8w_gemv's levels w [n, w_stride], scale, zero_term) as the
+ * dense operand of a prefill call, (q - offset) * s + zero_term in float32 (a multiplication, then an addition: the
+ * values lrq.cpu_kernels.Int8Weights.dequantized makes with torch's ops), rounded once to bf16 where asked:
+ *   form 0: float32 [n, k]; form 1: bf16 [n, k]; form 2: bf16 in oneDNN's blocked order [n / 32][k / 2][32][2] (what
+ *   OneDNNOperand's "bf16" kind lays out: n a multiple of 32, k even), each pair of a feature's values one 32-bit
+ *   unit, 32 features' units a 128-byte row, written through 16 x 16 transposes of those units. */
+static inline void int8w_row(const int8_t *wr, float s, float z, int k, float *out) {
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+  for (; i + 16 <= k; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(vload_i8(wr + i), vs), vz));
+#endif
+  for (; i < k; i++) out[i] = (float)wr[i] * s + z;
+}
+static inline void row_to_bf16(const float *row, int k, uint16_t *o) {   /* rounded to nearest even */
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= k; i += 16) _mm256_storeu_si256((__m256i *)(o + i), bf16_round16(_mm512_loadu_ps(row + i)));
+#endif
+  for (; i < k; i++) o[i] = f32_to_bf16(row[i]);
+}
+#if defined(__AVX512F__)
+static inline void transpose16_epi32(__m512i r[16]) {   /* r[i] lane j <- r[j] lane i */
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]); r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]); r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88); t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88); t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88); r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88); r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+#endif
+
+int lrq_int8w_unpack(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int n, int k,
+                     void *out, int form, int nthreads) {
+  if (n < 1 || k < 1 || w_stride < k || form < 0 || form > 2 || (form == 2 && (n % 32 || k % 2))) return 1;
+  if (form < 2) {
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
+    {
+      float *row = form ? malloc(sizeof(float) * (size_t)k) : NULL;
+      #pragma omp for schedule(static)
+      for (int j = 0; j < n; j++) {
+        float *dst = form ? row : (float *)out + (size_t)j * k;
+        if (form && !row) continue;
+        int8w_row(w + (size_t)j * w_stride, scale[j], zero_term[j], k, dst);
+        if (form) row_to_bf16(row, k, (uint16_t *)out + (size_t)j * k);
+      }
+      free(row);
+    }
+    return 0;
+  }
+  int blocks = n / 32, kh = k / 2, failed = 0;
+  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && blocks > 1 && (size_t)n * k >= PARALLEL_FROM)
+  {
+    /* a block's 32 rows in bf16, [32][k]: row f's values 2i, 2i + 1 are its 32-bit unit i */
+    uint16_t *tmp = malloc(sizeof(uint16_t) * 32 * (size_t)k);
+    float *row = malloc(sizeof(float) * (size_t)k);
+    if (!tmp || !row) {
+      #pragma omp atomic write
+      failed = 1;
+    }
+    #pragma omp for schedule(static)
+    for (int b = 0; b < blocks; b++) {
+      if (!tmp || !row) continue;
+      for (int f = 0; f < 32; f++) {
+        int j = b * 32 + f;
+        int8w_row(w + (size_t)j * w_stride, scale[j], zero_term[j], k, row);
+        row_to_bf16(row, k, tmp + (size_t)f * k);
+      }
+      uint32_t *dst = (uint32_t *)out + (size_t)b * 32 * kh;   /* [kh][32] units */
+      const uint32_t *src = (const uint32_t *)tmp;              /* [32][kh] units */
+      int i0 = 0;
+#if defined(__AVX512F__)
+      for (; i0 + 16 <= kh; i0 += 16)
+        for (int f0 = 0; f0 < 32; f0 += 16) {
+          __m512i r[16];
+          for (int f = 0; f < 16; f++) r[f] = _mm512_loadu_si512(src + (size_t)(f0 + f) * kh + i0);
+          transpose16_epi32(r);
+          for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (size_t)(i0 + i) * 32 + f0, r[i]);
+        }
+#endif
+      for (int i = i0; i < kh; i++)
+        for (int f = 0; f < 32; f++) dst[(size_t)i * 32 + f] = src[(size_t)f * kh + i];
+    }
+    free(tmp);
+    free(row);
+  }
+  return failed ? 2 : 0;
+}
+
 typedef struct {
   int32_t kind;        /* 1: 4-bit (an int4_layer, k == k_pad), 2: dense (weight [n, k] in the model's dtype),
                         * 3: W8A8 on a static grid (int8 weight levels [n, k], lrq_w8a8_gemv's arguments below),
