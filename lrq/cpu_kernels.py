@@ -589,7 +589,8 @@ class Int8Weights:
             return self.native_mm(x)
         xr, y, a = run_dtype(x), 0, 0
         if xr.shape[0] >= INT8_DEQUANTIZE_FROM_M[xr.dtype]:   # a transient dense weight, dropped after the call
-            y = self._blocked_mm(xr)
+            y = self._amx_mm(xr)
+            y = self._blocked_mm(xr) if y is None else y
             return (F.linear(xr, self.dequantized(xr.dtype)) if y is None else y).to(x.dtype)
         for j, (w, width) in enumerate(zip(self.chunks, self.widths)):
             xj = F.pad(xr[:, a:a + width], (0, w.shape[1] - width)).contiguous()
@@ -597,6 +598,24 @@ class Int8Weights:
             a += width
         sums = _group_view(x.float(), self.group_size, 0.0).sum(-1)     # [m, n_groups]
         return (y + sums @ self.zero_term).to(x.dtype)
+
+    def _amx_mm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 prefill call per channel on AMX tiles (lrq_amx_bf16_int8w_linear: each panel of 64 features
+        dequantized in cache into the tiles' order, `dequantized`'s bf16 values, tile products summed in float32,
+        rounded once): [m, n] bf16, or None where it does not run (no AMX, LRQ_AMX=0, n not a multiple of 64 or k of
+        32, a decode-sized call)."""
+        if (x.dtype != torch.bfloat16 or len(self.chunks) != 1 or x.stride(-1) != 1 or x.shape[0] < AMX_FROM_M
+                or self.chunks[0].shape[0] % 64 or self.widths[0] % 32 or not amx_ready()):
+            return None
+        (w,), k = self.chunks, self.widths[0]
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        rc = native.library().lrq_amx_bf16_int8w_linear(w.data_ptr(), w.stride(0), self.scales.data_ptr(),
+                                                        self.zero_term.data_ptr(), x.data_ptr(), x.stride(0),
+                                                        x.shape[0], w.shape[0], k, y.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            return None
+        native.checked(rc, "AMX bf16 int8 kernel")
+        return y
 
     def _blocked_mm(self, x: torch.Tensor) -> torch.Tensor | None:
         """A bf16 prefill call per channel through oneDNN's bf16 inner product on an operand in its blocked layout

@@ -134,6 +134,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_int8w_gemv.restype = i
     lib.lrq_int8w_unpack.argtypes = [p, lg, p, p, i, i, p, i, i]
     lib.lrq_int8w_unpack.restype = i
+    lib.lrq_amx_bf16_int8w_linear.argtypes = [p, lg, p, p, p, lg, i, i, i, p, i]
+    lib.lrq_amx_bf16_int8w_linear.restype = i
     lib.lrq_decoder_layer_step.argtypes = [p, p, i, i]
     lib.lrq_decoder_layer_step.restype = i
     return lib

@@ -401,33 +401,40 @@ def test_int8_weight_only_decode_is_the_dequantized_product(n, k, dtype, m):
     assert not w.native_for(NATIVE_INT8W_MAX_M + 1, dtype)   # above it: torch's kernel or the dequantized GEMM
 
 
-@pytest.mark.parametrize("n,k", [(64, 576), (96, 100), (40, 33), (32, 34)])
-def test_int8_weight_only_prefill_operands(n, k, monkeypatch):
-    """The dense operand of an 8-bit weight-only prefill call (lrq_int8w_unpack): float32 and bf16 [n, k] bit for bit
-    torch's ops' values (ragged k included), and in oneDNN's blocked layout a bf16 prefill call multiplies by (where
-    the layout matches, as it does at SmolLM2's shapes; oneDNN pads some depths, and its probe then refuses): the
-    product of x and those bf16 values, within float32 sums' order; where it cannot, the plain bf16 operand."""
+@pytest.mark.parametrize("n,k", [(64, 576), (96, 100), (40, 33), (32, 34), (128, 64)])
+@pytest.mark.parametrize("amx", [True, False])
+def test_int8_weight_only_prefill_operands(n, k, amx, monkeypatch):
+    """An 8-bit weight-only prefill call (bf16, 64 tokens): on AMX tiles where they run (lrq_amx_bf16_int8w_linear: n a
+    multiple of 64, k of 32), else through oneDNN's blocked layout where it matches (lrq_int8w_unpack's form 2: n a
+    multiple of 32, k even, as at SmolLM2's shapes; oneDNN pads some depths and its probe then refuses), else the plain
+    bf16 operand (form 1); each the product of x and the bf16 values torch's ops make, within float32 sums' order. The
+    float32 and bf16 operands are torch's ops' values bit for bit (ragged k included)."""
+    import lrq.cpu_kernels as CK
     from lrq.cpu_kernels import OneDNNOperand
+    monkeypatch.setattr(CK, "AMX_PREFILL", amx)
     g = torch.Generator().manual_seed(n * k)
     w = Int8Weights.build(torch.randint(0, 256, (n, k), generator=g), torch.rand(n, 1, generator=g) * 0.01,
                           torch.randint(0, 256, (n, 1), generator=g).float(), 8, None)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(w.dequantized(dtype), w.dequantized_torch(dtype))
     x = torch.randn(64, k, generator=g).bfloat16()
-    forms = []
+    calls = []
     real = native.library()
 
     class Spy:
         def __getattr__(self, name):
             f = getattr(real, name)
-            if name != "lrq_int8w_unpack":
-                return f
-            return lambda *a: forms.append(a[7]) or f(*a)
+            if name == "lrq_int8w_unpack":
+                return lambda *a: calls.append(a[7]) or f(*a)
+            if name == "lrq_amx_bf16_int8w_linear":
+                return lambda *a: calls.append("amx") or f(*a)
+            return f
     monkeypatch.setattr(native, "library", lambda: Spy())
     y = w.mm(x)
-    blocked = OneDNNOperand.layout_matches("bf16", n, k)   # oneDNN pads some depths (100, 34): the probe says no
+    tiles = CK.amx_ready() and n % 64 == 0 and k % 32 == 0
+    blocked = OneDNNOperand.layout_matches("bf16", n, k)
     assert blocked or (n, k) != (64, 576) or not OneDNNOperand._ops_exist("bf16")
-    assert forms == ([2] if blocked else [1])
+    assert calls == (["amx"] if tiles else [2] if blocked else [1])
     ref = x.double() @ w.dequantized_torch(torch.bfloat16).double().t()
     room = x.double().abs() @ w.dequantized_torch(torch.bfloat16).double().abs().t()
     assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs() <= room * 2 ** -7 + 1e-6).all()

@@ -1585,7 +1585,11 @@ typedef struct {
   const float *rowsum, *x_zero, *x_scale, *col_term, *zero_term, *scale;   /* amx_int8_linear's corrections */
   int zero_per_row, scale_per_row, asymmetric;
   void *y; int y_bf16;
+  const int8_t *w8; long w8_stride; const float *s8, *zt8;   /* amx_bf16_int8w_linear: an 8-bit weight-only layer */
 } amx_job;
+
+static void int8w_block32(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int j0, int k,
+                          uint32_t *dst);   /* below, beside int8w_unpack */
 
 /* the outputs of rows r0..r1 of a 32 x 32 block of products acc (rows t0 + r, features j0.., those below n
  * written): amx_int8_linear's int8_correct operations (corrected16; the features' terms loaded once a call) or
@@ -1630,7 +1634,10 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
 /* panel p (features 64p..) of the job's weight in the tiles' order */
 static void amx_panel(const amx_job *J, int p, uint8_t *panel) {
   int k = J->k;
-  if (J->bf16) {
+  if (J->bf16 && J->w8) {   /* its two halves of 32 features dequantized into the tiles' order (int8w_unpack's) */
+    int8w_block32(J->w8, J->w8_stride, J->s8, J->zt8, 64 * p, k, (uint32_t *)panel);
+    int8w_block32(J->w8, J->w8_stride, J->s8, J->zt8, 64 * p + 32, k, (uint32_t *)panel + (size_t)16 * k);
+  } else if (J->bf16) {
     const int4_layer *L = J->L;
     bf16_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, L->s, L->zc, L->n_pad, 64 * p, k, L->group,
                       (uint16_t *)panel, (uint16_t *)panel + (size_t)32 * k);
@@ -1799,6 +1806,23 @@ int lrq_amx_bf16_linear(const int4_layer *L, const uint16_t *x, long x_stride, i
   return amx_run(&J, nthreads);
 #else
   (void)L, (void)x, (void)x_stride, (void)m, (void)n, (void)y, (void)nthreads;
+  return 1;
+#endif
+}
+
+/* amx_bf16_int8w_linear: y [m, n] bf16 = x [m, k] (bf16, rows x_stride apart) times an 8-bit weight-only layer's
+ * weight (int8w_gemv's levels, scale and zero_term) dequantized a panel at a time into the tiles' order as
+ * int8w_unpack's bf16 values, bf16 tile products summed in float32, rounded once. n a multiple of 64, k of 32. */
+int lrq_amx_bf16_int8w_linear(const int8_t *w, long w_stride, const float *scale, const float *zero_term,
+                              const uint16_t *x, long x_stride, int m, int n, int k, void *y, int nthreads) {
+#ifdef AMX_TILES
+  if (!lrq_amx_ready() || m < 1 || n < 1 || n % 64 || k < 32 || k % 32 || w_stride < k) return 1;
+  amx_job J = {.bf16 = 1, .x = x, .x_stride = x_stride, .m = m, .k = k, .n = n, .n_pad = n, .y = y, .y_bf16 = 1,
+               .w8 = w, .w8_stride = w_stride, .s8 = scale, .zt8 = zero_term};
+  return amx_run(&J, nthreads);
+#else
+  (void)w, (void)w_stride, (void)scale, (void)zero_term, (void)x, (void)x_stride, (void)m, (void)n, (void)k, (void)y;
+  (void)nthreads;
   return 1;
 #endif
 }
@@ -2048,58 +2072,60 @@ static inline void transpose16_epi32(__m512i r[16]) {   /* r[i] lane j <- r[j] l
 }
 #endif
 
+/* 32 features j0.. of int8w_unpack's form 2: their [k / 2][32] units (a feature's values 2i, 2i + 1 in unit i's low
+ * and high halves), 32 values of k of 16 features dequantized, rounded and transposed at a time */
+static void int8w_block32(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int j0, int k,
+                          uint32_t *dst) {
+  int kh = k / 2, i0 = 0;
+#if defined(__AVX512F__)
+  for (; i0 + 16 <= kh; i0 += 16)
+    for (int f0 = 0; f0 < 32; f0 += 16) {
+      __m512i r[16];
+      for (int f = 0; f < 16; f++) {
+        int j = j0 + f0 + f;
+        const int8_t *wr = w + (size_t)j * w_stride + 2 * i0;
+        const __m512 vs = _mm512_set1_ps(scale[j]), vz = _mm512_set1_ps(zero_term[j]);
+        __m256i lo = bf16_round16(_mm512_add_ps(_mm512_mul_ps(vload_i8(wr), vs), vz));
+        __m256i hi = bf16_round16(_mm512_add_ps(_mm512_mul_ps(vload_i8(wr + 16), vs), vz));
+        r[f] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      transpose16_epi32(r);
+      for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (size_t)(i0 + i) * 32 + f0, r[i]);
+    }
+#endif
+  for (int f = 0; f < 32; f++) {
+    const int8_t *wr = w + (size_t)(j0 + f) * w_stride;
+    float sc = scale[j0 + f], z = zero_term[j0 + f];
+    for (int i = i0; i < kh; i++)
+      dst[(size_t)i * 32 + f] = f32_to_bf16((float)wr[2 * i] * sc + z) |
+                                (uint32_t)f32_to_bf16((float)wr[2 * i + 1] * sc + z) << 16;
+  }
+}
+
 int lrq_int8w_unpack(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int n, int k,
                      void *out, int form, int nthreads) {
   if (n < 1 || k < 1 || w_stride < k || form < 0 || form > 2 || (form == 2 && (n % 32 || k % 2))) return 1;
-  if (form < 2) {
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
-    {
-      float *row = form ? malloc(sizeof(float) * (size_t)k) : NULL;
-      #pragma omp for schedule(static)
-      for (int j = 0; j < n; j++) {
-        float *dst = form ? row : (float *)out + (size_t)j * k;
-        if (form && !row) continue;
-        int8w_row(w + (size_t)j * w_stride, scale[j], zero_term[j], k, dst);
-        if (form) row_to_bf16(row, k, (uint16_t *)out + (size_t)j * k);
-      }
-      free(row);
-    }
+  if (form == 2) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && n > 32 && (size_t)n * k >= PARALLEL_FROM)
+    for (int b = 0; b < n / 32; b++)
+      int8w_block32(w, w_stride, scale, zero_term, b * 32, k, (uint32_t *)out + (size_t)b * 16 * k);
     return 0;
   }
-  int blocks = n / 32, kh = k / 2, failed = 0;
-  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && blocks > 1 && (size_t)n * k >= PARALLEL_FROM)
+  int failed = 0;
+  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
   {
-    /* a block's 32 rows in bf16, [32][k]: row f's values 2i, 2i + 1 are its 32-bit unit i */
-    uint16_t *tmp = malloc(sizeof(uint16_t) * 32 * (size_t)k);
-    float *row = malloc(sizeof(float) * (size_t)k);
-    if (!tmp || !row) {
+    float *row = form ? malloc(sizeof(float) * (size_t)k) : NULL;
+    if (form && !row) {
       #pragma omp atomic write
       failed = 1;
     }
     #pragma omp for schedule(static)
-    for (int b = 0; b < blocks; b++) {
-      if (!tmp || !row) continue;
-      for (int f = 0; f < 32; f++) {
-        int j = b * 32 + f;
-        int8w_row(w + (size_t)j * w_stride, scale[j], zero_term[j], k, row);
-        row_to_bf16(row, k, tmp + (size_t)f * k);
-      }
-      uint32_t *dst = (uint32_t *)out + (size_t)b * 32 * kh;   /* [kh][32] units */
-      const uint32_t *src = (const uint32_t *)tmp;              /* [32][kh] units */
-      int i0 = 0;
-#if defined(__AVX512F__)
-      for (; i0 + 16 <= kh; i0 += 16)
-        for (int f0 = 0; f0 < 32; f0 += 16) {
-          __m512i r[16];
-          for (int f = 0; f < 16; f++) r[f] = _mm512_loadu_si512(src + (size_t)(f0 + f) * kh + i0);
-          transpose16_epi32(r);
-          for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (size_t)(i0 + i) * 32 + f0, r[i]);
-        }
-#endif
-      for (int i = i0; i < kh; i++)
-        for (int f = 0; f < 32; f++) dst[(size_t)i * 32 + f] = src[(size_t)f * kh + i];
+    for (int j = 0; j < n; j++) {
+      if (form && !row) continue;
+      float *dst = form ? row : (float *)out + (size_t)j * k;
+      int8w_row(w + (size_t)j * w_stride, scale[j], zero_term[j], k, dst);
+      if (form) row_to_bf16(row, k, (uint16_t *)out + (size_t)j * k);
     }
-    free(tmp);
     free(row);
   }
   return failed ? 2 : 0;
