@@ -2085,9 +2085,15 @@ static void int8w_block32(const int8_t *w, long w_stride, const float *scale, co
         int j = j0 + f0 + f;
         const int8_t *wr = w + (size_t)j * w_stride + 2 * i0;
         const __m512 vs = _mm512_set1_ps(scale[j]), vz = _mm512_set1_ps(zero_term[j]);
-        __m256i lo = bf16_round16(_mm512_add_ps(_mm512_mul_ps(vload_i8(wr), vs), vz));
-        __m256i hi = bf16_round16(_mm512_add_ps(_mm512_mul_ps(vload_i8(wr + 16), vs), vz));
-        r[f] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        __m512 lo = _mm512_add_ps(_mm512_mul_ps(vload_i8(wr), vs), vz);
+        __m512 hi = _mm512_add_ps(_mm512_mul_ps(vload_i8(wr + 16), vs), vz);
+#if defined(__AVX512BF16__)   /* one instruction for both where neither holds a denormal (bf16_round16_fast's rule) */
+        if (!(_mm512_fpclass_ps_mask(lo, 0x30) | _mm512_fpclass_ps_mask(hi, 0x30))) {
+          r[f] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+          continue;
+        }
+#endif
+        r[f] = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_round16(lo)), bf16_round16(hi), 1);
       }
       transpose16_epi32(r);
       for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (size_t)(i0 + i) * 32 + f0, r[i]);
