@@ -568,19 +568,29 @@ class Int8Weights:
         return cls(chunks, widths, s.t().contiguous(), by_dtype(torch.ones(q.shape[0])),
                    ((offset - zero.float()) * s).t().contiguous(), group_size, offset)
 
+    @property
+    def per_channel(self) -> bool:
+        """One group a row (w8a16, an int8 head): the form lrq.native's int8 weight-only kernels take."""
+        return len(self.chunks) == 1
+
+    def _native_weight(self) -> tuple:
+        """lrq.native's int8 weight-only arguments for a per-channel form: levels, their row stride, scales, zero
+        terms."""
+        (w,) = self.chunks
+        return w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr()
+
     def native_for(self, m: int, dtype: torch.dtype) -> bool:
         """Whether a call of m tokens in `dtype` runs lrq's own int8 weight-only kernel (per channel only)."""
-        return (len(self.chunks) == 1 and m <= NATIVE_INT8W_MAX_M and dtype in (torch.bfloat16, torch.float32)
+        return (self.per_channel and m <= NATIVE_INT8W_MAX_M and dtype in (torch.bfloat16, torch.float32)
                 and native.library() is not None)
 
     def native_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] (bf16 or float32, unit stride) -> [m, n] in x's dtype: lrq_int8w_gemv, the products and
         the zero points' term summed in float32 and rounded once."""
-        (w,), m, n = self.chunks, x.shape[0], self.chunks[0].shape[0]
+        m, n = x.shape[0], self.chunks[0].shape[0]
         y = torch.empty(m, n, dtype=x.dtype)
-        rc = native.library().lrq_int8w_gemv(
-            w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr(), x.data_ptr(),
-            x.dtype == torch.bfloat16, x.stride(0), y.data_ptr(), m, n, self.widths[0], torch.get_num_threads())
+        rc = native.library().lrq_int8w_gemv(*self._native_weight(), x.data_ptr(), x.dtype == torch.bfloat16,
+                                             x.stride(0), y.data_ptr(), m, n, self.widths[0], torch.get_num_threads())
         native.checked(rc, "int8 weight-only kernel")
         return y
 
@@ -604,14 +614,13 @@ class Int8Weights:
         dequantized in cache into the tiles' order, `dequantized`'s bf16 values, tile products summed in float32,
         rounded once): [m, n] bf16, or None where it does not run (no AMX, LRQ_AMX=0, n not a multiple of 64 or k of
         32, a decode-sized call)."""
-        if (x.dtype != torch.bfloat16 or len(self.chunks) != 1 or x.stride(-1) != 1 or x.shape[0] < AMX_FROM_M
-                or self.chunks[0].shape[0] % 64 or self.widths[0] % 32 or not amx_ready()):
+        n, k = self.chunks[0].shape[0], self.widths[0]
+        if (x.dtype != torch.bfloat16 or not self.per_channel or x.stride(-1) != 1 or x.shape[0] < AMX_FROM_M
+                or n % 64 or k % 32 or not amx_ready()):
             return None
-        (w,), k = self.chunks, self.widths[0]
-        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-        rc = native.library().lrq_amx_bf16_int8w_linear(w.data_ptr(), w.stride(0), self.scales.data_ptr(),
-                                                        self.zero_term.data_ptr(), x.data_ptr(), x.stride(0),
-                                                        x.shape[0], w.shape[0], k, y.data_ptr(), torch.get_num_threads())
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        rc = native.library().lrq_amx_bf16_int8w_linear(*self._native_weight(), x.data_ptr(), x.stride(0), x.shape[0],
+                                                        n, k, y.data_ptr(), torch.get_num_threads())
         if rc == 1:
             return None
         native.checked(rc, "AMX bf16 int8 kernel")
@@ -621,25 +630,24 @@ class Int8Weights:
         """A bf16 prefill call per channel through oneDNN's bf16 inner product on an operand in its blocked layout
         (OneDNNOperand), dequantized into it by lrq.native (lrq_int8w_unpack's form 2: the values `dequantized`
         makes, rounded to bf16): the GEMM the prepacked dense model runs. [m, n] bf16, or None where it cannot run."""
-        lib = native.library()
-        if x.dtype != torch.bfloat16 or lib is None or len(self.chunks) != 1 or not x.is_contiguous():
+        if x.dtype != torch.bfloat16 or native.library() is None or not self.per_channel or not x.is_contiguous():
             return None
-        (w,), k = self.chunks, self.widths[0]
-        return OneDNNOperand.product("bf16", x, w.shape[0], k, lambda at: native.checked(lib.lrq_int8w_unpack(
-            w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr(), w.shape[0], k, at, 2,
-            torch.get_num_threads()), "int8 unpacking"))
+        return OneDNNOperand.product("bf16", x, self.chunks[0].shape[0], self.widths[0],
+                                     lambda at: self._unpack_into(at, 2))
+
+    def _unpack_into(self, address: int, form: int) -> None:
+        """lrq_int8w_unpack's `form` of this per-channel weight written at `address` (lrq.native built)."""
+        native.checked(native.library().lrq_int8w_unpack(*self._native_weight(), self.chunks[0].shape[0],
+                                                         self.widths[0], address, form, torch.get_num_threads()),
+                       "int8 unpacking")
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [n, k]: (q - offset) * s + (offset - z) * s per group, in float32, cast once to `dtype`: one
         lrq.native pass per channel (lrq_int8w_unpack, the same values), else torch's ops (`dequantized_torch`)."""
-        lib = native.library()
-        if lib is None or len(self.chunks) != 1 or dtype not in (torch.float32, torch.bfloat16):
+        if native.library() is None or not self.per_channel or dtype not in (torch.float32, torch.bfloat16):
             return self.dequantized_torch(dtype)
-        (w,), k = self.chunks, self.widths[0]
-        out = torch.empty(w.shape[0], k, dtype=dtype)
-        native.checked(lib.lrq_int8w_unpack(w.data_ptr(), w.stride(0), self.scales.data_ptr(), self.zero_term.data_ptr(),
-                                            w.shape[0], k, out.data_ptr(), int(dtype == torch.bfloat16),
-                                            torch.get_num_threads()), "int8 unpacking")
+        out = torch.empty(self.chunks[0].shape[0], self.widths[0], dtype=dtype)
+        self._unpack_into(out.data_ptr(), int(dtype == torch.bfloat16))
         return out
 
     def dequantized_torch(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

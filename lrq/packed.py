@@ -373,8 +373,12 @@ class PackedLinear(nn.Module):
             y = int4.native_mm(xq)
         else:
             y = torch._weight_int4pack_mm_for_cpu(xq, int4.packed, int4.group, int4.scales)
-            y = y if y.shape[1] == int4.n else y[:, :int4.n]
-        return (y if self.bias is None else y + self.bias.to(y.dtype)).view(*x.shape[:-1], int4.n)
+        return self._shortcut_output(y, x, int4.n)
+
+    def _shortcut_output(self, y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+        """A shortcut's kernel output [m, n_pad] as the module returns it: n features, the bias added, x's shape."""
+        y = y if y.shape[1] == n else y[:, :n]
+        return (y if self.bias is None else y + self.bias.to(y.dtype)).view(*x.shape[:-1], n)
 
     def _amx_prefill(self, x: torch.Tensor) -> torch.Tensor | None:
         """A bf16 prefill call of a 4-bit weight-only layer straight to its AMX tile kernel (Int4Weights._amx_mm),
@@ -389,10 +393,7 @@ class PackedLinear(nn.Module):
         if m < w.dequantize_from(torch.bfloat16) or not w.decodable:
             return None
         y = w._amx_mm(x.view(m, w.k))
-        if y is None:
-            return None
-        y = y if y.shape[1] == w.n else y[:, :w.n]
-        return (y if self.bias is None else y + self.bias.to(y.dtype)).view(*x.shape[:-1], w.n)
+        return None if y is None else self._shortcut_output(y, x, w.n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._one_bf16_token(x) if self.cpu_weights is not None else None
@@ -526,7 +527,7 @@ def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = T
     scheme = get_scheme("w8a16")
     scale, zero = minmax_qparams(head.weight, scheme.w_bits, scheme.group_size)
     packed = PackedLinear.from_quant_linear(QuantLinear.from_linear(head, scheme, scale, zero))
-    if not isinstance(packed.cpu_weights, Int8Weights) or len(packed.cpu_weights.chunks) != 1:
+    if not isinstance(packed.cpu_weights, Int8Weights) or not packed.cpu_weights.per_channel:
         raise RuntimeError("quantize_head expected an int8 per-channel CPU form; a bug, please report")
     model.set_output_embeddings(packed)
     if tied:

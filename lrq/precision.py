@@ -228,13 +228,16 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
 
 
-def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits of `head` (a Linear: the vocabulary projection; or a head packed by lrq.packed.quantize_head,
-    its levels dequantized in float32) on `hidden`, outside any autocast."""
+def head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The vocabulary projection's weight as its logits are scored: a Linear's own, or a head packed by
+    lrq.packed.quantize_head dequantized in float32 (made on every call: a caller scoring many chunks makes it once)."""
     weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        weight = head.dequantized_weight(torch.float32)
-    return float32_logits(hidden, weight, getattr(head, "bias", None))
+    return weight if isinstance(weight, torch.Tensor) else head.dequantized_weight(torch.float32)
+
+
+def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of `head` (head_weight's) on `hidden`, outside any autocast."""
+    return float32_logits(hidden, head_weight(head), getattr(head, "bias", None))
 
 
 @contextlib.contextmanager

@@ -128,10 +128,18 @@ def _step_linears(layer: nn.Module) -> tuple:
     return a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-def _one_chunk(w) -> bool:
-    """Whether a CPU form is the int8 weight-only one per channel (Int8Weights with one chunk: w8a16, an int8 head)."""
-    from lrq.cpu_kernels import Int8Weights
-    return isinstance(w, Int8Weights) and len(w.chunks) == 1
+def _form_slots(w) -> list:
+    """(object, attribute) of each tensor a packed layer's CPU form streams at decode (LeanDecoder._huge_page_weights):
+    the 4-bit form's packing and scales, the int8 weight-only form's levels (its one chunk), scales and zero terms, or
+    W8A8's levels and per-row terms."""
+    from lrq.cpu_kernels import Int8Weights, int4_form
+    int4 = int4_form(w)
+    if int4 is not None:
+        return [(int4, "packed"), (int4, "scale_zero")]
+    if isinstance(w, Int8Weights) and w.per_channel:
+        return [(w, "chunks"), (w, "scales"), (w, "zero_term")]
+    return [(w, a) for a in ("weight", "wsum", "col_term", "zero_term", "scale")
+            if isinstance(getattr(w, a, None), torch.Tensor)]
 
 
 def _fused_linear(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
@@ -272,7 +280,6 @@ class LeanDecoder:
         unchanged; a tied embedding moves with the head). Returns how many tensors moved (0 where the kernel offers
         no huge pages). Modules keep their identity; a tensor held elsewhere keeps the old storage."""
         from lrq import hugepages
-        from lrq.cpu_kernels import int4_form
         from lrq.packed import PackedLinear
         if getattr(self.model, "_lrq_huge_pages", False):   # moved by an earlier decoder of this model: once
             return 0
@@ -280,19 +287,14 @@ class LeanDecoder:
         for layer in self.layers:
             for mod in _step_linears(layer):
                 if isinstance(mod, PackedLinear) and not mod.quantize_output:
-                    w = mod.cpu_weights or mod.convert_for_cpu()
-                    int4 = int4_form(w)
-                    slots += ([(int4, "packed"), (int4, "scale_zero")] if int4 is not None else
-                              [(w, "chunks"), (w, "scales"), (w, "zero_term")] if _one_chunk(w) else
-                              [(w, a) for a in ("weight", "wsum", "col_term", "zero_term", "scale")
-                               if isinstance(getattr(w, a, None), torch.Tensor)])
+                    slots += _form_slots(mod.cpu_weights or mod.convert_for_cpu())
                 elif type(mod) is nn.Linear:
                     slots.append((mod.weight, "data"))
         head = self.model.lm_head
         if type(head) is nn.Linear:
             slots.append((head.weight, "data"))
-        elif isinstance(head, PackedLinear) and _one_chunk(head.cpu_weights):   # an int8 head (quantize_head)
-            slots += [(head.cpu_weights, "chunks"), (head.cpu_weights, "scales"), (head.cpu_weights, "zero_term")]
+        elif isinstance(head, PackedLinear) and head.cpu_weights is not None:   # an int8 head (quantize_head)
+            slots += _form_slots(head.cpu_weights)
         held = [(o, n, o.data if n == "data" else getattr(o, n)) for o, n in slots]
         held = [(o, n, t[0] if n == "chunks" else t) for o, n, t in held]
         held = [(o, n, t) for o, n, t in held if t.device.type == "cpu" and t.is_contiguous()]

@@ -1499,12 +1499,13 @@ int lrq_int8_blocked(const int8_t *w, const int32_t *wsum, int n, int k, int8_t 
 }
 
 #ifdef ROWS_AVX512
-/* int8_correct's operations, in their order, on 16 outputs of one row from their float32 product av: the row's
- * x_zero, x_scale and row sum broadcast (vxz, vxsc, vrs), the features' col_term, zero_term and scale (col, zt, sc).
+/* int8_correct's operations, in their order, on 16 outputs of one row from their float32 product av: the product
+ * x_zero * col_term of the row's x_zero and the features' col_term (xzc: a caller whose x_zero is one for the call
+ * makes it once), the row's x_scale and row sum broadcast (vxsc, vrs), the features' zero_term and scale (zt, sc).
  * lrq_int8_correct and the AMX kernel both compute it here, so their values agree to the bit. */
-static inline __m512 corrected16(__m512 av, __m512 vxz, __m512 vxsc, __m512 vrs, __m512 col, __m512 zt, __m512 sc,
+static inline __m512 corrected16(__m512 av, __m512 xzc, __m512 vxsc, __m512 vrs, __m512 zt, __m512 sc,
                                  int asymmetric) {
-  __m512 v = _mm512_sub_ps(av, _mm512_mul_ps(vxz, col));
+  __m512 v = _mm512_sub_ps(av, xzc);
   if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt));
   return _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc);
 }
@@ -1528,7 +1529,7 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
     for (int j = 0; j < n; j += 16) {
       __mmask16 m = tail16(n - j);
       __m512 av = acc_f32 ? _mm512_maskz_loadu_ps(m, af + j) : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, a + j));
-      __m512 v = corrected16(av, vxz, vxsc, vrs, _mm512_maskz_loadu_ps(m, col_term + j),
+      __m512 v = corrected16(av, _mm512_mul_ps(vxz, _mm512_maskz_loadu_ps(m, col_term + j)), vxsc, vrs,
                              _mm512_maskz_loadu_ps(m, zero_term + j), _mm512_maskz_loadu_ps(m, scale + j), asymmetric);
       store16(y, y_bf16, (size_t)t * n + j, m, v);
     }
@@ -1609,8 +1610,8 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
     zt[c] = _mm512_maskz_loadu_ps(mk[c], J->zero_term + j0 + 16 * c);
     sc[c] = _mm512_maskz_loadu_ps(mk[c], J->scale + j0 + 16 * c);
   }
-  /* corrected16's operations with what is the same for every row made once: x_zero * col_term and the broadcast
-   * x_scale where the grid is one for the call (a static grid, W8A8), the same products, so the same bits */
+  /* what is the same for every row made once: x_zero * col_term and the broadcast x_scale where the grid is one for
+   * the call (a static grid, W8A8) */
   const int zero_per_row = J->zero_per_row, scale_per_row = J->scale_per_row, asymmetric = J->asymmetric;
   __m512 vxsc = _mm512_set1_ps(J->x_scale[0]), xzc[2];
   for (int c = 0; c < 2; c++) xzc[c] = _mm512_mul_ps(_mm512_set1_ps(J->x_zero[0]), col[c]);
@@ -1624,9 +1625,9 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
     }
     if (scale_per_row) vxsc = _mm512_set1_ps(J->x_scale[t]);
     for (int c = 0; c < 2 && mk[c]; c++) {
-      __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), xzc[c]);
-      if (asymmetric) v = _mm512_add_ps(v, _mm512_mul_ps(vrs, zt[c]));
-      store16(J->y, J->y_bf16, (size_t)t * n + j0 + 16 * c, mk[c], _mm512_mul_ps(_mm512_mul_ps(v, vxsc), sc[c]));
+      __m512 v = corrected16(_mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32 + 16 * c)), xzc[c], vxsc, vrs, zt[c],
+                             sc[c], asymmetric);
+      store16(J->y, J->y_bf16, (size_t)t * n + j0 + 16 * c, mk[c], v);
     }
   }
 }
