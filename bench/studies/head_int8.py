@@ -28,13 +28,9 @@ def compare(a: torch.nn.Module, b: torch.nn.Module, wins: list[torch.Tensor], ch
     keys say bf16 head for a's, the head as held, and int8 head for b's)."""
     from bench.evaluations import kl as K
     from bench.evaluations.perplexity import final_hidden
-    from lrq.precision import float32_logits
-
-    def head_weight(m):   # the head as float32 once per model (lrq.precision.head_logits' values)
-        h = m.get_output_embeddings()
-        w = h.weight if isinstance(getattr(h, "weight", None), torch.Tensor) else h.dequantized_weight(torch.float32)
-        return w.detach().float()
-    wa, wb = head_weight(a), head_weight(b)
+    from lrq.precision import float32_logits, head_weight
+    # each head as float32 once per model (lrq.precision.head_logits' values)
+    wa, wb = (head_weight(m.get_output_embeddings()).detach().float() for m in (a, b))
     nll_a, nll_b, kls, agree = [], [], [], []
     with torch.no_grad():
         for w in wins:
@@ -79,8 +75,9 @@ def main(argv=None) -> int:
     loaded = load_model("smollm2-135m")
     ids = D.tokenize(loaded.tokenizer, D.eval_text("wikitext2", D.resolve_data_dir(a.data_dir)).text)[:a.tokens]
     wins = windows(ids, 2048)
-    if not wins:
-        raise UserError(f"--tokens {a.tokens}: fewer than one 2,048-token window")
+    if len(wins) < 2:
+        raise UserError(f"--tokens {a.tokens} gives {len(wins)} 2,048-token window(s): the paired interval needs at "
+                        f"least two (--tokens 4096 or more)")
     decided = P.Precision.decide(a.precision)
     rows = []
     for name in [s.strip() for s in a.schemes.split(",") if s.strip()]:
