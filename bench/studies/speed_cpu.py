@@ -571,18 +571,28 @@ def markdown(doc: dict) -> str:
 
 
 def _kernels_isa() -> dict:
-    """The instruction set torch's kernels and oneDNN were allowed to use (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
-    limit them below the CPU's own: how a CPU without native bf16 is emulated on one that has it)."""
+    """The instruction set torch's kernels, oneDNN and MKL were allowed to use (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS limit them below the CPU's own: how a CPU without native bf16 is
+    emulated on one that has it; MKL runs torch's float32 GEMMs, so an emulation that leaves it uncapped times the
+    dense float32 prefill with the real CPU's AVX-512)."""
     import os
     import lrq.native as native
     return {"aten": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all",
+            "mkl_enable_instructions": (os.environ.get("MKL_ENABLE_INSTRUCTIONS") or "all"
+                                        if torch.backends.mkl.is_available() else "no MKL"),
             "decode_kernel": native.status()}
 
 
 def _isa_text(doc: dict) -> str:
     isa = doc.get("kernels_isa") or {}
     text = f"aten {isa.get('aten', '?')}, oneDNN {isa.get('onednn_max_cpu_isa', '?')}"
+    mkl = isa.get("mkl_enable_instructions")
+    if mkl:
+        text += f", MKL {mkl}"
+        if mkl == "all" and isa.get("aten") not in (None, "?", "AVX512") and "AMX" not in str(isa.get("aten")):
+            text += (" (not capped: torch's float32 GEMMs ran with the CPU's full instruction set while its other "
+                     "kernels were held below it; set MKL_ENABLE_INSTRUCTIONS too)")
     return text + (f"; 4-bit decode kernel: {isa['decode_kernel']}" if isa.get("decode_kernel") else "")
 
 
