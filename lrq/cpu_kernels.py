@@ -20,10 +20,14 @@ A PackedLinear converts its levels into one of these when it is packed or loaded
   after it.
 
 On a CPU with AMX (Intel Xeon 4th generation and later) a W8A8 or W4A8 prefill call runs lrq.native's own tile
-kernel instead (`amx_int8_linear`): the same exact integer product and float32 corrections, bit for bit, in one
+kernel instead (`native_int8_linear`): the same exact integer product and float32 corrections, bit for bit, in one
 call that reads the held weight a panel of 64 features at a time (no per-call copy of the whole weight, no float32
 product in memory); a 4-bit weight-only bf16 prefill call likewise (`Int4Weights._amx_mm`: each panel dequantized
 to the bf16 operand's values in cache, bf16 tile products). `LRQ_AMX=0` turns them off (an A/B measurement).
+On a CPU whose oneDNN int8 GEMM is not exact (no VNNI or AMX: AMD Zen 2/3, Intel before Ice Lake; int_mm_ok) the
+same call runs lrq.native's AVX2 integer kernel (`native_int8_linear`, the same values bit for bit: int16 products
+for W8A8, unsigned-by-4-bit byte products for W4A8, neither able to saturate), instead of float32 GEMMs over slices;
+a float32 W4A8 prefill then multiplies the activation levels too. `LRQ_AVX2_INT8=0` turns it off.
 
 torch's int4/int8 weight kernels take bf16, fp16 or float32 inputs and return that dtype; each form holds its
 scales in bf16 and float32 (they are small), and a float16 input runs in float32. Measured on a Zen 4 (AVX512-BF16),
@@ -102,10 +106,14 @@ NATIVE_INT8_MAX_M = 4
 # The same for the 8-bit weight-only form per channel (Int8Weights: w8a16, an int8 output head): lrq's kernel up to
 # this many tokens, torch's `_weight_int8pack_mm` or the dequantized GEMM above.
 NATIVE_INT8W_MAX_M = 4
-# lrq.native's AMX tile kernels for prefill calls (W8A8/W4A8: amx_int8_linear; 4-bit weight-only bf16:
+# lrq.native's AMX tile kernels for prefill calls (W8A8/W4A8: native_int8_linear; 4-bit weight-only bf16:
 # Int4Weights._amx_mm), where the CPU and build have them; LRQ_AMX=0 keeps oneDNN's GEMMs. From AMX_FROM_M tokens
 # (below it the call is a decode step).
 AMX_PREFILL = os.environ.get("LRQ_AMX", "1") != "0"
+# lrq.native's AVX2 integer kernel for W8A8/W4A8 prefill calls where oneDNN's int8 GEMM is not exact (not int_mm_ok):
+# on an Intel Xeon held to AVX2 (ATEN/oneDNN/MKL capped, the C file built for haswell), 512 tokens, one thread, against
+# the dense float32 GEMM (MKL at AVX2): W8A8 1.04-1.22x, W4A8 1.6-2.1x (float32 GEMMs over slices: 0.8x).
+AVX2_INT8_PREFILL = os.environ.get("LRQ_AVX2_INT8", "1") != "0"
 AMX_FROM_M = NATIVE_INT8_MAX_M + 1
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
 DEQUANTIZE_CHUNK = 1 << 16
@@ -710,29 +718,42 @@ def amx_ready() -> bool:
     return AMX_PREFILL and lib is not None and bool(lib.lrq_amx_ready())
 
 
-def amx_int8_linear(xa: torch.Tensor, x_zero, x_scale, rowsum: torch.Tensor, n: int, col_term: torch.Tensor,
-                    zero_term: torch.Tensor, scale: torch.Tensor, asymmetric: bool, out_dtype: torch.dtype,
-                    weight: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor | None:
-    """_int8_corrected(xa @ w.T, ...) in one lrq.native call on AMX tiles (lrq_amx_int8_linear, bit for bit the same
-    values): w the int8 levels `weight` [n, k] (W8A8) or the 4-bit packing whose native layer struct is at `layer`
-    (W4A8, its levels less 8). [m, n] in `out_dtype` (bf16 or float32), or None where the kernel does not run (no
-    AMX here, LRQ_AMX=0, k or the packed n not a multiple of 64, a decode-sized call, another dtype)."""
+def int8_prefill_kernel() -> str | None:
+    """Which lrq.native kernel runs a W8A8/W4A8 prefill call here: "amx" (AMX tiles), "avx2" (AVX2 integer products
+    that cannot saturate, where oneDNN's int8 GEMM is not exact: int_mm_ok), or None (oneDNN's GEMM or torch's)."""
+    if amx_ready():
+        return "amx"
+    if AVX2_INT8_PREFILL and native.library() is not None and not int_mm_ok():
+        return "avx2"
+    return None
+
+
+def native_int8_linear(xa: torch.Tensor, x_zero, x_scale, rowsum: torch.Tensor, n: int, col_term: torch.Tensor,
+                       zero_term: torch.Tensor, scale: torch.Tensor, asymmetric: bool, out_dtype: torch.dtype,
+                       weight: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor | None:
+    """_int8_corrected(xa @ w.T, ...) in one lrq.native call (int8_prefill_kernel's: lrq_amx_int8_linear on AMX
+    tiles or lrq_avx2_int8_linear; bit for bit the same values): w the int8 levels `weight` [n, k] (W8A8) or the
+    4-bit packing whose native layer struct is at `layer` (W4A8, its levels less 8). [m, n] in `out_dtype` (bf16 or
+    float32), or None where no such kernel runs (neither here, LRQ_AMX=0 / LRQ_AVX2_INT8=0, a shape or packing it
+    does not take: AMX k a multiple of 64, AVX2 of 4, n_pad of 64 for both; a decode-sized call, another dtype)."""
     m, k = xa.shape
-    if (m < AMX_FROM_M or k % 64 or xa.stride(-1) != 1 or out_dtype not in (torch.float32, torch.bfloat16)
-            or not amx_ready()):
+    kernel = int8_prefill_kernel()
+    if (kernel is None or m < AMX_FROM_M or k % (64 if kernel == "amx" else 4) or xa.stride(-1) != 1
+            or out_dtype not in (torch.float32, torch.bfloat16)):
         return None
     xz, xs = (torch.as_tensor(v, dtype=torch.float32).reshape(-1).contiguous() for v in (x_zero, x_scale))
     if xz.numel() not in (1, m) or xs.numel() not in (1, m):
         return None
     rs = rowsum.reshape(-1).float().contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    rc = native.library().lrq_amx_int8_linear(
-        xa.data_ptr(), xa.stride(0), m, k, None if weight is None else weight.data_ptr(), layer, n, rs.data_ptr(),
-        xz.data_ptr(), xz.numel() > 1, xs.data_ptr(), xs.numel() > 1, col_term.data_ptr(), zero_term.data_ptr(),
-        asymmetric, scale.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+    lib = native.library()
+    fn = lib.lrq_amx_int8_linear if kernel == "amx" else lib.lrq_avx2_int8_linear
+    rc = fn(xa.data_ptr(), xa.stride(0), m, k, None if weight is None else weight.data_ptr(), layer, n, rs.data_ptr(),
+            xz.data_ptr(), xz.numel() > 1, xs.data_ptr(), xs.numel() > 1, col_term.data_ptr(), zero_term.data_ptr(),
+            asymmetric, scale.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
     if rc == 1:
         return None
-    native.checked(rc, "AMX int8 kernel")
+    native.checked(rc, f"{kernel} int8 kernel")
     return y
 
 
@@ -822,12 +843,13 @@ class Int8GemmWeights:
         not given). Float32 out (a GEMM call: `out_dtype` where lrq.native writes it, _int8_corrected). A decode
         call (m <= NATIVE_INT8_MAX_M) runs lrq's own kernel where it is built: the same exact int32 product and
         corrections in one call (torch._int_mm at one token: oneDNN's GEMM); a prefill call runs lrq.native's AMX
-        tile kernel where the CPU has it (amx_int8_linear: the same values in one call)."""
+        tile kernel where the CPU has it, its AVX2 integer kernel where oneDNN's int8 GEMM is not exact
+        (native_int8_linear: the same values in one call)."""
         if xa.shape[0] <= NATIVE_INT8_MAX_M and xa.stride(-1) == 1 and native.library() is not None:
             return self.native_mm(xa, x_zero, x_scale)
         rowsum = xa.sum(dim=1, keepdim=True, dtype=torch.float32) if rowsum is None else rowsum
-        y = amx_int8_linear(xa, x_zero, x_scale, rowsum, self.weight.shape[0], self.col_term, self.zero_term,
-                            self.scale, self.asymmetric, out_dtype, weight=self.weight)
+        y = native_int8_linear(xa, x_zero, x_scale, rowsum, self.weight.shape[0], self.col_term, self.zero_term,
+                               self.scale, self.asymmetric, out_dtype, weight=self.weight)
         if y is not None:
             return y
         return _int8_corrected(self._product(xa), rowsum, x_zero, x_scale, self.col_term,
@@ -903,8 +925,16 @@ class Int4Int8Weights:
 
     def integer_call(self, m: int, dtype: torch.dtype) -> bool:
         """Whether a call of m tokens in `dtype` (the model's) runs the int8 GEMM (`mm`) rather than the 4-bit
-        form on the dequantized activations (`int4.mm`): bf16 prefill."""
-        return dtype == torch.bfloat16 and self.int4.decodable and m >= DEQUANTIZE_FROM_M[torch.bfloat16]
+        form on the dequantized activations (`int4.mm`): bf16 prefill, and float32 prefill where lrq.native's AVX2
+        integer kernel takes the packing (a CPU without VNNI, where a float32 model is what --precision auto
+        holds: 1.6-2x the dense float32 GEMM there, the float path 0.8x)."""
+        w = self.int4
+        if not w.decodable:
+            return False
+        if dtype == torch.bfloat16:
+            return m >= DEQUANTIZE_FROM_M[torch.bfloat16]
+        return (dtype == torch.float32 and m >= AMX_FROM_M and int8_prefill_kernel() == "avx2"
+                and w.packed.shape[1] * 2 == w.k and w.packed.shape[0] % 64 == 0 and w.block in (32, 64))
 
     def mm(self, xa: torch.Tensor, x_zero: torch.Tensor, x_scale: torch.Tensor,
            rowsum: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -913,12 +943,12 @@ class Int4Int8Weights:
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
         acc = None
-        if native.library() is not None and w.decodable and w.block == 64:   # a packing lrq.native reads
-            y = None if k_pad != w.k else amx_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term,
-                                                          self.zero_term, self.scale, self.asymmetric, out_dtype,
-                                                          layer=w._native_layer()[1])
+        if native.library() is not None and w.decodable and k_pad == w.k:   # a packing lrq.native reads
+            y = native_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term, self.zero_term, self.scale,
+                                   self.asymmetric, out_dtype, layer=w._native_layer()[1])
             if y is not None:
                 return y
+        if native.library() is not None and w.decodable and w.block == 64:
             xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))   # the levels less 8, oneDNN's GEMM
             acc = OneDNNOperand.product("int8", xp.contiguous(), n_pad, k_pad,
                                         lambda at: w._unpack_into(at, native.UNPACK_I8_BLOCKED))

@@ -128,6 +128,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_amx_bf16_linear.restype = i
     lib.lrq_amx_int8_linear.argtypes = [p, lg, i, i, p, p, i, p, p, i, p, i, p, p, i, p, p, i, i]
     lib.lrq_amx_int8_linear.restype = i
+    lib.lrq_avx2_int8_linear.argtypes = lib.lrq_amx_int8_linear.argtypes
+    lib.lrq_avx2_int8_linear.restype = i
     lib.lrq_dense_gemv.argtypes = [p, p, p, i, i, i, i]
     lib.lrq_dense_gemv.restype = i
     lib.lrq_int8w_gemv.argtypes = [p, lg, p, p, p, i, lg, p, i, i, i, i]

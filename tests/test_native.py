@@ -516,7 +516,27 @@ if native.library() is not None:   # a fused decoder layer step (dense float32 a
             assert not fused or all(f is not None for f in lean._fused)
         rel = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
         errs.append(rel / (10 if dt == torch.float32 else 1e4))
-print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs)}))
+int8_exact = None
+if native.library() is not None:   # the AVX2 integer prefill kernel (forced: treated as a CPU without VNNI)
+    import lrq.cpu_kernels as K
+    from lrq.cpu_kernels import _int8_corrected
+    K.AMX_PREFILL, K.int_mm_ok, int8_exact = False, lambda: False, True
+    for kind, (n, k, m) in (("w8a8", (128, 100, 37)), ("w4a8", (192, 576, 41)), ("w4a8", (64, 1536, 7))):
+        top = 16 if kind == "w4a8" else 256
+        q, zero = torch.randint(0, top, (n, k), generator=g), torch.randint(0, top, (n, 1), generator=g).float()
+        scale = torch.rand(n, 1, generator=g) * 0.02 + 1e-3
+        w = K.Int4Int8Weights.build(q, scale, zero) if kind == "w4a8" else K.Int8GemmWeights.build(q, scale, zero, 8)
+        xa = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        xa[0], rowsum = 127, xa.sum(dim=1, keepdim=True, dtype=torch.float32)
+        xz, xsc = torch.randint(-20, 20, (m, 1), generator=g).float(), torch.rand(m, 1, generator=g) * 0.05
+        acc = (xa.long() @ (q.long() - top // 2).t()).int()
+        for out in (torch.float32, torch.bfloat16):
+            got = K.native_int8_linear(xa, xz, xsc, rowsum, n, w.col_term, w.zero_term, w.scale, w.asymmetric, out,
+                                       **({"layer": w.int4._native_layer()[1]} if kind == "w4a8" else {"weight": w.weight}))
+            int8_exact = int8_exact and got is not None and torch.equal(
+                got, _int8_corrected(acc, rowsum, xz, xsc, w.col_term, w.zero_term, w.scale, w.asymmetric, out))
+print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs),
+                  "int8_exact": int8_exact}))
 """
 
 
@@ -530,15 +550,16 @@ def _probe(tmp_path, **env) -> dict:
 def test_avx2_layout_and_avx2_build(tmp_path):
     """torch packs in blocks of 32 features where its AVX2 kernels run (a Zen 3), and the C file's AVX2 branch is
     what such a CPU compiles: both checked here, each on its own and together, by building for haswell and running
-    torch at its AVX2 capability."""
+    torch at its AVX2 capability; the AVX2 integer prefill kernel (W8A8, and W4A8 on both packings) gives the
+    corrected exact product to the bit in each."""
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.fail("this test needs an x86-64 CPU with AVX2 (every machine CI runs on has it)")
     both = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", LRQ_NATIVE_MARCH="haswell")
-    assert both["isa"] == "avx2" and both["block"] == 32 and both["err"] < 1e-6
+    assert both["isa"] == "avx2" and both["block"] == 32 and both["err"] < 1e-6 and both["int8_exact"] is True
     layout = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
-    assert layout["block"] == 32 and layout["err"] < 1e-6
+    assert layout["block"] == 32 and layout["err"] < 1e-6 and layout["int8_exact"] is True
     build = _probe(tmp_path, LRQ_NATIVE_MARCH="haswell")
-    assert build["isa"] == "avx2" and build["err"] < 1e-6
+    assert build["isa"] == "avx2" and build["err"] < 1e-6 and build["int8_exact"] is True
 
 
 def test_the_c_file_builds_without_warnings_for_every_kind_of_cpu(tmp_path):
@@ -653,25 +674,35 @@ def _int8_layer(kind: str, n: int, k: int, symmetric: bool, seed: int):
     return Int8GemmWeights.build(q, scale, zero.float(), 8)
 
 
+@pytest.mark.parametrize("kernel", ["amx", "avx2"])
 @pytest.mark.parametrize("kind", ["w8a8", "w4a8"])
-def test_amx_prefill_is_the_corrected_integer_product_bit_for_bit(kind, monkeypatch):
-    """On a CPU with AMX-INT8 a W8A8/W4A8 prefill call runs lrq.native's tile kernel (amx_int8_linear), not oneDNN's
-    GEMM and the separate corrections; its output equals theirs (LRQ_AMX=0's path) to the bit in float32 and bf16:
-    per-token and static grids, symmetric and asymmetric weights, extreme levels, rows that do not fill a block of 32
-    (37, 70), features that do not fill a panel of 64 (W4A8: 200 of 256), depths 64 to 2048 (2048: k in two chunks,
-    the rows in two passes of 352 and 348 over the panels), strided rows, one and two threads; a call of a few tokens
-    keeps the decode kernel."""
+def test_native_int8_prefill_is_the_corrected_integer_product_bit_for_bit(kind, kernel, monkeypatch):
+    """A W8A8/W4A8 prefill call runs lrq.native's own kernel (native_int8_linear) where one applies: AMX tiles on a
+    CPU with AMX-INT8; AVX2 integer products (int16 for W8A8, unsigned-by-4-bit bytes for W4A8, neither saturating)
+    where oneDNN's int8 GEMM is not exact (no VNNI: a Zen 3; forced here on any CPU with AVX2 by treating its
+    torch._int_mm as inexact). Its output equals the path without it (oneDNN's GEMM, or float32 GEMMs over slices,
+    then the separate corrections) to the bit in float32 and bf16: per-token and static grids, symmetric and
+    asymmetric weights, extreme levels, rows that do not fill a block (37, 70), features that do not fill a panel of
+    64 (W4A8: 200 of 256), depths 64 to 2048 (AMX at 2048: k in two chunks, the rows in two passes of 352 and 348 over
+    the panels; AVX2: a depth of 100 too), strided rows, one and two threads; a call of a few tokens keeps the decode
+    kernel."""
     import lrq.cpu_kernels as K
-    if not K.amx_ready():
+    if kernel == "amx" and not K.amx_ready():
         pytest.skip("this CPU has no AMX-INT8 (test_the_amx_kernel_is_built_for_amx_cpus_only checks the build)")
+    flag = "AMX_PREFILL" if kernel == "amx" else "AVX2_INT8_PREFILL"
+    if kernel == "avx2":
+        monkeypatch.setattr(K, "AMX_PREFILL", False)
+        monkeypatch.setattr(K, "int_mm_ok", lambda: False)
+        assert K.int8_prefill_kernel() == "avx2"
     calls = []
-    real = K.amx_int8_linear
-    monkeypatch.setattr(K, "amx_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    real = K.native_int8_linear
+    monkeypatch.setattr(K, "native_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     g = torch.Generator().manual_seed(1)
     threads = torch.get_num_threads()
+    shapes = [(192, 576, 70), (64, 64, 37), (200 if kind == "w4a8" else 128, 1536, 33), (576, 128, 512),
+              (64, 2048, 700) if kernel == "amx" else (64, 100 if kind == "w8a8" else 2048, 41)]
     try:
-        for i, (n, k, m) in enumerate([(192, 576, 70), (64, 64, 37), (200 if kind == "w4a8" else 128, 1536, 33),
-                                       (576, 128, 512), (64, 2048, 700)]):
+        for i, (n, k, m) in enumerate(shapes):
             w = _int8_layer(kind, n, k, symmetric=i == 1, seed=i)
             xs_full = torch.randint(-128, 128, (m, k + 64), dtype=torch.int8, generator=g)
             xa = xs_full[:, 32:32 + k]                    # rows k + 64 apart
@@ -687,17 +718,17 @@ def test_amx_prefill_is_the_corrected_integer_product_bit_for_bit(kind, monkeypa
                         calls.clear()
                         got = w.mm(xa, xz, xsc, rowsum, out)
                         assert calls == [m]
-                        monkeypatch.setattr(K, "AMX_PREFILL", False)
+                        monkeypatch.setattr(K, flag, False)
                         want = w.mm(xa, xz, xsc, rowsum, out)
-                        monkeypatch.setattr(K, "AMX_PREFILL", True)
+                        monkeypatch.setattr(K, flag, True)
                         assert got.dtype == want.dtype == out and got.shape == (m, n)
                         assert torch.equal(got, want), (n, k, m, out, t)
             calls.clear()
-            monkeypatch.setattr(K, "amx_int8_linear", lambda *a, **kw: pytest.fail("a decode call ran the tiles"))
+            monkeypatch.setattr(K, "native_int8_linear", lambda *a, **kw: pytest.fail("a decode call ran the kernel"))
             small = w.mm(xa[:K.AMX_FROM_M - 1], grids[0][0], grids[0][1], rowsum[:K.AMX_FROM_M - 1]) \
                 if kind == "w8a8" else None                # W4A8's decode calls run its 4-bit form, not mm
             assert small is None or small.shape == (K.AMX_FROM_M - 1, n)
-            monkeypatch.setattr(K, "amx_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+            monkeypatch.setattr(K, "native_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     finally:
         torch.set_num_threads(threads)
 

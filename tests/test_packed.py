@@ -114,6 +114,41 @@ def test_w4a8_holds_half_a_byte_a_weight_and_its_integer_prefill_is_exact():
     torch.testing.assert_close(p(x).double(), ref, rtol=3e-2, atol=3e-2)
 
 
+def test_a_float32_w4a8_prefill_multiplies_levels_where_onednn_int8_is_not_exact(monkeypatch):
+    """On a CPU without VNNI (a Zen 3; forced here by treating torch._int_mm as inexact) a float32 W4A8 prefill call
+    multiplies the activation levels by the 4-bit levels in lrq.native's AVX2 integer kernel (block 32 or 64 packing
+    alike) instead of dequantizing both into a float32 GEMM: the same grid's product, exact before the float32
+    corrections; LRQ_AVX2_INT8=0 keeps the float path, which agrees within float32 rounding; decode calls keep the
+    4-bit form."""
+    import lrq.cpu_kernels as K
+    from lrq import native
+    from lrq.quant import per_token_fake_quant
+    if native.library() is None:
+        pytest.skip("lrq.native is not built here (test_native checks that it builds on x86-64 CPUs)")
+    monkeypatch.setattr(K, "AMX_PREFILL", False)
+    monkeypatch.setattr(K, "int_mm_ok", lambda: False)
+    calls = []
+    real = K.native_int8_linear
+    monkeypatch.setattr(K, "native_int8_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    p = PackedLinear.from_quant_linear(_quant_linear("w4a8", cin=576, cout=128))
+    assert isinstance(p.cpu_weights, K.Int4Int8Weights)
+    w64 = p.dequantized_weight(torch.float64).t()
+    x = torch.randn(70, 576) * 3
+    ref = per_token_fake_quant(x.double(), 8) @ w64 + p.bias.double()
+    with torch.no_grad():
+        got = p(x)
+        assert calls == [70] and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        monkeypatch.setattr(K, "AVX2_INT8_PREFILL", False)
+        calls.clear()
+        floats = p(x)
+        assert calls == [] and K.int8_prefill_kernel() is None
+        torch.testing.assert_close(floats, got, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        monkeypatch.setattr(K, "AVX2_INT8_PREFILL", True)
+        p(x[:1])
+        assert calls == []
+
+
 def test_a_new_static_range_reaches_the_integer_path():
     """The static activations' grid is kept between calls for speed, and remade when the range changes."""
     q = _quant_linear("w8a8", cin=576, cout=40)

@@ -576,12 +576,15 @@ def _kernels_isa() -> dict:
     emulated on one that has it; MKL runs torch's float32 GEMMs, so an emulation that leaves it uncapped times the
     dense float32 prefill with the real CPU's AVX-512)."""
     import os
+    import lrq.cpu_kernels as cpu_kernels
     import lrq.native as native
     return {"aten": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all",
             "mkl_enable_instructions": (os.environ.get("MKL_ENABLE_INSTRUCTIONS") or "all"
                                         if torch.backends.mkl.is_available() else "no MKL"),
-            "decode_kernel": native.status()}
+            "decode_kernel": native.status(),
+            "int8_prefill_kernel": {"amx": "lrq native, AMX tiles", "avx2": "lrq native, AVX2 integer products"}.get(
+                cpu_kernels.int8_prefill_kernel(), "oneDNN" if cpu_kernels.int_mm_ok() else "float32 GEMMs over slices")}
 
 
 def _isa_text(doc: dict) -> str:
@@ -593,7 +596,8 @@ def _isa_text(doc: dict) -> str:
         if mkl == "all" and isa.get("aten") not in (None, "?", "AVX512") and "AMX" not in str(isa.get("aten")):
             text += (" (not capped: torch's float32 GEMMs ran with the CPU's full instruction set while its other "
                      "kernels were held below it; set MKL_ENABLE_INSTRUCTIONS too)")
-    return text + (f"; 4-bit decode kernel: {isa['decode_kernel']}" if isa.get("decode_kernel") else "")
+    text += f"; 4-bit decode kernel: {isa['decode_kernel']}" if isa.get("decode_kernel") else ""
+    return text + (f"; W8A8/W4A8 prefill: {isa['int8_prefill_kernel']}" if isa.get("int8_prefill_kernel") else "")
 
 
 def _fp32_decode_sentence(doc: dict) -> str:

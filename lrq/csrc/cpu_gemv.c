@@ -1543,6 +1543,276 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
   }
 }
 
+/* ---- prefill int8 GEMMs by AVX2 integer products (CPUs without VNNI or AMX: AMD Zen 2 and 3, Intel before Ice
+ * Lake), where oneDNN's int8 GEMM sums u8 x s8 pairs in saturating int16 and is not exact (cpu_kernels.int_mm_ok) ---
+ * avx2_int8_linear: amx_int8_linear's y [m, n] (float32 or bf16; int8_correct's operations in its order, bit for
+ * bit its values) from the activation levels xa (int8 [m, k], level - 128) and the weight's levels less their
+ * offset, the exact int32 product made with instructions that cannot saturate:
+ *   W8A8 (w: int8 [n, k]): both sides widened to int16, vpmaddwd (two products a lane, |sum| <= 2^15 fits int32);
+ *   W4A8 (L: a 4-bit packing, block 32 or 64; levels less 8 in [-8, 7]): the activations as unsigned bytes
+ *     (level, xa + 128) by vpmaddubsw (two products summed in int16: |.| <= 2 * 255 * 8 = 4080), eight of those sums
+ *     added in int16 (<= 32640, no wrap) before vpmaddwd widens them; the 128 * sum of the levels taken off after.
+ * The weight goes a panel of 64 features at a time into [k / 4][64][4] (AMX's order; int16 for W8A8), held in L2
+ * while every 3 rows of x pass over its four 16-feature parts (x's 3 rows in L1). k a multiple of 4 (W4A8: k_pad,
+ * equal to k); n_pad a multiple of 64. Returns 1 for arguments it does not take or without AVX2, 2 out of memory. */
+#if defined(__AVX2__)
+#define I16_ROWS 4   /* W8A8's rows a step: 8 int32 accumulators (8 features), 2 of the panel, the broadcast */
+#define U8_ROWS 3    /* W4A8's: 6 int32 and 6 int16 accumulators (16 features), 2 of the panel, the broadcast, ones */
+#define I8A_MR 4     /* the most rows a step */
+typedef struct {
+  const int8_t *w; const int4_layer *L; int m, k, n, n_pad;
+  const float *rowsum, *x_zero, *x_scale, *col_term, *zero_term, *scale;
+  int zero_per_row, scale_per_row, asymmetric;
+  void *y; int y_bf16;
+} i8a_job;
+
+/* int8_correct's operations on 8 outputs of one row (the scalar loop's order, each operation rounded once) */
+static inline __m256 corrected8(__m256 av, __m256 xzc, __m256 vxsc, __m256 vrs, __m256 zt, __m256 sc, int asymmetric) {
+  __m256 v = _mm256_sub_ps(av, xzc);
+  if (asymmetric) v = _mm256_add_ps(v, _mm256_mul_ps(vrs, zt));
+  return _mm256_mul_ps(_mm256_mul_ps(v, vxsc), sc);
+}
+
+/* a panel's per-feature terms (zero past n), loaded once a panel */
+typedef struct { float col[64], zt[64], sc[64]; } i8a_terms;
+
+static void i8a_terms_of(const i8a_job *J, int j0, i8a_terms *T) {
+  int nv = J->n - j0 < 64 ? J->n - j0 : 64;
+  memset(T, 0, sizeof *T);
+  memcpy(T->col, J->col_term + j0, nv * sizeof(float));
+  memcpy(T->zt, J->zero_term + j0, nv * sizeof(float));
+  memcpy(T->sc, J->scale + j0, nv * sizeof(float));
+}
+
+/* the outputs of rows t0.. (those below m) and the 16 features 16g.. of panel j0 (those below n) from their exact
+ * int32 products acc */
+static void i8a_finish(const i8a_job *J, const i8a_terms *T, __m256i acc[][2], int rows, int t0, int j0, int g) {
+  for (int r = 0; r < rows && t0 + r < J->m; r++) {
+    int t = t0 + r;
+    const __m256 vxz = _mm256_set1_ps(J->x_zero[J->zero_per_row ? t : 0]);
+    const __m256 vxsc = _mm256_set1_ps(J->x_scale[J->scale_per_row ? t : 0]), vrs = _mm256_set1_ps(J->rowsum[t]);
+    for (int c = 0; c < 2; c++) {
+      int f = 16 * g + 8 * c, nv = J->n - (j0 + f) < 8 ? J->n - (j0 + f) : 8;
+      if (nv <= 0) break;
+      __m256 v = corrected8(_mm256_cvtepi32_ps(acc[r][c]), _mm256_mul_ps(vxz, _mm256_loadu_ps(T->col + f)), vxsc, vrs,
+                            _mm256_loadu_ps(T->zt + f), _mm256_loadu_ps(T->sc + f), J->asymmetric);
+      size_t o = (size_t)t * J->n + j0 + f;
+      if (!J->y_bf16 && nv == 8) {
+        _mm256_storeu_ps((float *)J->y + o, v);
+      } else {
+        float out[8];
+        _mm256_storeu_ps(out, v);
+        for (int i = 0; i < nv; i++) store_any(J->y, J->y_bf16, o + i, out[i]);
+      }
+    }
+  }
+}
+
+/* W8A8's panel: 64 rows of w [n, k] (k apart) as int16 [k / 4][64][4]; 4 features x 4 quads of k a step, a 4 x 4
+ * transpose of int32 quads, each quad's bytes widened */
+static void i16_panel(const int8_t *w, int k, int16_t *dst) {
+  int kq = k / 4;
+  for (int f = 0; f < 64; f += 4) {
+    const int8_t *r0 = w + (size_t)f * k, *r1 = r0 + k, *r2 = r1 + k, *r3 = r2 + k;
+    int q = 0;
+    for (; q + 4 <= kq; q += 4) {
+      __m128i a0 = _mm_loadu_si128((const __m128i *)(r0 + 4 * q)), a1 = _mm_loadu_si128((const __m128i *)(r1 + 4 * q));
+      __m128i a2 = _mm_loadu_si128((const __m128i *)(r2 + 4 * q)), a3 = _mm_loadu_si128((const __m128i *)(r3 + 4 * q));
+      __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3);
+      __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
+      __m128i o[4] = {_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1), _mm_unpacklo_epi64(t2, t3),
+                      _mm_unpackhi_epi64(t2, t3)};
+      for (int i = 0; i < 4; i++)
+        _mm256_store_si256((__m256i *)(dst + (size_t)(q + i) * 256 + f * 4), _mm256_cvtepi8_epi16(o[i]));
+    }
+    for (; q < kq; q++)
+      for (int e = 0; e < 4; e++) {
+        int16_t *d = dst + (size_t)q * 256 + f * 4 + e;
+        d[0] = r0[4 * q + e], d[4] = r1[4 * q + e], d[8] = r2[4 * q + e], d[12] = r3[4 * q + e];
+      }
+  }
+}
+
+/* 16 bytes of k_pad rows `half` bytes apart (rows from `r`) as the levels less 8 of 16 features (low nibbles, to
+ * features flo..) and 16 more (high nibbles, fhi..) in the order [k_pad / 4][64][4]: 4 rows a step, a 4 x 16 byte
+ * transpose */
+static void u4_segment(const uint8_t *r, int half, int k, int flo, int fhi, int8_t *dst) {
+  const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  for (int q = 0; q < k / 4; q++, r += 4 * (size_t)half) {
+    __m128i R0 = _mm_loadu_si128((const __m128i *)r), R1 = _mm_loadu_si128((const __m128i *)(r + half));
+    __m128i R2 = _mm_loadu_si128((const __m128i *)(r + 2 * half)), R3 = _mm_loadu_si128((const __m128i *)(r + 3 * half));
+    __m128i u0 = _mm_unpacklo_epi8(R0, R1), u1 = _mm_unpacklo_epi8(R2, R3);
+    __m128i u2 = _mm_unpackhi_epi8(R0, R1), u3 = _mm_unpackhi_epi8(R2, R3);
+    __m128i v[4] = {_mm_unpacklo_epi16(u0, u1), _mm_unpackhi_epi16(u0, u1), _mm_unpacklo_epi16(u2, u3),
+                    _mm_unpackhi_epi16(u2, u3)};
+    int8_t *d = dst + (size_t)q * 256;
+    for (int i = 0; i < 4; i++) {
+      _mm_storeu_si128((__m128i *)(d + flo * 4 + 16 * i), _mm_sub_epi8(_mm_and_si128(v[i], low), eight));
+      _mm_storeu_si128((__m128i *)(d + fhi * 4 + 16 * i), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v[i], 4), low), eight));
+    }
+  }
+}
+
+/* W4A8's panel: the 64 features 64p.. of a 4-bit packing as int8 levels less 8, [k_pad / 4][64][4] (i8_levels_block's
+ * order, from block 64: rows of 32 bytes, byte j features j and j + 32; or two blocks of 32: rows of 16 bytes, byte j
+ * features j and j + 16), and each feature's sum of them (wsum[64]) */
+static void u4_panel(const int4_layer *L, int p, int8_t *dst, int32_t *wsum) {
+  int k = L->k_pad;
+  if (L->block == 64) {
+    const uint8_t *blk = L->packed + (size_t)p * 32 * k;
+    u4_segment(blk, 32, k, 0, 32, dst);
+    u4_segment(blk + 16, 32, k, 16, 48, dst);
+  } else {
+    u4_segment(L->packed + (size_t)(2 * p) * 16 * k, 16, k, 0, 16, dst);
+    u4_segment(L->packed + (size_t)(2 * p + 1) * 16 * k, 16, k, 32, 48, dst);
+  }
+  /* the sums: byte pairs by vpmaddubsw with ones, then pairs of those by vpmaddwd */
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  __m256i s[8];
+  for (int g = 0; g < 8; g++) s[g] = _mm256_setzero_si256();
+  for (int q = 0; q < k / 4; q++)
+    for (int g = 0; g < 8; g++)
+      s[g] = _mm256_add_epi32(s[g], _mm256_madd_epi16(
+          _mm256_maddubs_epi16(ones8, _mm256_load_si256((const __m256i *)(dst + (size_t)q * 256 + 32 * g))), ones16));
+  for (int g = 0; g < 8; g++) _mm256_storeu_si256((__m256i *)(wsum + 8 * g), s[g]);
+}
+
+/* W8A8: rows x (int16, rows k apart, I16_ROWS of them) times 16 features of an int16 panel (b: their first quad's
+ * 64 int16 of 256, quads 256 apart), 8 features at a time (12 accumulators would leave the broadcast and the panel's
+ * registers too few: spilled, it ran at half speed): 8 sums of feature x (pair of k) per register, paired up at the
+ * end */
+static inline void i16_tile(const int16_t *x, int k, const int16_t *b, __m256i out[I16_ROWS][2]) {
+  for (int h = 0; h < 2; h++) {
+    __m256i acc[I16_ROWS][2];
+    for (int r = 0; r < I16_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int q = 0; q < k / 4; q++) {
+      const int16_t *bq = b + (size_t)q * 256 + 32 * h;
+      __m256i b0 = _mm256_load_si256((const __m256i *)bq), b1 = _mm256_load_si256((const __m256i *)(bq + 16));
+      for (int r = 0; r < I16_ROWS; r++) {
+        int64_t a8;
+        memcpy(&a8, x + (size_t)r * k + 4 * q, 8);
+        __m256i a = _mm256_set1_epi64x(a8);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, b0));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, b1));
+      }
+    }
+    /* acc[r][c]: features 4c, 4c + 1 | 4c + 2, 4c + 3, each as two lanes (quads' halves): summed, in order */
+    for (int r = 0; r < I16_ROWS; r++)
+      out[r][h] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8);
+  }
+}
+
+/* W4A8: rows x (unsigned bytes, rows k apart) times 16 features of an int8 panel (b: their 64 bytes of a quad's
+ * 256, quads 256 bytes apart): int16 sums of eight quads, then widened */
+static inline void u8s8_tile(const uint8_t *x, int k, const int8_t *b, __m256i out[U8_ROWS][2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < 3; r++) out[r][0] = out[r][1] = _mm256_setzero_si256();
+  int kq = k / 4;
+  for (int q0 = 0; q0 < kq; q0 += 8) {
+    int q1 = q0 + 8 < kq ? q0 + 8 : kq;
+    __m256i t[3][2];
+    for (int r = 0; r < 3; r++) t[r][0] = t[r][1] = _mm256_setzero_si256();
+    for (int q = q0; q < q1; q++) {
+      __m256i b0 = _mm256_load_si256((const __m256i *)(b + (size_t)q * 256));
+      __m256i b1 = _mm256_load_si256((const __m256i *)(b + (size_t)q * 256 + 32));
+      for (int r = 0; r < 3; r++) {
+        int32_t a4;
+        memcpy(&a4, x + (size_t)r * k + 4 * q, 4);
+        __m256i a = _mm256_set1_epi32(a4);
+        t[r][0] = _mm256_add_epi16(t[r][0], _mm256_maddubs_epi16(a, b0));
+        t[r][1] = _mm256_add_epi16(t[r][1], _mm256_maddubs_epi16(a, b1));
+      }
+    }
+    for (int r = 0; r < 3; r++) {
+      out[r][0] = _mm256_add_epi32(out[r][0], _mm256_madd_epi16(t[r][0], ones));
+      out[r][1] = _mm256_add_epi32(out[r][1], _mm256_madd_epi16(t[r][1], ones));
+    }
+  }
+}
+
+static int i8a_run(const i8a_job *J, const void *xc, int nthreads) {
+  int m = J->m, k = J->k, panels = J->n_pad / 64, failed = 0, w4 = J->L != NULL;
+  #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1 && (size_t)m * J->n * k >= PARALLEL_FROM)
+  {
+    void *panel = aligned_alloc(64, (size_t)k * 64 * (w4 ? 1 : 2));
+    int32_t wsum[64];
+    if (!panel) {
+      #pragma omp atomic write
+      failed = 1;
+    }
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+      if (!panel) continue;
+      i8a_terms T;
+      i8a_terms_of(J, 64 * p, &T);
+      if (w4) u4_panel(J->L, p, (int8_t *)panel, wsum);
+      else i16_panel(J->w + (size_t)p * 64 * k, k, (int16_t *)panel);
+      for (int t0 = 0, step = w4 ? U8_ROWS : I16_ROWS; t0 < m; t0 += step)
+        for (int g = 0; g < 4 && 64 * p + 16 * g < J->n; g++) {
+          __m256i acc[I8A_MR][2];
+          if (w4) {
+            u8s8_tile((const uint8_t *)xc + (size_t)t0 * k, k, (const int8_t *)panel + 64 * g, acc);
+            for (int r = 0; r < U8_ROWS; r++)   /* the levels' sums at 128 times: x was xa + 128 */
+              for (int c = 0; c < 2; c++)
+                acc[r][c] = _mm256_sub_epi32(acc[r][c], _mm256_slli_epi32(
+                    _mm256_loadu_si256((const __m256i *)(wsum + 16 * g + 8 * c)), 7));
+          } else {
+            i16_tile((const int16_t *)xc + (size_t)t0 * k, k, (const int16_t *)panel + 64 * g, acc);
+          }
+          i8a_finish(J, &T, acc, w4 ? U8_ROWS : I16_ROWS, t0, 64 * p, g);
+        }
+    }
+    free(panel);
+  }
+  return failed ? 2 : 0;
+}
+#endif
+
+int lrq_avx2_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int8_t *w, const int4_layer *L, int n,
+                         const float *rowsum, const float *x_zero, int zero_per_row, const float *x_scale,
+                         int scale_per_row, const float *col_term, const float *zero_term, int asymmetric,
+                         const float *scale, void *y, int y_bf16, int nthreads) {
+#if defined(__AVX2__)
+  int n_pad = L ? L->n_pad : n;
+  if (m < 1 || k < 4 || k % 4 || n < 1 || n_pad % 64 || n > n_pad || (!L && !w) ||
+      (L && (L->k_pad != k || (L->block != 32 && L->block != 64))))
+    return 1;
+  /* x once in the kernel's form: int16 (W8A8) or unsigned bytes xa + 128 (W4A8), rows padded to a whole step */
+  int rows = (m + U8_ROWS * I16_ROWS - 1) / (U8_ROWS * I16_ROWS) * (U8_ROWS * I16_ROWS), esize = L ? 1 : 2;
+  void *xc = aligned_alloc(64, ((size_t)rows * k * esize + 63) / 64 * 64);
+  if (!xc) return 2;
+  for (int t = 0; t < rows; t++) {
+    const int8_t *src = xa + (size_t)t * x_stride;
+    if (L) {
+      uint8_t *d = (uint8_t *)xc + (size_t)t * k;
+      if (t >= m) { memset(d, 0, k); continue; }
+      int i = 0;
+      for (; i + 32 <= k; i += 32)
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + i)),
+                                                                  _mm256_set1_epi8((char)0x80)));
+      for (; i < k; i++) d[i] = (uint8_t)(src[i] + 128);
+    } else {
+      int16_t *d = (int16_t *)xc + (size_t)t * k;
+      if (t >= m) { memset(d, 0, (size_t)k * 2); continue; }
+      int i = 0;
+      for (; i + 16 <= k; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
+      for (; i < k; i++) d[i] = src[i];
+    }
+  }
+  i8a_job J = {w, L, m, k, n, n_pad, rowsum, x_zero, x_scale, col_term, zero_term, scale, zero_per_row, scale_per_row,
+               asymmetric, y, y_bf16};
+  int rc = i8a_run(&J, xc, nthreads);
+  free(xc);
+  return rc;
+#else
+  (void)xa, (void)x_stride, (void)m, (void)k, (void)w, (void)L, (void)n, (void)rowsum, (void)x_zero, (void)zero_per_row;
+  (void)x_scale, (void)scale_per_row, (void)col_term, (void)zero_term, (void)asymmetric, (void)scale, (void)y;
+  (void)y_bf16, (void)nthreads;
+  return 1;
+#endif
+}
+
 /* ---- prefill GEMMs on AMX tiles (Intel Xeon 4th generation and later: AMX-INT8, AMX-BF16) ----
  * A prefill call of a packed layer computed in one call over the weight as held, one panel of 64 output features at
  * a time written into the tiles' order (in L1/L2 while every 32 rows of x pass over it; 2 x 2 tiles of 16 rows x
