@@ -535,6 +535,21 @@ if native.library() is not None:   # the AVX2 integer prefill kernel (forced: tr
                                        **({"layer": w.int4._native_layer()[1]} if kind == "w4a8" else {"weight": w.weight}))
             int8_exact = int8_exact and got is not None and torch.equal(
                 got, _int8_corrected(acc, rowsum, xz, xsc, w.col_term, w.zero_term, w.scale, w.asymmetric, out))
+    import lrq.packed as P   # the activation levels, grid and row sums: torch's ops' bits (clamps, halves, a NaN)
+    import sys
+    sys.path.insert(0, "tests")                        # test_packed imports conftest as pytest runs it
+    from tests.test_packed import _quant_linear
+    base = torch.randn(9, 240, generator=g) * 3
+    base[1] = base[1].abs() + 0.5
+    base[2, 20:27] = torch.tensor([1e6, -1e6, 0.0, 0.5, -0.5, 1.5, 2.5])
+    base[3, 30] = float("nan")
+    for scheme in ("w8a8", "w4a8"):
+        p = P.PackedLinear.from_quant_linear(_quant_linear(scheme, cin=200, cout=72))
+        for dt in (torch.float32, torch.bfloat16):
+            x = base.to(dt)[:, 20:220]
+            mine, ref = p._native_int8_activations(x, any_build=True), p._int8_activations_torch(x)
+            int8_exact = int8_exact and all(torch.equal(a.nan_to_num(), b.nan_to_num()) and
+                                            torch.equal(a.isnan(), b.isnan()) for a, b in zip(mine, ref))
 print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs),
                   "int8_exact": int8_exact}))
 """
@@ -551,7 +566,8 @@ def test_avx2_layout_and_avx2_build(tmp_path):
     """torch packs in blocks of 32 features where its AVX2 kernels run (a Zen 3), and the C file's AVX2 branch is
     what such a CPU compiles: both checked here, each on its own and together, by building for haswell and running
     torch at its AVX2 capability; the AVX2 integer prefill kernel (W8A8, and W4A8 on both packings) gives the
-    corrected exact product to the bit in each."""
+    corrected exact product to the bit in each, and the activation levels (lrq_int8_activations, vectorized for
+    AVX2 too) are torch's ops' bits."""
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.fail("this test needs an x86-64 CPU with AVX2 (every machine CI runs on has it)")
     both = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", LRQ_NATIVE_MARCH="haswell")

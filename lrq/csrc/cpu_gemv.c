@@ -1008,6 +1008,23 @@ static inline __m512 grid16(const void *x, int bf16, size_t i, __mmask16 m, __m5
   return _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, i, m), scale),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zero);
 }
+#elif defined(__AVX2__)
+#define ROWS_AVX2 1
+/* 8 values of a bf16 or float32 row, as float32 */
+static inline __m256 load8(const void *x, int bf16, size_t i) {
+  if (bf16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+  return _mm256_loadu_ps((const float *)x + i);
+}
+/* grid_levels_row's level of 8 values as int32: nearbyint(x / scale) + zero clamped to [-128, hi], a NaN to 0 (the
+ * scalar loop's operations: the division and rounding are IEEE's in both) */
+static inline __m256i levels8(const void *x, int bf16, size_t i, __m256 scale, __m256 zero, __m256 lo, __m256 hi) {
+  __m256 v = _mm256_add_ps(_mm256_round_ps(_mm256_div_ps(load8(x, bf16, i), scale),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zero);
+  __m256 bad = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+  return _mm256_cvtps_epi32(_mm256_blendv_ps(v, _mm256_setzero_ps(), bad));
+}
 #endif
 
 /* one row's per-token grid as lrq.quant.per_token_qparams makes it (a NaN anywhere in the row makes both NaN, as
@@ -1026,6 +1043,30 @@ static void row_grid(const void *x, int bf16, size_t o, int k, float qmax, float
   }
   float lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
   int nan = vnan != 0;
+#elif defined(ROWS_AVX2)
+  /* 8 lanes (a lane that met a NaN may lose its extreme: the row's grid is NaN then anyway), the rest one by one */
+  __m256 vlo = _mm256_set1_ps(INFINITY), vhi = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 v = load8(x, bf16, o + i);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vlo = _mm256_min_ps(vlo, v);
+    vhi = _mm256_max_ps(vhi, v);
+  }
+  float l8[8], h8[8], lo = INFINITY, hi = -INFINITY;
+  _mm256_storeu_ps(l8, vlo);
+  _mm256_storeu_ps(h8, vhi);
+  for (int j = 0; j < 8; j++) {
+    lo = l8[j] < lo ? l8[j] : lo;
+    hi = h8[j] > hi ? h8[j] : hi;
+  }
+  int nan = _mm256_movemask_ps(vnan) != 0;
+  for (; i < k; i++) {
+    float v = load_any(x, bf16, o + i);
+    nan |= v != v;
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
 #else
   float lo = load_any(x, bf16, o), hi = lo;
   int nan = lo != lo;
@@ -1445,7 +1486,25 @@ static int32_t grid_levels_row(const void *x, int bf16, size_t o, int k, float s
   return _mm512_reduce_add_epi32(sum);
 #else
   int32_t sum = 0;
-  for (int i = 0; i < k; i++) {
+  int i = 0;
+#ifdef ROWS_AVX2
+  /* 32 at a time: four vectors of levels packed to bytes by two saturating packs (exact here), put in order */
+  const __m256 vs = _mm256_set1_ps(scale), vz = _mm256_set1_ps(zero), vlo = _mm256_set1_ps(-128.f),
+               vhi = _mm256_set1_ps(hi);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i vsum = _mm256_setzero_si256();
+  for (; i + 32 <= k; i += 32) {
+    __m256i a = levels8(x, bf16, o + i, vs, vz, vlo, vhi), b = levels8(x, bf16, o + i + 8, vs, vz, vlo, vhi);
+    __m256i c = levels8(x, bf16, o + i + 16, vs, vz, vlo, vhi), d = levels8(x, bf16, o + i + 24, vs, vz, vlo, vhi);
+    vsum = _mm256_add_epi32(vsum, _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d)));
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256((__m256i *)(out + i), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  int32_t s8[8];
+  _mm256_storeu_si256((__m256i *)s8, vsum);
+  for (int j = 0; j < 8; j++) sum += s8[j];
+#endif
+  for (; i < k; i++) {
     float v = nearbyintf(load_any(x, bf16, o + i) / scale) + zero;
     v = v < -128.f ? -128.f : (v > hi ? hi : v);
     if (v != v) v = 0;   /* NaN: a defined level (an int8 path cannot carry it; torch's cast gives 0 on x86) */
@@ -1456,11 +1515,11 @@ static int32_t grid_levels_row(const void *x, int bf16, size_t o, int k, float s
 #endif
 }
 
-/* whether int8_activations runs in AVX-512 vectors here: its plain-C loop is slower than torch's vectorized ops
- * (an AVX2 build: 445 against 360 us for 512 x 576 at W8A8, 736 against 439 at W4A8), so the caller takes torch's
+/* whether int8_activations runs in vectors here (AVX-512 or AVX2): its plain-C loop is slower than torch's
+ * vectorized ops (445 against 360 us for 512 x 576 at W8A8, 736 against 439 at W4A8), so the caller takes torch's
  * there */
 int lrq_int8_activations_vectorized(void) {
-#ifdef ROWS_AVX512
+#if defined(ROWS_AVX512) || defined(ROWS_AVX2)
   return 1;
 #else
   return 0;
@@ -1553,12 +1612,15 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
  *     (level, xa + 128) by vpmaddubsw (two products summed in int16: |.| <= 2 * 255 * 8 = 4080), eight of those sums
  *     added in int16 (<= 32640, no wrap) before vpmaddwd widens them; the 128 * sum of the levels taken off after.
  * The weight goes a panel of 64 features at a time into [k / 4][64][4] (AMX's order; int16 for W8A8), held in L2
- * while every 3 rows of x pass over its four 16-feature parts (x's 3 rows in L1). k a multiple of 4 (W4A8: k_pad,
- * equal to k); n_pad a multiple of 64. Returns 1 for arguments it does not take or without AVX2, 2 out of memory. */
+ * while every few rows of x (4 for W8A8, 6 for W4A8: those rows in L1) pass over its four 16-feature parts. k a
+ * multiple of 4 (W4A8: k_pad, equal to k); n_pad a multiple of 64. Returns 1 for arguments it does not take or without AVX2, 2 out of memory. */
 #if defined(__AVX2__)
-#define I16_ROWS 4   /* W8A8's rows a step: 8 int32 accumulators (8 features), 2 of the panel, the broadcast */
-#define U8_ROWS 3    /* W4A8's: 6 int32 and 6 int16 accumulators (16 features), 2 of the panel, the broadcast, ones */
-#define I8A_MR 4     /* the most rows a step */
+/* rows a step (measured on an Intel Xeon held to AVX2; more accumulators than registers spill, at half speed):
+ * W8A8 4 rows x 8 features (8 int32 accumulators, 2 of the panel, the broadcast), W4A8 6 rows x 8 features (6 int32
+ * and 6 int16 accumulators, the panel, the broadcast, ones: 4-16 % faster than 3 rows x 16) */
+#define I16_ROWS 4
+#define U8_ROWS 6
+#define I8A_MR 6     /* the most rows a step */
 typedef struct {
   const int8_t *w; const int4_layer *L; int m, k, n, n_pad;
   const float *rowsum, *x_zero, *x_scale, *col_term, *zero_term, *scale;
@@ -1702,31 +1764,29 @@ static inline void i16_tile(const int16_t *x, int k, const int16_t *b, __m256i o
   }
 }
 
-/* W4A8: rows x (unsigned bytes, rows k apart) times 16 features of an int8 panel (b: their 64 bytes of a quad's
- * 256, quads 256 bytes apart): int16 sums of eight quads, then widened */
+/* W4A8: rows x (unsigned bytes, rows k apart, U8_ROWS of them) times 16 features of an int8 panel (b: their 64
+ * bytes of a quad's 256, quads 256 bytes apart), 8 features at a time: int16 sums of eight quads, then widened */
 static inline void u8s8_tile(const uint8_t *x, int k, const int8_t *b, __m256i out[U8_ROWS][2]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < 3; r++) out[r][0] = out[r][1] = _mm256_setzero_si256();
   int kq = k / 4;
-  for (int q0 = 0; q0 < kq; q0 += 8) {
-    int q1 = q0 + 8 < kq ? q0 + 8 : kq;
-    __m256i t[3][2];
-    for (int r = 0; r < 3; r++) t[r][0] = t[r][1] = _mm256_setzero_si256();
-    for (int q = q0; q < q1; q++) {
-      __m256i b0 = _mm256_load_si256((const __m256i *)(b + (size_t)q * 256));
-      __m256i b1 = _mm256_load_si256((const __m256i *)(b + (size_t)q * 256 + 32));
-      for (int r = 0; r < 3; r++) {
-        int32_t a4;
-        memcpy(&a4, x + (size_t)r * k + 4 * q, 4);
-        __m256i a = _mm256_set1_epi32(a4);
-        t[r][0] = _mm256_add_epi16(t[r][0], _mm256_maddubs_epi16(a, b0));
-        t[r][1] = _mm256_add_epi16(t[r][1], _mm256_maddubs_epi16(a, b1));
+  for (int h = 0; h < 2; h++) {
+    __m256i acc[U8_ROWS];
+    for (int r = 0; r < U8_ROWS; r++) acc[r] = _mm256_setzero_si256();
+    for (int q0 = 0; q0 < kq; q0 += 8) {
+      int q1 = q0 + 8 < kq ? q0 + 8 : kq;
+      __m256i t[U8_ROWS];
+      for (int r = 0; r < U8_ROWS; r++) t[r] = _mm256_setzero_si256();
+      for (int q = q0; q < q1; q++) {
+        __m256i bq = _mm256_load_si256((const __m256i *)(b + (size_t)q * 256 + 32 * h));
+        for (int r = 0; r < U8_ROWS; r++) {
+          int32_t a4;
+          memcpy(&a4, x + (size_t)r * k + 4 * q, 4);
+          t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(_mm256_set1_epi32(a4), bq));
+        }
       }
+      for (int r = 0; r < U8_ROWS; r++) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(t[r], ones));
     }
-    for (int r = 0; r < 3; r++) {
-      out[r][0] = _mm256_add_epi32(out[r][0], _mm256_madd_epi16(t[r][0], ones));
-      out[r][1] = _mm256_add_epi32(out[r][1], _mm256_madd_epi16(t[r][1], ones));
-    }
+    for (int r = 0; r < U8_ROWS; r++) out[r][h] = acc[r];
   }
 }
 
