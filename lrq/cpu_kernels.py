@@ -112,7 +112,8 @@ NATIVE_INT8W_MAX_M = 4
 AMX_PREFILL = os.environ.get("LRQ_AMX", "1") != "0"
 # lrq.native's AVX2 integer kernel for W8A8/W4A8 prefill calls where oneDNN's int8 GEMM is not exact (not int_mm_ok):
 # on an Intel Xeon held to AVX2 (ATEN/oneDNN/MKL capped, the C file built for haswell), 512 tokens, one thread, against
-# the dense float32 GEMM (MKL at AVX2): W8A8 1.04-1.22x, W4A8 1.6-2.1x (float32 GEMMs over slices: 0.8x).
+# the dense float32 GEMM (MKL at AVX2), interleaved medians: W8A8 1.40-1.45x, W4A8 2.1-2.3x (float32 GEMMs over
+# slices: 0.8x).
 AVX2_INT8_PREFILL = os.environ.get("LRQ_AVX2_INT8", "1") != "0"
 AMX_FROM_M = NATIVE_INT8_MAX_M + 1
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
@@ -927,7 +928,7 @@ class Int4Int8Weights:
         """Whether a call of m tokens in `dtype` (the model's) runs the int8 GEMM (`mm`) rather than the 4-bit
         form on the dequantized activations (`int4.mm`): bf16 prefill, and float32 prefill where lrq.native's AVX2
         integer kernel takes the packing (a CPU without VNNI, where a float32 model is what --precision auto
-        holds: 1.6-2x the dense float32 GEMM there, the float path 0.8x)."""
+        holds: 2.1-2.3x the dense float32 GEMM there, the float path 0.8x)."""
         w = self.int4
         if not w.decodable:
             return False

@@ -1612,13 +1612,13 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
  *     (level, xa + 128) by vpmaddubsw (two products summed in int16: |.| <= 2 * 255 * 8 = 4080), eight of those sums
  *     added in int16 (<= 32640, no wrap) before vpmaddwd widens them; the 128 * sum of the levels taken off after.
  * The weight goes a panel of 64 features at a time into [k / 4][64][4] (AMX's order; int16 for W8A8), held in L2
- * while every few rows of x (4 for W8A8, 6 for W4A8: those rows in L1) pass over its four 16-feature parts. k a
+ * while every 6 rows of x (those rows in L1) pass over its four 16-feature parts. k a
  * multiple of 4 (W4A8: k_pad, equal to k); n_pad a multiple of 64. Returns 1 for arguments it does not take or without AVX2, 2 out of memory. */
 #if defined(__AVX2__)
-/* rows a step (measured on an Intel Xeon held to AVX2; more accumulators than registers spill, at half speed):
- * W8A8 4 rows x 8 features (8 int32 accumulators, 2 of the panel, the broadcast), W4A8 6 rows x 8 features (6 int32
- * and 6 int16 accumulators, the panel, the broadcast, ones: 4-16 % faster than 3 rows x 16) */
-#define I16_ROWS 4
+/* rows a step, 8 features at a time (measured on an Intel Xeon held to AVX2; more accumulators than registers
+ * spill, at half speed): W8A8 6 (12 int32 accumulators, 2 of the panel, the broadcast; 4 or 5 rows 7-12 % slower),
+ * W4A8 6 (6 int16 sums in the loop, the panel, the broadcast; 7 or 8 rows no faster) */
+#define I16_ROWS 6
 #define U8_ROWS 6
 #define I8A_MR 6     /* the most rows a step */
 typedef struct {
@@ -1739,23 +1739,27 @@ static void u4_panel(const int4_layer *L, int p, int8_t *dst, int32_t *wsum) {
   for (int g = 0; g < 8; g++) _mm256_storeu_si256((__m256i *)(wsum + 8 * g), s[g]);
 }
 
+/* acc += p in place, in int32 or int16 lanes: written as one instruction because GCC, given the intrinsic, adds into a
+ * temporary and moves it back (a third more instructions in these loops, 10-19 % of their time) */
+#define ADD_I32_IN_PLACE(acc, p) __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(p))
+#define ADD_I16_IN_PLACE(acc, p) __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(p))
+
 /* W8A8: rows x (int16, rows k apart, I16_ROWS of them) times 16 features of an int16 panel (b: their first quad's
- * 64 int16 of 256, quads 256 apart), 8 features at a time (12 accumulators would leave the broadcast and the panel's
- * registers too few: spilled, it ran at half speed): 8 sums of feature x (pair of k) per register, paired up at the
- * end */
+ * 64 int16 of 256, quads 256 apart), 8 features at a time: 8 sums of feature x (pair of k) per register, paired up
+ * at the end */
 static inline void i16_tile(const int16_t *x, int k, const int16_t *b, __m256i out[I16_ROWS][2]) {
   for (int h = 0; h < 2; h++) {
     __m256i acc[I16_ROWS][2];
     for (int r = 0; r < I16_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    for (int q = 0; q < k / 4; q++) {
-      const int16_t *bq = b + (size_t)q * 256 + 32 * h;
+    const int16_t *bq = b + 32 * h;
+    for (int q = 0; q < k / 4; q++, bq += 256) {
       __m256i b0 = _mm256_load_si256((const __m256i *)bq), b1 = _mm256_load_si256((const __m256i *)(bq + 16));
       for (int r = 0; r < I16_ROWS; r++) {
         int64_t a8;
         memcpy(&a8, x + (size_t)r * k + 4 * q, 8);
-        __m256i a = _mm256_set1_epi64x(a8);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, b0));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, b1));
+        __m256i a = _mm256_set1_epi64x(a8), p0 = _mm256_madd_epi16(a, b0), p1 = _mm256_madd_epi16(a, b1);
+        ADD_I32_IN_PLACE(acc[r][0], p0);
+        ADD_I32_IN_PLACE(acc[r][1], p1);
       }
     }
     /* acc[r][c]: features 4c, 4c + 1 | 4c + 2, 4c + 3, each as two lanes (quads' halves): summed, in order */
@@ -1781,7 +1785,8 @@ static inline void u8s8_tile(const uint8_t *x, int k, const int8_t *b, __m256i o
         for (int r = 0; r < U8_ROWS; r++) {
           int32_t a4;
           memcpy(&a4, x + (size_t)r * k + 4 * q, 4);
-          t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(_mm256_set1_epi32(a4), bq));
+          __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi32(a4), bq);
+          ADD_I16_IN_PLACE(t[r], p);
         }
       }
       for (int r = 0; r < U8_ROWS; r++) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(t[r], ones));
@@ -1838,7 +1843,7 @@ int lrq_avx2_int8_linear(const int8_t *xa, long x_stride, int m, int k, const in
       (L && (L->k_pad != k || (L->block != 32 && L->block != 64))))
     return 1;
   /* x once in the kernel's form: int16 (W8A8) or unsigned bytes xa + 128 (W4A8), rows padded to a whole step */
-  int rows = (m + U8_ROWS * I16_ROWS - 1) / (U8_ROWS * I16_ROWS) * (U8_ROWS * I16_ROWS), esize = L ? 1 : 2;
+  int rows = (m + I8A_MR - 1) / I8A_MR * I8A_MR, esize = L ? 1 : 2;   /* I16_ROWS and U8_ROWS divide I8A_MR */
   void *xc = aligned_alloc(64, ((size_t)rows * k * esize + 63) / 64 * 64);
   if (!xc) return 2;
   for (int t = 0; t < rows; t++) {
