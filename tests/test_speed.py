@@ -230,3 +230,28 @@ def test_the_study_says_which_instruction_sets_its_kernels_and_mkl_were_held_to(
     assert "MKL all (not capped" in speed_cpu._isa_text(partial) and "MKL_ENABLE_INSTRUCTIONS" in speed_cpu._isa_text(partial)
     native = {"kernels_isa": {**partial["kernels_isa"], "aten": "AVX512"}}
     assert speed_cpu._isa_text(native) == "aten AVX512, oneDNN AVX2, MKL all"
+
+
+def test_emulate_avx2_reruns_the_study_with_every_kernel_held_to_avx2(monkeypatch):
+    """`--emulate-avx2` measures as a CPU without AVX-512 or bf16 would: the same command in a child process whose
+    torch kernels, oneDNN, MKL and lrq.native build are all held to AVX2 (the flag itself not passed on), its exit
+    status returned; a CPU without AVX2 gets a clear error."""
+    import platform
+    import subprocess
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env=None, **kw: calls.append((cmd, env)) or
+                        subprocess.CompletedProcess(cmd, 3))
+    argv = ["e2e", "--device", "cpu", "--schemes", "w4a8", "--emulate-avx2", "--rounds", "2"]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        with pytest.raises(UserError, match="no AVX2"):
+            speed.main(argv)
+        return
+    assert speed.main(argv) == 3
+    (cmd, env), = calls
+    assert cmd[1:] == ["-m", "bench.studies.speed", "e2e", "--device", "cpu", "--schemes", "w4a8", "--rounds", "2"]
+    assert {k: env[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                                "LRQ_NATIVE_MARCH")} == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                                         "MKL_ENABLE_INSTRUCTIONS": "AVX2", "LRQ_NATIVE_MARCH": "haswell"}
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with pytest.raises(UserError, match="no AVX2 to hold them to"):
+        speed.main(argv)

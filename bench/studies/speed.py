@@ -3,6 +3,7 @@
     python -m bench.studies.speed layers [--shapes smollm2|llama2-7b] [--ms 1,16,64,256,2048] [--out layers.json]
     python -m bench.studies.speed e2e    [--schemes w4a16,w8a8,...] [--prefill 512] [--decode 32] [--rounds 5]
                                          [--threads 1] [--anchors llama.cpp|none] [--out reports/speed-cpu]
+                                         [--emulate-avx2]
 
 `layers`: per-layer latency (median of torch.utils.benchmark's blocked autorange on the CPU, of
 triton.testing.do_bench on a GPU) of every scheme's PackedLinear forward against the bf16 nn.Linear, and
@@ -158,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                          "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "
                          "is otherwise measured only when its profile shows the head costing as much as all "
                          "quantized linears; `all` every packed scheme's")
+    ap.add_argument("--emulate-avx2", action="store_true",
+                    help="e2e on the CPU: measure as a CPU without AVX-512 or native bf16 would (a Zen 3): the study "
+                         "runs in a child process with torch's kernels, oneDNN and MKL held to AVX2 and lrq.native "
+                         "built for haswell; the report names the instruction sets each ran at")
     args = ap.parse_args(argv)
+    if args.emulate_avx2:
+        return _emulated_avx2(list(sys.argv[1:] if argv is None else argv))
     schemes = [s for s in args.schemes.split(",") if s]
     if args.what == "e2e" and not (args.shape or args.device == "cuda"):
         return _e2e_cpu(args, [s for s in schemes if s != "bf16"])
@@ -177,6 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.results and not any("error" in r for r in rows):
         _store(rows, args.what, args.results, args.model)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def avx2_emulation() -> dict[str, str]:
+    """The environment that holds this process's kernels to AVX2 on an x86 CPU that has more (AVX-512, AMX): torch's
+    (ATEN_CPU_CAPABILITY), oneDNN's, MKL's (torch's float32 GEMMs: left uncapped, the dense float32 baseline ran with
+    AVX-512 in the emulated studies before session 20) and lrq.native's build target. Set before torch is imported,
+    hence a child process."""
+    from bench.studies.precision import EMULATION
+    return {**EMULATION, "LRQ_NATIVE_MARCH": "haswell"}
+
+
+def _emulated_avx2(argv: list[str]) -> int:
+    """`--emulate-avx2`: the same command in a child process under avx2_emulation(); its exit status."""
+    import os
+    import platform
+    import subprocess
+    from lrq.errors import UserError
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if platform.machine() not in ("x86_64", "AMD64") or " avx2" not in flags:
+        raise UserError(f"--emulate-avx2 holds an x86 CPU's kernels to AVX2; this CPU ({platform.machine()}) "
+                        f"has no AVX2 to hold them to: drop the flag")
+    child = [a for a in argv if a != "--emulate-avx2"]
+    return subprocess.run([sys.executable, "-m", "bench.studies.speed", *child],
+                          env=os.environ | avx2_emulation()).returncode
 
 
 def _e2e_cpu(args, schemes: list[str]) -> int:
