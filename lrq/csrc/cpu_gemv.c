@@ -1863,6 +1863,12 @@ static int i8a_run(const i8a_job *J, const void *xc, int nthreads) {
 }
 #endif
 
+/* the int8 prefill kernels' arguments, unused where the build has no such kernel */
+#define INT8_LINEAR_UNUSED()                                                                                      \
+  ((void)xa, (void)x_stride, (void)m, (void)k, (void)w, (void)L, (void)n, (void)rowsum, (void)x_zero,              \
+   (void)zero_per_row, (void)x_scale, (void)scale_per_row, (void)col_term, (void)zero_term, (void)asymmetric,      \
+   (void)scale, (void)y, (void)y_bf16, (void)nthreads)
+
 int lrq_avx2_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int8_t *w, const int4_layer *L, int n,
                          const float *rowsum, const float *x_zero, int zero_per_row, const float *x_scale,
                          int scale_per_row, const float *col_term, const float *zero_term, int asymmetric,
@@ -1901,9 +1907,7 @@ int lrq_avx2_int8_linear(const int8_t *xa, long x_stride, int m, int k, const in
   free(xc);
   return rc;
 #else
-  (void)xa, (void)x_stride, (void)m, (void)k, (void)w, (void)L, (void)n, (void)rowsum, (void)x_zero, (void)zero_per_row;
-  (void)x_scale, (void)scale_per_row, (void)col_term, (void)zero_term, (void)asymmetric, (void)scale, (void)y;
-  (void)y_bf16, (void)nthreads;
+  INT8_LINEAR_UNUSED();
   return 1;
 #endif
 }
@@ -2156,9 +2160,7 @@ int lrq_amx_int8_linear(const int8_t *xa, long x_stride, int m, int k, const int
                zero_per_row, scale_per_row, asymmetric, y, y_bf16};
   return amx_run(&J, nthreads);
 #else
-  (void)xa, (void)x_stride, (void)m, (void)k, (void)w, (void)L, (void)n, (void)rowsum, (void)x_zero, (void)zero_per_row;
-  (void)x_scale, (void)scale_per_row, (void)col_term, (void)zero_term, (void)asymmetric, (void)scale, (void)y;
-  (void)y_bf16, (void)nthreads;
+  INT8_LINEAR_UNUSED();
   return 1;
 #endif
 }
