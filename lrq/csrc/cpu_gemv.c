@@ -1676,6 +1676,7 @@ typedef struct { float col[64], zt[64], sc[64]; } i8a_terms;
 static void i8a_terms_of(const i8a_job *J, int j0, i8a_terms *T) {
   int nv = J->n - j0 < 64 ? J->n - j0 : 64;
   memset(T, 0, sizeof *T);
+  if (nv <= 0) return;
   memcpy(T->col, J->col_term + j0, nv * sizeof(float));
   memcpy(T->zt, J->zero_term + j0, nv * sizeof(float));
   memcpy(T->sc, J->scale + j0, nv * sizeof(float));
