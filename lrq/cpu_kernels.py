@@ -944,15 +944,16 @@ class Int4Int8Weights:
         w = self.int4
         n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
         acc = None
-        if native.library() is not None and w.decodable and k_pad == w.k:   # a packing lrq.native reads
-            y = native_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term, self.zero_term, self.scale,
-                                   self.asymmetric, out_dtype, layer=w._native_layer()[1])
+        if native.library() is not None and w.decodable:   # a packing lrq.native reads
+            y = None if k_pad != w.k else native_int8_linear(xa, x_zero, x_scale, rowsum, w.n, self.col_term,
+                                                             self.zero_term, self.scale, self.asymmetric, out_dtype,
+                                                             layer=w._native_layer()[1])
             if y is not None:
                 return y
-        if native.library() is not None and w.decodable and w.block == 64:
-            xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))   # the levels less 8, oneDNN's GEMM
-            acc = OneDNNOperand.product("int8", xp.contiguous(), n_pad, k_pad,
-                                        lambda at: w._unpack_into(at, native.UNPACK_I8_BLOCKED))
+            if w.block == 64:
+                xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))   # the levels less 8, oneDNN's GEMM
+                acc = OneDNNOperand.product("int8", xp.contiguous(), n_pad, k_pad,
+                                            lambda at: w._unpack_into(at, native.UNPACK_I8_BLOCKED))
         if acc is None:
             acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,

@@ -1066,52 +1066,44 @@ static inline __m256i levels8(const void *x, int bf16, size_t i, __m256 scale, _
  * torch's amin/amax propagate it); AVX-512 vectors where built */
 static void row_grid(const void *x, int bf16, size_t o, int k, float qmax, float eps, float *scale_out,
                      float *zero_out) {
+  float lo = INFINITY, hi = -INFINITY;
+  int nan = 0, i = 0;
 #ifdef ROWS_AVX512
   __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_set1_ps(-INFINITY);
   __mmask16 vnan = 0;
-  for (int i = 0; i < k; i += 16) {
+  for (; i < k; i += 16) {
     __mmask16 m = tail16(k - i);
     __m512 v = load16(x, bf16, o + i, m);
     vnan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
     vlo = _mm512_mask_min_ps(vlo, m, vlo, v);
     vhi = _mm512_mask_max_ps(vhi, m, vhi, v);
   }
-  float lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
-  int nan = vnan != 0;
+  lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+  nan = vnan != 0;
 #elif defined(ROWS_AVX2)
-  /* 8 lanes (a lane that met a NaN may lose its extreme: the row's grid is NaN then anyway), the rest one by one */
+  /* 8 lanes (a lane that met a NaN may lose its extreme: the row's grid is NaN then anyway), the rest below */
   __m256 vlo = _mm256_set1_ps(INFINITY), vhi = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-  int i = 0;
   for (; i + 8 <= k; i += 8) {
     __m256 v = load8(x, bf16, o + i);
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     vlo = _mm256_min_ps(vlo, v);
     vhi = _mm256_max_ps(vhi, v);
   }
-  float l8[8], h8[8], lo = INFINITY, hi = -INFINITY;
+  float l8[8], h8[8];
   _mm256_storeu_ps(l8, vlo);
   _mm256_storeu_ps(h8, vhi);
   for (int j = 0; j < 8; j++) {
     lo = l8[j] < lo ? l8[j] : lo;
     hi = h8[j] > hi ? h8[j] : hi;
   }
-  int nan = _mm256_movemask_ps(vnan) != 0;
-  for (; i < k; i++) {
-    float v = load_any(x, bf16, o + i);
-    nan |= v != v;
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
-  }
-#else
-  float lo = load_any(x, bf16, o), hi = lo;
-  int nan = lo != lo;
-  for (int i = 1; i < k; i++) {
-    float v = load_any(x, bf16, o + i);
-    nan |= v != v;
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
-  }
+  nan = _mm256_movemask_ps(vnan) != 0;
 #endif
+  for (; i < k; i++) {   /* what the vectors left (plain C: the whole row) */
+    float v = load_any(x, bf16, o + i);
+    nan |= v != v;
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
   if (nan) lo = hi = NAN;
   grid_from_range(lo, hi, qmax, eps, scale_out, zero_out);
 }
@@ -1647,8 +1639,8 @@ void lrq_int8_correct(const void *acc_any, long acc_stride, int m, int n, const 
  *     (level, xa + 128) by vpmaddubsw (two products summed in int16: |.| <= 2 * 255 * 8 = 4080), eight of those sums
  *     added in int16 (<= 32640, no wrap) before vpmaddwd widens them; the 128 * sum of the levels taken off after.
  * The weight goes a panel of 64 features at a time into [k / 4][64][4] (AMX's order; int16 for W8A8), held in L2
- * while every 6 rows of x (those rows in L1) pass over its four 16-feature parts. k a
- * multiple of 4 (W4A8: k_pad, equal to k); n_pad a multiple of 64. Returns 1 for arguments it does not take or without AVX2, 2 out of memory. */
+ * while every 6 rows of x (those rows in L1) pass over its four 16-feature parts. k a multiple of 4 (W4A8: k_pad,
+ * equal to k); n_pad a multiple of 64. Returns 1 for arguments it does not take or without AVX2, 2 out of memory. */
 #if defined(__AVX2__)
 /* rows a step, 8 features at a time (measured on an Intel Xeon held to AVX2; more accumulators than registers
  * spill, at half speed): W8A8 6 (12 int32 accumulators, 2 of the panel, the broadcast; 4 or 5 rows 7-12 % slower),
