@@ -219,17 +219,24 @@ def test_prepacked_dense_baseline_equals_the_dense_model_or_says_why_not(tiny_mo
 def test_the_study_says_which_instruction_sets_its_kernels_and_mkl_were_held_to(monkeypatch):
     """An AVX2-only CPU emulated on an AVX-512 one must hold MKL down too: torch's float32 GEMMs run in MKL, and an
     uncapped MKL timed the dense float32 prefill with AVX-512 while every other kernel ran at AVX2 (session 20 found
-    this in the emulated studies). The record names MKL's cap, and the text says when it was left uncapped."""
+    this in the emulated studies). The record names MKL's cap, and the text says when it was left uncapped while
+    torch's kernels were held (ATEN_CPU_CAPABILITY), not on a CPU whose own instruction set is AVX2."""
     from bench.studies import speed_cpu
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     isa = speed_cpu._kernels_isa()
     assert isa["mkl_enable_instructions"] == ("AVX2" if torch.backends.mkl.is_available() else "no MKL")
-    capped = {"kernels_isa": {"aten": "AVX2", "onednn_max_cpu_isa": "AVX2", "mkl_enable_instructions": "AVX2"}}
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert speed_cpu._kernels_isa()["aten_cpu_capability"] == "avx2"
+    capped = {"kernels_isa": {"aten": "AVX2", "aten_cpu_capability": "avx2", "onednn_max_cpu_isa": "AVX2",
+                              "mkl_enable_instructions": "AVX2"}}
     assert speed_cpu._isa_text(capped) == "aten AVX2, oneDNN AVX2, MKL AVX2"
     partial = {"kernels_isa": {**capped["kernels_isa"], "mkl_enable_instructions": "all"}}
     assert "MKL all (not capped" in speed_cpu._isa_text(partial) and "MKL_ENABLE_INSTRUCTIONS" in speed_cpu._isa_text(partial)
-    native = {"kernels_isa": {**partial["kernels_isa"], "aten": "AVX512"}}
+    native = {"kernels_isa": {**partial["kernels_isa"], "aten": "AVX512", "aten_cpu_capability": "all"}}
     assert speed_cpu._isa_text(native) == "aten AVX512, oneDNN AVX2, MKL all"
+    zen3 = {"kernels_isa": {"aten": "AVX2", "aten_cpu_capability": "all", "onednn_max_cpu_isa": "all",
+                            "mkl_enable_instructions": "all"}}   # an AVX2-only CPU as it is: nothing was held
+    assert speed_cpu._isa_text(zen3) == "aten AVX2, oneDNN all, MKL all"
 
 
 def test_emulate_avx2_reruns_the_study_with_every_kernel_held_to_avx2(monkeypatch):

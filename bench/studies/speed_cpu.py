@@ -579,6 +579,7 @@ def _kernels_isa() -> dict:
     import lrq.cpu_kernels as cpu_kernels
     import lrq.native as native
     return {"aten": torch.backends.cpu.get_cpu_capability(),
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY") or "all",
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all",
             "mkl_enable_instructions": (os.environ.get("MKL_ENABLE_INSTRUCTIONS") or "all"
                                         if torch.backends.mkl.is_available() else "no MKL"),
@@ -593,7 +594,7 @@ def _isa_text(doc: dict) -> str:
     mkl = isa.get("mkl_enable_instructions")
     if mkl:
         text += f", MKL {mkl}"
-        if mkl == "all" and isa.get("aten") not in (None, "?", "AVX512") and "AMX" not in str(isa.get("aten")):
+        if mkl == "all" and isa.get("aten_cpu_capability", "all") != "all":   # aten held by ATEN_CPU_CAPABILITY
             text += (" (not capped: torch's float32 GEMMs ran with the CPU's full instruction set while its other "
                      "kernels were held below it; set MKL_ENABLE_INSTRUCTIONS too)")
     text += f"; 4-bit decode kernel: {isa['decode_kernel']}" if isa.get("decode_kernel") else ""
