@@ -90,8 +90,13 @@ INT8_DEQUANTIZE_FROM_M = {torch.bfloat16: 32, torch.float32: 1}
 # float32, what `--precision auto` picks on a CPU without native bf16): "exact" dequantizes a transient float32
 # weight per call (torch's float32 int4 kernel is scalar); "bf16" rounds the activations to bf16 and runs the
 # vectorized bf16 int4 kernel (AVX512 and AVX2 paths in torch), its output rounded to bf16: the rounding of a bf16
-# model in those layers, several times faster. Set per model with lrq.packed.set_float32_decode.
-FLOAT32_DECODE = ("exact", "bf16")
+# model in those layers, several times faster; "i16" runs lrq.native's integer kernel (where it is built: AVX512-VNNI
+# with VBMI, or AVX2 on torch's AVX2 packing; elsewhere "exact"), the bf16 models' path there: each token's
+# activations as 16-bit integers per chunk of 256 (each rounded to 2^-16 of its chunk's largest magnitude, 2^7 finer
+# than a bf16 rounding), the products summed exactly in int32, the output float32. On an Intel Xeon held to AVX2 its
+# 4-bit layers took 4.1 ms a token against 5.1 "exact" (SmolLM2-135M g128, one thread). Set per model with
+# lrq.packed.set_float32_decode.
+FLOAT32_DECODE = ("exact", "bf16", "i16")
 # Up to how many tokens a 4-bit layer runs lrq's own decode kernel (lrq.native) where it is built, per activation
 # dtype: it streams the weight once per token, torch's bf16 int4 kernel and the dequantized GEMM reuse it across
 # tokens. Measured on a Zen 4, one thread, 1536 x 576 g128 (interleaved): bf16 45.6 against torch's 47.7 us at one
@@ -257,6 +262,8 @@ class Int4Weights:
                                   self.k, self.packed.shape[1] * 2, self.scale_group or self.group, self.block)
             args = self.native_args = (st, ctypes.addressof(st), native.library().lrq_int4_gemv, self.packed,
                                        self.scale_zero)
+        # set on every call, in place: a fused decoder layer points at this struct, so a mode changed later reaches it
+        args[0].x16 = self.float32_decode == "i16"
         return args
 
     def native_mm(self, x: torch.Tensor) -> torch.Tensor:

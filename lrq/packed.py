@@ -431,7 +431,7 @@ def _tensor_state(t: torch.Tensor | None) -> tuple | None:
 
 def set_float32_decode(model: nn.Module, mode: str) -> int:
     """How the model's 4-bit CPU layers run a float32 decode step (lrq.cpu_kernels.FLOAT32_DECODE: "exact", the
-    default, or "bf16"); returns how many layers it set."""
+    default, "bf16" or "i16"); returns how many layers it set."""
     from lrq.cpu_kernels import FLOAT32_DECODE
     if mode not in FLOAT32_DECODE:
         raise UserError(f"float32 decode mode {mode!r}: choose one of {', '.join(FLOAT32_DECODE)}")

@@ -40,6 +40,27 @@ def _relative_error(w: Int4Weights, x: torch.Tensor, y: torch.Tensor) -> float:
     return ((y.double() - ref).abs() / (x.double().abs() @ ref_w.abs()).clamp_min(1e-30)).max().item()
 
 
+def _i16_excess(w: Int4Weights, x: torch.Tensor, y: torch.Tensor) -> float:
+    """max |y - x W| over what 16-bit activations allow: each activation rounded to 2^-15 of its token's largest
+    (i16_chunks: at most half a step of 2^-15 of a power of two above its chunk's largest), times sum |W|, plus the
+    float32 sums' own 1e-6 of sum |x||W|; at most 1 where the kernel keeps its bound."""
+    ref_w = w.dequantized_t_torch(torch.float32)[:w.k, :w.n].double()
+    xd = x.double()
+    room = 2.0 ** -15 * xd.abs().amax(dim=1, keepdim=True) * ref_w.abs().sum(0) + 1e-6 * (xd.abs() @ ref_w.abs())
+    return ((y.double() - xd @ ref_w).abs() / room.clamp_min(1e-30)).max().item()
+
+
+def _integer_blocks(w: Int4Weights) -> int:
+    """How many of w's output features this build's 16-bit integer kernel computes (its whole blocks: 64 features
+    with AVX512-VNNI, 32 with AVX2), 0 where it has none for w's packing or grouping."""
+    products = native.library().lrq_int4_bf16_products().decode()
+    block = {"int16 VNNI": 64, "int16 AVX2": 32}.get(products)
+    k_pad, group = w.packed.shape[1] * 2, w.scale_group or w.group
+    if block != w.block or group % 4 or k_pad % 4:
+        return 0
+    return w.packed.shape[0] // block * block
+
+
 def _cpu_flags() -> set[str]:
     line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
     return set(line.split(":", 1)[1].split())
@@ -50,9 +71,10 @@ def test_the_kernels_build_here_with_vector_code():
     kernels would hide a broken build)."""
     assert native.library() is not None, native.status()
     assert native.isa() in native.VECTOR_ISAS
-    products = {"int16 VNNI" if {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags() else "float32"}
+    products = {"int16 VNNI" if {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags() else
+                "float32" if "avx512f" in _cpu_flags() else "int16 AVX2"}
     if os.environ.get("LRQ_NATIVE_MARCH", "native") != "native":   # built for another target than this CPU
-        products = {"int16 VNNI", "float32"}
+        products = {"int16 VNNI", "int16 AVX2", "float32"}
     amx = {"; prefill on AMX tiles"} if {"amx_tile", "amx_int8", "amx_bf16"} <= _cpu_flags() else {""}
     if os.environ.get("LRQ_NATIVE_MARCH", "native") != "native":
         amx = {""}                                                    # the AMX code is built for AMX targets only
@@ -297,6 +319,31 @@ def test_bf16_activations_far_apart_in_size(group):
     assert not torch.isfinite(y[1].float()).all() and torch.isfinite(y[[0, 2]].float()).all()
 
 
+@pytest.mark.parametrize("n,k,group", [(1536, 576, 128), (576, 1536, None), (208, 264, 64), (96, 128, 32)])
+def test_float32_i16_decode_rounds_only_the_activations(n, k, group):
+    """float32_decode "i16": a float32 decode call through the 16-bit integer kernel where this build has one for the
+    packing (AVX512-VNNI or AVX2; elsewhere the float32 kernel): each activation rounded to 2^-15 of the largest in
+    its chunk, the products summed exactly (activations 1000x apart in size keep the bound); the remainder block and a
+    token with a NaN or inf run the float32 kernel; "exact" gives back the float32 kernel's bits."""
+    w = _weights(n, k, group)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, k, generator=g)
+    x[:, ::5] *= 1e3
+    exact = w.native_mm(x)
+    w.float32_decode = "i16"
+    y = w.native_mm(x)
+    assert y.dtype == torch.float32 and _i16_excess(w, x, y) <= 1
+    full = _integer_blocks(w)
+    assert torch.equal(y[:, full:], exact[:, full:])                  # the remainder: the float32 kernel
+    assert full == 0 or not torch.equal(y[:, :full], exact[:, :full])  # the integer kernel ran where it is built
+    bad = x.clone()
+    bad[1, 3], bad[2, 7] = float("nan"), float("inf")
+    yb = w.native_mm(bad)
+    assert torch.equal(yb[0], y[0]) and torch.isnan(yb[1]).all() and not torch.isfinite(yb[2]).all()
+    w.float32_decode = "exact"
+    assert torch.equal(w.native_mm(x), exact)
+
+
 def test_threads_give_the_same_bits():
     w, x = _weights(1536, 576, 128), torch.randn(2, 576)
     before = torch.get_num_threads()
@@ -461,8 +508,11 @@ _PROBE = """
 import json, torch
 from lrq import native
 from lrq.cpu_kernels import Int4Weights, _pack_block
+import sys
+sys.path.insert(0, "tests")
+from tests.test_native import _i16_excess, _integer_blocks
 g = torch.Generator().manual_seed(0)
-errs = []
+errs, bf16_err, i16_excess, i16_ran = [], [], [], []
 for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
     ng = -(-k // group)
     w = Int4Weights.build(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, ng, generator=g) * 0.02 + 1e-3,
@@ -473,6 +523,16 @@ for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
     errs.append(((y.double() - x.double() @ ref_w).abs() / (x.double().abs() @ ref_w.abs())).max().item())
     for dt in (torch.float32, torch.bfloat16):   # the prefill operand: torch's dequantization, bit for bit
         errs.append(0.0 if torch.equal(w.dequantized_t(dt), w.dequantized_t_torch(dt)) else 1.0)
+    if native.library() is not None:   # bf16 activations (AVX2: the integer kernel) and float32 ones in "i16"
+        xb = x.bfloat16()
+        yb = w.native_mm(xb).double()
+        bf16_err.append(((yb - xb.double() @ ref_w).abs() / (xb.double().abs() @ ref_w.abs())).max().item())
+        w.float32_decode = "i16"
+        yi = w.native_mm(x)
+        i16_excess.append(_i16_excess(w, x, yi))
+        full = _integer_blocks(w)
+        i16_ran.append(full > 0 and not torch.equal(yi[:, :full], y[:, :full]))
+        w.float32_decode = "exact"
 from lrq.cpu_kernels import Int8GemmWeights
 w8 = Int8GemmWeights.build(torch.randint(0, 256, (40, 100), generator=g), torch.rand(40, 1, generator=g),
                            torch.randint(0, 256, (40, 1), generator=g).float(), 8)
@@ -551,7 +611,8 @@ if native.library() is not None:   # the AVX2 integer prefill kernel (forced: tr
             int8_exact = int8_exact and all(torch.equal(a.nan_to_num(), b.nan_to_num()) and
                                             torch.equal(a.isnan(), b.isnan()) for a, b in zip(mine, ref))
 print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs),
-                  "int8_exact": int8_exact}))
+                  "int8_exact": int8_exact, "bf16_err": max(bf16_err, default=None),
+                  "i16_excess": max(i16_excess, default=None), "i16_ran": i16_ran}))
 """
 
 
@@ -566,16 +627,23 @@ def test_avx2_layout_and_avx2_build(tmp_path):
     """torch packs in blocks of 32 features where its AVX2 kernels run (a Zen 3), and the C file's AVX2 branch is
     what such a CPU compiles: both checked here, each on its own and together, by building for haswell and running
     torch at its AVX2 capability; the AVX2 integer prefill kernel (W8A8, and W4A8 on both packings) gives the
-    corrected exact product to the bit in each, and the activation levels (lrq_int8_activations, vectorized for
-    AVX2 too) are torch's ops' bits."""
+    corrected exact product to the bit in each, the activation levels (lrq_int8_activations, vectorized for AVX2
+    too) are torch's ops' bits, and the AVX2 16-bit decode kernel (bf16 activations, float32 ones in "i16") runs
+    where the packing is AVX2's, within its bound."""
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.fail("this test needs an x86-64 CPU with AVX2 (every machine CI runs on has it)")
     both = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", LRQ_NATIVE_MARCH="haswell")
     assert both["isa"] == "avx2" and both["block"] == 32 and both["err"] < 1e-6 and both["int8_exact"] is True
+    # the AVX2 16-bit kernel (bf16 activations, float32 ones in "i16") ran on the layers with whole blocks of 32
+    assert "int16 AVX2" in both["status"] and both["i16_ran"] == [True, True, True]
+    assert both["i16_excess"] <= 1 and both["bf16_err"] < 2 ** -8
     layout = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
     assert layout["block"] == 32 and layout["err"] < 1e-6 and layout["int8_exact"] is True
+    assert layout["i16_excess"] <= 1 and layout["bf16_err"] < 2 ** -8
     build = _probe(tmp_path, LRQ_NATIVE_MARCH="haswell")
     assert build["isa"] == "avx2" and build["err"] < 1e-6 and build["int8_exact"] is True
+    assert build["bf16_err"] < 2 ** -8 and build["i16_excess"] <= 1
+    assert not any(build["i16_ran"])   # torch's blocks of 64 features: the float32 kernel
 
 
 def test_the_c_file_builds_without_warnings_for_every_kind_of_cpu(tmp_path):

@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", default="auto", choices=["auto", "lean", "hf", "both"],
                     help="e2e on the CPU: lean (lrq.runtime), hf (the model's own forward), both, or auto (lean "
                          "where the model can)")
-    ap.add_argument("--fp32-decode", default="exact", choices=["exact", "bf16"],
+    ap.add_argument("--fp32-decode", default="exact", choices=["exact", "bf16", "i16"],
                     help="e2e on the CPU, packed models held in float32: how their 4-bit layers run a decode step "
-                         "(exact: a transient float32 weight per call; bf16: the vectorized bf16 int4 kernel)")
+                         "(exact: float32 products, lrq.native's kernel where built; bf16: torch's bf16 int4 kernel, "
+                         "activations and outputs rounded to bf16; i16: lrq.native's integer kernel, activations "
+                         "rounded to 2^-15 of their largest, the output float32)")
     ap.add_argument("--int8-head", nargs="?", const="profiled", default=None, choices=["profiled", "all"],
                     help="e2e on the CPU: also measure packed models with an int8 output head (lrq.packed."
                          "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "

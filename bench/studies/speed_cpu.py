@@ -608,8 +608,10 @@ def _fp32_decode_sentence(doc: dict) -> str:
     native = str((doc.get("kernels_isa") or {}).get("decode_kernel", "")).startswith("lrq native")
     exact = ("exact (lrq's own float32 kernel on the packed levels)" if native else
              "exact (a transient float32 weight per call)")
-    return ("; float32 decode steps of the 4-bit layers: " +
-            (exact if mode == "exact" else "through the bf16 int4 kernel (activations and outputs rounded to bf16)"))
+    text = {"exact": exact, "bf16": "through the bf16 int4 kernel (activations and outputs rounded to bf16)",
+            "i16": ("16-bit integer activations (i16: each rounded to 2^-15 of its chunk's largest, lrq.native's "
+                    "integer kernel where built for the packing; the products summed exactly, the output float32)")}
+    return "; float32 decode steps of the 4-bit layers: " + text.get(mode, mode)
 
 
 def _runtime_sentence(doc: dict) -> str:
