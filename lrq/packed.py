@@ -442,6 +442,8 @@ def set_float32_decode(model: nn.Module, mode: str) -> int:
             w = int4_form(m.cpu_weights)
             if w is not None:
                 w.float32_decode, n = mode, n + 1
+                if w.native_args is not None:   # its kernel struct (a fused decoder layer's too) reads the new mode
+                    w._native_layer()
     return n
 
 

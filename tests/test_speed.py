@@ -189,6 +189,49 @@ def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_
         speed_cpu.attach_runtime([speed_cpu.Candidate("g", tiny_model("gemma3"), "dense", "float32", 0)], "lean", 8)
 
 
+def test_cpu_e2e_compares_float32_decode_modes_on_the_same_models_interleaved(tiny_model_dir, data_dir, tmp_path,
+                                                                           monkeypatch):
+    """--fp32-decode exact,i16: each packed row again in the second mode on the same model (no second copy of its
+    weights), the model switched to each row's own mode before its calls in every round; only the first mode's rows
+    reach the results store; a mode that does not exist, or several modes where the packed models are not held in
+    float32, are refused before anything is built."""
+    from bench.studies import speed_cpu
+    from lrq.cpu_kernels import int4_form
+    from lrq.errors import UserError
+    from lrq.packed import PackedLinear
+    seen = []
+    real = speed_cpu.decode
+
+    def spy(target, prompt, steps):
+        model = getattr(target, "model", target)
+        forms = [int4_form(m.cpu_weights) for m in model.modules() if isinstance(m, PackedLinear)]
+        forms = [f for f in forms if f is not None]
+        if forms:
+            seen.append((id(model), forms[0].float32_decode, bool(forms[0]._native_layer()[0].x16)))
+        return real(target, prompt, steps)
+
+    monkeypatch.setattr(speed_cpu, "decode", spy)
+    out, store = tmp_path / "speed-cpu", tmp_path / "r.sqlite"
+    assert speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--data-dir", str(data_dir),
+                       "--schemes", "w4a16", "--rounds", "2", "--prefill", "16", "--decode", "2",
+                       "--precision", "fp32", "--fp32-decode", "exact,i16", "--out", str(out),
+                       "--results", str(store)]) == 0
+    rows = {r["candidate"]: r for r in json.loads((out / "speed.json").read_text())["rows"]}
+    assert rows["w4a16"]["float32_decode"] == "exact" and rows["w4a16 [i16]"]["float32_decode"] == "i16"
+    assert rows["w4a16 [i16]"]["mode_copy_of"] == "w4a16"
+    assert rows["w4a16 [i16]"]["weight_rss_bytes"] == rows["w4a16"]["weight_rss_bytes"]   # one model
+    timed = seen[-4:]                                   # 2 rounds x the two packed rows, after the warm-ups
+    assert len({m for m, _, _ in timed}) == 1 and sorted(timed, key=str) == sorted(
+        [(timed[0][0], "exact", False), (timed[0][0], "i16", True)] * 2, key=str)
+    assert "rows marked [i16]" in (out / "speed.md").read_text()
+    from bench.common.store import ResultStore
+    assert not any("[i16]" in str(r) for r in ResultStore(store).rows(latest=True))
+    with pytest.raises(UserError, match="exact,fast"):
+        speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--fp32-decode", "exact,fast"])
+    with pytest.raises(UserError, match="held in bf16"):
+        speed_cpu.run(str(tiny_model_dir), ["w4a16"], "bf16", 1, 1, 16, 2, str(data_dir), float32_decode="exact,i16")
+
+
 def test_prepacked_dense_baseline_equals_the_dense_model_or_says_why_not(tiny_model_dir, data_dir, monkeypatch):
     """The dense model with oneDNN-prepacked linears (issue W: the best path torch offers) gives the dense model's
     logits; where this torch cannot prepack, the candidate is left out with the reason, not measured wrongly."""

@@ -151,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", default="auto", choices=["auto", "lean", "hf", "both"],
                     help="e2e on the CPU: lean (lrq.runtime), hf (the model's own forward), both, or auto (lean "
                          "where the model can)")
-    ap.add_argument("--fp32-decode", default="exact", choices=["exact", "bf16", "i16"],
+    ap.add_argument("--fp32-decode", default="exact",
                     help="e2e on the CPU, packed models held in float32: how their 4-bit layers run a decode step "
                          "(exact: float32 products, lrq.native's kernel where built; bf16: torch's bf16 int4 kernel, "
                          "activations and outputs rounded to bf16; i16: lrq.native's integer kernel, activations "
-                         "rounded to 2^-15 of their largest, the output float32)")
+                         "rounded to 2^-15 of their largest, the output float32); several, comma-separated (e.g. "
+                         "exact,i16): the first for the packed rows, each further one as copies of them on the same "
+                         "models, interleaved")
     ap.add_argument("--int8-head", nargs="?", const="profiled", default=None, choices=["profiled", "all"],
                     help="e2e on the CPU: also measure packed models with an int8 output head (lrq.packed."
                          "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "
@@ -236,7 +238,7 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
         for name, text in files.items():
             atomic_write_text(folder / name, text)
     if args.results:   # the leaderboard gets our formats; anchors and the int8-head copy stay in the study's files
-        _store([r for r in doc["rows"] if r["kind"] != "anchor"
+        _store([r for r in doc["rows"] if r["kind"] != "anchor" and not r.get("mode_copy_of")
                 and not r["candidate"].endswith((speed_cpu.HEAD_INT8, speed_cpu.HF_SUFFIX))],
                "e2e-cpu", args.results, args.model)
     return 0

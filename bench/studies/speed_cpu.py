@@ -192,8 +192,11 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
     ids = torch.randint(min(100, vocab // 2), min(1000, vocab), (1, prefill_len), generator=gen)
     n = len(cands)
     listed = ids[0].tolist()
+    from lrq.packed import set_float32_decode
     for r in range(rounds):
         for c in cands[r % n:] + cands[:r % n]:
+            if c.kind == "packed" and "float32_decode" in c.info:   # a model measured in several modes: its own
+                set_float32_decode(c.model, c.info["float32_decode"])
             with onednn(c.info.get("onednn", True)):
                 if c.runner is not None:   # an anchor: the same tokens, timed the same way by its runner
                     wall, cpu = c.runner.decode(listed[:16], decode_steps)
@@ -342,6 +345,27 @@ def _set_float32_decode(cands: list[Candidate], mode: str) -> None:
             c.info["float32_decode"] = mode
 
 
+def _float32_decode_modes(spec: str) -> list[str]:
+    """--fp32-decode's comma-separated modes (the first the packed rows', each further one a copy of every packed row
+    in that mode), checked against lrq.cpu_kernels.FLOAT32_DECODE."""
+    from lrq.cpu_kernels import FLOAT32_DECODE
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in modes if m not in FLOAT32_DECODE]
+    if not modes or bad or len(set(modes)) < len(modes):
+        raise UserError(f"--fp32-decode {spec!r}: give one or more of {', '.join(FLOAT32_DECODE)}, comma-separated, "
+                        f"each once (e.g. exact,i16)")
+    return modes
+
+
+def _mode_copies(cands: list[Candidate], modes: list[str]) -> list[Candidate]:
+    """For each further float32 decode mode, a copy of every packed candidate on the same model (named
+    `<name> [<mode>]`; measure switches the model's mode before each one's calls, so they interleave with the
+    others; their rows are not stored to a results store)."""
+    return [Candidate(f"{c.name} [{mode}]", c.model, c.kind, c.dtype, c.weight_rss_bytes, lean=c.lean,
+                      info={**c.info, "float32_decode": mode, "mode_copy_of": c.name})
+            for mode in modes for c in cands if c.kind == "packed"]
+
+
 PROFILE_STEPS = 8           # decode steps profile_decode times (with anchors)
 HF_SUFFIX = " [hf eager]"   # a candidate run through the model's own forward where --runtime both asks for both
 
@@ -481,10 +505,14 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     torch.set_num_threads(threads)
     decided = Precision.decide(precision, "cpu")
     dtype = torch.bfloat16 if decided.used == "bf16" else torch.float32
+    modes = _float32_decode_modes(float32_decode)
+    if len(modes) > 1 and dtype != torch.float32:
+        raise UserError(f"--fp32-decode {float32_decode}: several modes compare float32 decode steps, but the packed "
+                        f"models are held in {decided.used} here; add --precision fp32 or give one mode")
     n_ctx = max(prefill_len, 16 + decode_steps + 8)
     probe_anchors(model_name, anchors or [], threads, n_ctx)   # before anything is built: a crash costs a minute
     cands = build(model_name, schemes, dtype, data_dir)
-    _set_float32_decode(cands, float32_decode)
+    _set_float32_decode(cands, modes[0])
     max_len = max(prefill_len, 16 + max(decode_steps, PROFILE_STEPS)) + 1
     cands = attach_runtime(cands, runtime, max_len)
     profiled, extra, anchor_cands, head_copies = None, {}, [], []
@@ -505,8 +533,9 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
         head_copies = [c.name for c in cands if c.kind == "packed"]
     if head_copies:   # the int8-head copies (lrq.packed.quantize_head), built after the profile
         heads = build(model_name, [n + HEAD_INT8 for n in head_copies], dtype, data_dir, dense=False)
-        _set_float32_decode(heads, float32_decode)
+        _set_float32_decode(heads, modes[0])
         cands += attach_runtime(heads, "hf" if runtime == "hf" else "auto", max_len)
+    cands += _mode_copies(cands, modes[1:])
     prepacked, prepack_skipped = _prepacked(cands, prefill_len)
     cands += _without_onednn(cands) + _torch_linears(cands) + prepacked + anchor_cands
     try:
@@ -604,14 +633,15 @@ def _isa_text(doc: dict) -> str:
 def _fp32_decode_sentence(doc: dict) -> str:
     if doc.get("precision", {}).get("used") != "fp32":
         return ""
-    mode = doc.get("float32_decode", "exact")
+    mode, *more = doc.get("float32_decode", "exact").split(",")
     native = str((doc.get("kernels_isa") or {}).get("decode_kernel", "")).startswith("lrq native")
     exact = ("exact (lrq's own float32 kernel on the packed levels)" if native else
              "exact (a transient float32 weight per call)")
     text = {"exact": exact, "bf16": "through the bf16 int4 kernel (activations and outputs rounded to bf16)",
             "i16": ("16-bit integer activations (i16: each rounded to 2^-15 of its chunk's largest, lrq.native's "
                     "integer kernel where built for the packing; the products summed exactly, the output float32)")}
-    return "; float32 decode steps of the 4-bit layers: " + text.get(mode, mode)
+    return "; float32 decode steps of the 4-bit layers: " + text.get(mode, mode) + "".join(
+        f"; rows marked [{m}]: the same models, interleaved, {text.get(m, m)}" for m in more)
 
 
 def _runtime_sentence(doc: dict) -> str:
