@@ -198,6 +198,44 @@ def test_fused_layers_give_the_module_paths_logits(arch, dtype, scheme):
     assert torch.equal(tokens[0], tokens[1])
 
 
+def test_float32_i16_decode_reaches_the_fused_layers():
+    """float32_decode "i16" set on a model whose fused layers were already made reaches them at once (their kernel
+    structs are updated in place): the fused step gives the module path's i16 logits, within the 16-bit rounding of
+    the exact ones and the same greedy tokens; where this build has an integer kernel for the packing they differ from
+    the exact logits (it ran), and "exact" gives those back bit for bit."""
+    from lrq.cpu_kernels import int4_form
+    from lrq.packed import PackedLinear, set_float32_decode
+    from tests.test_native import _integer_blocks
+    model = _packed_tiny("llama", "w4a16", torch.float32)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))
+    lean = LeanDecoder(model, 32)
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        lean.fused = fused
+        lean.length = 0                        # a new sequence, the fused layers' arguments kept
+        nxt, steps, toks = lean.forward(ids)[:, -1:].argmax(-1), [], []
+        for _ in range(4):
+            logits = lean.forward(nxt)
+            steps.append(logits.float())
+            nxt = logits[:, -1:].argmax(-1)
+            toks.append(nxt)
+        return torch.cat(steps, 1), torch.cat(toks, 1)
+
+    exact, exact_tokens = run(True)
+    made = lean._fused
+    assert all(f is not None for f in made)
+    assert set_float32_decode(model, "i16") > 0
+    fused, fused_tokens = run(True)
+    assert lean._fused is made                 # the same fused structs, made before the mode changed
+    modules, _ = run(False)
+    assert (fused - modules).abs().max() <= 1e-5 * modules.abs().max()
+    assert (fused - exact).abs().max() <= 1e-3 * exact.abs().max() and torch.equal(fused_tokens, exact_tokens)
+    w = int4_form(next(m for m in model.modules() if isinstance(m, PackedLinear)).cpu_weights)
+    assert torch.equal(fused, exact) == (_integer_blocks(w) == 0)
+    set_float32_decode(model, "exact")
+    assert torch.equal(run(True)[0], exact)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", [None, "w4a16", "w8a8"])
