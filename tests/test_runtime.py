@@ -225,6 +225,8 @@ def test_float32_i16_decode_reaches_the_fused_layers():
     made = lean._fused
     assert all(f is not None for f in made)
     assert set_float32_decode(model, "i16") > 0
+    structs = [part[1][0][0] for f in made for part in f[1][1]]   # each fused linear's int4_layer, before any call
+    assert structs and all(st.x16 == 1 for st in structs)
     fused, fused_tokens = run(True)
     assert lean._fused is made                 # the same fused structs, made before the mode changed
     modules, _ = run(False)
