@@ -461,7 +461,7 @@ def pack_model(model: nn.Module) -> dict[str, int]:
     return {"linear_bytes_bf16": before, "linear_bytes_packed": after}
 
 
-HEAD_FORMATS = ("int8",)   # what quantize_head holds an output head in
+HEAD_FORMATS = ("int8", "bf16")   # what quantize_head holds an output head in
 
 
 class PackedEmbedding(nn.Module):
@@ -499,6 +499,85 @@ class PackedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 levels of the output head, dtype={self.dtype}"
 
 
+class TableHead(nn.Module):
+    """A float32 model's output head whose weight is held in bf16 because that loses nothing: every value is a bf16
+    value (a checkpoint stored in bf16, cast to float32). Products and sums in float32 on the weight widened exactly:
+    several tokens through torch's GEMM on float32 slices of the table (the float32 head's logits bit for bit), up to
+    NATIVE_MAX_M through lrq.native's GEMV a token at a time (the sums it makes on the float32 table: the lean
+    runtime's decode steps keep their bits; against torch's GEMV, float rounding). Half the bytes a decode step
+    streams, half the memory. quantize_head(model, "bf16") makes it."""
+
+    ROWS_A_SLICE = 8192   # a prefill's transient float32 slice of the table (8192 x 576: 19 MB)
+    NATIVE_MAX_M = 4      # tokens a call runs through lrq.native's GEMV, one row at a time
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+        shape, k, n = x.shape[:-1], self.in_features, self.out_features
+        rows = x.reshape(-1, k)
+        lib = native.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        if lib is not None and rows.shape[0] <= self.NATIVE_MAX_M and not (x.requires_grad and torch.is_grad_enabled()):
+            y = torch.empty(rows.shape[0], n, dtype=x.dtype)
+            rows = rows.contiguous()
+            for i in range(rows.shape[0]):
+                native.checked(lib.lrq_dense_gemv(self.weight.data_ptr(), rows[i].data_ptr(), y[i].data_ptr(), 2, n,
+                                                  k, torch.get_num_threads()), "bf16-held head")
+        else:
+            y = torch.cat([F.linear(rows, self.weight[c0:c0 + self.ROWS_A_SLICE].to(x.dtype))
+                           for c0 in range(0, n, self.ROWS_A_SLICE)], dim=1)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*shape, n)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight held in bf16 (lossless)"
+
+
+class TableEmbedding(nn.Module):
+    """The tied input embedding of a TableHead: rows of its bf16 table widened to `dtype` (exact), so the table is
+    held once."""
+
+    def __init__(self, head: TableHead, dtype: torch.dtype, padding_idx: int | None = None,
+                 embed_scale: torch.Tensor | None = None):
+        super().__init__()
+        self._head, self.dtype, self.padding_idx = [head], dtype, padding_idx
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.embed_scale = None if embed_scale is None else embed_scale.detach().clone()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self._head[0].weight).to(self.dtype)
+        return rows * self.embed_scale.to(self.dtype) if self.embed_scale is not None else rows
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, the output head's bf16 table, dtype={self.dtype}"
+
+
+def _hold_table_bf16(model: nn.Module, head: nn.Linear, emb: nn.Module, tied: bool) -> dict[str, int]:
+    """quantize_head's "bf16": the head (and a tied embedding) as TableHead / TableEmbedding, where that is lossless."""
+    w = head.weight
+    if w.dtype != torch.float32:
+        raise UserError(f"quantize_head(model, 'bf16') holds a float32 model's table in bf16; this head is "
+                        f"{str(w.dtype).replace('torch.', '')} already")
+    if not torch.equal(w, w.bfloat16().float()):
+        raise UserError("the output head's weight has values bf16 cannot hold (the checkpoint is not bf16): holding "
+                        "it in bf16 would change the logits; keep it in float32, or use quantize_head(model, 'int8')")
+    before = w.numel() * w.element_size()
+    table = TableHead(w, head.bias)
+    model.set_output_embeddings(table)
+    if tied:
+        scale = getattr(emb, "embed_scale", None)
+        model.set_input_embeddings(TableEmbedding(table, emb.weight.dtype, emb.padding_idx,
+                                                  None if scale is None else torch.as_tensor(scale)))
+    model._lrq_head = "bf16"
+    return {"head_bytes": before, "head_bytes_packed": table.weight.numel() * 2, "embedding_shared": int(tied)}
+
+
 @torch.no_grad()
 def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = True) -> dict[str, int]:
     """Hold the output head as 8-bit levels per output channel (round to nearest on each row's min-max grid, the
@@ -506,6 +585,10 @@ def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = T
     instead of in the model's dtype. A tied input embedding then reads the same levels (PackedEmbedding), so the table
     is held once at a quarter of float32's bytes or half of bf16's; `share_embedding=False` keeps the embedding's own
     table (the head alone quantized, the table held twice).
+
+    `fmt="bf16"` instead holds a float32 model's head (and tied embedding) in bf16 where that changes no value (a
+    bf16 checkpoint cast to float32; refused otherwise): TableHead and TableEmbedding, half the bytes, the float32
+    head's logits up to float rounding.
 
     A deployment choice beside the method, not part of it: every method leaves the head unquantized (METHOD.md) and
     the export (lrq.export, compressed-tensors) ignores lm_head, so a model with a packed head is not exported.
@@ -516,7 +599,7 @@ def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = T
     if fmt not in HEAD_FORMATS:
         raise UserError(f"output head format {fmt!r}: choose one of {', '.join(HEAD_FORMATS)}")
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if isinstance(head, PackedLinear):
+    if isinstance(head, (PackedLinear, TableHead)):
         raise UserError("the output head is already packed (quantize_head ran on this model)")
     if type(head) is not nn.Linear or head.weight.device.type != "cpu":
         raise UserError(f"quantize_head takes a model whose output head is an nn.Linear on the CPU, not "
@@ -526,6 +609,8 @@ def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = T
     # embed_scale (Gemma); any other kind keeps its own table (held as before)
     tied = (share_embedding and isinstance(emb, nn.Embedding) and emb.weight is head.weight and head.bias is None
             and (type(emb) is nn.Embedding or isinstance(getattr(emb, "embed_scale", None), (torch.Tensor, float))))
+    if fmt == "bf16":
+        return _hold_table_bf16(model, head, emb, tied)
     scheme = get_scheme("w8a16")
     scale, zero = minmax_qparams(head.weight, scheme.w_bits, scheme.group_size)
     packed = PackedLinear.from_quant_linear(QuantLinear.from_linear(head, scheme, scale, zero))

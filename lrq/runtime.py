@@ -280,7 +280,7 @@ class LeanDecoder:
         unchanged; a tied embedding moves with the head). Returns how many tensors moved (0 where the kernel offers
         no huge pages). Modules keep their identity; a tensor held elsewhere keeps the old storage."""
         from lrq import hugepages
-        from lrq.packed import PackedLinear
+        from lrq.packed import PackedLinear, TableHead
         if getattr(self.model, "_lrq_huge_pages", False):   # moved by an earlier decoder of this model: once
             return 0
         slots = []   # (object, attribute): the copy replaces getattr(object, attribute); a Parameter's .data
@@ -295,6 +295,8 @@ class LeanDecoder:
             slots.append((head.weight, "data"))
         elif isinstance(head, PackedLinear) and head.cpu_weights is not None:   # an int8 head (quantize_head)
             slots += _form_slots(head.cpu_weights)
+        elif isinstance(head, TableHead):   # a float32 model's table held in bf16 (quantize_head's "bf16")
+            slots.append((head, "weight"))
         held = [(o, n, o.data if n == "data" else getattr(o, n)) for o, n in slots]
         held = [(o, n, t[0] if n == "chunks" else t) for o, n, t in held]
         held = [(o, n, t) for o, n, t in held if t.device.type == "cpu" and t.is_contiguous()]

@@ -577,3 +577,52 @@ def test_an_int8_head_is_the_dequantized_head_and_a_tied_table_is_held_once(arch
         save_compressed(model, "/nonexistent/never-written")
     with pytest.raises(UserError, match="choose one of int8"):
         quantize_head(tiny_model("llama"), "int4")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_a_float32_models_bf16_table_is_held_in_bf16_without_changing_a_logit(arch):
+    """quantize_head(model, "bf16"): a float32 model whose table came from a bf16 checkpoint holds it in bf16 (half
+    the bytes; a tied embedding, gemma3's scaled one, reads the same table): several tokens give the float32 head's
+    logits bit for bit (torch's GEMM on float32 slices), one token lrq.native's GEMV, whose sums on the widened table
+    are its sums on the float32 one (the lean runtime's decode steps: the same bits); refused where a value would
+    change (not a bf16 checkpoint), on a bf16 model, twice; the export refuses as for any packed head."""
+    from lrq import native
+    from lrq.export import save_compressed
+    from lrq.packed import TableEmbedding, TableHead, quantize_head
+    from lrq.precision import head_logits
+    from lrq.runtime import LeanDecoder
+    model = tiny_model(arch, vocab_size=320, hidden=96).to(torch.bfloat16).float()   # a bf16 checkpoint, in float32
+    tied = model.get_input_embeddings().weight is model.lm_head.weight
+    w = model.lm_head.weight.detach().clone()
+    emb_before = model.get_input_embeddings()
+    ids = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, ref_emb = model(ids).logits, emb_before(ids)
+        if arch == "llama":   # the lean runtime's decode steps (llama-shaped models)
+            lean = LeanDecoder(model, max_len=16)
+            lean.forward(ids)
+            ref_steps = torch.cat([lean.forward(ids[:, j:j + 1]) for j in range(3)], 1)
+    sizes = quantize_head(model, "bf16")
+    head, emb = model.lm_head, model.get_input_embeddings()
+    assert isinstance(head, TableHead) and head.weight.dtype == torch.bfloat16 and torch.equal(head.weight.float(), w)
+    assert sizes["head_bytes_packed"] * 2 == sizes["head_bytes"] and sizes["embedding_shared"] == int(tied)
+    assert isinstance(emb, TableEmbedding) == tied
+    with torch.no_grad():
+        assert torch.equal(emb(ids), ref_emb)
+        assert torch.equal(model(ids).logits, ref)                 # nine tokens: torch's GEMM, the same bits
+        x = torch.randn(1, 96)
+        one = head(x)
+        assert (one - x @ w.t()).abs().max() <= 1e-6 * (x.abs() @ w.abs().t()).max()
+        torch.testing.assert_close(head_logits(head, x), x @ w.t(), rtol=0, atol=0)
+        if native.library() is not None and arch == "llama":       # one token: the GEMV's sums, as on float32
+            lean = LeanDecoder(model, max_len=16)
+            lean.forward(ids)
+            assert torch.equal(torch.cat([lean.forward(ids[:, j:j + 1]) for j in range(3)], 1), ref_steps)
+    with pytest.raises(UserError, match="already packed"):
+        quantize_head(model, "bf16")
+    with pytest.raises(UserError, match="export the model before quantizing its head"):
+        save_compressed(model, "/nonexistent/never-written")
+    with pytest.raises(UserError, match="bf16 cannot hold"):
+        quantize_head(tiny_model(arch, vocab_size=320, hidden=96), "bf16")          # float32 values of its own
+    with pytest.raises(UserError, match="bfloat16 already"):
+        quantize_head(tiny_model(arch, vocab_size=320, hidden=96).to(torch.bfloat16), "bf16")

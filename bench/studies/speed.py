@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                          "rounded to 2^-15 of their largest, the output float32); several, comma-separated (e.g. "
                          "exact,i16): the first for the packed rows, each further one as copies of them on the same "
                          "models, interleaved")
+    ap.add_argument("--bf16-table", action="store_true",
+                    help="e2e on the CPU, packed models held in float32: also measure each with its output head (and "
+                         "tied embedding) held in bf16, lossless for a bf16 checkpoint (lrq.packed.quantize_head(model, "
+                         "'bf16'); rows named '<scheme> +bf16 table')")
     ap.add_argument("--int8-head", nargs="?", const="profiled", default=None, choices=["profiled", "all"],
                     help="e2e on the CPU: also measure packed models with an int8 output head (lrq.packed."
                          "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "
@@ -222,7 +226,8 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
     chosen = anchors.resolve(args.anchors, args.model)
     doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
                         args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen,
-                        int8_head=args.int8_head, runtime=args.runtime, float32_decode=args.fp32_decode)
+                        int8_head=args.int8_head, runtime=args.runtime, float32_decode=args.fp32_decode,
+                        bf16_table=args.bf16_table)
     print(speed_cpu.markdown(doc))
     ratio = speed_cpu.anchor_ratio(doc)
     if ratio:
@@ -239,7 +244,7 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
             atomic_write_text(folder / name, text)
     if args.results:   # the leaderboard gets our formats; anchors and the int8-head copy stay in the study's files
         _store([r for r in doc["rows"] if r["kind"] != "anchor" and not r.get("mode_copy_of")
-                and not r["candidate"].endswith((speed_cpu.HEAD_INT8, speed_cpu.HF_SUFFIX))],
+                and not r["candidate"].endswith((*speed_cpu.HEAD_SUFFIXES, speed_cpu.HF_SUFFIX))],
                "e2e-cpu", args.results, args.model)
     return 0
 

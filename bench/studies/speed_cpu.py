@@ -50,6 +50,16 @@ DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
 
 HEAD_INT8 = " +int8 head"        # the suffix of a packed candidate whose output head lrq.packed.quantize_head packed
+HEAD_BF16 = " +bf16 table"       # ... whose float32 table quantize_head holds in bf16 (lossless: --bf16-table)
+HEAD_SUFFIXES = {HEAD_INT8: "int8", HEAD_BF16: "bf16"}
+
+
+def _scheme_and_head(name: str) -> tuple[str, str | None]:
+    """A packed candidate's scheme and its quantize_head format (None: the model's own head)."""
+    for suffix, fmt in HEAD_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), fmt
+    return name, None
 PROFILE_GROUPS = ("quantized linears", "output head", "attention/SDPA, RoPE, norms and other ops",
                   "framework/Python overhead", "fused decoder layers (one lrq.native call each)")
 
@@ -95,7 +105,7 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, de
     # one throwaway build first: what the first load and calibration leave for good (imported code, cached texts,
     # the tokenizer) must not be counted as the first candidate's weights
     loaded = load_model(model_name) if dense else None
-    if dense and any(get_method("rtn").needs_calibration(get_scheme(s.removesuffix(HEAD_INT8))) for s in schemes):
+    if dense and any(get_method("rtn").needs_calibration(get_scheme(_scheme_and_head(s)[0])) for s in schemes):
         D.calibration_set(loaded.tokenizer, D.resolve_data_dir(data_dir), "c4", 16, 512)
     del loaded
     out = []
@@ -110,13 +120,14 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, de
         else:
             held = dtype
             model.to(held)
-            scheme, rtn = get_scheme(name.removesuffix(HEAD_INT8)), get_method("rtn")
+            (scheme_name, head_format), rtn = _scheme_and_head(name), get_method("rtn")
+            scheme = get_scheme(scheme_name)
             calib = (D.calibration_set(tok, D.resolve_data_dir(data_dir), "c4", 16, 512)
                      if rtn.needs_calibration(scheme) else None)
             rtn.quantize(model, scheme, rtn.config("quick"), calib)
             pack_model(model)
-            if name.endswith(HEAD_INT8):
-                quantize_head(model, "int8")
+            if head_format:
+                quantize_head(model, head_format)
         del loaded, calib
         _own_memory(model)
         _warm(model)   # what a format converts or caches at its first forward is part of what it holds
@@ -497,9 +508,10 @@ def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[C
 
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
         data_dir: str | None, anchors: list[str] | None = None, int8_head: bool | str = False,
-        runtime: str = "auto", float32_decode: str = "exact") -> dict:
+        runtime: str = "auto", float32_decode: str = "exact", bf16_table: bool = False) -> dict:
     """The study. `int8_head`: True (or "profiled") measures the profiled scheme's int8-head copy as well (with
-    anchors: the profile is theirs), "all" every packed scheme's."""
+    anchors: the profile is theirs), "all" every packed scheme's; `bf16_table` (float32 models): every packed scheme
+    again with its table held in bf16 (lossless)."""
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
@@ -509,6 +521,9 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     if len(modes) > 1 and dtype != torch.float32:
         raise UserError(f"--fp32-decode {float32_decode}: several modes compare float32 decode steps, but the packed "
                         f"models are held in {decided.used} here; add --precision fp32 or give one mode")
+    if bf16_table and dtype != torch.float32:
+        raise UserError(f"--bf16-table holds a float32 model's table in bf16, but the packed models are held in "
+                        f"{decided.used} here (their table is bf16 already); add --precision fp32 or drop it")
     n_ctx = max(prefill_len, 16 + decode_steps + 8)
     probe_anchors(model_name, anchors or [], threads, n_ctx)   # before anything is built: a crash costs a minute
     cands = build(model_name, schemes, dtype, data_dir)
@@ -531,8 +546,12 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
         anchor_cands, extra = build_anchors(model_name, anchors, threads, n_ctx)
     if int8_head == "all":
         head_copies = [c.name for c in cands if c.kind == "packed"]
-    if head_copies:   # the int8-head copies (lrq.packed.quantize_head), built after the profile
-        heads = build(model_name, [n + HEAD_INT8 for n in head_copies], dtype, data_dir, dense=False)
+    if bf16_table:   # the lossless bf16-table copies of every packed scheme (float32 models only)
+        head_copies = [n + HEAD_BF16 for n in schemes] + [n + HEAD_INT8 for n in head_copies]
+    else:
+        head_copies = [n + HEAD_INT8 for n in head_copies]
+    if head_copies:   # the int8-head (and bf16-table) copies (lrq.packed.quantize_head), built after the profile
+        heads = build(model_name, head_copies, dtype, data_dir, dense=False)
         _set_float32_decode(heads, modes[0])
         cands += attach_runtime(heads, "hf" if runtime == "hf" else "auto", max_len)
     cands += _mode_copies(cands, modes[1:])
@@ -590,13 +609,21 @@ def markdown(doc: dict) -> str:
         f"timed, the last position's logits only). Prefill: tokens/s of one {doc['prefill']}-token forward, the "
         f"last position's logits only. Weight memory: the resident memory each model added when it was built. "
         f"Ratios against the faster dense model per measure (decode: {ref['decode']}; prefill: {ref['prefill']}); "
-        f"memory against dense bf16.", "",
+        f"memory against dense bf16.{_bf16_table_sentence(doc)}", "",
         _runtime_sentence(doc), "",
         tabulate(body, headers=["candidate", "held in", "runtime", "decode ms/token", "decode CPU ms", "prefill tok/s",
                                 "weight MiB", "decode vs dense", "prefill vs dense", "memory vs bf16"],
                  tablefmt="github", disable_numparse=True), ""])
     extra = _anchor_markdown(doc)
     return lines + ("\n" + extra if extra else "")
+
+
+def _bf16_table_sentence(doc: dict) -> str:
+    if not any(r["candidate"].endswith(HEAD_BF16) for r in doc["rows"]):
+        return ""
+    return (f" `<scheme>{HEAD_BF16}`: the same packed model with its float32 output head and tied embedding held in "
+            f"bf16 (lrq.packed.quantize_head(model, \"bf16\"), refused where a value would change: the checkpoint is "
+            f"bf16, so the logits are the float32 head's up to float rounding), the rest held and computed in float32.")
 
 
 def _kernels_isa() -> dict:

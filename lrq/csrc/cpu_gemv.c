@@ -2349,9 +2349,10 @@ const char *lrq_isa(void) {
  * summed in float32 and rounded once. bf16 through AVX512-BF16 dot products where the CPU has them, else widened
  * to float32; four rows at a time; rows split over threads. */
 
-static void dense_rows(const void *w, const void *x, const float *xf, void *y, int bf16, int j0, int j1, int k) {
+static void dense_rows(const void *w, const void *x, const float *xf, void *y, int wb, int bf16, int j0, int j1,
+                       int k) {
 #if defined(BF16_DOT)
-  if (bf16 && k % 32 == 0) {   /* four rows at a time: each x piece loaded once for four weight rows */
+  if (wb && bf16 && k % 32 == 0) {   /* four rows at a time: each x piece loaded once for four weight rows */
     const uint16_t *xb = x;
     for (; j0 + 4 <= j1; j0 += 4) {
       const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
@@ -2374,7 +2375,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
   if (k % 16 == 0) {   /* four rows at a time, widened to float32 (float32 weights; bf16 ones without AVX512-BF16) */
     for (; j0 + 4 <= j1; j0 += 4) {
       v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
-      if (bf16) {
+      if (wb) {
         const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         for (int i = 0; i < k; i += 16) {
           if (i % 32 == 0) PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
@@ -2398,7 +2399,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
   for (int j = j0; j < j1; j++) {
     float out;
 #if defined(BF16_DOT)
-    if (bf16) {
+    if (wb && bf16) {
       const uint16_t *wr = (const uint16_t *)w + (size_t)j * k, *xb = x;
       __m512 a = _mm512_setzero_ps(), b = a;
       int i = 0;
@@ -2416,7 +2417,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
     {
       v16 a = vzero(), b = a;
       int i = 0;
-      if (bf16) {
+      if (wb) {
         const uint16_t *wr = (const uint16_t *)w + (size_t)j * k;
         for (; i + 32 <= k; i += 32) {
           a = vfmav(vload_bf16(wr + i), vload(xf + i), a);
@@ -2438,15 +2439,19 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
   }
 }
 
-int lrq_dense_gemv(const void *w, const void *x, void *y, int bf16, int n, int k, int nthreads) {
-  if (n < 1 || k < 1) return 1;
+/* dense_gemv: y [n] = w [n, k] x [k]; `dtypes` 0: all float32, 1: all bf16, 2: the weight bf16, x and y float32 (a
+ * float32 model's table held in bf16: lrq.packed.quantize_head(model, "bf16"); the weight widened exactly, the sums
+ * those of a float32 weight of the same values) */
+int lrq_dense_gemv(const void *w, const void *x, void *y, int dtypes, int n, int k, int nthreads) {
+  if (n < 1 || k < 1 || dtypes < 0 || dtypes > 2) return 1;
+  int bf16 = dtypes == 1, wb = dtypes != 0;
   float *xf = scratch_get(sizeof(float) * (size_t)k);
   if (!xf) return 2;
   for (int i = 0; i < k; i++) xf[i] = load_any(x, bf16, i);
   int chunk = 16, units = (n + chunk - 1) / chunk;
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
   for (int u = 0; u < units; u++)
-    dense_rows(w, x, xf, y, bf16, u * chunk, u * chunk + chunk < n ? u * chunk + chunk : n, k);
+    dense_rows(w, x, xf, y, wb, bf16, u * chunk, u * chunk + chunk < n ? u * chunk + chunk : n, k);
   return 0;
 }
 
