@@ -119,7 +119,7 @@ def load(folder: str | os.PathLike, dtype=None, head: str | None = None):
     """The model `save` wrote, with packed linears (identical logits). `head="int8"`: its output head (and a tied
     embedding with it) held as 8-bit levels per output channel, a deployment choice on the CPU that changes the logits
     (lrq.packed.quantize_head; what it costs: bench.studies.head_int8); `head="bf16"` (a float32 model): its table
-    held in bf16 where no value changes (half the bytes, the same logits up to float rounding)."""
+    held in bf16 (half the bytes; lossless for a bf16 checkpoint, else rounded as a bf16 model's)."""
     from lrq.export import load_compressed
     model = load_compressed(folder, dtype)
     if head is not None:

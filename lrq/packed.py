@@ -500,8 +500,9 @@ class PackedEmbedding(nn.Module):
 
 
 class TableHead(nn.Module):
-    """A float32 model's output head whose weight is held in bf16 because that loses nothing: every value is a bf16
-    value (a checkpoint stored in bf16, cast to float32). Products and sums in float32 on the weight widened exactly:
+    """A float32 model's output head whose weight is held in bf16: lossless for a checkpoint stored in bf16 (every value
+    a bf16 value), else each value rounded to bf16 (nearest even, as the dense bf16 model rounds it: quantize_head
+    reports how many). Products and sums in float32 on the weight widened exactly:
     several tokens through torch's GEMM on float32 slices of the table (the float32 head's logits bit for bit), up to
     NATIVE_MAX_M through lrq.native's GEMV a token at a time (the sums it makes on the float32 table: the lean
     runtime's decode steps keep their bits; against torch's GEMV, float rounding). Half the bytes a decode step
@@ -559,14 +560,13 @@ class TableEmbedding(nn.Module):
 
 
 def _hold_table_bf16(model: nn.Module, head: nn.Linear, emb: nn.Module, tied: bool) -> dict[str, int]:
-    """quantize_head's "bf16": the head (and a tied embedding) as TableHead / TableEmbedding, where that is lossless."""
+    """quantize_head's "bf16": the head (and a tied embedding) as TableHead / TableEmbedding; `values_rounded` counts
+    the values bf16 could not hold (0 for a bf16 checkpoint: lossless)."""
     w = head.weight
     if w.dtype != torch.float32:
         raise UserError(f"quantize_head(model, 'bf16') holds a float32 model's table in bf16; this head is "
                         f"{str(w.dtype).replace('torch.', '')} already")
-    if not torch.equal(w, w.bfloat16().float()):
-        raise UserError("the output head's weight has values bf16 cannot hold (the checkpoint is not bf16): holding "
-                        "it in bf16 would change the logits; keep it in float32, or use quantize_head(model, 'int8')")
+    rounded = int((w != w.bfloat16().float()).sum())   # 0 for a bf16 checkpoint
     before = w.numel() * w.element_size()
     table = TableHead(w, head.bias)
     model.set_output_embeddings(table)
@@ -575,7 +575,8 @@ def _hold_table_bf16(model: nn.Module, head: nn.Linear, emb: nn.Module, tied: bo
         model.set_input_embeddings(TableEmbedding(table, emb.weight.dtype, emb.padding_idx,
                                                   None if scale is None else torch.as_tensor(scale)))
     model._lrq_head = "bf16"
-    return {"head_bytes": before, "head_bytes_packed": table.weight.numel() * 2, "embedding_shared": int(tied)}
+    return {"head_bytes": before, "head_bytes_packed": table.weight.numel() * 2, "embedding_shared": int(tied),
+            "values_rounded": rounded}
 
 
 @torch.no_grad()
@@ -586,9 +587,9 @@ def quantize_head(model: nn.Module, fmt: str = "int8", share_embedding: bool = T
     is held once at a quarter of float32's bytes or half of bf16's; `share_embedding=False` keeps the embedding's own
     table (the head alone quantized, the table held twice).
 
-    `fmt="bf16"` instead holds a float32 model's head (and tied embedding) in bf16 where that changes no value (a
-    bf16 checkpoint cast to float32; refused otherwise): TableHead and TableEmbedding, half the bytes, the float32
-    head's logits up to float rounding.
+    `fmt="bf16"` instead holds a float32 model's head (and tied embedding) in bf16 (TableHead and TableEmbedding,
+    half the bytes): lossless for a bf16 checkpoint cast to float32 (the float32 head's logits up to float rounding),
+    else the table rounded as the dense bf16 model rounds it (`values_rounded` says how many values changed).
 
     A deployment choice beside the method, not part of it: every method leaves the head unquantized (METHOD.md) and
     the export (lrq.export, compressed-tensors) ignores lm_head, so a model with a packed head is not exported.

@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                          "models, interleaved")
     ap.add_argument("--bf16-table", action="store_true",
                     help="e2e on the CPU, packed models held in float32: also measure each with its output head (and "
-                         "tied embedding) held in bf16, lossless for a bf16 checkpoint (lrq.packed.quantize_head(model, "
-                         "'bf16'); rows named '<scheme> +bf16 table')")
+                         "tied embedding) held in bf16, lossless for a bf16 checkpoint, else rounded as the dense bf16 model "
+                         "rounds it (lrq.packed.quantize_head(model, 'bf16'); rows named '<scheme> +bf16 table')")
     ap.add_argument("--int8-head", nargs="?", const="profiled", default=None, choices=["profiled", "all"],
                     help="e2e on the CPU: also measure packed models with an int8 output head (lrq.packed."
                          "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "

@@ -113,7 +113,7 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, de
         before = _rss()
         loaded = load_model(model_name)
         model, tok = loaded.model.eval(), loaded.tokenizer
-        calib = None
+        calib, held_head = None, None
         if name.startswith("dense"):
             held = torch.bfloat16 if name.endswith("bf16") else torch.float32
             model.to(held)
@@ -127,12 +127,14 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, de
             rtn.quantize(model, scheme, rtn.config("quick"), calib)
             pack_model(model)
             if head_format:
-                quantize_head(model, head_format)
+                held_head = quantize_head(model, head_format)
         del loaded, calib
         _own_memory(model)
         _warm(model)   # what a format converts or caches at its first forward is part of what it holds
         out.append(Candidate(name, model, "dense" if name.startswith("dense") else "packed",
                              str(held).replace("torch.", ""), _rss() - before))
+        if held_head and "values_rounded" in held_head:
+            out[-1].info["head_values_rounded"] = held_head["values_rounded"]
     return out
 
 
@@ -621,9 +623,11 @@ def markdown(doc: dict) -> str:
 def _bf16_table_sentence(doc: dict) -> str:
     if not any(r["candidate"].endswith(HEAD_BF16) for r in doc["rows"]):
         return ""
+    rounded = {r.get("head_values_rounded") for r in doc["rows"] if r["candidate"].endswith(HEAD_BF16)}
+    how = ("lossless: every value a bf16 value" if rounded == {0} else
+           "this model's table has float32 values, rounded to bf16 as the dense bf16 model rounds them")
     return (f" `<scheme>{HEAD_BF16}`: the same packed model with its float32 output head and tied embedding held in "
-            f"bf16 (lrq.packed.quantize_head(model, \"bf16\"), refused where a value would change: the checkpoint is "
-            f"bf16, so the logits are the float32 head's up to float rounding), the rest held and computed in float32.")
+            f"bf16 (lrq.packed.quantize_head(model, \"bf16\"); {how}), the rest held and computed in float32.")
 
 
 def _kernels_isa() -> dict:
