@@ -470,16 +470,17 @@ class PackedEmbedding(nn.Module):
     (as llama.cpp holds a tied Q8_0 token embedding). The head is referred to, not a submodule: its buffers are
     counted and saved once."""
 
-    def __init__(self, head: PackedLinear, dtype: torch.dtype, padding_idx: int | None = None,
+    def __init__(self, head: nn.Module, dtype: torch.dtype, padding_idx: int | None = None,
                  embed_scale: torch.Tensor | None = None):
-        """`embed_scale`: the factor a scaled embedding (Gemma's) multiplies its rows by, in `dtype`, as it does."""
+        """`head`: the PackedLinear (TableEmbedding: the TableHead) whose table it reads; `embed_scale`: the factor a
+        scaled embedding (Gemma's) multiplies its rows by, in `dtype`, as it does."""
         super().__init__()
         self._head, self.dtype, self.padding_idx = [head], dtype, padding_idx
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.embed_scale = None if embed_scale is None else embed_scale.detach().clone()
 
     @property
-    def head(self) -> PackedLinear:
+    def head(self) -> nn.Module:
         return self._head[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -540,19 +541,12 @@ class TableHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight held in bf16 (lossless)"
 
 
-class TableEmbedding(nn.Module):
-    """The tied input embedding of a TableHead: rows of its bf16 table widened to `dtype` (exact), so the table is
-    held once."""
-
-    def __init__(self, head: TableHead, dtype: torch.dtype, padding_idx: int | None = None,
-                 embed_scale: torch.Tensor | None = None):
-        super().__init__()
-        self._head, self.dtype, self.padding_idx = [head], dtype, padding_idx
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        self.embed_scale = None if embed_scale is None else embed_scale.detach().clone()
+class TableEmbedding(PackedEmbedding):
+    """The tied input embedding of a TableHead: rows of its bf16 table widened to `dtype` (exact; Gemma's scale as
+    PackedEmbedding applies it), so the table is held once."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, self._head[0].weight).to(self.dtype)
+        rows = F.embedding(ids, self.head.weight).to(self.dtype)
         return rows * self.embed_scale.to(self.dtype) if self.embed_scale is not None else rows
 
     def extra_repr(self) -> str:
