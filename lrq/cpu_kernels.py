@@ -92,8 +92,8 @@ INT8_DEQUANTIZE_FROM_M = {torch.bfloat16: 32, torch.float32: 1}
 # vectorized bf16 int4 kernel (AVX512 and AVX2 paths in torch), its output rounded to bf16: the rounding of a bf16
 # model in those layers, several times faster; "i16" runs lrq.native's integer kernel (where it is built: AVX512-VNNI
 # with VBMI, or AVX2 on torch's AVX2 packing; elsewhere "exact"), the bf16 models' path there: each token's
-# activations as 16-bit integers per chunk of 256 (each rounded to 2^-16 of its chunk's largest magnitude, 2^7 finer
-# than a bf16 rounding), the products summed exactly in int32, the output float32. On an Intel Xeon held to AVX2 its
+# activations as 16-bit integers per chunk of 256 (each rounded to within 2^-15 of its chunk's largest magnitude, 2^7
+# finer than a bf16 rounding), the products summed exactly in int32, the output float32. On an Intel Xeon held to AVX2 its
 # 4-bit layers took 4.1 ms a token against 5.1 "exact" (SmolLM2-135M g128, one thread). Set per model with
 # lrq.packed.set_float32_decode.
 FLOAT32_DECODE = ("exact", "bf16", "i16")

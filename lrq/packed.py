@@ -560,9 +560,10 @@ def _hold_table_bf16(model: nn.Module, head: nn.Linear, emb: nn.Module, tied: bo
     if w.dtype != torch.float32:
         raise UserError(f"quantize_head(model, 'bf16') holds a float32 model's table in bf16; this head is "
                         f"{str(w.dtype).replace('torch.', '')} already")
-    rounded = int((w != w.bfloat16().float()).sum())   # 0 for a bf16 checkpoint
+    table_w = w.bfloat16()
+    rounded = int((table_w.float() != w).sum())   # 0 for a bf16 checkpoint
     before = w.numel() * w.element_size()
-    table = TableHead(w, head.bias)
+    table = TableHead(table_w, head.bias)
     model.set_output_embeddings(table)
     if tied:
         scale = getattr(emb, "embed_scale", None)

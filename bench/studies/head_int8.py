@@ -123,12 +123,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "head_int8" if fmt == "int8" else "head_bf16"
     atomic_write_text(out / f"{stem}.json", dumps_json(doc, indent=1))
+    md = (_bf16_markdown if fmt == "bf16" else _int8_markdown)(doc, decided, held, other_name)
+    atomic_write_text(out / f"{stem}.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+def _int8_markdown(doc: dict, decided, held: str, other: str) -> list[str]:
     cfg = doc["config"]
-    if fmt == "bf16":
-        md = _bf16_markdown(doc, decided, held, other_name)
-        atomic_write_text(out / f"{stem}.md", "\n".join(md) + "\n")
-        print("\n".join(md))
-        return 0
     md = ["# What an int8 output head costs in accuracy", "",
           f"smollm2-135m, the first {cfg['tokens']:,} WikiText-2 test tokens ({cfg['windows']} windows of 2,048), "
           f"precision {decided.used} ({decided.asked}: {decided.why}); "
@@ -138,15 +140,13 @@ def main(argv=None) -> int:
           "ratio's interval: 95 % t over paired windows.", "",
           "| model | input embedding | perplexity, head as held | perplexity, int8 head | ratio (int8 / held) "
           "[95 % CI] | mean KLD | top-1 agreement | head bytes (held -> int8) |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in doc["rows"]:
         label = "FP" if r["base"] == "fp" else f"RTN {r['base']}"
         hb, emb = r["head_bytes"], ("the head's int8 levels" if r["embedding"] == "shared" else "its own table")
-        md.append(f"| {label} | {emb} | {r['ppl_bf16_head']:.3f} | {r['ppl_int8_head']:.3f} | {r['ppl_ratio']:.4f} "
+        md.append(f"| {label} | {emb} | {r[f'ppl_{held}']:.3f} | {r[f'ppl_{other}']:.3f} | {r['ppl_ratio']:.4f} "
                   f"[{r['ppl_ratio_lo']:.4f}, {r['ppl_ratio_hi']:.4f}] | {r['kld_mean']:.5f} | {r['top1_agree']:.4f} | "
                   f"{hb['head_bytes'] / 2**20:.1f} -> {hb['head_bytes_packed'] / 2**20:.1f} MiB |")
-    atomic_write_text(out / "head_int8.md", "\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0
+    return md
 
 
 def _bf16_markdown(doc: dict, decided, held: str, other: str) -> list[str]:

@@ -60,6 +60,8 @@ def _scheme_and_head(name: str) -> tuple[str, str | None]:
         if name.endswith(suffix):
             return name.removesuffix(suffix), fmt
     return name, None
+
+
 PROFILE_GROUPS = ("quantized linears", "output head", "attention/SDPA, RoPE, norms and other ops",
                   "framework/Python overhead", "fused decoder layers (one lrq.native call each)")
 
@@ -621,9 +623,9 @@ def markdown(doc: dict) -> str:
 
 
 def _bf16_table_sentence(doc: dict) -> str:
-    if not any(r["candidate"].endswith(HEAD_BF16) for r in doc["rows"]):
-        return ""
     rounded = {r.get("head_values_rounded") for r in doc["rows"] if r["candidate"].endswith(HEAD_BF16)}
+    if not rounded:
+        return ""
     how = ("lossless: every value a bf16 value" if rounded == {0} else
            "this model's table has float32 values, rounded to bf16 as the dense bf16 model rounds them")
     return (f" `<scheme>{HEAD_BF16}`: the same packed model with its float32 output head and tied embedding held in "

@@ -17,8 +17,8 @@
  * with the levels' products summed in float32 vectors of 16 features (exact: q < 16), or, for bf16 activations
  * (and float32 ones where the layer's x16 asks: float32_decode "i16") where the CPU has AVX512-VNNI and VBMI, or
  * AVX2 without AVX-512 on torch's AVX2 packing, as int32 sums of 16-bit integer products (block64_i16, block32_i16:
- * the activations scaled per chunk of 256 rows, each rounded to 2^-16 of its chunk's largest). Output blocks are
- * split among `nthreads` OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
+ * the activations scaled per chunk of 256 rows, each rounded to within 2^-15 of its chunk's largest). Output blocks
+ * are split among `nthreads` OpenMP threads (the runtime torch itself uses, where torch's libgomp is the one loaded). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -526,7 +526,6 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
   /* the 16-bit path (bf16 activations, and float32 ones where the layer asks: every group the quantizer makes); its
    * chunks a token */
   int nc = 0, i16 = 0;
-  (void)i16;
 #if defined(I16_DOT)
   i16 = (x_bf16 || L->x16) && block == 64 && group % 4 == 0 && k_pad % 4 == 0;
 #elif defined(I16_AVX2)
