@@ -105,6 +105,9 @@ NATIVE_MAX_M = {torch.bfloat16: 1, torch.float32: 8}
 # the batch OneDNNOperand asks oneDNN's reorder to lay a weight out for (any above one gives the same layout here)
 PROBE_BATCH = 512
 PROBE_PIECE = 1 << 20   # positions OneDNNOperand's probe compares at once
+# the feature blocks of oneDNN's weight layouts lrq.native writes (OneDNNOperand.block_width): bf16 32 (an Intel Xeon
+# with AMX) or 64 (AVX512-BF16 without AMX: an AMD Zen 4); int8 64
+BLOCK_WIDTHS = {"bf16": (32, 64), "int8": (64,)}
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
@@ -354,8 +357,9 @@ class Int4Weights:
         lib = native.library()
         if x.dtype != torch.bfloat16 or lib is None or not x.is_contiguous():
             return None
+        forms = {32: native.UNPACK_BF16_BLOCKED, 64: native.UNPACK_BF16_BLOCKED64}
         return OneDNNOperand.product("bf16", x, self.packed.shape[0], self.packed.shape[1] * 2,
-                                     lambda at: self._unpack_into(at, native.UNPACK_BF16_BLOCKED))
+                                     lambda at, width: self._unpack_into(at, forms[width]))
 
     def _unpack_into(self, address: int, form: int) -> None:
         """lrq_int4_unpack_t's `form` of this layer written at `address` (lrq.native built)."""
@@ -425,8 +429,9 @@ class OneDNNOperand:
     shapes: 5.3 MB in bf16 and 2.7 MB in int8; a 7B model's largest bf16 shape alone is 86 MB, the size of the
     transient operand it replaces). Two kinds:
 
-    * "bf16": a 4-bit layer's dequantized weight (UNPACK_BF16_BLOCKED, [n / 32][k / 2][32][2]) for oneDNN's bf16
-      inner product (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked
+    * "bf16": a 4-bit layer's dequantized weight (UNPACK_BF16_BLOCKED, [n / 32][k / 2][32][2], on an Intel Xeon with
+      AMX; UNPACK_BF16_BLOCKED64, [n / 64][k / 2][64][2], where oneDNN runs AVX512-BF16 without AMX, an AMD Zen 4)
+      or an 8-bit one's (lrq_int8w_unpack's forms 2 and 3) for oneDNN's bf16 inner product (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked
       dense baseline run). On a 2-core Intel Xeon with AMX a 512 x 576 x 1536 GEMM took 842 us from the plain
       operand against 697 from the blocked one;
     * "int8": the int8 levels of W8A8 (lrq_int8_blocked) or W4A8 (UNPACK_I8_BLOCKED), [n / 64][k / 4][64][4] and
@@ -439,7 +444,7 @@ class OneDNNOperand:
     own row and column (integers below 128, exact in bf16 and int8) must place every value where lrq.native writes
     it (and, for int8, a weight's compensation must be its negated row sums); a torch or oneDNN that lays it out
     otherwise (or lacks the ops) gets None, and the caller its plain operand."""
-    _ok: dict[tuple[str, int, int], bool] = {}
+    _ok: dict[tuple[str, int, int], int] = {}
     _operands: dict[tuple[str, int, int], tuple] = {}
     _lock = threading.Lock()
 
@@ -472,10 +477,17 @@ class OneDNNOperand:
 
     @classmethod
     def layout_matches(cls, kind: str, n: int, k: int) -> bool:
+        return cls.block_width(kind, n, k) > 0
+
+    @classmethod
+    def block_width(cls, kind: str, n: int, k: int) -> int:
+        """How many features a block of oneDNN's layout of an [n, k] weight of `kind` holds where lrq.native writes
+        that layout (bf16: 32 on an Intel Xeon with AMX, 64 with AVX512-BF16 alone, an AMD Zen 4; int8: 64), else 0
+        (probed once per shape)."""
         key = (kind, n, k)
         if key not in cls._ok:
             shape_ok = n % 32 == 0 and k % 2 == 0 if kind == "bf16" else n % 64 == 0 and k % 4 == 0
-            cls._ok[key] = shape_ok and cls._ops_exist(kind) and cls._probe(kind, n, k)
+            cls._ok[key] = int(shape_ok and cls._ops_exist(kind) and cls._probe(kind, n, k))
         return cls._ok[key]
 
     @staticmethod
@@ -485,13 +497,14 @@ class OneDNNOperand:
         return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype)
 
     @classmethod
-    def _probe(cls, kind: str, n: int, k: int) -> bool:
-        """Whether oneDNN lays an [n, k] weight of `kind` out as lrq.native writes it: four reorders, one at a time,
-        of weights holding their row mod 128, row // 128, column mod 128, column // 128 (exact in bf16 and int8),
-        each compared in pieces with where the blocked order puts them (a 7B model's largest layer at a time, not
-        four)."""
+    def _probe(cls, kind: str, n: int, k: int) -> int:
+        """The block width (BLOCK_WIDTHS) with which oneDNN lays an [n, k] weight of `kind` out as lrq.native writes
+        it, or 0: four reorders, one at a time, of weights holding their row mod 128, row // 128, column mod 128,
+        column // 128 (exact in bf16 and int8), each compared in pieces with where each candidate's blocked order
+        puts them (a 7B model's largest layer at a time, not four)."""
         dtype = torch.bfloat16 if kind == "bf16" else torch.int8
-        nb, kb = (32, 2) if kind == "bf16" else (64, 4)
+        kb = 2 if kind == "bf16" else 4
+        widths = [nb for nb in BLOCK_WIDTHS[kind] if n % nb == 0]
         rows, cols = torch.arange(n, dtype=torch.int32)[:, None], torch.arange(k, dtype=torch.int32)[None, :]
         for of_rows, part in ((True, lambda v: v % 128), (True, lambda v: v // 128), (False, lambda v: v % 128),
                               (False, lambda v: v // 128)):
@@ -499,19 +512,23 @@ class OneDNNOperand:
             raw = cls._raw(cls.reorder(kind, w), dtype)
             del w
             if raw.numel() != n * k + (0 if kind == "bf16" else 4 * n):
-                return False
+                return 0
             for p0 in range(0, n * k, PROBE_PIECE):
+                if not widths:
+                    return 0
                 p1 = min(p0 + PROBE_PIECE, n * k)
-                pos = torch.arange(p0, p1, dtype=torch.int64)
-                where = ((pos // (nb * k)) * nb + (pos // kb) % nb if of_rows
-                         else ((pos // (kb * nb)) % (k // kb)) * kb + pos % kb)
-                if not torch.equal(raw[p0:p1].to(torch.int64), part(where)):
-                    return False
+                pos, got = torch.arange(p0, p1, dtype=torch.int64), raw[p0:p1].to(torch.int64)
+                widths = [nb for nb in widths
+                          if torch.equal(got, part((pos // (nb * k)) * nb + (pos // kb) % nb if of_rows
+                                                   else ((pos // (kb * nb)) % (k // kb)) * kb + pos % kb))]
+        if not widths:
+            return 0
         if kind == "int8":   # the compensation after the levels: each feature's negated sum
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
             tail = cls._raw(cls.reorder(kind, w), torch.uint8)[n * k:].view(torch.int32)
-            return torch.equal(tail, -w.sum(dim=1, dtype=torch.int32))
-        return True
+            if not torch.equal(tail, -w.sum(dim=1, dtype=torch.int32)):
+                return 0
+        return widths[0]
 
     @classmethod
     def scratch(cls, kind: str, n: int, k: int) -> tuple | None:
@@ -542,14 +559,15 @@ class OneDNNOperand:
 
     @classmethod
     def product(cls, kind: str, x: torch.Tensor, n: int, k: int, write) -> torch.Tensor | None:
-        """x (contiguous [m, k]: bf16, or int8 for "int8") times the [n, k] weight that `write(address)` puts into
-        the operand: bf16 [m, n] from oneDNN's bf16 inner product, or the exact integer product as float32 from its
-        quantized one (unit scales, no zero points). None where the operand is not to be had (`borrowed`)."""
+        """x (contiguous [m, k]: bf16, or int8 for "int8") times the [n, k] weight that `write(address, width)` puts
+        into the operand (width: its block_width): bf16 [m, n] from oneDNN's bf16 inner product, or the exact integer
+        product as float32 from its quantized one (unit scales, no zero points). None where the operand is not to be
+        had (`borrowed`)."""
         with cls.borrowed(kind, n, k) as entry:
             if entry is None:
                 return None
             op, address, ones, zeros = entry
-            write(address)
+            write(address, cls.block_width(kind, n, k))
             if kind == "bf16":
                 return cls.linear(x, op)
             return torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, op, ones, zeros, None, 1.0, 0, torch.float32,
@@ -649,7 +667,7 @@ class Int8Weights:
         if x.dtype != torch.bfloat16 or native.library() is None or not self.per_channel or not x.is_contiguous():
             return None
         return OneDNNOperand.product("bf16", x, self.chunks[0].shape[0], self.widths[0],
-                                     lambda at: self._unpack_into(at, 2))
+                                     lambda at, width: self._unpack_into(at, 3 if width == 64 else 2))
 
     def _unpack_into(self, address: int, form: int) -> None:
         """lrq_int8w_unpack's `form` of this per-channel weight written at `address` (lrq.native built)."""
@@ -870,7 +888,7 @@ class Int8GemmWeights:
         n, k = self.weight.shape
         acc = None
         if lib is not None and xa.is_contiguous():
-            acc = OneDNNOperand.product("int8", xa, n, k, lambda at: native.checked(
+            acc = OneDNNOperand.product("int8", xa, n, k, lambda at, _width: native.checked(
                 lib.lrq_int8_blocked(self.weight.data_ptr(), self.wsum.data_ptr(), n, k, at, torch.get_num_threads()),
                 "int8 blocking"))
         return _int_mm(xa, self.weight.t()) if acc is None else acc
@@ -960,7 +978,7 @@ class Int4Int8Weights:
             if w.block == 64:
                 xp = xa if k_pad == w.k else F.pad(xa, (0, k_pad - w.k))   # the levels less 8, oneDNN's GEMM
                 acc = OneDNNOperand.product("int8", xp.contiguous(), n_pad, k_pad,
-                                            lambda at: w._unpack_into(at, native.UNPACK_I8_BLOCKED))
+                                            lambda at, _width: w._unpack_into(at, native.UNPACK_I8_BLOCKED))
         if acc is None:
             acc = _int_mm(xa, w.offset_levels_t()[:w.k])
         return _int8_corrected(acc[:, :w.n] if n_pad != w.n else acc, rowsum, x_zero, x_scale, self.col_term,

@@ -176,8 +176,8 @@ class DecoderLayer(ctypes.Structure):
                                                         "max_len")])
 
 
-UNPACK_F32, UNPACK_BF16, UNPACK_I8, UNPACK_BF16_BLOCKED, UNPACK_I8_BLOCKED = 0, 1, 2, 3, 4   # lrq_int4_unpack_t's
-#                                                                                       forms (cpu_gemv.c)
+# lrq_int4_unpack_t's forms (cpu_gemv.c)
+UNPACK_F32, UNPACK_BF16, UNPACK_I8, UNPACK_BF16_BLOCKED, UNPACK_I8_BLOCKED, UNPACK_BF16_BLOCKED64 = 0, 1, 2, 3, 4, 5
 
 
 def checked(rc: int, what: str) -> None:

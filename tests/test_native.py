@@ -164,19 +164,21 @@ def _blocked(plain: torch.Tensor, nb: int, kb: int) -> torch.Tensor:
                                        (48, 100, 32)])
 def test_prefill_operand_in_onednns_blocked_layout(n, k, group):
     """A bf16 prefill call writes its dequantized weight in oneDNN's blocked layout (OneDNNOperand): what lrq.native
-    writes (UNPACK_BF16_BLOCKED) is the plain dequantized weight in [n / 32][k / 2][32][2] order, every bit (whole
-    64-feature blocks, a remainder block of 32, padded rows), on any CPU; where this oneDNN lays weights out so
-    (the probe says), it is also oneDNN's own reorder of that weight, and the product is the plain operand's to the
-    bf16 output's rounding; where not (another layout, n_pad not a multiple of 32), the plain operand runs."""
+    writes (UNPACK_BF16_BLOCKED, UNPACK_BF16_BLOCKED64) is the plain dequantized weight in [n / W][k / 2][W][2]
+    order for W = 32 and 64, every bit (whole 64-feature blocks, a remainder block of 32, padded rows), on any CPU;
+    where this oneDNN lays weights out so (the probe says which W), it is also oneDNN's own reorder of that weight,
+    and the product is the plain operand's to the bf16 output's rounding; where not (another layout, n_pad not a
+    multiple of W), the plain operand runs."""
     from lrq.cpu_kernels import OneDNNOperand
     w = _weights(n, k, group)
     n_pad, k_pad = w.packed.shape[0], w.packed.shape[1] * 2
     plain = w.dequantized_t(torch.bfloat16).t().contiguous()          # [n_pad, k_pad]
-    if n_pad % 32 == 0:
+    for width, form in ((32, native.UNPACK_BF16_BLOCKED), (64, native.UNPACK_BF16_BLOCKED64)):
         out = torch.empty(n_pad * k_pad, dtype=torch.bfloat16)
-        assert native.library().lrq_int4_unpack_t(w._native_layer()[1], out.data_ptr(), native.UNPACK_BF16_BLOCKED,
-                                                  2) == 0
-        assert torch.equal(out.view(torch.int16), _blocked(plain, 32, 2).view(torch.int16))
+        rc = native.library().lrq_int4_unpack_t(w._native_layer()[1], out.data_ptr(), form, 2)
+        assert rc == (0 if n_pad % width == 0 else 1)
+        if rc == 0:
+            assert torch.equal(out.view(torch.int16), _blocked(plain, width, 2).view(torch.int16))
     x = torch.randn(40, k_pad, generator=torch.Generator().manual_seed(5)).bfloat16()
     x[:, k:] = 0                                   # the padded inputs, as mm pads them
     y = w._blocked_mm(x)
@@ -193,12 +195,14 @@ def test_prefill_operand_in_onednns_blocked_layout(n, k, group):
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_the_layout_probe_accepts_our_layout_and_only_it(monkeypatch, kind):
     """The probe against a simulated oneDNN (a reorder that lays weights out in a given order, its compensation the
-    negated row sums): ours is accepted, a 16-wide block, a transposed inner block or a wrong compensation refused.
-    And on a CPU with AMX (where this torch's oneDNN was read to lay bf16 and int8 weights out as lrq.native writes
-    them, on an Intel Xeon) the real one is accepted: a probe refusing everything would keep the slower operands."""
-    from lrq.cpu_kernels import OneDNNOperand
-    nb, kb = (32, 2) if kind == "bf16" else (64, 4)
-    real = OneDNNOperand.layout_matches(kind, 256, 128)
+    negated row sums): ours is accepted with each block width lrq.native writes (and says which), a 16-wide block,
+    a transposed inner block or a wrong compensation refused. And on a CPU with AMX (where this torch's oneDNN was
+    read to lay bf16 and int8 weights out as lrq.native writes them, 32 features a bf16 block, on an Intel Xeon) or
+    with AVX512-BF16 and VNNI alone (64 a bf16 block, an AMD Zen 4) the real one is accepted: a probe refusing
+    everything would keep the slower operands."""
+    from lrq.cpu_kernels import BLOCK_WIDTHS, OneDNNOperand
+    kb = 2 if kind == "bf16" else 4
+    real = OneDNNOperand.block_width(kind, 256, 128)
 
     def simulated(order, sums=1):
         def make(_kind, w):
@@ -208,16 +212,23 @@ def test_the_layout_probe_accepts_our_layout_and_only_it(monkeypatch, kind):
             return torch.cat([body, tail])
         return make
 
-    ours = lambda w: _blocked(w, nb, kb)                                           # noqa: E731
-    narrow = lambda w: _blocked(w, 16, kb)                                         # noqa: E731
-    swapped = lambda w: w.reshape(-1, nb, w.shape[1] // kb, kb).permute(0, 2, 3, 1).reshape(-1)   # noqa: E731
+    def ours(nb):
+        return lambda w: _blocked(w, nb, kb)
+
+    def swapped(nb):
+        return lambda w: w.reshape(-1, nb, w.shape[1] // kb, kb).permute(0, 2, 3, 1).reshape(-1)
+
     monkeypatch.setattr(OneDNNOperand, "_raw", staticmethod(lambda t, dtype=torch.bfloat16: t.view(dtype)))
-    cases = [(ours, 1, True), (narrow, 1, False), (swapped, 1, False)] + ([(ours, 2, False)] if kind == "int8" else [])
-    for order, sums, accepted in cases:
+    cases = ([(ours(nb), 1, nb) for nb in BLOCK_WIDTHS[kind]] + [(ours(16), 1, 0), (ours(128), 1, 0)]
+             + [(swapped(nb), 1, 0) for nb in BLOCK_WIDTHS[kind]] + ([(ours(64), 2, 0)] if kind == "int8" else []))
+    for order, sums, width in cases:
         monkeypatch.setattr(OneDNNOperand, "reorder", staticmethod(simulated(order, sums)))
-        assert OneDNNOperand._probe(kind, 256, 128) is accepted
-    if {"amx_bf16", "amx_int8"} <= _cpu_flags():
-        assert real
+        assert OneDNNOperand._probe(kind, 256, 128) == width
+    flags = _cpu_flags()
+    if {"amx_bf16", "amx_int8"} <= flags:
+        assert real == (32 if kind == "bf16" else 64)
+    elif {"avx512_bf16", "avx512_vnni"} <= flags:
+        assert real == 64
 
 
 def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
@@ -452,7 +463,7 @@ def test_int8_weight_only_decode_is_the_dequantized_product(n, k, dtype, m):
 @pytest.mark.parametrize("amx", [True, False])
 def test_int8_weight_only_prefill_operands(n, k, amx, monkeypatch):
     """An 8-bit weight-only prefill call (bf16, 64 tokens): on AMX tiles where they run (lrq_amx_bf16_int8w_linear: n a
-    multiple of 64, k of 32), else through oneDNN's blocked layout where it matches (lrq_int8w_unpack's form 2: n a
+    multiple of 64, k of 32), else through oneDNN's blocked layout where it matches (lrq_int8w_unpack's form 2 or 3: n a
     multiple of 32, k even, as at SmolLM2's shapes; oneDNN pads some depths and its probe then refuses), else the plain
     bf16 operand (form 1); each the product of x and the bf16 values torch's ops make, within float32 sums' order. The
     float32 and bf16 operands are torch's ops' values bit for bit (ragged k included)."""
@@ -479,9 +490,17 @@ def test_int8_weight_only_prefill_operands(n, k, amx, monkeypatch):
     monkeypatch.setattr(native, "library", lambda: Spy())
     y = w.mm(x)
     tiles = CK.amx_ready() and n % 64 == 0 and k % 32 == 0
-    blocked = OneDNNOperand.layout_matches("bf16", n, k)
-    assert blocked or (n, k) != (64, 576) or not OneDNNOperand._ops_exist("bf16")
-    assert calls == (["amx"] if tiles else [2] if blocked else [1])
+    width = OneDNNOperand.block_width("bf16", n, k)
+    assert width or (n, k) != (64, 576) or not OneDNNOperand._ops_exist("bf16")
+    assert calls == (["amx"] if tiles else [{32: 2, 64: 3}[width]] if width else [1])
+    # forms 2 and 3 are the bf16 operand in oneDNN's blocks of 32 and 64 features, bit for bit, on any CPU
+    plain = w.dequantized_torch(torch.bfloat16)
+    for form, nb in ((2, 32), (3, 64)):
+        out = torch.empty(n * k, dtype=torch.bfloat16)
+        rc = real.lrq_int8w_unpack(*w._native_weight(), n, k, out.data_ptr(), form, 2)
+        assert rc == (0 if n % nb == 0 and k % 2 == 0 else 1)
+        if rc == 0:
+            assert torch.equal(out.view(torch.int16), _blocked(plain, nb, 2).view(torch.int16))
     ref = x.double() @ w.dequantized_torch(torch.bfloat16).double().t()
     room = x.double().abs() @ w.dequantized_torch(torch.bfloat16).double().abs().t()
     assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs() <= room * 2 ** -7 + 1e-6).all()

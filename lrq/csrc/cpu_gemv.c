@@ -606,17 +606,20 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
  *     lrq.cpu_kernels.Int4Weights.dequantized_t_torch computes, bit for bit; a 4-bit prefill call multiplies by this
  *     transient operand (torch's GEMM, far faster there than its int4 GEMM);
  *   UNPACK_I8: the levels less 8 (int8): W4A8's prefill operand for the int8 GEMM (Int4Int8Weights.mm);
- *   UNPACK_BF16_BLOCKED: UNPACK_BF16's values, not transposed, in oneDNN's blocked layout for a bf16 inner product
- *     (what torch.ops.mkldnn._reorder_linear_weight makes of an [n, k] weight for a batch above one, read off by
- *     lrq.cpu_kernels.OneDNNOperand before it is used): [n_pad / 32][k_pad / 2][32][2], the two values of each pair
- *     rows k and k + 1 of one feature. A prefill call's GEMM then reads it as the prepacked dense model's does,
- *     without oneDNN reordering a plain operand first. n_pad must be a multiple of 32.
+ *   UNPACK_BF16_BLOCKED, UNPACK_BF16_BLOCKED64: UNPACK_BF16's values, not transposed, in oneDNN's blocked layout for
+ *     a bf16 inner product (what torch.ops.mkldnn._reorder_linear_weight makes of an [n, k] weight for a batch above
+ *     one, read off by lrq.cpu_kernels.OneDNNOperand before it is used): [n_pad / W][k_pad / 2][W][2], the two
+ *     values of each pair rows k and k + 1 of one feature, W = 32 (oneDNN's blocking on an Intel Xeon with AMX) or
+ *     64 (the latter form: its blocking with AVX512-BF16 and no AMX, an AMD Zen 4). A prefill call's GEMM then reads
+ *     it as the prepacked dense model's does, without oneDNN reordering a plain operand first. n_pad must be a
+ *     multiple of W.
  *   UNPACK_I8_BLOCKED: UNPACK_I8's levels in oneDNN's blocked int8 layout for its quantized inner product (what
  *     torch.ops.onednn.qlinear_prepack makes of an [n, k] int8 weight; lrq.cpu_kernels.OneDNNOperand checks it):
  *     [n_pad / 64][k_pad / 4][64][4] bytes, the four of a feature rows 4i..4i+3, then int32 [n_pad] the negated
  *     sums of each feature's levels (oneDNN's compensation for its u8 x s8 products); n_pad a multiple of 64 and
  *     k_pad of 4. */
-enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2, UNPACK_BF16_BLOCKED = 3, UNPACK_I8_BLOCKED = 4 };
+enum { UNPACK_F32 = 0, UNPACK_BF16 = 1, UNPACK_I8 = 2, UNPACK_BF16_BLOCKED = 3, UNPACK_I8_BLOCKED = 4,
+       UNPACK_BF16_BLOCKED64 = 5 };
 
 #if defined(__AVX512BW__)
 /* 32 bf16 values of row k (a) and of row k + 1 (b), one per feature, as the 32 pairs (a[i], b[i]) at dst */
@@ -628,10 +631,13 @@ static inline void store_pairs(uint16_t *dst, __m512i a, __m512i b) {
 }
 #endif
 
-/* rows k and k + 1 of `width` features (bf16, t0 and t1) into the blocked layout of features c0.. (c0 % 32 == 0) */
-static void put_blocked(uint16_t *out, const uint16_t *t0, const uint16_t *t1, int c0, int width, int k, int k_pad) {
+/* rows k and k + 1 of `width` features (bf16, t0 and t1) into the blocked layout of W features a block (32 or 64)
+ * of features c0.. (c0 % 32 == 0) */
+static void put_blocked(uint16_t *out, const uint16_t *t0, const uint16_t *t1, int c0, int width, int k, int k_pad,
+                        int W) {
   for (int sb = 0; sb < width; sb += 32) {
-    uint16_t *dst = out + (size_t)((c0 + sb) / 32) * 32 * k_pad + (size_t)(k / 2) * 64;
+    int c = c0 + sb;
+    uint16_t *dst = out + (size_t)(c / W) * W * k_pad + (size_t)(k / 2) * 2 * W + (size_t)(c % W) * 2;
 #if defined(__AVX512BW__)
     store_pairs(dst, _mm512_loadu_si512(t0 + sb), _mm512_loadu_si512(t1 + sb));
 #else
@@ -748,10 +754,11 @@ static void i8_levels_block(const uint8_t *blk, int k_pad, int8_t *dst, int32_t 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* one block of 64 features of a 4-bit packing (block 64) dequantized to bf16 (UNPACK_BF16's values) in the blocked
- * order [k_pad / 2][32][2] of features c0..c0+31 at d0 and c0+32..c0+63 at d1 (UNPACK_BF16_BLOCKED; the AMX
- * weight-only prefill's panel): both rows' 64 values a step in registers, the group's scales kept (group even) */
+ * order [k_pad / 2][32][2] of features c0..c0+31 at d0 and c0+32..c0+63 at d1, each pair of rows `pitch` values
+ * after the last (64: UNPACK_BF16_BLOCKED, the AMX weight-only prefill's panel; 128 with d1 = d0 + 64:
+ * UNPACK_BF16_BLOCKED64): both rows' 64 values a step in registers, the group's scales kept (group even) */
 static void bf16_levels_block(const uint8_t *blk, const float *s, const float *zc, int n_pad, int c0, int k_pad,
-                              int group, uint16_t *d0, uint16_t *d1) {
+                              int group, uint16_t *d0, uint16_t *d1, size_t pitch) {
   for (int g0 = 0; g0 < k_pad; g0 += group) {
     const float *sg = s + (size_t)(g0 / group) * n_pad + c0, *zg = zc + (size_t)(g0 / group) * n_pad + c0;
     __m512 s0 = vload(sg), s1 = vload(sg + 16), s2 = vload(sg + 32), s3 = vload(sg + 48);
@@ -763,8 +770,8 @@ static void bf16_levels_block(const uint8_t *blk, const float *s, const float *z
       __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(lo_f(e1), s1, z1), vfmav(lo_f(e0), s0, z0));
       __m512i ha = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(a1), s3, z3), vfmav(hi_f(a0), s2, z2));
       __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(vfmav(hi_f(e1), s3, z3), vfmav(hi_f(e0), s2, z2));
-      store_pairs(d0 + (size_t)(k / 2) * 64, ka, kb);
-      store_pairs(d1 + (size_t)(k / 2) * 64, ha, hb);
+      store_pairs(d0 + (size_t)(k / 2) * pitch, ka, kb);
+      store_pairs(d1 + (size_t)(k / 2) * pitch, ha, hb);
     }
   }
 }
@@ -775,7 +782,8 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   const float *s = L->s, *zc = L->zc;
   int n_pad = L->n_pad, k_pad = L->k_pad, group = L->group, block = L->block;
   if ((block != 64 && block != 32) || group <= 0 || n_pad % 16 || k_pad % 2 || form < 0 ||
-      form > UNPACK_I8_BLOCKED || (form == UNPACK_BF16_BLOCKED && n_pad % 32) ||
+      form > UNPACK_BF16_BLOCKED64 || (form == UNPACK_BF16_BLOCKED && n_pad % 32) ||
+      (form == UNPACK_BF16_BLOCKED64 && n_pad % 64) ||
       (form == UNPACK_I8_BLOCKED && (n_pad % 64 || k_pad % 4 || block != 64)))
     return 1;
   int nb = n_pad / block, rem = n_pad - nb * block, half = block / 2, units = nb + (rem > 0);
@@ -788,7 +796,8 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
                       comp + (size_t)b * 64);
     return 0;
   }
-  if (form == UNPACK_BF16_BLOCKED) {
+  if (form == UNPACK_BF16_BLOCKED || form == UNPACK_BF16_BLOCKED64) {
+    int W = form == UNPACK_BF16_BLOCKED64 ? 64 : 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) \
         if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
     for (int b = 0; b < units; b++) {
@@ -797,8 +806,9 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
       uint16_t t[2][64];
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if (b < nb && block == 64 && group % 2 == 0) {   /* in registers */
-        uint16_t *d0 = (uint16_t *)out + (size_t)(c0 / 32) * 32 * k_pad;
-        bf16_levels_block(blk, s, zc, n_pad, c0, k_pad, group, d0, d0 + (size_t)32 * k_pad);
+        uint16_t *d0 = (uint16_t *)out + (size_t)(c0 / W) * W * k_pad + (size_t)(c0 % W) * 2;
+        bf16_levels_block(blk, s, zc, n_pad, c0, k_pad, group, d0, W == 64 ? d0 + 64 : d0 + (size_t)32 * k_pad,
+                          (size_t)2 * W);
         continue;
       }
 #endif
@@ -814,7 +824,7 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
             }
           }
         }
-        put_blocked(out, t[0], t[1], c0, width, k, k_pad);
+        put_blocked(out, t[0], t[1], c0, width, k, k_pad, W);
       }
     }
     return 0;
@@ -2075,7 +2085,7 @@ typedef struct {
 } amx_job;
 
 static void int8w_block32(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int j0, int k,
-                          uint32_t *dst);   /* below, beside int8w_unpack */
+                          uint32_t *dst, size_t pitch);   /* below, beside int8w_unpack */
 
 /* the outputs of rows r0..r1 of a 32 x 32 block of products acc (rows t0 + r, features j0.., those below n
  * written): amx_int8_linear's int8_correct operations (corrected16; the features' terms loaded once a call) or
@@ -2121,12 +2131,12 @@ static void amx_finish_rows(const amx_job *J, const int32_t *acc, int r0, int r1
 static void amx_panel(const amx_job *J, int p, uint8_t *panel) {
   int k = J->k;
   if (J->bf16 && J->w8) {   /* its two halves of 32 features dequantized into the tiles' order (int8w_unpack's) */
-    int8w_block32(J->w8, J->w8_stride, J->s8, J->zt8, 64 * p, k, (uint32_t *)panel);
-    int8w_block32(J->w8, J->w8_stride, J->s8, J->zt8, 64 * p + 32, k, (uint32_t *)panel + (size_t)16 * k);
+    int8w_block32(J->w8, J->w8_stride, J->s8, J->zt8, 64 * p, k, (uint32_t *)panel, 32);
+    int8w_block32(J->w8, J->w8_stride, J->s8, J->zt8, 64 * p + 32, k, (uint32_t *)panel + (size_t)16 * k, 32);
   } else if (J->bf16) {
     const int4_layer *L = J->L;
     bf16_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, L->s, L->zc, L->n_pad, 64 * p, k, L->group,
-                      (uint16_t *)panel, (uint16_t *)panel + (size_t)32 * k);
+                      (uint16_t *)panel, (uint16_t *)panel + (size_t)32 * k, 64);
   } else if (J->L) {
     i8_levels_block((const uint8_t *)J->L->packed + (size_t)p * 32 * k, k, (int8_t *)panel, NULL);
   } else {
@@ -2563,10 +2573,11 @@ static inline void transpose16_epi32(__m512i r[16]) {   /* r[i] lane j <- r[j] l
 }
 #endif
 
-/* 32 features j0.. of int8w_unpack's form 2: their [k / 2][32] units (a feature's values 2i, 2i + 1 in unit i's low
- * and high halves), 32 values of k of 16 features dequantized, rounded and transposed at a time */
+/* 32 features j0.. of int8w_unpack's forms 2 and 3: their [k / 2][32] units (a feature's values 2i, 2i + 1 in unit
+ * i's low and high halves), each pair of rows `pitch` units after the last (32; 64 in form 3's blocks of 64), 32
+ * values of k of 16 features dequantized, rounded and transposed at a time */
 static void int8w_block32(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int j0, int k,
-                          uint32_t *dst) {
+                          uint32_t *dst, size_t pitch) {
   int kh = k / 2, i0 = 0;
 #if defined(__AVX512F__)
   for (; i0 + 16 <= kh; i0 += 16)
@@ -2587,25 +2598,28 @@ static void int8w_block32(const int8_t *w, long w_stride, const float *scale, co
         r[f] = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_round16(lo)), bf16_round16(hi), 1);
       }
       transpose16_epi32(r);
-      for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (size_t)(i0 + i) * 32 + f0, r[i]);
+      for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (size_t)(i0 + i) * pitch + f0, r[i]);
     }
 #endif
   for (int f = 0; f < 32; f++) {
     const int8_t *wr = w + (size_t)(j0 + f) * w_stride;
     float sc = scale[j0 + f], z = zero_term[j0 + f];
     for (int i = i0; i < kh; i++)
-      dst[(size_t)i * 32 + f] = f32_to_bf16((float)wr[2 * i] * sc + z) |
+      dst[(size_t)i * pitch + f] = f32_to_bf16((float)wr[2 * i] * sc + z) |
                                 (uint32_t)f32_to_bf16((float)wr[2 * i + 1] * sc + z) << 16;
   }
 }
 
 int lrq_int8w_unpack(const int8_t *w, long w_stride, const float *scale, const float *zero_term, int n, int k,
                      void *out, int form, int nthreads) {
-  if (n < 1 || k < 1 || w_stride < k || form < 0 || form > 2 || (form == 2 && (n % 32 || k % 2))) return 1;
-  if (form == 2) {
+  if (n < 1 || k < 1 || w_stride < k || form < 0 || form > 3 || (form >= 2 && (n % (form == 3 ? 64 : 32) || k % 2)))
+    return 1;
+  if (form >= 2) {   /* oneDNN's blocks of W = 32 (form 2) or 64 (form 3) features: [n / W][k / 2][W] units */
+    size_t W = form == 3 ? 64 : 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && n > 32 && (size_t)n * k >= PARALLEL_FROM)
     for (int b = 0; b < n / 32; b++)
-      int8w_block32(w, w_stride, scale, zero_term, b * 32, k, (uint32_t *)out + (size_t)b * 16 * k);
+      int8w_block32(w, w_stride, scale, zero_term, b * 32, k,
+                    (uint32_t *)out + (size_t)(b * 32 / W) * W * (k / 2) + (size_t)(b * 32) % W, W);
     return 0;
   }
   int failed = 0;
