@@ -568,9 +568,14 @@ def test_an_int8_head_is_the_dequantized_head_and_a_tied_table_is_held_once(arch
             got = lean.forward(ids).float()
             ref_step = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1:].float()
             step = lean.forward(ids[:, :1]).float()   # a one-token step: the fused layers, then the int8 head
-        tol = dict(rtol=0.02, atol=0.02) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got, ref, **tol)
-        torch.testing.assert_close(step, ref_step, **tol)
+        # bf16: the two forwards round their hidden states at different points (and this CPU's bf16 GEMMs sum in
+        # their own order: 0.0273 of a 2.8 logit on an AMD Zen 4), so within 2 % of the largest logit, as
+        # test_runtime's bf16 comparisons; float32 value by value
+        for a, b in ((got, ref), (step, ref_step)):
+            if dtype == torch.bfloat16:
+                assert (a - b).abs().max() <= 0.02 * b.abs().max() and torch.equal(a.argmax(-1), b.argmax(-1))
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     with pytest.raises(UserError, match="already packed"):
         quantize_head(model)
     with pytest.raises(UserError, match="export the model before quantizing its head"):
