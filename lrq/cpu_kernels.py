@@ -62,6 +62,7 @@ import functools
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +109,9 @@ PROBE_PIECE = 1 << 20   # positions OneDNNOperand's probe compares at once
 # the feature blocks of oneDNN's weight layouts lrq.native writes (OneDNNOperand.block_width): bf16 32 (an Intel Xeon
 # with AMX) or 64 (AVX512-BF16 without AMX: an AMD Zen 4); int8 64
 BLOCK_WIDTHS = {"bf16": (32, 64), "int8": (64,)}
+# OneDNNOperand's check that oneDNN runs a kernel on it, not its reference implementation: rows it times, and how
+# many times the plain operand's GEMM's time it may take (a reference implementation took 4,000x)
+REFERENCE_ROWS, REFERENCE_RATIO = 2, 20
 # The same for the W8A8 integer form (Int8GemmWeights): its decode step through lrq's int8 kernel up to this many
 # tokens, torch._int_mm above.
 NATIVE_INT8_MAX_M = 4
@@ -487,8 +491,36 @@ class OneDNNOperand:
         key = (kind, n, k)
         if key not in cls._ok:
             shape_ok = n % 32 == 0 and k % 2 == 0 if kind == "bf16" else n % 64 == 0 and k % 4 == 0
-            cls._ok[key] = int(shape_ok and cls._ops_exist(kind) and cls._probe(kind, n, k))
+            width = cls._probe(kind, n, k) if shape_ok and cls._ops_exist(kind) else 0
+            cls._ok[key] = width if width and cls._runs_a_kernel(kind, n, k) else 0
         return cls._ok[key]
+
+    @classmethod
+    def _runs_a_kernel(cls, kind: str, n: int, k: int) -> bool:
+        """Whether oneDNN's product on this blocked operand runs one of its kernels rather than its reference
+        implementation, read off the time of a few rows against the plain operand's GEMM (torch._int_mm for "int8",
+        torch's bf16 matmul), the fastest of three calls each after one to warm up: refused where above
+        REFERENCE_RATIO times it. With int8 activations on a CPU with VNNI but no AMX (an AMD Zen 4) this torch's
+        oneDNN runs its reference: 9.5 s for a 512 x 576 x 1536 product torch._int_mm makes in 2.2 ms."""
+        dtype = torch.bfloat16 if kind == "bf16" else torch.int8
+        op = cls.reorder(kind, torch.zeros(n, k, dtype=dtype))
+        x, w_t = torch.zeros(REFERENCE_ROWS, k, dtype=dtype), torch.zeros(k, n, dtype=dtype)
+        if kind == "bf16":
+            blocked, plain = (lambda: cls.linear(x, op)), (lambda: x @ w_t)
+        else:
+            ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.long)
+            blocked = lambda: torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, op, ones, zeros, None, 1.0, 0,  # noqa: E731
+                                                                 torch.float32, "none", [], "")
+            plain = lambda: _int_mm(x, w_t)                                                             # noqa: E731
+
+        def fastest(fn) -> float:
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times[1:])
+        return fastest(blocked) <= REFERENCE_RATIO * fastest(plain)
 
     @staticmethod
     def _raw(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

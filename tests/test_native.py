@@ -227,8 +227,33 @@ def test_the_layout_probe_accepts_our_layout_and_only_it(monkeypatch, kind):
     flags = _cpu_flags()
     if {"amx_bf16", "amx_int8"} <= flags:
         assert real == (32 if kind == "bf16" else 64)
-    elif {"avx512_bf16", "avx512_vnni"} <= flags:
-        assert real == 64
+    elif {"avx512_bf16", "avx512_vnni"} <= flags:   # an AMD Zen 4: int8 activations run oneDNN's reference there
+        assert real == (64 if kind == "bf16" else 0)
+
+
+def test_a_blocked_operand_that_runs_onednns_reference_implementation_is_refused(monkeypatch):
+    """Where oneDNN's product on the blocked operand is its reference implementation (slower than the plain GEMM by
+    thousands of times: int8 activations on an AMD Zen 4, which the probe test checks on the real one), block_width
+    refuses the layout and a layer's call runs its plain operand. Simulated on any CPU: a oneDNN whose layout matches
+    and whose product takes 5 ms for 2 rows of a 192 x 576 weight is refused, the same product at full speed taken."""
+    import time
+    from lrq.cpu_kernels import OneDNNOperand
+
+    def product(x, packed, bias=None):
+        if slow:
+            time.sleep(0.005)
+        return x @ packed.t()
+    monkeypatch.setattr(OneDNNOperand, "_ops_exist", staticmethod(lambda kind: True))
+    monkeypatch.setattr(OneDNNOperand, "_probe", classmethod(lambda cls, kind, n, k: 32))
+    monkeypatch.setattr(OneDNNOperand, "reorder", staticmethod(lambda kind, w, batch=0: w))
+    monkeypatch.setattr(OneDNNOperand, "linear", staticmethod(product))
+    for slow, width in ((False, 32), (True, 0)):
+        monkeypatch.setattr(OneDNNOperand, "_ok", {})
+        assert OneDNNOperand.block_width("bf16", 192, 576) == width
+    w = _weights(192, 576, 128)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert w._blocked_mm(x) is None
+    assert _relative_error(w, x.float(), w.mm(x).float()) < 2 ** -8
 
 
 def test_the_blocked_operand_is_rewritten_per_layer(monkeypatch):
