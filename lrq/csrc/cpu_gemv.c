@@ -494,12 +494,20 @@ typedef struct {
   int32_t x16;   /* 1: float32 activations run the 16-bit integer kernel too (float32_decode "i16"), where built */
 } int4_layer;
 
-/* the weight rows 8 ahead of the four being read, one cache line each per step: without it a Zen 5 core streams the
- * bf16 head at 24 GB/s, with it at 30-34 (its hardware prefetcher alone does not run far enough ahead) */
-#define PREFETCH_ROWS(w0, w1, w2, w3, at)                                                                    \
+/* a block of contiguous weight rows read a column step at a time (four or sixteen rows side by side) is one stream
+ * of memory: each step fetches `lines` cache lines STREAM_AHEAD bytes past position `pos` of the block (its byte
+ * offset times the rows read a step), the next block's lines when the step is at the end of this one. Fetching each
+ * row's line some rows ahead instead (the same lines, in another order) streamed the bf16 head at 13-16 GB/s on an
+ * AMD Zen 4, about what no prefetch at all gives, and the stream's order at 28-36 (one core's plain read: 26-28 GB/s
+ * with the other core busy); 8 KB ahead into L1 was the best of 2-32 KB and T0/T1 there. (On a Zen 5 fetching
+ * ahead at all took the head from 24 GB/s to 30-34.) */
+#ifndef STREAM_AHEAD
+#define STREAM_AHEAD 8192
+#endif
+#define PREFETCH_STREAM(base, pos, lines)                                                                    \
   do {                                                                                                      \
-    __builtin_prefetch((w0) + (at), 0, 3); __builtin_prefetch((w1) + (at), 0, 3);                             \
-    __builtin_prefetch((w2) + (at), 0, 3); __builtin_prefetch((w3) + (at), 0, 3);                             \
+    const char *p_ = (const char *)(base) + (pos) + STREAM_AHEAD;                                           \
+    for (int l_ = 0; l_ < (lines); l_++) __builtin_prefetch(p_ + 64 * l_, 0, 3);                            \
   } while (0)
 
 /* scratch memory of the calling thread, grown as needed and kept (no allocation per call) */
@@ -925,7 +933,7 @@ static inline __m512i isum16x16(const __m512i *a) {
 }
 
 /* 16 weight rows (j0..j0 + 15, contiguous) against one token's unsigned levels: each 64 bytes of x loaded once for
- * the 16 rows, the next 16 rows fetched one line a row a step (as far ahead as the dense rows' 8 bf16 rows), the 16
+ * the 16 rows, the block's stream fetched ahead (PREFETCH_STREAM), the 16
  * sums reduced together (isum16x16), then the corrections in 16 lanes, written as float32 or rounded to bf16 */
 static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, const int8_t *w, const int32_t *wsum,
                         const float *col_term, const float *zero_term, int asymmetric, const float *scale, void *y,
@@ -938,10 +946,10 @@ static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, co
   for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_si512();
   int i = 0;
   for (; i + 64 <= k; i += 64) {
+    PREFETCH_STREAM(w0, (size_t)i * 16, 16);   /* 16 rows x 64 levels: 16 lines a step */
     __m512i xv = _mm512_loadu_si512(xu + i);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) {
-      __builtin_prefetch(w0 + (size_t)(r + 16) * k + i, 0, 3);
       a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_loadu_si512(w0 + (size_t)r * k + i));
     }
   }
@@ -964,13 +972,13 @@ static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, co
 
 #if !defined(UNSIGNED_X) && defined(__AVX2__)
 /* AVX2: four weight rows (j0..j0 + 3) against one token's levels, each 16 levels of x widened once for the four,
- * the rows 16 ahead fetched (as the VNNI kernel); int16 products summed in pairs into int32 (exact) */
+ * the block's stream fetched ahead (PREFETCH_STREAM); int16 products summed in pairs into int32 (exact) */
 static void int8_rows4(const int8_t *x, const int8_t *w, int j0, int k, int32_t *dot) {
   const int8_t *w0 = w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   int i = 0;
   for (; i + 16 <= k; i += 16) {
-    if (i % 64 == 0) PREFETCH_ROWS(w0, w1, w2, w3, (size_t)16 * k + i);
+    if (i % 64 == 0) PREFETCH_STREAM(w0, (size_t)i * 4, 4);
     __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i)));
 #define ROW_STEP(a, wr)                                                                                      \
   do {                                                                                                        \
@@ -2367,7 +2375,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
       const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int i = 0; i < k; i += 32) {
-        PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
+        PREFETCH_STREAM(w0, (size_t)i * 8, 4);   /* 4 rows x 32 bf16: 4 lines a step */
         __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w0 + i), xv);
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w1 + i), xv);
@@ -2387,7 +2395,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
       if (wb) {
         const uint16_t *w0 = (const uint16_t *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         for (int i = 0; i < k; i += 16) {
-          if (i % 32 == 0) PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
+          if (i % 32 == 0) PREFETCH_STREAM(w0, (size_t)i * 8, 4);
           v16 xv = vload(xf + i);
           a0 = vfmav(vload_bf16(w0 + i), xv, a0); a1 = vfmav(vload_bf16(w1 + i), xv, a1);
           a2 = vfmav(vload_bf16(w2 + i), xv, a2); a3 = vfmav(vload_bf16(w3 + i), xv, a3);
@@ -2395,7 +2403,7 @@ static void dense_rows(const void *w, const void *x, const float *xf, void *y, i
       } else {
         const float *w0 = (const float *)w + (size_t)j0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         for (int i = 0; i < k; i += 16) {
-          PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * k + i);
+          PREFETCH_STREAM(w0, (size_t)i * 16, 4);   /* 4 rows x 16 floats */
           v16 xv = vload(xf + i);
           a0 = vfmav(vload(w0 + i), xv, a0); a1 = vfmav(vload(w1 + i), xv, a1);
           a2 = vfmav(vload(w2 + i), xv, a2); a3 = vfmav(vload(w3 + i), xv, a3);
@@ -2470,7 +2478,7 @@ int lrq_dense_gemv(const void *w, const void *x, void *y, int dtypes, int n, int
  * with w = q - offset (int8 [n, w_stride], the columns from k on zero; w_stride a multiple of 16 at least k), x in the
  * model's dtype (rows x_stride apart), the levels widened to float32 and multiplied with x in float32 vectors of 16
  * inputs, summed in float32 and rounded once to the model's dtype (y [m, n] contiguous). Four rows at a time, the
- * rows 8 ahead prefetched; rows split over threads. */
+ * block's stream fetched ahead (PREFETCH_STREAM); rows split over threads. */
 #if defined(__AVX512F__)
 static inline v16 vload_i8(const int8_t *p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -2491,7 +2499,7 @@ static void int8w_rows(const int8_t *w, long ws, const float *scale, const float
     const int8_t *w0 = w + (size_t)j0 * ws, *w1 = w0 + ws, *w2 = w1 + ws, *w3 = w2 + ws;
     v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
     for (int i = 0; i < kp; i += 16) {
-      if (i % 64 == 0) PREFETCH_ROWS(w0, w1, w2, w3, (size_t)8 * ws + i);
+      if (i % 64 == 0) PREFETCH_STREAM(w0, (size_t)i * 4, 4);   /* 4 rows x 64 levels */
       v16 xv = vload(xf + i);
       a0 = vfmav(vload_i8(w0 + i), xv, a0); a1 = vfmav(vload_i8(w1 + i), xv, a1);
       a2 = vfmav(vload_i8(w2 + i), xv, a2); a3 = vfmav(vload_i8(w3 + i), xv, a3);
