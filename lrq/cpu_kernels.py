@@ -435,8 +435,9 @@ class OneDNNOperand:
 
     * "bf16": a 4-bit layer's dequantized weight (UNPACK_BF16_BLOCKED, [n / 32][k / 2][32][2], on an Intel Xeon with
       AMX; UNPACK_BF16_BLOCKED64, [n / 64][k / 2][64][2], where oneDNN runs AVX512-BF16 without AMX, an AMD Zen 4)
-      or an 8-bit one's (lrq_int8w_unpack's forms 2 and 3) for oneDNN's bf16 inner product (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked
-      dense baseline run). On a 2-core Intel Xeon with AMX a 512 x 576 x 1536 GEMM took 842 us from the plain
+      or an 8-bit one's (lrq_int8w_unpack's forms 2 and 3) for oneDNN's bf16 inner product
+      (torch.ops.mkldnn._linear_pointwise, the op torch.compile's frozen CPU graphs and the prepacked dense baseline
+      run). On a 2-core Intel Xeon with AMX a 512 x 576 x 1536 GEMM took 842 us from the plain
       operand against 697 from the blocked one;
     * "int8": the int8 levels of W8A8 (lrq_int8_blocked) or W4A8 (UNPACK_I8_BLOCKED), [n / 64][k / 4][64][4] and
       the negated sums of each feature's levels, for oneDNN's quantized inner product
@@ -446,8 +447,9 @@ class OneDNNOperand:
 
     The layout is read off, not assumed: at a shape's first use, four reorders of weights whose values encode their
     own row and column (integers below 128, exact in bf16 and int8) must place every value where lrq.native writes
-    it (and, for int8, a weight's compensation must be its negated row sums); a torch or oneDNN that lays it out
-    otherwise (or lacks the ops) gets None, and the caller its plain operand."""
+    it (and, for int8, a weight's compensation must be its negated row sums), and oneDNN's product on it must not be
+    its reference implementation (`_runs_a_kernel`); a torch or oneDNN that lays it out otherwise, lacks the ops or
+    runs no kernel of its own on it gets None, and the caller its plain operand."""
     _ok: dict[tuple[str, int, int], int] = {}
     _operands: dict[tuple[str, int, int], tuple] = {}
     _lock = threading.Lock()
