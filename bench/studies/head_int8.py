@@ -129,40 +129,44 @@ def main(argv=None) -> int:
     return 0
 
 
+def _run_sentence(cfg: dict, precision: str) -> str:
+    """What both reports say of the run: model, tokens, precision, machine, versions and command."""
+    return (f"smollm2-135m, the first {cfg['tokens']:,} WikiText-2 test tokens ({cfg['windows']} windows of 2,048), "
+            f"precision {precision}; {cfg['machine']}; torch {cfg['versions'].get('torch')}, git {cfg['git'][:12]}. "
+            f"Command: `{cfg['command']}`. ")
+
+
+def _base_label(r: dict) -> str:
+    return "FP" if r["base"] == "fp" else f"RTN {r['base']}"
+
+
 def _int8_markdown(doc: dict, decided, held: str, other: str) -> list[str]:
-    cfg = doc["config"]
     md = ["# What an int8 output head costs in accuracy", "",
-          f"smollm2-135m, the first {cfg['tokens']:,} WikiText-2 test tokens ({cfg['windows']} windows of 2,048), "
-          f"precision {decided.used} ({decided.asked}: {decided.why}); "
-          f"{cfg['machine']}; torch {cfg['versions'].get('torch')}, git {cfg['git'][:12]}. "
-          f"Command: `{cfg['command']}`. The int8 head: lrq.packed.quantize_head (8-bit levels per output channel on "
-          "each row's min-max grid; the tied embedding reading the same levels or keeping its own table). The "
-          "ratio's interval: 95 % t over paired windows.", "",
+          _run_sentence(doc["config"], f"{decided.used} ({decided.asked}: {decided.why})")
+          + "The int8 head: lrq.packed.quantize_head (8-bit levels per output channel on each row's min-max grid; "
+          "the tied embedding reading the same levels or keeping its own table). The ratio's interval: 95 % t over "
+          "paired windows.", "",
           "| model | input embedding | perplexity, head as held | perplexity, int8 head | ratio (int8 / held) "
           "[95 % CI] | mean KLD | top-1 agreement | head bytes (held -> int8) |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        label = "FP" if r["base"] == "fp" else f"RTN {r['base']}"
         hb, emb = r["head_bytes"], ("the head's int8 levels" if r["embedding"] == "shared" else "its own table")
-        md.append(f"| {label} | {emb} | {r[f'ppl_{held}']:.3f} | {r[f'ppl_{other}']:.3f} | {r['ppl_ratio']:.4f} "
+        md.append(f"| {_base_label(r)} | {emb} | {r[f'ppl_{held}']:.3f} | {r[f'ppl_{other}']:.3f} | {r['ppl_ratio']:.4f} "
                   f"[{r['ppl_ratio_lo']:.4f}, {r['ppl_ratio_hi']:.4f}] | {r['kld_mean']:.5f} | {r['top1_agree']:.4f} | "
                   f"{hb['head_bytes'] / 2**20:.1f} -> {hb['head_bytes_packed'] / 2**20:.1f} MiB |")
     return md
 
 
 def _bf16_markdown(doc: dict, decided, held: str, other: str) -> list[str]:
-    cfg = doc["config"]
     md = ["# What a float32 model's table held in bf16 costs in accuracy", "",
-          f"smollm2-135m, the first {cfg['tokens']:,} WikiText-2 test tokens ({cfg['windows']} windows of 2,048), "
-          f"precision {decided.used}; {cfg['machine']}; torch {cfg['versions'].get('torch')}, git {cfg['git'][:12]}. "
-          f"Command: `{cfg['command']}`. lrq.packed.quantize_head(model, \"bf16\"): the output head and tied "
-          "embedding held in bf16, the rest float32 (lossless for a bf16 checkpoint; this model's table, from a Q8_0 "
-          "GGUF, has float32 values, rounded to bf16). The ratio's interval: 95 % t over paired windows.", "",
+          _run_sentence(doc["config"], decided.used)
+          + "lrq.packed.quantize_head(model, \"bf16\"): the output head and tied embedding held in bf16, the rest "
+          "float32 (lossless for a bf16 checkpoint; this model's table, from a Q8_0 GGUF, has float32 values, rounded "
+          "to bf16). The ratio's interval: 95 % t over paired windows.", "",
           "| model | values rounded | perplexity, float32 table | perplexity, bf16 table | ratio (bf16 / float32) "
           "[95 % CI] | mean KLD | top-1 agreement | table bytes |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        label = "FP" if r["base"] == "fp" else f"RTN {r['base']}"
         hb = r["head_bytes"]
-        md.append(f"| {label} | {hb.get('values_rounded', 0):,} | {r[f'ppl_{held}']:.3f} | {r[f'ppl_{other}']:.3f} | "
+        md.append(f"| {_base_label(r)} | {hb.get('values_rounded', 0):,} | {r[f'ppl_{held}']:.3f} | {r[f'ppl_{other}']:.3f} | "
                   f"{r['ppl_ratio']:.5f} [{r['ppl_ratio_lo']:.5f}, {r['ppl_ratio_hi']:.5f}] | {r['kld_mean']:.6f} | "
                   f"{r['top1_agree']:.4f} | {hb['head_bytes'] / 2**20:.1f} -> {hb['head_bytes_packed'] / 2**20:.1f} MiB |")
     return md

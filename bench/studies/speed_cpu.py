@@ -550,10 +550,8 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
         anchor_cands, extra = build_anchors(model_name, anchors, threads, n_ctx)
     if int8_head == "all":
         head_copies = [c.name for c in cands if c.kind == "packed"]
-    if bf16_table:   # the lossless bf16-table copies of every packed scheme (float32 models only)
-        head_copies = [n + HEAD_BF16 for n in schemes] + [n + HEAD_INT8 for n in head_copies]
-    else:
-        head_copies = [n + HEAD_INT8 for n in head_copies]
+    # the bf16-table copies of every packed scheme (float32 models only), then the int8-head ones
+    head_copies = [n + HEAD_BF16 for n in schemes if bf16_table] + [n + HEAD_INT8 for n in head_copies]
     if head_copies:   # the int8-head (and bf16-table) copies (lrq.packed.quantize_head), built after the profile
         heads = build(model_name, head_copies, dtype, data_dir, dense=False)
         _set_float32_decode(heads, modes[0])

@@ -2618,7 +2618,7 @@ static void int8w_block32(const int8_t *w, long w_stride, const float *scale, co
     float sc = scale[j0 + f], z = zero_term[j0 + f];
     for (int i = i0; i < kh; i++)
       dst[(size_t)i * pitch + f] = f32_to_bf16((float)wr[2 * i] * sc + z) |
-                                (uint32_t)f32_to_bf16((float)wr[2 * i + 1] * sc + z) << 16;
+                                   (uint32_t)f32_to_bf16((float)wr[2 * i + 1] * sc + z) << 16;
   }
 }
 
