@@ -32,6 +32,15 @@
 #define ADD_I32_IN_PLACE(acc, p) __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(p))
 #define ADD_I16_IN_PLACE(acc, p) __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(p))
 #endif
+#if defined(__AVX512VNNI__)
+/* acc += the VNNI dot products of a and b in place (vpdpwssd: int16 pairs; vpdpbusd: u8 quadruples of a times s8 ones
+ * of b), written as one instruction for the same reason: GCC 12, given the intrinsics, copies each accumulator into
+ * a new register and back around every product and spills some to the stack, so that block64_i16's accumulators
+ * each waited on a store and a reload a step (53 instructions a step instead of 24; a 1536 x 576 layer in L2 at 27
+ * GB/s of packed weight on an AMD Zen 4, about a core's stream from memory, so the two never overlapped) */
+#define DPWSSD_IN_PLACE(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#define DPBUSD_IN_PLACE(acc, u8, s8) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8))
+#endif
 
 /* v16: 16 float32 lanes (one AVX-512 register, two AVX2 ones, or a plain array) and the few operations used */
 #if defined(__AVX512F__)
@@ -256,13 +265,40 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
 #define I16_DOT 1
 /* a group's 64 scales and 64 zero terms of this block (4 + 4 cache lines, n_pad floats apart from the next group's) */
 #define SCALE_PREFETCH(s, zc, gi, n_pad) SCALES_AHEAD(s, zc, gi, n_pad, 256)
-static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
-                        const float *xs, float *y, int k_pad, int group, int n_pad) {
+/* rows k0..k1 - 1 (k1 - k0 a multiple of 4) of a block of 64 features against their 16-bit activations: the four
+ * int32 sums of block64_i16's chunk (features 0-15, 16-31, then 16 times those of 32-47, 48-63). A function of its own
+ * so that its eight accumulators stay in registers (inlined, GCC spilled some around every product) */
+static __attribute__((noinline)) void i16_rows64(const uint8_t *blk, int k0, int k1, const int16_t *xi, __m512i out[4]) {
   const __m512i place = _mm512_set_epi8(
       63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25,
       9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49,
       33, 17, 1, 48, 32, 16, 0);
   const __m512i lo = _mm512_set1_epi32(0x000F000F), hi = _mm512_set1_epi32(0x00F000F0);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int k = k0; k < k1; k += 4) {
+    _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD), INT4_HINT);
+    _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD + 64), INT4_HINT);
+    __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
+    __m512i e = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32 + 64));
+    __m512i d8 = _mm512_srli_epi32(d, 8), e8 = _mm512_srli_epi32(e, 8);
+    uint32_t pair, pair2;
+    memcpy(&pair, xi + k, 4);
+    memcpy(&pair2, xi + k + 2, 4);
+    __m512i xp = _mm512_set1_epi32((int)pair), xq = _mm512_set1_epi32((int)pair2);
+    DPWSSD_IN_PLACE(a0, _mm512_and_si512(d, lo), xp);
+    DPWSSD_IN_PLACE(a1, _mm512_and_si512(d8, lo), xp);
+    DPWSSD_IN_PLACE(a2, _mm512_and_si512(d, hi), xp);
+    DPWSSD_IN_PLACE(a3, _mm512_and_si512(d8, hi), xp);
+    DPWSSD_IN_PLACE(b0, _mm512_and_si512(e, lo), xq);
+    DPWSSD_IN_PLACE(b1, _mm512_and_si512(e8, lo), xq);
+    DPWSSD_IN_PLACE(b2, _mm512_and_si512(e, hi), xq);
+    DPWSSD_IN_PLACE(b3, _mm512_and_si512(e8, hi), xq);
+  }
+  out[0] = _mm512_add_epi32(a0, b0); out[1] = _mm512_add_epi32(a1, b1);
+  out[2] = _mm512_add_epi32(a2, b2); out[3] = _mm512_add_epi32(a3, b3);
+}
+static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
+                        const float *xs, float *y, int k_pad, int group, int n_pad) {
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   int ci = 0;
 #ifndef NO_SCALE_PREFETCH
@@ -275,31 +311,13 @@ static void block64_i16(const uint8_t *blk, const float *s, const float *zc, con
 #endif
     __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;   /* features 0-15, 16-31, 32-47, 48-63 */
     for (int c0 = g0; c0 < ge; c0 += I16_CHUNK, ci++) {
-      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int k = c0, ke = c0 + I16_CHUNK < ge ? c0 + I16_CHUNK : ge; k < ke; k += 4) {   /* group % 4 == 0 */
-        _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD), INT4_HINT);
-        _mm_prefetch((const char *)(blk + (size_t)k * 32 + INT4_AHEAD + 64), INT4_HINT);
-        __m512i d = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32));
-        __m512i e = _mm512_permutexvar_epi8(place, _mm512_loadu_si512(blk + (size_t)k * 32 + 64));
-        __m512i d8 = _mm512_srli_epi32(d, 8), e8 = _mm512_srli_epi32(e, 8);
-        uint32_t pair, pair2;
-        memcpy(&pair, xi + k, 4);
-        memcpy(&pair2, xi + k + 2, 4);
-        __m512i xp = _mm512_set1_epi32((int)pair), xq = _mm512_set1_epi32((int)pair2);
-        a0 = _mm512_dpwssd_epi32(a0, _mm512_and_si512(d, lo), xp);
-        a1 = _mm512_dpwssd_epi32(a1, _mm512_and_si512(d8, lo), xp);
-        a2 = _mm512_dpwssd_epi32(a2, _mm512_and_si512(d, hi), xp);
-        a3 = _mm512_dpwssd_epi32(a3, _mm512_and_si512(d8, hi), xp);
-        b0 = _mm512_dpwssd_epi32(b0, _mm512_and_si512(e, lo), xq);
-        b1 = _mm512_dpwssd_epi32(b1, _mm512_and_si512(e8, lo), xq);
-        b2 = _mm512_dpwssd_epi32(b2, _mm512_and_si512(e, hi), xq);
-        b3 = _mm512_dpwssd_epi32(b3, _mm512_and_si512(e8, hi), xq);
-      }
+      __m512i acc[4];
+      i16_rows64(blk, c0, c0 + I16_CHUNK < ge ? c0 + I16_CHUNK : ge, xi, acc);
       __m512 inv = _mm512_set1_ps(xinv[ci]), inv16 = _mm512_set1_ps(xinv[ci] * 0.0625f);
-      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, b0)), inv, f0);
-      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a1, b1)), inv, f1);
-      f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a2, b2)), inv16, f2);
-      f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a3, b3)), inv16, f3);
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0]), inv, f0);
+      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1]), inv, f1);
+      f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[2]), inv16, f2);
+      f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[3]), inv16, f3);
     }
     const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
     __m512 xsum = _mm512_set1_ps(xs[gi]);
@@ -494,7 +512,7 @@ typedef struct {
   int32_t x16;   /* 1: float32 activations run the 16-bit integer kernel too (float32_decode "i16"), where built */
 } int4_layer;
 
-/* a block of contiguous weight rows read a column step at a time (four or sixteen rows side by side) is one stream
+/* a block of contiguous weight rows read a column step at a time (four rows side by side) is one stream
  * of memory: each step fetches `lines` cache lines STREAM_AHEAD bytes past position `pos` of the block (its byte
  * offset times the rows read a step), the next block's lines when the step is at the end of this one. Fetching each
  * row's line some rows ahead instead (the same lines, in another order) streamed the bf16 head at 13-16 GB/s on an
@@ -505,9 +523,10 @@ typedef struct {
 #define STREAM_AHEAD 8192
 #endif
 #define PREFETCH_STREAM(base, pos, lines) PREFETCH_STREAM_AT(base, pos, lines, STREAM_AHEAD, 3)
-/* sixteen rows side by side (W8A8's VNNI kernel, 16 lines a step): into L2, 16 KB ahead (a 49,152 x 576 int8 weight
- * on a Zen 4: 1.38 ms against 2.26 into L1 8 KB ahead; T1/T2 at 8-32 KB 1.38-1.55, NTA 2.27) */
-#define STREAM16_AHEAD 16384
+/* W8A8's 16-row kernel reads its block a row at a time (one stream in memory order), 4 KB ahead into L1: SmolLM2-135M's
+ * 210 W8A8 layers from huge pages on an AMD Zen 4, 5.4 ms against 5.8 at 8 KB and 7.2 for the 16 rows read side by
+ * side (16 lines a step, 16 KB ahead into L2), the dense bf16 layers 8.2 ms (26 GB/s) beside them */
+#define ROW16_AHEAD 4096
 #define PREFETCH_STREAM_AT(base, pos, lines, ahead, locality)                                                  \
   do {                                                                                                      \
     const char *p_ = (const char *)(base) + (pos) + (ahead);                                                \
@@ -936,9 +955,9 @@ static inline __m512i isum16x16(const __m512i *a) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, even), _mm512_shuffle_i32x4(w0, w1, odd));
 }
 
-/* 16 weight rows (j0..j0 + 15, contiguous) against one token's unsigned levels: each 64 bytes of x loaded once for
- * the 16 rows, the block's stream fetched ahead (PREFETCH_STREAM), the 16
- * sums reduced together (isum16x16), then the corrections in 16 lanes, written as float32 or rounded to bf16 */
+/* 16 weight rows (j0..j0 + 15, contiguous) against one token's unsigned levels: a row at a time (two accumulators,
+ * x re-read from L1), the block's stream fetched ahead (ROW16_AHEAD), the 16 sums reduced together (isum16x16), then
+ * the corrections in 16 lanes, written as float32 or rounded to bf16 */
 static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, const int8_t *w, const int32_t *wsum,
                         const float *col_term, const float *zero_term, int asymmetric, const float *scale, void *y,
                         int y_bf16, int j0, int k) {
@@ -947,22 +966,23 @@ static void int8_rows16(const uint8_t *xu, float rowsum, float xz, float xsc, co
   __builtin_prefetch(scale + j0 + 16, 0, 3);
   if (asymmetric) __builtin_prefetch(zero_term + j0 + 16, 0, 3);
   __m512i a[16];
-  for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_si512();
-  int i = 0;
-  for (; i + 64 <= k; i += 64) {
-    PREFETCH_STREAM_AT(w0, (size_t)i * 16, 16, STREAM16_AHEAD, 2);   /* 16 rows x 64 levels, into L2 (T1) */
-    __m512i xv = _mm512_loadu_si512(xu + i);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; r++) {
-      a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_loadu_si512(w0 + (size_t)r * k + i));
+  const int whole = k / 64 * 64;
+  const __mmask64 m = (k - whole) ? (1ULL << (k - whole)) - 1 : 0;
+  for (int r = 0; r < 16; r++) {   /* a row at a time: the block read in memory order */
+    const int8_t *wr = w0 + (size_t)r * k;
+    __m512i p = _mm512_setzero_si512(), q = p;
+    int i = 0;
+    for (; i + 128 <= whole; i += 128) {
+      PREFETCH_STREAM_AT(wr, i, 2, ROW16_AHEAD, 3);
+      DPBUSD_IN_PLACE(p, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(wr + i));
+      DPBUSD_IN_PLACE(q, _mm512_loadu_si512(xu + i + 64), _mm512_loadu_si512(wr + i + 64));
     }
-  }
-  if (i < k) {
-    __mmask64 m = (1ULL << (k - i)) - 1;
-    __m512i xv = _mm512_maskz_loadu_epi8(m, xu + i);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; r++)
-      a[r] = _mm512_dpbusd_epi32(a[r], xv, _mm512_maskz_loadu_epi8(m, w0 + (size_t)r * k + i));
+    if (i < whole) {
+      PREFETCH_STREAM_AT(wr, i, 1, ROW16_AHEAD, 3);
+      DPBUSD_IN_PLACE(p, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(wr + i));
+    }
+    if (m) DPBUSD_IN_PLACE(q, _mm512_maskz_loadu_epi8(m, xu + whole), _mm512_maskz_loadu_epi8(m, wr + whole));
+    a[r] = _mm512_add_epi32(p, q);
   }
   __m512i dot = _mm512_sub_epi32(isum16x16(a), _mm512_slli_epi32(_mm512_loadu_si512(wsum + j0), 7));
   __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(xz), _mm512_loadu_ps(col_term + j0)));
@@ -2521,22 +2541,90 @@ static void int8w_rows(const int8_t *w, long ws, const float *scale, const float
   }
 }
 
+#if defined(I16_DOT)
+/* int8w_rows for bf16 activations where the CPU has AVX512-VNNI: the activations as block64_i16's 16-bit integers per
+ * chunk of I16_CHUNK inputs (i16_chunks; a bf16 value held exactly unless it is more than 2^7 below its chunk's
+ * largest), the levels widened to 16 bits (32 a load) and vpdpwssd's pairs summed into int32 lanes, exact (|x| < 2^15,
+ * |w| <= 128: a chunk's sums below 2^31), then float32 per chunk. Two instructions per 32 levels where the float32
+ * kernel takes six per 16 (widen, convert, multiply-add): that one runs a 1536 x 576 weight in L2 at about 21 GB/s on
+ * an AMD Zen 4, below what the core streams from memory, so an int8 head read at 16-20 GB/s */
+static void int8w_rows_i16(const int8_t *w, long ws, const float *scale, const float *zero_term, const int16_t *xi,
+                           const float *xinv, float xsum, void *y, int bf16, int j0, int j1, int kp) {
+  for (int r4; j0 < j1; j0 += r4 ? 4 : 1) {   /* four rows at a time, the last few one at a time */
+    r4 = j1 - j0 >= 4;
+    const int8_t *w0 = w + (size_t)j0 * ws, *w1 = w0 + (r4 ? ws : 0), *w2 = w1 + (r4 ? ws : 0), *w3 = w2 + (r4 ? ws : 0);
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    for (int c0 = 0, ci = 0; c0 < kp; c0 += I16_CHUNK, ci++) {
+      const int ce = c0 + I16_CHUNK < kp ? c0 + I16_CHUNK : kp;
+      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+      int i = c0;
+      for (; i + 32 <= ce; i += 32) {
+        if (i % 64 == 0) PREFETCH_STREAM(w0, (size_t)i * 4, 4);   /* 4 rows x 64 levels */
+        const __m512i xv = _mm512_loadu_si512(xi + i);
+        DPWSSD_IN_PLACE(a0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w0 + i))), xv);
+        if (r4) {
+          DPWSSD_IN_PLACE(a1, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w1 + i))), xv);
+          DPWSSD_IN_PLACE(a2, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w2 + i))), xv);
+          DPWSSD_IN_PLACE(a3, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w3 + i))), xv);
+        }
+      }
+      if (i < ce) {   /* 16 left (kp is a multiple of 16) */
+        const __m512i xv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xi + i)));
+#define TAIL16(a, wr) \
+  DPWSSD_IN_PLACE(a, _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((wr) + i)))), xv)
+        TAIL16(a0, w0);
+        if (r4) { TAIL16(a1, w1); TAIL16(a2, w2); TAIL16(a3, w3); }
+#undef TAIL16
+      }
+      const __m512 inv = _mm512_set1_ps(xinv[ci]);
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), inv, f0);
+      if (r4) {
+        f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), inv, f1);
+        f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), inv, f2);
+        f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a3), inv, f3);
+      }
+    }
+    store_any(y, bf16, j0, _mm512_reduce_add_ps(f0) * scale[j0] + zero_term[j0] * xsum);
+    if (r4) {
+      store_any(y, bf16, j0 + 1, _mm512_reduce_add_ps(f1) * scale[j0 + 1] + zero_term[j0 + 1] * xsum);
+      store_any(y, bf16, j0 + 2, _mm512_reduce_add_ps(f2) * scale[j0 + 2] + zero_term[j0 + 2] * xsum);
+      store_any(y, bf16, j0 + 3, _mm512_reduce_add_ps(f3) * scale[j0 + 3] + zero_term[j0 + 3] * xsum);
+    }
+  }
+}
+#endif
+
 int lrq_int8w_gemv(const int8_t *w, long w_stride, const float *scale, const float *zero_term, const void *x,
                    int bf16, long x_stride, void *y, int m, int n, int k, int nthreads) {
   int kp = (k + 15) / 16 * 16;
   if (m < 1 || n < 1 || k < 1 || w_stride < kp || w_stride % 16) return 1;
-  float *xf = scratch_get(sizeof(float) * (size_t)kp);
+  int nc = (kp + I16_CHUNK - 1) / I16_CHUNK;
+  float *xf = scratch_get(sizeof(float) * ((size_t)kp + nc) + sizeof(int16_t) * (size_t)kp);
   if (!xf) return 2;
+  float *xinv = xf + kp;
+  int16_t *xi = (int16_t *)(xinv + nc);
+  (void)xi;
   for (int t = 0; t < m; t++) {
     float xsum = 0;
     for (int i = 0; i < k; i++) xsum += xf[i] = load_any(x, bf16, (size_t)t * x_stride + i);
     for (int i = k; i < kp; i++) xf[i] = 0;
     void *yt = (char *)y + (size_t)t * n * (bf16 ? 2 : 4);
-    int chunk = 16, units = (n + chunk - 1) / chunk;
+    int chunk = 16, units = (n + chunk - 1) / chunk, i16 = 0;
+    (void)i16;
+#if defined(I16_DOT)
+    i16 = bf16 && i16_chunks(xf, kp, kp, xi, xinv);   /* 0 where an activation is not finite: the float32 kernel */
+#endif
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (size_t)n * k >= PARALLEL_FROM)
-    for (int u = 0; u < units; u++)
-      int8w_rows(w, w_stride, scale, zero_term, xf, xsum, yt, bf16, u * chunk, u * chunk + chunk < n ? u * chunk + chunk : n,
-                 kp);
+    for (int u = 0; u < units; u++) {
+      int j0 = u * chunk, j1 = u * chunk + chunk < n ? u * chunk + chunk : n;
+#if defined(I16_DOT)
+      if (i16) {
+        int8w_rows_i16(w, w_stride, scale, zero_term, xi, xinv, xsum, yt, bf16, j0, j1, kp);
+        continue;
+      }
+#endif
+      int8w_rows(w, w_stride, scale, zero_term, xf, xsum, yt, bf16, j0, j1, kp);
+    }
   }
   return 0;
 }
