@@ -88,6 +88,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.lrq_isa.restype = ctypes.c_char_p
     lib.lrq_int4_bf16_products.restype = ctypes.c_char_p
+    lib.lrq_int8w_bf16_products.restype = ctypes.c_char_p
     isa = lib.lrq_isa().decode()
     if isa not in VECTOR_ISAS:
         _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")
@@ -198,5 +199,6 @@ def status() -> str:
     lib = library()
     if lib is not None:
         amx = "; prefill on AMX tiles" if lib.lrq_amx_ready() else ""
-        return f"lrq native ({isa()}; 4-bit bf16 products: {lib.lrq_int4_bf16_products().decode()}{amx})"
+        return (f"lrq native ({isa()}; 4-bit bf16 products: {lib.lrq_int4_bf16_products().decode()}; 8-bit "
+                f"weight-only: {lib.lrq_int8w_bf16_products().decode()}{amx})")
     return "torch (lrq native: " + ("; ".join(dict.fromkeys(_REASON)) or "unavailable") + ")"

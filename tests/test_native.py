@@ -78,8 +78,12 @@ def test_the_kernels_build_here_with_vector_code():
     amx = {"; prefill on AMX tiles"} if {"amx_tile", "amx_int8", "amx_bf16"} <= _cpu_flags() else {""}
     if os.environ.get("LRQ_NATIVE_MARCH", "native") != "native":
         amx = {""}                                                    # the AMX code is built for AMX targets only
-    assert native.status() in {f"lrq native ({native.isa()}; 4-bit bf16 products: {p}{a})" for p in products
-                               for a in amx}
+    # the int8 weight-only kernel's 16-bit products: with AVX512-VNNI and VBMI (block64_i16's build), else float32
+    int8w = {"int16 VNNI" if "int16 VNNI" in products else "float32"}
+    if os.environ.get("LRQ_NATIVE_MARCH", "native") != "native":
+        int8w = {"int16 VNNI", "float32"}
+    assert native.status() in {f"lrq native ({native.isa()}; 4-bit bf16 products: {p}; 8-bit weight-only: {q}{a})"
+                               for p in products for q in int8w for a in amx}
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)

@@ -2364,6 +2364,15 @@ const char *lrq_int4_bf16_products(void) {
 #endif
 }
 
+/* how the int8 weight-only kernel (w8a16, an int8 head) multiplies bf16 activations */
+const char *lrq_int8w_bf16_products(void) {
+#if defined(I16_DOT)
+  return "int16 VNNI";
+#else
+  return "float32";
+#endif
+}
+
 /* the instruction set the compiler targeted */
 const char *lrq_isa(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
