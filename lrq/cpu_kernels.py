@@ -217,12 +217,35 @@ def _unpack_blocks(packed: torch.Tensor, block: int, out: torch.Tensor | None = 
     return out
 
 
+def blocked_scale_zero(s: torch.Tensor, zc: torch.Tensor, block: int) -> torch.Tensor:
+    """s and zc [groups, n_pad] as lrq.native's 4-bit kernels read them (cpu_gemv.c's block_scales): per block of
+    `block` output features (the last one the n_pad mod block left), its groups one after the other, each the
+    block's s then its zc; one float32 vector. A decode step then reads a block's scales as one stream beside its
+    levels (held as two [groups, n_pad] arrays, a g128 model's 4-bit layers took a third longer than per channel)."""
+    ng, n_pad = s.shape
+    nb, cut = n_pad // block, n_pad // block * block
+    full = torch.stack([s[:, :cut].reshape(ng, nb, block), zc[:, :cut].reshape(ng, nb, block)], dim=2)
+    rest = torch.stack([s[:, cut:], zc[:, cut:]], dim=1)                      # [groups, 2, n_pad - cut]
+    return torch.cat([full.permute(1, 0, 2, 3).reshape(-1), rest.reshape(-1)]).contiguous()
+
+
+def scale_zero_rows(blocked: torch.Tensor, groups: int, n_pad: int, block: int) -> torch.Tensor:
+    """blocked_scale_zero's vector back as [2, groups, n_pad] (s, zc)."""
+    nb, cut = n_pad // block, n_pad // block * block
+    out = torch.empty(2, groups, n_pad, dtype=blocked.dtype)
+    head = blocked[:groups * 2 * cut]
+    out[:, :, :cut] = head.view(nb, groups, 2, block).permute(2, 1, 0, 3).reshape(2, groups, cut)
+    out[:, :, cut:] = blocked[groups * 2 * cut:].view(groups, 2, n_pad - cut).permute(1, 0, 2)
+    return out
+
+
 @dataclass
 class Int4Weights:
     packed: torch.Tensor                          # uint8 [n_pad, k_pad / 2], torch's int4 CPU layout
     scales: torch.Tensor                          # bf16 [k_pad / group, n_pad, 2]: torch's (scale, zero) per group
-    scale_zero: torch.Tensor                      # float32 [2, ceil(k_pad / scale_group), n_pad]: s and zc,
-    #                                               weight = q * s + zc
+    scale_zero: torch.Tensor                      # float32 [2 * ceil(k_pad / scale_group) * n_pad]: s and zc
+    #                                               (weight = q * s + zc) block by block (blocked_scale_zero);
+    #                                               scale_zero_rows() gives them as [2, groups, n_pad]
     group: int                                    # torch's kernel group (its `scales` repeat ours where it is smaller)
     n: int
     k: int
@@ -249,9 +272,14 @@ class Int4Weights:
         mine = torch.arange(-(-k_pad // sg)).clamp(max=scale.shape[1] - 1)
         s, z = scale.float()[:, mine], zero.float()[:, mine]            # [n, our groups]
         s, zc = F.pad(s.t(), (0, n_pad - n)), F.pad(((8 - z) * s).t(), (0, n_pad - n))
-        scale_zero = torch.stack([s, zc - 8 * s]).contiguous()
-        return cls(packed, sz.bfloat16().contiguous(), scale_zero, g, n, k, decodable,
-                   block=_pack_block() or LAYOUT_BLOCKS[0], scale_group=sg)
+        block = _pack_block() or LAYOUT_BLOCKS[0]
+        return cls(packed, sz.bfloat16().contiguous(), blocked_scale_zero(s, zc - 8 * s, block), g, n, k, decodable,
+                   block=block, scale_group=sg)
+
+    def scale_zero_rows(self) -> torch.Tensor:
+        """s and zc as [2, groups, n_pad] (a copy: scale_zero holds them block by block)."""
+        n_pad, k_pad = self.packed.shape[0], self.packed.shape[1] * 2
+        return scale_zero_rows(self.scale_zero, -(-k_pad // (self.scale_group or self.group)), n_pad, self.block)
 
     def native_for(self, m: int, dtype: torch.dtype) -> bool:
         """Whether a call of m tokens in `dtype` runs lrq's own decode kernel (lrq.native): m up to NATIVE_MAX_M
@@ -264,8 +292,7 @@ class Int4Weights:
         once and remade only if the tensors are replaced."""
         args = self.native_args
         if args is None or args[3] is not self.packed or args[4] is not self.scale_zero:
-            s, zc = self.scale_zero
-            st = native.Int4Layer(self.packed.data_ptr(), s.data_ptr(), zc.data_ptr(), self.n, self.packed.shape[0],
+            st = native.Int4Layer(self.packed.data_ptr(), self.scale_zero.data_ptr(), self.n, self.packed.shape[0],
                                   self.k, self.packed.shape[1] * 2, self.scale_group or self.group, self.block)
             args = self.native_args = (st, ctypes.addressof(st), native.library().lrq_int4_gemv, self.packed,
                                        self.scale_zero)
@@ -293,9 +320,8 @@ class Int4Weights:
         """scale_zero per torch's kernel group ([2, k_pad / group, n_pad]): its rows repeated where the quantizer's
         group is wider (each kernel group lies in one of ours: the kernel group divides both ours and k_pad)."""
         k_pad, sg = self.packed.shape[1] * 2, self.scale_group or self.group
-        if sg == self.group:
-            return self.scale_zero
-        return self.scale_zero[:, torch.arange(0, k_pad, self.group) // sg]
+        rows = self.scale_zero_rows()
+        return rows if sg == self.group else rows[:, torch.arange(0, k_pad, self.group) // sg]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         xr = run_dtype(x)

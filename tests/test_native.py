@@ -123,11 +123,12 @@ def test_the_kernel_reads_one_scale_row_per_quantizer_group(n, k, group, ours, t
     values per torch's group are ours repeated, and the product is the dequantized weight's."""
     w = _weights(n, k, group)
     n_pad = w.packed.shape[0]
-    assert w.scale_zero.shape == (2, ours, n_pad) and w.scales.shape[0] == torchs
+    assert w.scale_zero.shape == (2 * ours * n_pad,) and w.scales.shape[0] == torchs
+    assert w.scale_zero_rows().shape == (2, ours, n_pad)
     rows = w.kernel_group_scale_zero()
     assert rows.shape == (2, torchs, n_pad)
     per_feature = torch.arange(0, w.packed.shape[1] * 2, w.group) // (group or w.packed.shape[1] * 2)
-    assert torch.equal(rows, w.scale_zero[:, per_feature])
+    assert torch.equal(rows, w.scale_zero_rows()[:, per_feature])
     # torch's bf16 (scale, zero) rows are the same scales: both forms describe one weight
     torch.testing.assert_close(w.scales[..., 0].float(), rows[0], rtol=2 ** -8, atol=0)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
@@ -1059,3 +1060,23 @@ def test_one_token_rope_and_cache_write(hd, dtype):
     others = torch.ones(max_len, dtype=torch.bool)
     others[pos] = False
     assert not kc[:, others].any() and not vc[:, others].any()
+
+
+@pytest.mark.parametrize("n_pad,block", [(192, 64), (208, 64), (48, 64), (96, 32), (112, 32)])
+def test_the_scales_are_held_block_by_block(n_pad, block):
+    """A 4-bit layer's s and zc are held as the kernels read them (cpu_gemv.c's block_scales): per block of output
+    features (the last one what n_pad mod block leaves), its groups in order, each the block's s then its zc; read
+    back as [2, groups, n_pad] they are the rows they were made from, value for value."""
+    from lrq.cpu_kernels import blocked_scale_zero, scale_zero_rows
+    g = torch.Generator().manual_seed(n_pad)
+    s, zc = torch.rand(5, n_pad, generator=g), torch.rand(5, n_pad, generator=g)
+    blocked = blocked_scale_zero(s, zc, block)
+    assert blocked.shape == (2 * 5 * n_pad,)
+    assert torch.equal(scale_zero_rows(blocked, 5, n_pad, block), torch.stack([s, zc]))
+    # block b's group 2: its s then its zc, at b * block * 5 * 2 + 2 * 2 * width
+    nb = n_pad // block
+    for b in range(nb + (n_pad % block > 0)):
+        width = block if b < nb else n_pad - nb * block
+        at = b * block * 10 + 2 * 2 * width
+        assert torch.equal(blocked[at:at + width], s[2, b * block:b * block + width])
+        assert torch.equal(blocked[at + width:at + 2 * width], zc[2, b * block:b * block + width])
