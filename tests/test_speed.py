@@ -151,6 +151,11 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
     assert rows[ref]["decode_vs_dense"] == 1.0 and ref in dense
     assert all(rows[ref]["decode_ms"] <= rows[d]["decode_ms"] for d in dense)
     assert "Machine:" in (out / "speed.md").read_text() and (out / "decode.svg").read_text().startswith("<svg")
+    # the memory's speed in the same rounds: one plain read a round, its median and spread in the report
+    read = doc["memory_read_gbs"]
+    assert len(read["rounds"]) == 3 and all(g > 0 for g in read["rounds"]) and read["bytes"] == 256 << 20
+    assert read["min"] <= read["median"] <= read["max"]
+    assert f"{read['median']:.1f} GB/s ({read['min']:.1f}-{read['max']:.1f})" in (out / "speed.md").read_text()
     from bench.common.store import ResultStore
     from bench.reports.report import markdown_report
     md = markdown_report(ResultStore(store).rows(latest=True))

@@ -200,14 +200,27 @@ def prefill(target, ids: torch.Tensor) -> tuple[float, float]:
 NO_ONEDNN = " [no oneDNN]"   # the dense bf16 model with torch.backends.mkldnn off: torch's own bf16 kernels
 
 
-def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps: int) -> None:
-    """`rounds` rounds over every candidate in a rotating order; each round one decode and one prefill each."""
+READ_PROBE_BYTES = 256 << 20   # the plain read timed once a round: larger than any CPU's last-level cache here
+
+
+def read_gbs(probe: torch.Tensor) -> float:
+    """GB/s of one plain pass over `probe` (int64, torch's vectorized sum: a core's streaming read, within a few % of
+    a hand-written AVX-512 loop on a Zen 4). A decode step mostly streams weights, so its ms/token move with this."""
+    t0 = time.perf_counter()
+    probe.sum()
+    return probe.numel() * probe.element_size() / (time.perf_counter() - t0) / 1e9
+
+
+def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps: int) -> list[float]:
+    """`rounds` rounds over every candidate in a rotating order; each round one decode and one prefill each, and one
+    plain read of READ_PROBE_BYTES (read_gbs) after it. Returns the rounds' read GB/s."""
     gen = torch.Generator().manual_seed(0)
     vocab = cands[0].model.config.vocab_size
     ids = torch.randint(min(100, vocab // 2), min(1000, vocab), (1, prefill_len), generator=gen)
     n = len(cands)
     listed = ids[0].tolist()
     from lrq.packed import set_float32_decode
+    probe, reads = torch.ones(READ_PROBE_BYTES // 8, dtype=torch.int64), []
     for r in range(rounds):
         for c in cands[r % n:] + cands[:r % n]:
             if c.kind == "packed" and "float32_decode" in c.info:   # a model measured in several modes: its own
@@ -222,7 +235,10 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
                 tok_s, cpu_s = c.runner.prefill(listed) if c.runner is not None else prefill(c.lean or c.model, ids)
             c.prefill_tok_s.append(tok_s)
             c.prefill_cpu_s.append(cpu_s)
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{c.name} {c.decode_ms[-1]:.1f} ms" for c in cands), flush=True)
+        reads.append(read_gbs(probe))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{c.name} {c.decode_ms[-1]:.1f} ms" for c in cands) +
+              f"; a plain read {reads[-1]:.1f} GB/s", flush=True)
+    return reads
 
 
 def rows(cands: list[Candidate]) -> list[dict]:
@@ -560,7 +576,7 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     prepacked, prepack_skipped = _prepacked(cands, prefill_len)
     cands += _without_onednn(cands) + _torch_linears(cands) + prepacked + anchor_cands
     try:
-        measure(cands, rounds, prefill_len, decode_steps)
+        reads = measure(cands, rounds, prefill_len, decode_steps)
     finally:
         for c in cands:
             if c.runner is not None:
@@ -571,7 +587,9 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
            "kernels_isa": _kernels_isa(),
            "precision": decided.info(), "machine": cpu_label(hw),
            "hardware": hw, "versions": versions(), "git_rev": git_revision(), "rows": rows(cands),
-           "anchors": extra, "prepacked_skipped": prepack_skipped}
+           "anchors": extra, "prepacked_skipped": prepack_skipped,
+           "memory_read_gbs": {"median": statistics.median(reads), "min": min(reads), "max": max(reads),
+                               "rounds": reads, "bytes": READ_PROBE_BYTES}}
     if profiled:
         doc["profile"] = profiled
     return doc
@@ -611,13 +629,24 @@ def markdown(doc: dict) -> str:
         f"timed, the last position's logits only). Prefill: tokens/s of one {doc['prefill']}-token forward, the "
         f"last position's logits only. Weight memory: the resident memory each model added when it was built. "
         f"Ratios against the faster dense model per measure (decode: {ref['decode']}; prefill: {ref['prefill']}); "
-        f"memory against dense bf16.{_bf16_table_sentence(doc)}", "",
+        f"memory against dense bf16.{_bf16_table_sentence(doc)}{_read_sentence(doc)}", "",
         _runtime_sentence(doc), "",
         tabulate(body, headers=["candidate", "held in", "runtime", "decode ms/token", "decode CPU ms", "prefill tok/s",
                                 "weight MiB", "decode vs dense", "prefill vs dense", "memory vs bf16"],
                  tablefmt="github", disable_numparse=True), ""])
     extra = _anchor_markdown(doc)
     return lines + ("\n" + extra if extra else "")
+
+
+def _read_sentence(doc: dict) -> str:
+    """The memory's speed during the rounds, and what it means for the decode ratios (older reports: none)."""
+    read = doc.get("memory_read_gbs")
+    if not read:
+        return ""
+    return (f" One core's plain read of {read['bytes'] >> 20} MiB once a round: {read['median']:.1f} GB/s "
+            f"({read['min']:.1f}-{read['max']:.1f}). A decode step reads every weight once, so where it streams them "
+            f"its time follows that speed, and a format's decode ratio is bounded by about the inverse of its memory "
+            f"ratio (the bytes read a token; less where the step's other work, the same for every format, weighs).")
 
 
 def _bf16_table_sentence(doc: dict) -> str:
