@@ -89,6 +89,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_isa.restype = ctypes.c_char_p
     lib.lrq_int4_bf16_products.restype = ctypes.c_char_p
     lib.lrq_int8w_bf16_products.restype = ctypes.c_char_p
+    lib.lrq_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
+    lib.lrq_argmax.restype = ctypes.c_long
     isa = lib.lrq_isa().decode()
     if isa not in VECTOR_ISAS:
         _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")

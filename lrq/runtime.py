@@ -70,6 +70,20 @@ def _native(name: str, fn, *args):
     return fn(*args)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy next token after each row's last position: logits [b, t, vocab] -> [b, 1], torch.argmax's choice
+    (the first of equal largest, the first NaN). One row on the CPU in bf16 or float32 through lrq.native's argmax
+    (torch's takes about 200 us over SmolLM2's 49,152 bf16 logits on a Zen 4, 4 % of a 4-bit model's step), else
+    torch's."""
+    last = logits[:, -1]
+    lib = native.library()
+    if (lib is not None and last.shape[0] == 1 and last.device.type == "cpu" and last.is_contiguous()
+            and last.dtype in (torch.bfloat16, torch.float32)):
+        index = lib.lrq_argmax(last.data_ptr(), last.dtype == torch.bfloat16, last.shape[-1])
+        return torch.tensor([[index]], dtype=torch.long)
+    return last.argmax(-1, keepdim=True)
+
+
 def _rms(norm: nn.Module, x: torch.Tensor, lib=None) -> torch.Tensor:
     """The Llama/Qwen RMSNorm as one fused operation (torch computes it in float32 and rounds once; the Hugging Face
     norm rounds the normalized values to the model's dtype before scaling them by the weight, four operations).
@@ -457,9 +471,9 @@ class LeanDecoder:
     def greedy(self, prompt: torch.Tensor, steps: int) -> torch.Tensor:
         """From an empty cache: the `steps` greedy tokens after `prompt` [batch, t] ([batch, steps])."""
         self.reset()
-        nxt = self.forward(prompt)[:, -1].argmax(-1, keepdim=True)
+        nxt = greedy_tokens(self.forward(prompt))
         out = [nxt]
         for _ in range(steps - 1):
-            nxt = self.forward(nxt)[:, -1].argmax(-1, keepdim=True)
+            nxt = greedy_tokens(self.forward(nxt))
             out.append(nxt)
         return torch.cat(out, dim=1)

@@ -1080,3 +1080,26 @@ def test_the_scales_are_held_block_by_block(n_pad, block):
         at = b * block * 10 + 2 * 2 * width
         assert torch.equal(blocked[at:at + width], s[2, b * block:b * block + width])
         assert torch.equal(blocked[at + width:at + 2 * width], zc[2, b * block:b * block + width])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 15, 16, 49152, 1003])
+def test_argmax_is_torchs(n, dtype):
+    """lrq.native's argmax (a greedy step's token) is torch.argmax's: the first of equal largest values, the first
+    NaN where there is one, -inf alone, lengths not a multiple of 16; greedy_tokens returns it as [1, 1]."""
+    from lrq.runtime import greedy_tokens
+    lib = native.library()
+    g = torch.Generator().manual_seed(n)
+    cases = [torch.randn(n, generator=g), torch.full((n,), float("-inf")), torch.randint(0, 3, (n,), generator=g).float()]
+    x = torch.randn(n, generator=g)
+    x[n // 2] = float("nan")
+    cases.append(x)
+    x = torch.randn(n, generator=g)
+    x[n - 1], x[n // 3] = float("nan"), float("inf")
+    cases.append(x)
+    for x in cases:
+        x = x.to(dtype)
+        assert lib.lrq_argmax(x.data_ptr(), dtype == torch.bfloat16, n) == x.argmax().item()
+        assert torch.equal(greedy_tokens(x.view(1, 1, n)), x.view(1, 1, n)[:, -1].argmax(-1, keepdim=True))
+    wide = torch.randn(2, 3, n, generator=g).to(dtype)   # two rows: torch's argmax, the last position's
+    assert torch.equal(greedy_tokens(wide), wide[:, -1].argmax(-1, keepdim=True))

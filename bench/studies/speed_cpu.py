@@ -177,12 +177,14 @@ def _stepper(target):
 @torch.no_grad()
 def decode(target, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     """(wall, CPU) ms per greedy token after `prompt` (the prompt's own forward not timed); `target` is a model
-    (its own forward) or a LeanDecoder."""
+    (its own forward) or a LeanDecoder; each token chosen by lrq.runtime.greedy_tokens (lrq.native's argmax where it
+    runs, the same for every candidate)."""
+    from lrq.runtime import greedy_tokens
     first, step = _stepper(target)
-    nxt = first(prompt)[:, -1:].argmax(-1)
+    nxt = greedy_tokens(first(prompt))
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        nxt = step(nxt)[:, -1:].argmax(-1)
+        nxt = greedy_tokens(step(nxt))
     return 1e3 * (time.perf_counter() - t0) / steps, 1e3 * (time.process_time() - c0) / steps
 
 
@@ -274,6 +276,7 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     the output head; the wall time left is framework/Python overhead. ms per token, and shares; the profiler adds
     its own cost to every op (most of it lands in the overhead), so the same steps are also timed without it first
     (`unprofiled_ms_per_token`). `target`: a model (its own forward) or a LeanDecoder."""
+    from lrq.runtime import greedy_tokens
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
     from lrq.packed import PackedLinear
@@ -298,11 +301,11 @@ def profile_decode(target, prompt: torch.Tensor, steps: int = 8) -> dict:
     try:
         plain_ms, _ = decode(target, prompt, steps)
         first, step = _stepper(target)
-        nxt = first(prompt)[:, -1:].argmax(-1)
+        nxt = greedy_tokens(first(prompt))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
-                nxt = step(nxt)[:, -1:].argmax(-1)
+                nxt = greedy_tokens(step(nxt))
             wall_us = 1e6 * (time.perf_counter() - t0)
     finally:
         for h in handles:

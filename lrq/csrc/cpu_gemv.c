@@ -2389,6 +2389,51 @@ const char *lrq_int4_bf16_products(void) {
 #endif
 }
 
+/* argmax: the index of the largest of x[0..n) (bf16 or float32) as torch.argmax gives it: the first of equal largest
+ * values, the first NaN where there is one. A greedy decode step's last operation over the vocabulary: torch's CPU
+ * argmax takes about 200 us over 49,152 bf16 logits on an AMD Zen 4 (4 ns a value), 4 % of a 4-bit SmolLM2-135M's
+ * step; here two vectorized passes over them (the largest, then where it first is). */
+long lrq_argmax(const void *x, int bf16, long n) {
+  if (n < 1) return -1;
+  long i = 0;
+  float best;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = bf16 ? vload_bf16((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, v);
+  }
+  best = nan ? NAN : _mm512_reduce_max_ps(m);
+#else
+  best = -INFINITY;
+#endif
+  for (; i < n; i++) {   /* the rest (all of it without AVX-512) */
+    float v = load_any(x, bf16, i);
+    if (v != v) { best = NAN; break; }
+    if (v > best) best = v;
+  }
+  if (best != best) {   /* the first NaN */
+    for (long j = 0; j < n; j++) {
+      float v = load_any(x, bf16, j);
+      if (v != v) return j;
+    }
+  }
+  long j = 0;
+#if defined(__AVX512F__)
+  const __m512 b = _mm512_set1_ps(best);
+  for (; j + 16 <= n; j += 16) {
+    __m512 v = bf16 ? vload_bf16((const uint16_t *)x + j) : _mm512_loadu_ps((const float *)x + j);
+    __mmask16 eq = _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+    if (eq) return j + __builtin_ctz(eq);
+  }
+#endif
+  for (; j < n; j++)
+    if (load_any(x, bf16, j) == best) return j;
+  return 0;   /* not reached: best is one of the values */
+}
+
 /* how the int8 weight-only kernel (w8a16, an int8 head) multiplies bf16 activations */
 const char *lrq_int8w_bf16_products(void) {
 #if defined(I16_DOT)
