@@ -143,6 +143,8 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_amx_bf16_int8w_linear.restype = i
     lib.lrq_decoder_layer_step.argtypes = [p, p, i, i]
     lib.lrq_decoder_layer_step.restype = i
+    lib.lrq_decoder_layers_step.argtypes = [p, i, p, i, i]
+    lib.lrq_decoder_layers_step.restype = i
     return lib
 
 

@@ -243,9 +243,11 @@ class LeanDecoder:
         on_cpu = emb.device.type == "cpu"   # the C kernels read host memory: a model on a GPU keeps torch's operations
         self._lib = native.library() if dtype in (torch.bfloat16, torch.float32) and on_cpu else None
         # one-token steps of each decoder layer as one lrq.native call (lrq_decoder_layer_step) where every part of
-        # it can be (see _fused_layer); False: the module path above (to compare)
+        # it can be (see _fused_layer; every layer fused: the whole stack one call, lrq_decoder_layers_step); False:
+        # the module path above (to compare)
         self.fused = True
         self._fused: list | None = None
+        self._fused_stack = None   # the fused layers' struct addresses as one ctypes array (_fused_layers)
         # several tokens (a prefill) with lrq.native's row kernels for the norms, residual adds and SiLU products
         # (_layers_rows); False: torch's operations (to compare)
         self.rows_native = True
@@ -334,11 +336,19 @@ class LeanDecoder:
     def _fused_layers(self) -> list:
         if self._fused is None:
             self._fused = [self._fused_layer(i, layer) for i, layer in enumerate(self.layers)]
+            # every layer fused: their structs' addresses in one array, the whole stack one call a step
+            self._fused_stack = ((ctypes.c_void_p * len(self._fused))(*[f[0] for f in self._fused])
+                                 if self._fused and all(f is not None for f in self._fused) else None)
         return self._fused
 
     def _layers(self, x: torch.Tensor, start: int, mask, lib, fused: list) -> torch.Tensor:
         """The decoder layers through their modules and torch's operations, a layer with fused arguments (a one-token
         step) as one lrq.native call."""
+        if fused is self._fused and self._fused_stack is not None:   # every layer fused: one call for the stack
+            rc = _native("decoder_layer", lib.lrq_decoder_layers_step, self._fused_stack, len(fused), x.data_ptr(),
+                         start, torch.get_num_threads())
+            native.checked(rc, "decoder layers")
+            return x
         for i, layer in enumerate(self.layers):
             if fused[i] is not None:   # x is this step's own tensor: the layer's output is written into it
                 rc = _native("decoder_layer", lib.lrq_decoder_layer_step, fused[i][0], x.data_ptr(), start,

@@ -267,8 +267,15 @@ def test_profile_counts_native_kernels_where_they_run(fused):
             return getattr(lib, name)
 
         def lrq_decoder_layer_step(self, *args):
+            return self._timed(lib.lrq_decoder_layer_step, args)
+
+        def lrq_decoder_layers_step(self, *args):   # the whole stack in one call (every layer fused)
+            return self._timed(lib.lrq_decoder_layers_step, args)
+
+        @staticmethod
+        def _timed(fn, args):
             t = time.perf_counter()
-            rc = lib.lrq_decoder_layer_step(*args)
+            rc = fn(*args)
             if torch.autograd._profiler_enabled():
                 spent.append(time.perf_counter() - t)
             return rc
@@ -279,12 +286,12 @@ def test_profile_counts_native_kernels_where_they_run(fused):
     assert sum(ms.values()) == pytest.approx(prof["wall_ms_per_token"], rel=1e-6)
     if fused:   # both layers in C: nothing of them runs as modules or separate calls
         # every C layer call's time is in its group (not the overhead), whatever share of the step it is
-        assert len(spent) == 2 * 4
-        assert ms["fused decoder layers (one lrq.native call each)"] >= 0.9 * 1e3 * sum(spent) / 4 > 0
+        assert len(spent) == 4   # one call a step for both layers
+        assert ms["fused decoder layers (lrq.native)"] >= 0.9 * 1e3 * sum(spent) / 4 > 0
         assert ms["quantized linears"] == 0 and ms["output head"] > 0   # the head's C call counted as the head
         return
     assert not spent
-    assert ms["fused decoder layers (one lrq.native call each)"] == 0
+    assert ms["fused decoder layers (lrq.native)"] == 0
     # 14 packed linears per step through C: far more than nothing (they were ~0 when only aten ops counted)
     assert ms["quantized linears"] > 0.1 * prof["wall_ms_per_token"]
     assert ms["attention/SDPA, RoPE, norms and other ops"] > 0

@@ -2925,3 +2925,13 @@ int lrq_decoder_layer_step(const lrq_decoder_layer *L, void *x, int pos, int nth
   lrq_rms_norm_rows(x, o, NULL, NULL, bf16, 1, H, 0.0f, 1);   /* x += o */
   return 0;
 }
+
+/* lrq_decoder_layer_step for layers[0..count) in turn (a one-token step's whole stack, one call instead of one a
+ * layer from Python: about 5 us a layer of the interpreter and ctypes). Returns the first non-zero code. */
+int lrq_decoder_layers_step(const lrq_decoder_layer *const *layers, int count, void *x, int pos, int nthreads) {
+  for (int i = 0; i < count; i++) {
+    int rc = lrq_decoder_layer_step(layers[i], x, pos, nthreads);
+    if (rc) return rc;
+  }
+  return 0;
+}
