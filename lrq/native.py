@@ -62,40 +62,11 @@ def _compile(cc: str, out: Path) -> None:
         raise RuntimeError(f"{cc} failed: {(run.stderr or run.stdout).strip()[-400:]}")
 
 
-@functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (then `status()` says why)."""
-    if os.environ.get("LRQ_NATIVE", "1") == "0":
-        _REASON.append("turned off (LRQ_NATIVE=0)")
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        _REASON.append(f"no vector code for {platform.machine()} (x86-64 only)")
-        return None
-    cc = _compiler()
-    if cc is None:
-        _REASON.append("no C compiler (cc or gcc) on PATH; install one (e.g. apt install gcc) for the fast CPU decode")
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(_flags()), _cpu_key()]).encode())
-        path = cache_root() / "native" / f"cpu_gemv-{key.hexdigest()[:16]}.so"
-        if not path.exists():
-            atomic_write(path, lambda tmp: _compile(cc, tmp), fsync=False)
-        import torch  # noqa: F401 - torch's own libgomp loaded first: the kernel's OpenMP calls share its runtime
-        lib = ctypes.CDLL(str(path))
-    except Exception as e:  # noqa: BLE001 - any failure: torch's kernels instead, and the reason kept
-        _REASON.append(f"compiling or loading {SOURCE.name} failed ({e}); torch's kernels run instead")
-        return None
-    lib.lrq_isa.restype = ctypes.c_char_p
-    lib.lrq_int4_bf16_products.restype = ctypes.c_char_p
-    lib.lrq_int8w_bf16_products.restype = ctypes.c_char_p
-    lib.lrq_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
-    lib.lrq_argmax.restype = ctypes.c_long
-    isa = lib.lrq_isa().decode()
-    if isa not in VECTOR_ISAS:
-        _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
+    """Each kernel's argument and result types (ctypes converts and checks Python's arguments by them)."""
     p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.lrq_argmax.argtypes = [p, i, lg]
+    lib.lrq_argmax.restype = lg
     lib.lrq_int4_gemv.argtypes = [p, p, i, lg, p, i, i]
     lib.lrq_int4_gemv.restype = i
     lib.lrq_int4_unpack_t.argtypes = [p, p, i, i]
@@ -145,6 +116,40 @@ def library() -> ctypes.CDLL | None:
     lib.lrq_decoder_layer_step.restype = i
     lib.lrq_decoder_layers_step.argtypes = [p, i, p, i, i]
     lib.lrq_decoder_layers_step.restype = i
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (then `status()` says why)."""
+    if os.environ.get("LRQ_NATIVE", "1") == "0":
+        _REASON.append("turned off (LRQ_NATIVE=0)")
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _REASON.append(f"no vector code for {platform.machine()} (x86-64 only)")
+        return None
+    cc = _compiler()
+    if cc is None:
+        _REASON.append("no C compiler (cc or gcc) on PATH; install one (e.g. apt install gcc) for the fast CPU decode")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(_flags()), _cpu_key()]).encode())
+        path = cache_root() / "native" / f"cpu_gemv-{key.hexdigest()[:16]}.so"
+        if not path.exists():
+            atomic_write(path, lambda tmp: _compile(cc, tmp), fsync=False)
+        import torch  # noqa: F401 - torch's own libgomp loaded first: the kernel's OpenMP calls share its runtime
+        lib = ctypes.CDLL(str(path))
+    except Exception as e:  # noqa: BLE001 - any failure: torch's kernels instead, and the reason kept
+        _REASON.append(f"compiling or loading {SOURCE.name} failed ({e}); torch's kernels run instead")
+        return None
+    lib.lrq_isa.restype = ctypes.c_char_p
+    lib.lrq_int4_bf16_products.restype = ctypes.c_char_p
+    lib.lrq_int8w_bf16_products.restype = ctypes.c_char_p
+    isa = lib.lrq_isa().decode()
+    if isa not in VECTOR_ISAS:
+        _REASON.append(f"this CPU has neither AVX-512 nor AVX2 (the build targets {isa}); torch's kernels run instead")
+        return None
+    _declare(lib)
     return lib
 
 
