@@ -260,7 +260,7 @@ class LeanDecoder:
         """An empty cache; the fused layers' arguments are made again at the next step: weights replaced since
         (a new tensor, a new static grid) are read from then on; weights changed in place are read at every step."""
         self.length = 0
-        self._fused = None
+        self._fused = self._fused_stack = None
 
     def _fused_layer(self, i: int, layer: nn.Module) -> tuple | None:
         """(address of its lrq.native.DecoderLayer, what it points into) for a one-token step of layer i in one C
@@ -447,7 +447,7 @@ class LeanDecoder:
             mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
         if self.huge_pages and not self._huge_done:   # before any struct points into the weights
             self._huge_done = True
-            self._fused = None
+            self._fused = self._fused_stack = None
             self._huge_page_weights()
         with onednn(False if t == 1 and not self.onednn_decode else torch.backends.mkldnn.enabled):
             inner = self.model.model
