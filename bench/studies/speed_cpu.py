@@ -646,7 +646,8 @@ def _read_sentence(doc: dict) -> str:
     read = doc.get("memory_read_gbs")
     if not read:
         return ""
-    return (f" One core's plain read of {read['bytes'] >> 20} MiB once a round: {read['median']:.1f} GB/s "
+    who = "One core's" if doc.get("threads", 1) == 1 else f"{doc['threads']} threads'"
+    return (f" {who} plain read of {read['bytes'] >> 20} MiB once a round: {read['median']:.1f} GB/s "
             f"({read['min']:.1f}-{read['max']:.1f}). A decode step reads every weight once, so where it streams them "
             f"its time follows that speed, and a format's decode ratio is bounded by about the inverse of its memory "
             f"ratio (the bytes read a token; less where the step's other work, the same for every format, weighs).")
