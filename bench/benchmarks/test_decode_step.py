@@ -4,8 +4,9 @@ explicitly):
     python -m pytest bench/benchmarks/test_decode_step.py --benchmark-only --benchmark-columns=median,iqr,rounds
 
 - one greedy decode step of a SmolLM2-135M-shaped model (random weights, built in memory: no download), dense bf16
-  and packed w4a16-g128 and w4a8 (RTN, no calibration needed), through lrq.runtime.LeanDecoder with its decoder layers fused
-  (lrq.native: the whole stack one call a step) and through its modules (`fused` False), at a fixed cache length of 64 positions;
+  and packed w4a16-g128 and w4a8 (RTN, no calibration needed), through lrq.runtime.LeanDecoder with its decoder layers
+  fused (lrq.native: the whole stack one call a step) and through its modules (`fused` False), at a fixed cache length
+  of 64 positions;
 - a prefill of 256 tokens of the same models from an empty cache (the last position's logits), with the norms,
   residual adds, SiLU products and RoPE as lrq.native row kernels (`rows`) and as torch's operations;
 - the 4-bit form's transient prefill operand (Int4Weights.dequantized_t) made by lrq.native and by torch's ops;

@@ -176,19 +176,20 @@ static inline float vsum(v16 v) { float t = 0; for (int i = 0; i < 16; i++) t +=
 #ifndef FLOAT_AHEAD
 #define FLOAT_AHEAD 4096   /* bytes of a block's levels fetched ahead by the float32 kernels */
 #endif
-/* a later group's scales and zero terms of this block (`bytes` of each, `n_pad` floats apart from group to group:
- * the block's group stride, block_scales) */
-#define SCALES_AHEAD(s, zc, gi, n_pad, bytes)                                                            \
+/* a later group's scales and zero terms of this block (`bytes` of each, `gstride` floats apart from group to group:
+ * block_scales) */
+#define SCALES_AHEAD(s, zc, gi, gstride, bytes)                                                             \
   do {                                                                                                      \
-    const char *ps_ = (const char *)((s) + (size_t)(gi) * (n_pad)), *pz_ = (const char *)((zc) + (size_t)(gi) * (n_pad)); \
+    const char *ps_ = (const char *)((s) + (size_t)(gi) * (gstride));                                       \
+    const char *pz_ = (const char *)((zc) + (size_t)(gi) * (gstride));                                      \
     for (int l_ = 0; l_ < (bytes); l_ += 64) { __builtin_prefetch(ps_ + l_, 0, 3); __builtin_prefetch(pz_ + l_, 0, 3); } \
   } while (0)
 /* one block of 64 features (torch's AVX-512 packing), one token */
 static void block64(const uint8_t *blk, const float *s, const float *zc, const float *x, const float *xs,
-                    float *y, int k_pad, int group, int n_pad) {
+                    float *y, int k_pad, int group, int gstride) {
   v16 o0 = vzero(), o1 = o0, o2 = o0, o3 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, n_pad, 256);
+    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, gstride, 256);
     v16 a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
     for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
       const uint8_t *r = blk + (size_t)k * 32;
@@ -198,7 +199,7 @@ static void block64(const uint8_t *blk, const float *s, const float *zc, const f
       a0 = vfma(lo_f(v0), xk, a0); a1 = vfma(lo_f(v1), xk, a1);
       a2 = vfma(hi_f(v0), xk, a2); a3 = vfma(hi_f(v1), xk, a3);
     }
-    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    const float *sg = s + (size_t)gi * gstride, *zg = zc + (size_t)gi * gstride;
     float xsum = xs[gi];
     o0 = vfmav(a0, vload(sg), vfma(vload(zg), xsum, o0));
     o1 = vfmav(a1, vload(sg + 16), vfma(vload(zg + 16), xsum, o1));
@@ -210,10 +211,10 @@ static void block64(const uint8_t *blk, const float *s, const float *zc, const f
 
 /* one block of 32 features (torch's AVX2 packing), one token */
 static void block32(const uint8_t *blk, const float *s, const float *zc, const float *x, const float *xs,
-                    float *y, int k_pad, int group, int n_pad) {
+                    float *y, int k_pad, int group, int gstride) {
   v16 o0 = vzero(), o1 = o0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
-    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, n_pad, 128);
+    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, gstride, 128);
     v16 a0 = vzero(), a1 = a0;
     for (int k = g0, ke = g0 + group < k_pad ? g0 + group : k_pad; k < ke; k++) {
       if (k % 4 == 0) __builtin_prefetch(blk + (size_t)k * 16 + FLOAT_AHEAD, 0, 3);
@@ -221,7 +222,7 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
       float xk = x[k];
       a0 = vfma(lo_f(v), xk, a0); a1 = vfma(hi_f(v), xk, a1);
     }
-    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    const float *sg = s + (size_t)gi * gstride, *zg = zc + (size_t)gi * gstride;
     float xsum = xs[gi];
     o0 = vfmav(a0, vload(sg), vfma(vload(zg), xsum, o0));
     o1 = vfmav(a1, vload(sg + 16), vfma(vload(zg + 16), xsum, o1));
@@ -265,11 +266,12 @@ static void block32(const uint8_t *blk, const float *s, const float *zc, const f
  * layer-sized streams read at 8-12 GB/s against 20-23 GB/s for one 14 MB layer: every call starts its stream cold). */
 #define I16_DOT 1
 /* a group's 64 scales and 64 zero terms of this block (4 + 4 cache lines, the next group's 128 floats on) */
-#define SCALE_PREFETCH(s, zc, gi, n_pad) SCALES_AHEAD(s, zc, gi, n_pad, 256)
+#define SCALE_PREFETCH(s, zc, gi, gstride) SCALES_AHEAD(s, zc, gi, gstride, 256)
 /* rows k0..k1 - 1 (k1 - k0 a multiple of 4) of a block of 64 features against their 16-bit activations: the four
  * int32 sums of block64_i16's chunk (features 0-15, 16-31, then 16 times those of 32-47, 48-63). A function of its own
  * so that its eight accumulators stay in registers (inlined, GCC spilled some around every product) */
-static __attribute__((noinline)) void i16_rows64(const uint8_t *blk, int k0, int k1, const int16_t *xi, __m512i out[4]) {
+static __attribute__((noinline)) void i16_rows64(const uint8_t *blk, int k0, int k1, const int16_t *xi,
+                                                  __m512i out[4]) {
   const __m512i place = _mm512_set_epi8(
       63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25,
       9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49,
@@ -299,16 +301,16 @@ static __attribute__((noinline)) void i16_rows64(const uint8_t *blk, int k0, int
   out[2] = _mm512_add_epi32(a2, b2); out[3] = _mm512_add_epi32(a3, b3);
 }
 static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
-                        const float *xs, float *y, int k_pad, int group, int n_pad) {
+                        const float *xs, float *y, int k_pad, int group, int gstride) {
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   int ci = 0;
 #ifndef NO_SCALE_PREFETCH
-  for (int gi = 0; gi < 2 && gi * group < k_pad; gi++) SCALE_PREFETCH(s, zc, gi, n_pad);
+  for (int gi = 0; gi < 2 && gi * group < k_pad; gi++) SCALE_PREFETCH(s, zc, gi, gstride);
 #endif
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     int ge = g0 + group < k_pad ? g0 + group : k_pad;
 #ifndef NO_SCALE_PREFETCH
-    if (g0 + 2 * group < k_pad) SCALE_PREFETCH(s, zc, gi + 2, n_pad);
+    if (g0 + 2 * group < k_pad) SCALE_PREFETCH(s, zc, gi + 2, gstride);
 #endif
     __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;   /* features 0-15, 16-31, 32-47, 48-63 */
     for (int c0 = g0; c0 < ge; c0 += I16_CHUNK, ci++) {
@@ -320,7 +322,7 @@ static void block64_i16(const uint8_t *blk, const float *s, const float *zc, con
       f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[2]), inv16, f2);
       f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[3]), inv16, f3);
     }
-    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    const float *sg = s + (size_t)gi * gstride, *zg = zc + (size_t)gi * gstride;
     __m512 xsum = _mm512_set1_ps(xs[gi]);
     o0 = _mm512_fmadd_ps(f0, _mm512_loadu_ps(sg), _mm512_fmadd_ps(_mm512_loadu_ps(zg), xsum, o0));
     o1 = _mm512_fmadd_ps(f1, _mm512_loadu_ps(sg + 16), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 16), xsum, o1));
@@ -377,7 +379,7 @@ static int i16_chunks(const float *x, int k_pad, int group, int16_t *xi, float *
  * 576 layer in L2 40 us against 68 (medians of interleaved rounds). */
 #define I16_AVX2 1
 static void block32_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
-                        const float *xs, float *y, int k_pad, int group, int n_pad) {
+                        const float *xs, float *y, int k_pad, int group, int gstride) {
   const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i place = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -386,7 +388,7 @@ static void block32_i16(const uint8_t *blk, const float *s, const float *zc, con
   int ci = 0;
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     int ge = g0 + group < k_pad ? g0 + group : k_pad;
-    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, n_pad, 128);
+    if (g0 + 2 * group < k_pad) SCALES_AHEAD(s, zc, gi + 2, gstride, 128);
     __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;   /* features 0-7, 8-15, 16-23, 24-31 */
     for (int c0 = g0; c0 < ge; c0 += I16_CHUNK, ci++) {
       __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
@@ -417,7 +419,7 @@ static void block32_i16(const uint8_t *blk, const float *s, const float *zc, con
       f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), inv16, f2);
       f3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a3), inv16, f3);
     }
-    const float *sg = s + (size_t)gi * n_pad, *zg = zc + (size_t)gi * n_pad;
+    const float *sg = s + (size_t)gi * gstride, *zg = zc + (size_t)gi * gstride;
     __m256 xsum = _mm256_set1_ps(xs[gi]);
     o0 = _mm256_fmadd_ps(f0, _mm256_loadu_ps(sg), _mm256_fmadd_ps(_mm256_loadu_ps(zg), xsum, o0));
     o1 = _mm256_fmadd_ps(f1, _mm256_loadu_ps(sg + 8), _mm256_fmadd_ps(_mm256_loadu_ps(zg + 8), xsum, o1));
@@ -473,7 +475,7 @@ static int i16_chunks(const float *x, int k_pad, int group, int16_t *xi, float *
 
 /* the last n mod B features: k rows of rem / 2 bytes, features 2j (low nibble) and 2j + 1 (high), one token */
 static void block_rest(const uint8_t *blk, int rem, const float *s, const float *zc, const float *x,
-                       const float *xs, float *y, int k_pad, int group, int n_pad) {
+                       const float *xs, float *y, int k_pad, int group, int gstride) {
   for (int j = 0; j < rem; j++) {
     float out = 0;
     for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
@@ -482,7 +484,7 @@ static void block_rest(const uint8_t *blk, int rem, const float *s, const float 
         uint8_t b = blk[(size_t)k * (rem / 2) + j / 2];
         a += (float)((j & 1) ? b >> 4 : b & 15) * x[k];
       }
-      out += a * s[(size_t)gi * n_pad + j] + zc[(size_t)gi * n_pad + j] * xs[gi];
+      out += a * s[(size_t)gi * gstride + j] + zc[(size_t)gi * gstride + j] * xs[gi];
     }
     y[j] = out;
   }
@@ -515,15 +517,17 @@ typedef struct {
 
 /* A layer's s and zc per group (`group` input features) and feature, held block by block in the packing's blocks of
  * `block` output features (the last one the n_pad mod block features left): block b's groups one after the other,
- * each its `width` scales s then its `width` zero terms zc. So a decode step reads each block's scales as one stream
- * beside its levels: held [groups][n_pad] (two arrays), a block read 2 x groups pieces of 256 bytes n_pad floats
- * apart, and SmolLM2-135M's 210 g128 layers took 3.27 ms from huge pages on an AMD Zen 4 against 2.52 for the same
- * layers per channel (a tenth fewer bytes, a third less time). Returns block b's s (its zc: s + width), and the
- * floats from one group's s to the next's. */
-static inline const float *block_scales(const int4_layer *L, int b, int *group_stride) {
+ * each its `width` scales s then its `width` zero terms zc, so that a decode step reads each block's scales as one
+ * stream beside its levels (held [groups][n_pad], two arrays, a block read 2 x groups pieces of 256 bytes n_pad floats
+ * apart: SmolLM2-135M's 210 g128 layers from huge pages on an AMD Zen 4 took 0.97x the time this way, per channel
+ * 0.95x). Returns block b's s; its zc in *zc, and in *gstride the floats from one group's s (or zc) to the next's. */
+static inline const float *block_scales(const int4_layer *L, int b, const float **zc, int *gstride) {
   int ng = (L->k_pad + L->group - 1) / L->group, nb = L->n_pad / L->block;
-  *group_stride = 2 * (b < nb ? L->block : L->n_pad - nb * L->block);
-  return L->sz + (size_t)b * L->block * ng * 2;
+  int width = b < nb ? L->block : L->n_pad - nb * L->block;
+  const float *s = L->sz + (size_t)b * L->block * ng * 2;
+  *zc = s + width;
+  *gstride = 2 * width;
+  return s;
 }
 
 /* a block of contiguous weight rows read a column step at a time (four rows side by side) is one stream
@@ -623,8 +627,9 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       const float *xt = xf + (size_t)t * k_pad, *xst = xs + (size_t)t * ng;
       float *yt = yf + (size_t)t * n_pad + (size_t)b * block;
       const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
-      int gs;   /* the block's scales: group after group gs floats apart, each its s then its zc */
-      const float *s = block_scales(L, b, &gs), *zc = s + gs / 2;
+      const float *zc;
+      int gs;   /* the block's scales: group after group gs floats apart */
+      const float *s = block_scales(L, b, &zc, &gs);
       if (b == nb)
         block_rest(blk, rem, s, zc, xt, xst, yt, k_pad, group, gs);
 #if defined(I16_DOT)
@@ -855,7 +860,7 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
     for (int b = 0; b < units; b++) {
       const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
       int c0 = b * block, width = b < nb ? block : rem, gs;
-      const float *s = block_scales(L, b, &gs), *zc = s + width;
+      const float *zc, *s = block_scales(L, b, &zc, &gs);
       uint16_t t[2][64];
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if (b < nb && block == 64 && group % 2 == 0) {   /* in registers */
@@ -887,7 +892,7 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
   for (int b = 0; b < units; b++) {
     const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
     int c0 = b * block, gs;
-    const float *s = block_scales(L, b, &gs), *zc = s + gs / 2;
+    const float *zc, *s = block_scales(L, b, &zc, &gs);
     for (int k = 0; k < k_pad; k++) {
       const float *sg = s + (size_t)(k / group) * gs, *zg = zc + (size_t)(k / group) * gs;
       size_t row = (size_t)k * n_pad + c0;
@@ -2191,8 +2196,8 @@ static void amx_panel(const amx_job *J, int p, uint8_t *panel) {
   } else if (J->bf16) {
     const int4_layer *L = J->L;   /* a packing of 64-feature blocks (lrq_amx_bf16_linear checks): panel p is block p */
     int gs;
-    const float *s = block_scales(L, p, &gs);
-    bf16_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, s, s + 64, gs, 0, k, L->group,
+    const float *zc, *s = block_scales(L, p, &zc, &gs);
+    bf16_levels_block((const uint8_t *)L->packed + (size_t)p * 32 * k, s, zc, gs, 0, k, L->group,
                       (uint16_t *)panel, (uint16_t *)panel + (size_t)32 * k, 64);
   } else if (J->L) {
     i8_levels_block((const uint8_t *)J->L->packed + (size_t)p * 32 * k, k, (int8_t *)panel, NULL);
@@ -2395,43 +2400,35 @@ const char *lrq_int4_bf16_products(void) {
  * step; here two vectorized passes over them (the largest, then where it first is). */
 long lrq_argmax(const void *x, int bf16, long n) {
   if (n < 1) return -1;
-  long i = 0;
-  float best;
-#if defined(__AVX512F__)
+#ifdef ROWS_AVX512
   __m512 m = _mm512_set1_ps(-INFINITY);
   __mmask16 nan = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = bf16 ? vload_bf16((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, v);
+  for (long i = 0; i < n; i += 16) {   /* the largest, and whether there is a NaN */
+    __mmask16 k = tail16(n - i < 16 ? (int)(n - i) : 16);
+    __m512 v = load16(x, bf16, i, k);
+    nan |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+    m = _mm512_mask_max_ps(m, k, m, v);
   }
-  best = nan ? NAN : _mm512_reduce_max_ps(m);
+  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  for (long i = 0; i < n; i += 16) {   /* where it (or the first NaN) first is */
+    __mmask16 k = tail16(n - i < 16 ? (int)(n - i) : 16);
+    __m512 v = load16(x, bf16, i, k);
+    __mmask16 at = nan ? _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q)
+                       : _mm512_mask_cmp_ps_mask(k, v, best, _CMP_EQ_OQ);
+    if (at) return i + __builtin_ctz(at);
+  }
+  return 0;   /* not reached: the largest is one of the values */
 #else
-  best = -INFINITY;
-#endif
-  for (; i < n; i++) {   /* the rest (all of it without AVX-512) */
+  long at = 0;
+  float best = load_any(x, bf16, 0);
+  if (best != best) return 0;
+  for (long i = 1; i < n; i++) {   /* one pass: the first NaN ends it */
     float v = load_any(x, bf16, i);
-    if (v != v) { best = NAN; break; }
-    if (v > best) best = v;
+    if (v != v) return i;
+    if (v > best) best = v, at = i;
   }
-  if (best != best) {   /* the first NaN */
-    for (long j = 0; j < n; j++) {
-      float v = load_any(x, bf16, j);
-      if (v != v) return j;
-    }
-  }
-  long j = 0;
-#if defined(__AVX512F__)
-  const __m512 b = _mm512_set1_ps(best);
-  for (; j + 16 <= n; j += 16) {
-    __m512 v = bf16 ? vload_bf16((const uint16_t *)x + j) : _mm512_loadu_ps((const float *)x + j);
-    __mmask16 eq = _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
-    if (eq) return j + __builtin_ctz(eq);
-  }
+  return at;
 #endif
-  for (; j < n; j++)
-    if (load_any(x, bf16, j) == best) return j;
-  return 0;   /* not reached: best is one of the values */
 }
 
 /* how the int8 weight-only kernel (w8a16, an int8 head) multiplies bf16 activations */
@@ -2631,7 +2628,8 @@ static void int8w_rows_i16(const int8_t *w, long ws, const float *scale, const f
                            const float *xinv, float xsum, void *y, int bf16, int j0, int j1, int kp) {
   for (int r4; j0 < j1; j0 += r4 ? 4 : 1) {   /* four rows at a time, the last few one at a time */
     r4 = j1 - j0 >= 4;
-    const int8_t *w0 = w + (size_t)j0 * ws, *w1 = w0 + (r4 ? ws : 0), *w2 = w1 + (r4 ? ws : 0), *w3 = w2 + (r4 ? ws : 0);
+    const long step = r4 ? ws : 0;   /* one row: the other three pointers alias it, unread */
+    const int8_t *w0 = w + (size_t)j0 * ws, *w1 = w0 + step, *w2 = w1 + step, *w3 = w2 + step;
     __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
     for (int c0 = 0, ci = 0; c0 < kp; c0 += I16_CHUNK, ci++) {
       const int ce = c0 + I16_CHUNK < kp ? c0 + I16_CHUNK : kp;
