@@ -47,11 +47,14 @@ Decode steps run lrq's own kernels where they are built (lrq.native, C compiled 
 otherwise, and `LRQ_NATIVE=0` turns them off): a 4-bit layer's call of up to NATIVE_MAX_M tokens reads torch's
 int4 packing as it is held (float32 inputs exactly, bf16 ones through AVX512-VNNI 16-bit integer dot products
 where the CPU has them), and a W8A8 step on a static grid quantizes its activations, multiplies the levels exactly (VNNI or AVX2) and
-corrects the zero points in one call (NATIVE_INT8_MAX_M). The scales they read are the float32 (s, zc) pairs each
+corrects the zero points in one call (NATIVE_INT8_MAX_M). The scales they read are the (s, zc) pairs each
 Int4Weights holds beside torch's bf16 (scale, zero) form, per group of the quantizer (`scale_group`: a 576-wide
 layer at g128 has 5 such rows, the last one 64 wide, where torch's kernel repeats its scales per group of 64: 9
-rows, 1 bit a weight read per token instead of 0.5); torch's float32 form is made only where its float32 kernel runs
-(a packing that cannot be read back).
+rows, 1 bit a weight read per token instead of 0.5), block by block, compactly where they fit (compact_scale_zero:
+the packed model's fp16 scales and uint8 zero points, 3 bytes a feature and group against float32's 8; the C
+kernels decode a block's at a time, the same values bit for bit: SmolLM2-135M's 210 g128 layers from huge pages on
+a Zen 4 3.31 -> 2.67 ms a token); torch's float32 form is made only where its float32 kernel runs (a packing that
+cannot be read back).
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ AMX_PREFILL = os.environ.get("LRQ_AMX", "1") != "0"
 # slices: 0.8x).
 AVX2_INT8_PREFILL = os.environ.get("LRQ_AVX2_INT8", "1") != "0"
 AMX_FROM_M = NATIVE_INT8_MAX_M + 1
+# 4-bit layers hold their scales and zero points compactly (compact_scale_zero: fp16 and uint8, 3 bytes a feature and
+# group against float32's 8) where they fit; LRQ_COMPACT_SCALES=0 keeps float32 (an A/B measurement)
+COMPACT_SCALES = os.environ.get("LRQ_COMPACT_SCALES", "1") != "0"
 # float32 values per chunk when a 4-bit weight is dequantized into bf16 (Int4Weights.dequantized_t): 256 KiB.
 DEQUANTIZE_CHUNK = 1 << 16
 
@@ -229,10 +235,50 @@ def blocked_scale_zero(s: torch.Tensor, zc: torch.Tensor, block: int) -> torch.T
     return torch.cat([full.permute(1, 0, 2, 3).reshape(-1), rest.reshape(-1)]).contiguous()
 
 
-def scale_zero_rows(blocked: torch.Tensor, groups: int, n_pad: int, block: int) -> torch.Tensor:
-    """blocked_scale_zero's vector back as [2, groups, n_pad] (s, zc)."""
+def compact_scale_zero(s: torch.Tensor, z: torch.Tensor, block: int) -> torch.Tensor | None:
+    """s (scales) and z (zero points) [groups, n_pad] in blocked_scale_zero's order, compactly: per block and group its
+    scales as fp16 then its zero points as uint8 (3 bytes a feature against 8; lrq.native decodes them a block at a
+    time, zc = -z * s, exact in float32), as one uint8 vector; None where the values do not fit: scales that are not
+    fp16 values (a checkpoint read back with float32 ones) or zero points that are not integers of 0..255."""
+    s16 = s.to(torch.float16).contiguous()
+    if not (torch.equal(s16.float(), s.float()) and torch.equal(z.round(), z) and bool((z >= 0).all())
+            and bool((z <= 255).all())):
+        return None
+    ng, n_pad = s.shape
     nb, cut = n_pad // block, n_pad // block * block
-    out = torch.empty(2, groups, n_pad, dtype=blocked.dtype)
+
+    def blocks(t: torch.Tensor, width: int, parts: int) -> torch.Tensor:   # [groups, parts * width] -> [parts, ...]
+        return t.reshape(ng, parts, width).permute(1, 0, 2)
+    s8, z8 = s16.view(torch.uint8).view(ng, n_pad, 2), z.to(torch.uint8).contiguous()   # each scale's two bytes
+    out = []
+    if nb:
+        hs = blocks(s8[:, :cut].reshape(ng, -1), 2 * block, nb)             # [nb, groups, 2 * block]
+        out.append(torch.cat([hs, blocks(z8[:, :cut], block, nb)], dim=2).reshape(-1))
+    if cut < n_pad:
+        out.append(torch.cat([s8[:, cut:].reshape(ng, -1), z8[:, cut:]], dim=1).reshape(-1))
+    return torch.cat(out).contiguous()
+
+
+def scale_zero_rows(blocked: torch.Tensor, groups: int, n_pad: int, block: int) -> torch.Tensor:
+    """blocked_scale_zero's vector (or compact_scale_zero's, decoded: zc = 0 - z * s, lrq.native's values) back as
+    float32 [2, groups, n_pad] (s, zc)."""
+    nb, cut = n_pad // block, n_pad // block * block
+    out = torch.empty(2, groups, n_pad, dtype=torch.float32)
+    if blocked.dtype == torch.uint8:
+        head, tail = blocked[:groups * 3 * cut].view(nb, groups, 3 * block), blocked[groups * 3 * cut:]
+        tail = tail.view(groups, 3 * (n_pad - cut))
+        for part, lo, width in ((head, None, block), (tail, cut, n_pad - cut)):
+            if not width:
+                continue
+            s = part[..., :2 * width].contiguous().view(torch.float16).float()
+            z = part[..., 2 * width:].float()
+            zc = 0.0 - z * s
+            if lo is None:
+                out[0, :, :cut] = s.permute(1, 0, 2).reshape(groups, cut)
+                out[1, :, :cut] = zc.permute(1, 0, 2).reshape(groups, cut)
+            else:
+                out[0, :, cut:], out[1, :, cut:] = s, zc
+        return out
     head = blocked[:groups * 2 * cut]
     out[:, :, :cut] = head.view(nb, groups, 2, block).permute(2, 1, 0, 3).reshape(2, groups, cut)
     out[:, :, cut:] = blocked[groups * 2 * cut:].view(groups, 2, n_pad - cut).permute(1, 0, 2)
@@ -243,9 +289,10 @@ def scale_zero_rows(blocked: torch.Tensor, groups: int, n_pad: int, block: int) 
 class Int4Weights:
     packed: torch.Tensor                          # uint8 [n_pad, k_pad / 2], torch's int4 CPU layout
     scales: torch.Tensor                          # bf16 [k_pad / group, n_pad, 2]: torch's (scale, zero) per group
-    scale_zero: torch.Tensor                      # float32 [2 * ceil(k_pad / scale_group) * n_pad]: s and zc
-    #                                               (weight = q * s + zc) block by block (blocked_scale_zero);
-    #                                               scale_zero_rows() gives them as [2, groups, n_pad]
+    scale_zero: torch.Tensor                      # s and zc (weight = q * s + zc) block by block: uint8, fp16 s
+    #                                               and uint8 z, 3 bytes a feature and group (compact_scale_zero),
+    #                                               or where they do not fit so float32 [2 * groups * n_pad]
+    #                                               (blocked_scale_zero); scale_zero_rows() gives [2, groups, n_pad]
     group: int                                    # torch's kernel group (its `scales` repeat ours where it is smaller)
     n: int
     k: int
@@ -257,7 +304,10 @@ class Int4Weights:
     native_args: tuple | None = field(default=None, repr=False, compare=False)   # native_mm's, made at its first call
 
     @classmethod
-    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None) -> "Int4Weights":
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None,
+              compact: bool | None = None) -> "Int4Weights":
+        """`compact`: the scales held as compact_scale_zero's fp16 and uint8 where they fit, else float32 (None:
+        COMPACT_SCALES)."""
         n, k = q.shape
         g, k_pad = int4_grouping(k, group_size)
         n_pad = -(-n // N_BLOCK) * N_BLOCK
@@ -271,10 +321,12 @@ class Int4Weights:
         sg = group_size or k_pad
         mine = torch.arange(-(-k_pad // sg)).clamp(max=scale.shape[1] - 1)
         s, z = scale.float()[:, mine], zero.float()[:, mine]            # [n, our groups]
-        s, zc = F.pad(s.t(), (0, n_pad - n)), F.pad(((8 - z) * s).t(), (0, n_pad - n))
+        s, z = F.pad(s.t(), (0, n_pad - n)), F.pad(z.t(), (0, n_pad - n))
         block = _pack_block() or LAYOUT_BLOCKS[0]
-        return cls(packed, sz.bfloat16().contiguous(), blocked_scale_zero(s, zc - 8 * s, block), g, n, k, decodable,
-                   block=block, scale_group=sg)
+        held = compact_scale_zero(s, z, block) if (COMPACT_SCALES if compact is None else compact) else None
+        if held is None:
+            held = blocked_scale_zero(s, (8 - z) * s - 8 * s, block)
+        return cls(packed, sz.bfloat16().contiguous(), held, g, n, k, decodable, block=block, scale_group=sg)
 
     def scale_zero_rows(self) -> torch.Tensor:
         """s and zc as [2, groups, n_pad] (a copy: scale_zero holds them block by block)."""
@@ -293,7 +345,8 @@ class Int4Weights:
         args = self.native_args
         if args is None or args[3] is not self.packed or args[4] is not self.scale_zero:
             st = native.Int4Layer(self.packed.data_ptr(), self.scale_zero.data_ptr(), self.n, self.packed.shape[0],
-                                  self.k, self.packed.shape[1] * 2, self.scale_group or self.group, self.block)
+                                  self.k, self.packed.shape[1] * 2, self.scale_group or self.group, self.block, 0,
+                                  self.scale_zero.dtype == torch.uint8)
             args = self.native_args = (st, ctypes.addressof(st), native.library().lrq_int4_gemv, self.packed,
                                        self.scale_zero)
         # set on every call, in place: a fused decoder layer points at this struct, so a mode changed later reaches it

@@ -157,7 +157,8 @@ class Int4Layer(ctypes.Structure):
     """The constant arguments of lrq_int4_gemv for one layer (cpu_gemv.c's int4_layer)."""
     _fields_ = [("packed", ctypes.c_void_p), ("sz", ctypes.c_void_p),
                 ("n", ctypes.c_int32), ("n_pad", ctypes.c_int32), ("k", ctypes.c_int32), ("k_pad", ctypes.c_int32),
-                ("group", ctypes.c_int32), ("block", ctypes.c_int32), ("x16", ctypes.c_int32)]
+                ("group", ctypes.c_int32), ("block", ctypes.c_int32), ("x16", ctypes.c_int32),
+                ("compact", ctypes.c_int32)]
 
 
 class Linear(ctypes.Structure):

@@ -21,11 +21,14 @@ from lrq.cpu_kernels import (NATIVE_INT8W_MAX_M, NATIVE_MAX_M, Int4Weights, Int8
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _weights(n: int, k: int, group: int | None, seed: int = 0) -> Int4Weights:
+def _weights(n: int, k: int, group: int | None, seed: int = 0, fp32_scales: bool = False) -> Int4Weights:
+    """A random 4-bit layer; its scales fp16 values as a packed model's are (held compactly), or with
+    `fp32_scales` float32 ones that are not (held as float32)."""
     g = torch.Generator().manual_seed(seed)
     ng = -(-k // (group or k))
     q = torch.randint(0, 16, (n, k), generator=g)
-    return Int4Weights.build(q, torch.rand(n, ng, generator=g) * 0.02 + 1e-3,
+    s = torch.rand(n, ng, generator=g) * 0.02 + 1e-3
+    return Int4Weights.build(q, s if fp32_scales else s.half().float(),
                              torch.randint(0, 16, (n, ng), generator=g).float(), group)
 
 
@@ -123,7 +126,9 @@ def test_the_kernel_reads_one_scale_row_per_quantizer_group(n, k, group, ours, t
     values per torch's group are ours repeated, and the product is the dequantized weight's."""
     w = _weights(n, k, group)
     n_pad = w.packed.shape[0]
-    assert w.scale_zero.shape == (2 * ours * n_pad,) and w.scales.shape[0] == torchs
+    assert w.scale_zero.shape == (3 * ours * n_pad,) and w.scale_zero.dtype == torch.uint8   # fp16 s, uint8 z
+    assert _weights(n, k, group, fp32_scales=True).scale_zero.shape == (2 * ours * n_pad,)
+    assert w.scales.shape[0] == torchs
     assert w.scale_zero_rows().shape == (2, ours, n_pad)
     rows = w.kernel_group_scale_zero()
     assert rows.shape == (2, torchs, n_pad)
@@ -1080,6 +1085,65 @@ def test_the_scales_are_held_block_by_block(n_pad, block):
         at = b * block * 10 + 2 * 2 * width
         assert torch.equal(blocked[at:at + width], s[2, b * block:b * block + width])
         assert torch.equal(blocked[at + width:at + 2 * width], zc[2, b * block:b * block + width])
+
+
+@pytest.mark.parametrize("n_pad,block", [(192, 64), (208, 64), (48, 64), (96, 32), (112, 32)])
+def test_compact_scales_are_held_block_by_block(n_pad, block):
+    """Where the scales are fp16 values and the zero points integers of 0..255 they are held in 3 bytes a feature and
+    group (compact_scale_zero): per block its groups in order, each the block's scales as fp16 then its zero points
+    as uint8; read back, zc = -z * s exactly (the float32 form's (8 - z) s - 8 s, value for value). Values that do
+    not fit are refused (the caller keeps float32)."""
+    from lrq.cpu_kernels import blocked_scale_zero, compact_scale_zero, scale_zero_rows
+    g = torch.Generator().manual_seed(n_pad)
+    s = (torch.rand(5, n_pad, generator=g) * 3).half().float()
+    s[0, :3] = torch.tensor([2.0 ** -24, 65504.0, 0.0])   # fp16's smallest subnormal and largest, a padding zero
+    z = torch.randint(0, 256, (5, n_pad), generator=g).float()
+    z[1, :2] = torch.tensor([0.0, 255.0])
+    held = compact_scale_zero(s, z, block)
+    assert held.dtype == torch.uint8 and held.shape == (3 * 5 * n_pad,)
+    rows = scale_zero_rows(held, 5, n_pad, block)
+    assert torch.equal(rows, scale_zero_rows(blocked_scale_zero(s, (8 - z) * s - 8 * s, block), 5, n_pad, block))
+    assert torch.equal(rows[0], s) and torch.equal(rows[1], -z * s)
+    nb = n_pad // block
+    for b in range(nb + (n_pad % block > 0)):   # block b's group 2 at b * block * 5 * 3 + 2 * 3 * width
+        width = block if b < nb else n_pad - nb * block
+        at, cols = b * block * 15 + 2 * 3 * width, slice(b * block, b * block + width)
+        assert torch.equal(held[at:at + 2 * width].view(torch.float16).float(), s[2, cols])
+        assert torch.equal(held[at + 2 * width:at + 3 * width].float(), z[2, cols])
+    assert compact_scale_zero(s + 2.0 ** -20, z, block) is None           # not fp16 values
+    assert compact_scale_zero(s, z + 0.5, block) is None                  # not integers
+    assert compact_scale_zero(s, z + 1, block) is None                    # 256
+    assert compact_scale_zero(s, z - 1, block) is None                    # -1
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES + [(200, 576, 128)])
+def test_compact_and_float32_scales_compute_the_same(n, k, group):
+    """A layer held with compact scales (fp16 s, uint8 z, decoded a block at a time by lrq.native) computes exactly
+    what the same layer held with float32 (s, zc) computes: the decode kernel's outputs (bf16 and float32
+    activations, one and three tokens, one and two threads) and every unpack form, bit for bit."""
+    g = torch.Generator().manual_seed(n + k)
+    ng = -(-k // (group or k))
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s, z = (torch.rand(n, ng, generator=g) * 0.02 + 1e-3).half().float(), torch.randint(0, 16, (n, ng), generator=g)
+    a, b = (Int4Weights.build(q, s, z.float(), group, compact=c) for c in (True, False))
+    assert a.scale_zero.dtype == torch.uint8 and b.scale_zero.dtype == torch.float32
+    assert a.nbytes() < b.nbytes()
+    assert torch.equal(a.scale_zero_rows(), b.scale_zero_rows())
+    lib, threads = native.library(), torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for dtype in (torch.bfloat16, torch.float32):
+                for m in (1, 3):
+                    x = torch.randn(m, k, generator=g).to(dtype)
+                    assert torch.equal(a.native_mm(x), b.native_mm(x)), (dtype, m, t)
+            n_pad, k_pad = a.packed.shape[0], a.packed.shape[1] * 2
+            for form in range(6):
+                outs = [torch.zeros(4 * n_pad * k_pad + 4 * n_pad, dtype=torch.uint8) for _ in range(2)]
+                rcs = [lib.lrq_int4_unpack_t(w._native_layer()[1], o.data_ptr(), form, t) for w, o in zip((a, b), outs)]
+                assert rcs[0] == rcs[1] and torch.equal(outs[0], outs[1]), (form, t)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -10,9 +10,9 @@
  * its AVX-512 kernels, 32 with its AVX2 ones), each block k rows of B / 2 bytes, byte j holding feature j (low
  * nibble) and feature j + B / 2 (high nibble); then one block of the remaining n mod B features, k rows of
  * rem / 2 bytes, byte j holding features 2j (low) and 2j + 1 (high). The weight is q * s + zc per group of
- * `group` input features (s, zc float32 per group and feature, held block by block: block_scales; the quantizer's
- * own groups, the last one shorter where group does not divide k_pad: a 576-wide layer at g128 reads 5 scale rows,
- * not torch's kernel group 64's 9, so per token 4.5 bits a weight instead of 5), so per group
+ * `group` input features (s, zc per group and feature, held block by block, compactly where they fit: block_scales;
+ * the quantizer's own groups, the last one shorter where group does not divide k_pad: a 576-wide layer at g128 reads
+ * 5 scale rows, not torch's kernel group 64's 9), so per group
  *     y += s * sum_k q[k] x[k] + zc * sum_k x[k]
  * with the levels' products summed in float32 vectors of 16 features (exact: q < 16), or, for bf16 activations
  * (and float32 ones where the layer's x16 asks: float32_decode "i16") where the CPU has AVX512-VNNI and VBMI, or
@@ -510,23 +510,87 @@ static uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's ca
  * converted arguments: at one token a call's fixed cost is what is left to save) */
 typedef struct {
   const uint8_t *packed;
-  const float *sz;   /* the scales and zero terms block by block (block_scales) */
+  const void *sz;   /* the scales and zero terms block by block (block_scales): float32, or compact */
   int32_t n, n_pad, k, k_pad, group, block;
   int32_t x16;   /* 1: float32 activations run the 16-bit integer kernel too (float32_decode "i16"), where built */
+  int32_t compact;   /* 1: sz holds fp16 scales and uint8 zero points (block_scales decodes them) */
 } int4_layer;
 
 /* A layer's s and zc per group (`group` input features) and feature, held block by block in the packing's blocks of
  * `block` output features (the last one the n_pad mod block features left): block b's groups one after the other,
- * each its `width` scales s then its `width` zero terms zc, so that a decode step reads each block's scales as one
- * stream beside its levels (held [groups][n_pad], two arrays, a block read 2 x groups pieces of 256 bytes n_pad floats
- * apart: SmolLM2-135M's 210 g128 layers from huge pages on an AMD Zen 4 took 0.97x the time this way, per channel
- * 0.95x). Returns block b's s; its zc in *zc, and in *gstride the floats from one group's s (or zc) to the next's. */
+ * so that a decode step reads each block's scales as one stream beside its levels (held [groups][n_pad], two arrays,
+ * a block read 2 x groups pieces of 256 bytes n_pad floats apart: SmolLM2-135M's 210 g128 layers from huge pages on an
+ * AMD Zen 4 took 0.97x the time this way, per channel 0.95x). Two forms of a group:
+ *   float32 (compact 0): its `width` scales s then its `width` zero terms zc (weight = q * s + zc), 8 bytes a feature;
+ *   compact (1): its `width` scales as fp16 then its `width` zero points z as uint8, 3 bytes a feature, where the
+ *     layer's scales are fp16 values (a packed model's own: its deployment format) and its zero points integers of
+ *     0..255; zc = -z * s, exact in float32 (an 11-bit significand times 8 bits), so both forms give the same values
+ *     bit for bit. A g128 layer's groups are 128 rows of 32 bytes a block of 64 features, so its float32 scales added
+ *     12.5 % to the bytes a step reads, the compact ones 4.7 %.
+ * Returns block b's s, its zc in *zc, and in *gstride the floats from one group's s (or zc) to the next's; a compact
+ * layer's block decoded into the calling thread's buffer (scales_ready must have made it), the next block's bytes
+ * fetched ahead into L2. */
+static __thread float *scales_buf;
+static __thread size_t scales_cap;
+/* whether the calling thread can decode a block of L's scales (its buffer grown as needed and kept; 0: no memory) */
+static int scales_ready(const int4_layer *L) {
+  if (!L->compact) return 1;
+  size_t need = (size_t)2 * L->block * ((L->k_pad + L->group - 1) / L->group);
+  if (need <= scales_cap) return 1;
+  float *p = realloc(scales_buf, need * sizeof(float));
+  if (!p) return 0;
+  scales_buf = p;
+  scales_cap = need;
+  return 1;
+}
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__F16C__))
+static float f16_to_f32(uint16_t h) {   /* exact: every fp16 value is a float32 one */
+  int e = (h >> 10) & 31, f = h & 1023;
+  float v = e == 0 ? ldexpf((float)f, -24) : e == 31 ? (f ? NAN : INFINITY) : ldexpf((float)(f | 1024), e - 25);
+  return h >> 15 ? -v : v;
+}
+#endif
 static inline const float *block_scales(const int4_layer *L, int b, const float **zc, int *gstride) {
   int ng = (L->k_pad + L->group - 1) / L->group, nb = L->n_pad / L->block;
   int width = b < nb ? L->block : L->n_pad - nb * L->block;
-  const float *s = L->sz + (size_t)b * L->block * ng * 2;
-  *zc = s + width;
   *gstride = 2 * width;
+  if (!L->compact) {
+    const float *s = (const float *)L->sz + (size_t)b * L->block * ng * 2;
+    *zc = s + width;
+    return s;
+  }
+  const uint8_t *src = (const uint8_t *)L->sz + (size_t)b * L->block * ng * 3;
+  size_t bytes = (size_t)width * ng * 3;
+  if (b + 1 < nb + (L->n_pad > nb * L->block))   /* the next block's scales, into L2 */
+    for (size_t l = 0; l < bytes; l += 64) __builtin_prefetch(src + bytes + l, 0, 2);
+  float *s = scales_buf;
+  for (int g = 0; g < ng; g++) {
+    const uint8_t *h = src + (size_t)g * 3 * width, *z = h + 2 * (size_t)width;
+    float *sg = s + (size_t)g * 2 * width, *zg = sg + width;
+    for (int i = 0; i < width; i += 16) {   /* width: a multiple of 16 (n_pad is) */
+#if defined(__AVX512F__)
+      __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 2 * i)));
+      __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(z + i))));
+      _mm512_storeu_ps(sg + i, sv);
+      _mm512_storeu_ps(zg + i, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zv, sv)));
+#elif defined(__AVX2__) && defined(__F16C__)
+      for (int j = i; j < i + 16; j += 8) {
+        __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 2 * j)));
+        __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(z + j))));
+        _mm256_storeu_ps(sg + j, sv);
+        _mm256_storeu_ps(zg + j, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(zv, sv)));
+      }
+#else
+      for (int j = i; j < i + 16; j++) {
+        uint16_t hj;
+        memcpy(&hj, h + 2 * j, 2);
+        sg[j] = f16_to_f32(hj);
+        zg[j] = 0.0f - (float)z[j] * sg[j];
+      }
+#endif
+    }
+  }
+  *zc = s + width;
   return s;
 }
 
@@ -619,17 +683,22 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       xinv[(size_t)t * (nc + 1) + nc] = (float)i16_chunks(xf + (size_t)t * k_pad, k_pad, group, xi + (size_t)t * k_pad,
                                                           xinv + (size_t)t * (nc + 1));
 #endif
-  int units = nb + (rem > 0);
+  int units = nb + (rem > 0), failed = 0;
   #pragma omp parallel for num_threads(nthreads) schedule(static) \
       if (nthreads > 1 && units > 1 && (size_t)m * n_pad * k_pad >= PARALLEL_FROM)
-  for (int b = 0; b < units; b++)
+  for (int b = 0; b < units; b++) {
+    if (!scales_ready(L)) {
+      #pragma omp atomic write
+      failed = 1;
+      continue;
+    }
+    const float *zc;
+    int gs;   /* the block's scales: group after group gs floats apart */
+    const float *s = block_scales(L, b, &zc, &gs);
+    const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
     for (int t = 0; t < m; t++) {
       const float *xt = xf + (size_t)t * k_pad, *xst = xs + (size_t)t * ng;
       float *yt = yf + (size_t)t * n_pad + (size_t)b * block;
-      const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
-      const float *zc;
-      int gs;   /* the block's scales: group after group gs floats apart */
-      const float *s = block_scales(L, b, &zc, &gs);
       if (b == nb)
         block_rest(blk, rem, s, zc, xt, xst, yt, k_pad, group, gs);
 #if defined(I16_DOT)
@@ -644,6 +713,8 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       else
         block32(blk, s, zc, xt, xst, yt, k_pad, group, gs);
     }
+  }
+  if (failed) return 2;
   for (int t = 0; t < m; t++) {
     const float *src = yf + (size_t)t * n_pad;
     if (y_bf16) {
@@ -853,11 +924,17 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
                       comp + (size_t)b * 64);
     return 0;
   }
+  int failed = 0;
   if (form == UNPACK_BF16_BLOCKED || form == UNPACK_BF16_BLOCKED64) {
     int W = form == UNPACK_BF16_BLOCKED64 ? 64 : 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) \
         if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
     for (int b = 0; b < units; b++) {
+      if (!scales_ready(L)) {
+        #pragma omp atomic write
+        failed = 1;
+        continue;
+      }
       const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
       int c0 = b * block, width = b < nb ? block : rem, gs;
       const float *zc, *s = block_scales(L, b, &zc, &gs);
@@ -885,11 +962,16 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
         put_blocked(out, t[0], t[1], c0, width, k, k_pad, W);
       }
     }
-    return 0;
+    return failed ? 2 : 0;
   }
   #pragma omp parallel for num_threads(nthreads) schedule(static) \
       if (nthreads > 1 && units > 1 && (size_t)n_pad * k_pad >= PARALLEL_FROM)
   for (int b = 0; b < units; b++) {
+    if (!scales_ready(L)) {
+      #pragma omp atomic write
+      failed = 1;
+      continue;
+    }
     const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
     int c0 = b * block, gs;
     const float *zc, *s = block_scales(L, b, &zc, &gs);
@@ -909,7 +991,7 @@ int lrq_int4_unpack_t(const int4_layer *L, void *out, int form, int nthreads) {
       }
     }
   }
-  return 0;
+  return failed ? 2 : 0;
 }
 
 /* dot_row: one weight row's exact int32 product with one token's activation levels (int8_gemv below): with
@@ -2223,7 +2305,8 @@ static int amx_run(const amx_job *J, int nthreads) {
     /* the 32 x 32 sums of every block of rows between chunks of k (4 KB a block) */
     int32_t *part = chunk < row_bytes ? aligned_alloc(64, (size_t)(m + 31) / 32 * 4096) : NULL;
     int32_t acc[2 * 32 * 32] __attribute__((aligned(64)));
-    int ok = panel && (m % 32 == 0 || tail) && (chunk == row_bytes || part), last = m - m % 32;
+    int ok = panel && (m % 32 == 0 || tail) && (chunk == row_bytes || part) && (!J->L || scales_ready(J->L)),
+        last = m - m % 32;
     if (tail) {   /* the last rows, zero-padded to a block of 32: copied once, read by every panel */
       const uint8_t *src = (const uint8_t *)J->x + (size_t)last * J->x_stride * esize;
       for (int r = 0; r < 32; r++)
