@@ -149,6 +149,9 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
         assert r["decode_ms_range"][0] <= r["decode_ms"] <= r["decode_ms_range"][1]
     ref = rows["w4a16"]["dense_reference"]["decode"]
     assert rows[ref]["decode_vs_dense"] == 1.0 and ref in dense
+    for r in rows.values():   # each ratio the median of the rounds' own, within their range
+        lo, hi = r["decode_vs_dense_range"]
+        assert lo <= r["decode_vs_dense"] <= hi and r["prefill_vs_dense_range"][0] <= r["prefill_vs_dense"]
     assert all(rows[ref]["decode_ms"] <= rows[d]["decode_ms"] for d in dense)
     assert "Machine:" in (out / "speed.md").read_text() and (out / "decode.svg").read_text().startswith("<svg")
     # the memory's speed in the same rounds: one plain read a round, its median and spread in the report
@@ -161,6 +164,28 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
     md = markdown_report(ResultStore(store).rows(latest=True))
     assert "### Inference speed on the CPU (end to end, interleaved)" in md and "| w8a8 " in md
     assert "| runtime " in md and "| lean " in md       # how each row ran is shown beside it
+
+
+def test_ratios_pair_each_round_with_the_reference_measured_in_it():
+    """A candidate's ratio against the dense model is the median of the rounds' own ratios, with their range: memory
+    that slows for a round slows both there, so the pairs hold where a ratio of medians does not (here 2.0x every
+    round but the last, 1.5x, against 1.5x from the medians); the reference shows 1.00x without a range, and rounds
+    that do not pair are refused."""
+    from bench.studies import speed_cpu
+    dense = speed_cpu.Candidate("dense bf16", None, "dense", "bfloat16", 100, decode_ms=[10.0, 20.0, 12.0],
+                                decode_cpu_ms=[1.0] * 3, prefill_tok_s=[100.0, 50.0, 90.0], prefill_cpu_s=[1.0] * 3)
+    ours = speed_cpu.Candidate("w4a16", None, "packed", "bfloat16", 40, decode_ms=[5.0, 10.0, 8.0],
+                               decode_cpu_ms=[1.0] * 3, prefill_tok_s=[95.0, 40.0, 90.0], prefill_cpu_s=[1.0] * 3)
+    rows = {r["candidate"]: r for r in speed_cpu.rows([dense, ours])}
+    assert rows["w4a16"]["decode_vs_dense"] == 2.0 and rows["w4a16"]["decode_vs_dense_range"] == [1.5, 2.0]
+    assert rows["w4a16"]["decode_ms_rounds"] == [5.0, 10.0, 8.0]   # every round kept, in the order measured
+    assert rows["w4a16"]["prefill_tok_s_rounds"] == [95.0, 40.0, 90.0]
+    assert rows["w4a16"]["prefill_vs_dense"] == 0.95 and rows["w4a16"]["prefill_vs_dense_range"] == [0.8, 1.0]
+    assert rows["dense bf16"]["decode_vs_dense"] == 1.0 and rows["dense bf16"]["decode_vs_dense_range"] == [1.0, 1.0]
+    assert speed_cpu._ratio_text(rows["w4a16"], "decode_vs_dense") == "2.00x (1.50-2.00)"
+    assert speed_cpu._ratio_text(rows["dense bf16"], "decode_vs_dense") == "1.00x"
+    with pytest.raises(ValueError, match="pair rounds"):
+        speed_cpu.paired_ratios([1.0, 2.0], [1.0])
 
 
 def test_cpu_e2e_runtime_both_times_each_model_through_the_lean_runtime_and_its_own_forward(tiny_model_dir, data_dir,

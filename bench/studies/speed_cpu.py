@@ -243,8 +243,18 @@ def measure(cands: list[Candidate], rounds: int, prefill_len: int, decode_steps:
     return reads
 
 
+def paired_ratios(ref: list[float], ours: list[float]) -> list[float]:
+    """Round by round, ref / ours (the candidate's speed-up where both are times, its ratio where both are rates):
+    each round's candidate against the reference measured in the same round, seconds apart, so that the memory's
+    speed moving between rounds (11-25 GB/s on a shared Zen 4) moves both."""
+    if len(ref) != len(ours):
+        raise ValueError(f"{len(ours)} rounds against the reference's {len(ref)}: ratios pair rounds")
+    return [a / b for a, b in zip(ref, ours)]
+
+
 def rows(cands: list[Candidate]) -> list[dict]:
-    """One row per candidate: medians, spreads and the ratios against the faster dense model per measure."""
+    """One row per candidate: medians, spreads and the ratios against the faster dense model per measure (the median of
+    the rounds' own ratios, paired_ratios, and their range)."""
     med = statistics.median
     dense = [c for c in cands if c.kind == "dense"]
     best_decode = min(dense, key=lambda c: med(c.decode_ms))
@@ -252,14 +262,17 @@ def rows(cands: list[Candidate]) -> list[dict]:
     best_memory = next(c for c in dense if c.dtype == "bfloat16")
     out = []
     for c in cands:
+        decode = paired_ratios(best_decode.decode_ms, c.decode_ms)
+        prefill = paired_ratios(c.prefill_tok_s, best_prefill.prefill_tok_s)
         out.append({"candidate": c.name, "kind": c.kind, "dtype": c.dtype,
                     "decode_ms": med(c.decode_ms), "decode_ms_range": [min(c.decode_ms), max(c.decode_ms)],
+                    "decode_ms_rounds": list(c.decode_ms), "prefill_tok_s_rounds": list(c.prefill_tok_s),
                     "decode_cpu_ms": med(c.decode_cpu_ms),
                     "prefill_tok_s": med(c.prefill_tok_s), "prefill_tok_s_range": [min(c.prefill_tok_s),
                                                                                    max(c.prefill_tok_s)],
                     "prefill_cpu_s": med(c.prefill_cpu_s), "weight_rss_bytes": c.weight_rss_bytes,
-                    "decode_vs_dense": med(best_decode.decode_ms) / med(c.decode_ms),
-                    "prefill_vs_dense": med(c.prefill_tok_s) / med(best_prefill.prefill_tok_s),
+                    "decode_vs_dense": med(decode), "decode_vs_dense_range": [min(decode), max(decode)],
+                    "prefill_vs_dense": med(prefill), "prefill_vs_dense_range": [min(prefill), max(prefill)],
                     "memory_vs_dense_bf16": c.weight_rss_bytes / max(best_memory.weight_rss_bytes, 1),
                     "dense_reference": {"decode": best_decode.name, "prefill": best_prefill.name}, **c.info})
     return out
@@ -618,8 +631,8 @@ def markdown(doc: dict) -> str:
              f"{r['decode_ms']:.1f} ({r['decode_ms_range'][0]:.1f}-"
              f"{r['decode_ms_range'][1]:.1f})", f"{r['decode_cpu_ms']:.1f}",
              f"{r['prefill_tok_s']:.0f} ({r['prefill_tok_s_range'][0]:.0f}-{r['prefill_tok_s_range'][1]:.0f})",
-             f"{r['weight_rss_bytes'] / 2**20:.0f}", f"{r['decode_vs_dense']:.2f}x", f"{r['prefill_vs_dense']:.2f}x",
-             f"{r['memory_vs_dense_bf16']:.2f}x"] for r in doc["rows"]]
+             f"{r['weight_rss_bytes'] / 2**20:.0f}", _ratio_text(r, "decode_vs_dense"),
+             _ratio_text(r, "prefill_vs_dense"), f"{r['memory_vs_dense_bf16']:.2f}x"] for r in doc["rows"]]
     ref = doc["rows"][0]["dense_reference"]
     lines = "\n".join([
         f"# CPU speed, {doc['model']}, batch 1, {doc['threads']} thread(s)", "",
@@ -631,7 +644,8 @@ def markdown(doc: dict) -> str:
         f"Decode: ms per greedy token after a 16-token prompt ({doc['decode_steps']} tokens a round, the prompt not "
         f"timed, the last position's logits only). Prefill: tokens/s of one {doc['prefill']}-token forward, the "
         f"last position's logits only. Weight memory: the resident memory each model added when it was built. "
-        f"Ratios against the faster dense model per measure (decode: {ref['decode']}; prefill: {ref['prefill']}); "
+        f"Ratios against the faster dense model per measure (decode: {ref['decode']}; prefill: {ref['prefill']})"
+        f"{_paired_sentence(doc)}; "
         f"memory against dense bf16.{_bf16_table_sentence(doc)}{_read_sentence(doc)}", "",
         _runtime_sentence(doc), "",
         tabulate(body, headers=["candidate", "held in", "runtime", "decode ms/token", "decode CPU ms", "prefill tok/s",
@@ -639,6 +653,21 @@ def markdown(doc: dict) -> str:
                  tablefmt="github", disable_numparse=True), ""])
     extra = _anchor_markdown(doc)
     return lines + ("\n" + extra if extra else "")
+
+
+def _ratio_text(row: dict, key: str) -> str:
+    """A ratio with the range of the rounds' own ratios (older reports: the ratio of medians alone)."""
+    span = row.get(f"{key}_range")
+    if not span or span[0] == span[1]:   # the reference itself: 1.00x every round
+        return f"{row[key]:.2f}x"
+    return f"{row[key]:.2f}x ({span[0]:.2f}-{span[1]:.2f})"
+
+
+def _paired_sentence(doc: dict) -> str:
+    if not any("decode_vs_dense_range" in r for r in doc["rows"]):
+        return ""
+    return (", each the median of the rounds' own ratios (a round's candidate against the reference measured in that "
+            "round: the memory's speed moves between rounds), their range in brackets")
 
 
 def _read_sentence(doc: dict) -> str:
