@@ -300,17 +300,25 @@ static __attribute__((noinline)) void i16_rows64(const uint8_t *blk, int k0, int
   out[0] = _mm512_add_epi32(a0, b0); out[1] = _mm512_add_epi32(a1, b1);
   out[2] = _mm512_add_epi32(a2, b2); out[3] = _mm512_add_epi32(a3, b3);
 }
-static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const int16_t *xi, const float *xinv,
-                        const float *xs, float *y, int k_pad, int group, int gstride) {
+/* c8: the block's scales in their compact form (block_scales'; 192 bytes a group: 64 fp16 s, 64 uint8 z), read here
+ * as they are, or NULL: s and zc float32. Read in place, the compact form saves block_scales' decoding pass (a 576 x
+ * 1536 g128 layer in L2 on an AMD Zen 4 took 14.4 us decoded against 13.1 with float32 scales) */
+static void block64_i16(const uint8_t *blk, const float *s, const float *zc, const uint8_t *c8, const int16_t *xi,
+                        const float *xinv, const float *xs, float *y, int k_pad, int group, int gstride) {
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   int ci = 0;
 #ifndef NO_SCALE_PREFETCH
-  for (int gi = 0; gi < 2 && gi * group < k_pad; gi++) SCALE_PREFETCH(s, zc, gi, gstride);
+  for (int gi = 0; gi < 2 && gi * group < k_pad; gi++)
+    if (c8) SCALES_AHEAD(c8, c8 + 128, gi, 192, 128);
+    else SCALE_PREFETCH(s, zc, gi, gstride);
 #endif
   for (int g0 = 0, gi = 0; g0 < k_pad; g0 += group, gi++) {
     int ge = g0 + group < k_pad ? g0 + group : k_pad;
 #ifndef NO_SCALE_PREFETCH
-    if (g0 + 2 * group < k_pad) SCALE_PREFETCH(s, zc, gi + 2, gstride);
+    if (g0 + 2 * group < k_pad) {
+      if (c8) SCALES_AHEAD(c8, c8 + 128, gi + 2, 192, 128);
+      else SCALE_PREFETCH(s, zc, gi + 2, gstride);
+    }
 #endif
     __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;   /* features 0-15, 16-31, 32-47, 48-63 */
     for (int c0 = g0; c0 < ge; c0 += I16_CHUNK, ci++) {
@@ -322,8 +330,21 @@ static void block64_i16(const uint8_t *blk, const float *s, const float *zc, con
       f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[2]), inv16, f2);
       f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[3]), inv16, f3);
     }
-    const float *sg = s + (size_t)gi * gstride, *zg = zc + (size_t)gi * gstride;
     __m512 xsum = _mm512_set1_ps(xs[gi]);
+    if (c8) {   /* s and zc = 0 - z s as block_scales decodes them, the same float32 values */
+      const uint8_t *h = c8 + (size_t)gi * 192, *zb = h + 128;
+#define COMPACT_GROUP(o, f, i)                                                                                  \
+  do {                                                                                                        \
+    __m512 s_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32 * (i))));                         \
+    __m512 z_ = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zb + 16 * (i)))));  \
+    __m512 zc_ = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z_, s_));                                   \
+    o = _mm512_fmadd_ps(f, s_, _mm512_fmadd_ps(zc_, xsum, o));                                                \
+  } while (0)
+      COMPACT_GROUP(o0, f0, 0); COMPACT_GROUP(o1, f1, 1); COMPACT_GROUP(o2, f2, 2); COMPACT_GROUP(o3, f3, 3);
+#undef COMPACT_GROUP
+      continue;
+    }
+    const float *sg = s + (size_t)gi * gstride, *zg = zc + (size_t)gi * gstride;
     o0 = _mm512_fmadd_ps(f0, _mm512_loadu_ps(sg), _mm512_fmadd_ps(_mm512_loadu_ps(zg), xsum, o0));
     o1 = _mm512_fmadd_ps(f1, _mm512_loadu_ps(sg + 16), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 16), xsum, o1));
     o2 = _mm512_fmadd_ps(f2, _mm512_loadu_ps(sg + 32), _mm512_fmadd_ps(_mm512_loadu_ps(zg + 32), xsum, o2));
@@ -550,6 +571,16 @@ static float f16_to_f32(uint16_t h) {   /* exact: every fp16 value is a float32 
   return h >> 15 ? -v : v;
 }
 #endif
+/* block b's scales in their compact form as held (a compact layer's), the next block's fetched ahead into L2 */
+static inline const uint8_t *compact_block(const int4_layer *L, int b) {
+  int ng = (L->k_pad + L->group - 1) / L->group, nb = L->n_pad / L->block;
+  int width = b < nb ? L->block : L->n_pad - nb * L->block;
+  const uint8_t *src = (const uint8_t *)L->sz + (size_t)b * L->block * ng * 3;
+  size_t bytes = (size_t)width * ng * 3;
+  if (b + 1 < nb + (L->n_pad > nb * L->block))
+    for (size_t l = 0; l < bytes; l += 64) __builtin_prefetch(src + bytes + l, 0, 2);
+  return src;
+}
 static inline const float *block_scales(const int4_layer *L, int b, const float **zc, int *gstride) {
   int ng = (L->k_pad + L->group - 1) / L->group, nb = L->n_pad / L->block;
   int width = b < nb ? L->block : L->n_pad - nb * L->block;
@@ -559,10 +590,7 @@ static inline const float *block_scales(const int4_layer *L, int b, const float 
     *zc = s + width;
     return s;
   }
-  const uint8_t *src = (const uint8_t *)L->sz + (size_t)b * L->block * ng * 3;
-  size_t bytes = (size_t)width * ng * 3;
-  if (b + 1 < nb + (L->n_pad > nb * L->block))   /* the next block's scales, into L2 */
-    for (size_t l = 0; l < bytes; l += 64) __builtin_prefetch(src + bytes + l, 0, 2);
+  const uint8_t *src = compact_block(L, b);
   float *s = scales_buf;
   for (int g = 0; g < ng; g++) {
     const uint8_t *h = src + (size_t)g * 3 * width, *z = h + 2 * (size_t)width;
@@ -694,18 +722,28 @@ int lrq_int4_gemv(const int4_layer *L, const void *x, int x_bf16, long x_stride,
       failed = 1;
       continue;
     }
-    const float *zc;
-    int gs;   /* the block's scales: group after group gs floats apart */
-    const float *s = block_scales(L, b, &zc, &gs);
+    const float *zc = NULL, *s = NULL;
+    int gs = 0;   /* the block's scales: group after group gs floats apart (block_scales, made where a kernel needs them) */
     const uint8_t *blk = packed + (size_t)b * block * k_pad / 2;
+#if defined(I16_DOT)
+    const uint8_t *c8 = L->compact && i16 && b < nb ? compact_block(L, b) : NULL;   /* block64_i16 reads them so */
+#endif
     for (int t = 0; t < m; t++) {
       const float *xt = xf + (size_t)t * k_pad, *xst = xs + (size_t)t * ng;
       float *yt = yf + (size_t)t * n_pad + (size_t)b * block;
+#if defined(I16_DOT)
+      if (c8 && xinv[(size_t)t * (nc + 1) + nc] != 0.0f) {
+        block64_i16(blk, NULL, NULL, c8, xi + (size_t)t * k_pad, xinv + (size_t)t * (nc + 1), xst, yt, k_pad, group,
+                    0);
+        continue;
+      }
+#endif
+      if (!s) s = block_scales(L, b, &zc, &gs);
       if (b == nb)
         block_rest(blk, rem, s, zc, xt, xst, yt, k_pad, group, gs);
 #if defined(I16_DOT)
       else if (i16 && xinv[(size_t)t * (nc + 1) + nc] != 0.0f)
-        block64_i16(blk, s, zc, xi + (size_t)t * k_pad, xinv + (size_t)t * (nc + 1), xst, yt, k_pad, group, gs);
+        block64_i16(blk, s, zc, NULL, xi + (size_t)t * k_pad, xinv + (size_t)t * (nc + 1), xst, yt, k_pad, group, gs);
 #elif defined(I16_AVX2)
       else if (i16 && xinv[(size_t)t * (nc + 1) + nc] != 0.0f)
         block32_i16(blk, s, zc, xi + (size_t)t * k_pad, xinv + (size_t)t * (nc + 1), xst, yt, k_pad, group, gs);
