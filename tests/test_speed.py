@@ -224,9 +224,8 @@ def test_cpu_e2e_compares_float32_decode_modes_on_the_same_models_interleaved(ti
     """--fp32-decode exact,i16: each packed row again in the second mode on the same model (no second copy of its
     weights), the model switched to each row's own mode before its calls in every round; only the first mode's rows
     reach the results store; a mode that does not exist, or several modes where the packed models are not held in
-    float32, are refused before anything is built. A float32 packed model holds a bf16 checkpoint's table in bf16
-    (lossless), a float32 checkpoint's in float32; --fp32-table: the packed rows again with the float32 table,
-    refused where the models are bf16."""
+    float32, are refused before anything is built. --bf16-table: the float32 packed rows again with their table in
+    bf16, refused where the models are bf16."""
     from bench.studies import speed_cpu
     from lrq.cpu_kernels import int4_form
     from lrq.errors import UserError
@@ -250,7 +249,6 @@ def test_cpu_e2e_compares_float32_decode_modes_on_the_same_models_interleaved(ti
                        "--results", str(store)]) == 0
     rows = {r["candidate"]: r for r in json.loads((out / "speed.json").read_text())["rows"]}
     assert rows["w4a16"]["float32_decode"] == "exact" and rows["w4a16 [i16]"]["float32_decode"] == "i16"
-    assert rows["w4a16"]["table"] == "float32"   # a float32 checkpoint's values: not held in bf16
     assert rows["w4a16 [i16]"]["mode_copy_of"] == "w4a16"
     assert rows["w4a16 [i16]"]["weight_rss_bytes"] == rows["w4a16"]["weight_rss_bytes"]   # one model
     timed = seen[-4:]                                   # 2 rounds x the two packed rows, after the warm-ups
@@ -259,33 +257,22 @@ def test_cpu_e2e_compares_float32_decode_modes_on_the_same_models_interleaved(ti
     assert "rows marked [i16]" in (out / "speed.md").read_text()
     from bench.common.store import ResultStore
     assert not any("[i16]" in str(r) for r in ResultStore(store).rows(latest=True))
-    # a bf16 checkpoint held in float32: its table in bf16 (lossless); --fp32-table: each packed scheme again with the
-    # float32 table, not stored
+    # --bf16-table: each packed scheme again with its float32 table held in bf16 (lossless: a bf16 checkpoint), not
+    # stored either
     import shutil
     from transformers import AutoModelForCausalLM
-    from lrq.packed import TableHead
     bf16_dir = tmp_path / "bf16-checkpoint"
     shutil.copytree(tiny_model_dir, bf16_dir)
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(torch.bfloat16).save_pretrained(bf16_dir)
-    heads = []
-    real_build = speed_cpu.build
-
-    def build_spy(*args, **kw):
-        got = real_build(*args, **kw)
-        heads.extend((c.name, type(c.model.get_output_embeddings()).__name__) for c in got)
-        return got
-    monkeypatch.setattr(speed_cpu, "build", build_spy)
     assert speed.main(["e2e", "--device", "cpu", "--model", str(bf16_dir), "--data-dir", str(data_dir),
                        "--schemes", "w4a16", "--rounds", "1", "--prefill", "16", "--decode", "2",
-                       "--precision", "fp32", "--fp32-table", "--out", str(out), "--results", str(store)]) == 0
+                       "--precision", "fp32", "--bf16-table", "--out", str(out), "--results", str(store)]) == 0
     rows = {r["candidate"]: r for r in json.loads((out / "speed.json").read_text())["rows"]}
-    assert {"w4a16", "w4a16 +fp32 table"} <= set(rows) and rows["w4a16 +fp32 table"]["kind"] == "packed"
-    assert rows["w4a16"]["table"] == "bf16 (lossless)" and rows["w4a16 +fp32 table"]["table"] == "float32"
-    assert ("w4a16", TableHead.__name__) in heads and ("w4a16 +fp32 table", "Linear") in heads
-    assert "`<scheme> +fp32 table`: the same model" in (out / "speed.md").read_text()
-    assert not any("fp32 table" in str(r) for r in ResultStore(store).rows(latest=True))
-    with pytest.raises(UserError, match="--fp32-table"):
-        speed_cpu.run(str(tiny_model_dir), ["w4a16"], "bf16", 1, 1, 16, 2, str(data_dir), fp32_table=True)
+    assert {"w4a16", "w4a16 +bf16 table"} <= set(rows) and rows["w4a16 +bf16 table"]["kind"] == "packed"
+    assert "+bf16 table`: the same packed model" in (out / "speed.md").read_text()
+    assert not any("bf16 table" in str(r) for r in ResultStore(store).rows(latest=True))
+    with pytest.raises(UserError, match="--bf16-table"):
+        speed_cpu.run(str(tiny_model_dir), ["w4a16"], "bf16", 1, 1, 16, 2, str(data_dir), bf16_table=True)
     with pytest.raises(UserError, match="exact,fast"):
         speed.main(["e2e", "--device", "cpu", "--model", str(tiny_model_dir), "--fp32-decode", "exact,fast"])
     with pytest.raises(UserError, match="held in bf16"):

@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                          "rounded to 2^-15 of their largest, the output float32); several, comma-separated (e.g. "
                          "exact,i16): the first for the packed rows, each further one as copies of them on the same "
                          "models, interleaved")
-    ap.add_argument("--fp32-table", action="store_true",
+    ap.add_argument("--bf16-table", action="store_true",
                     help="e2e on the CPU, packed models held in float32: also measure each with its output head (and "
-                         "tied embedding) kept in float32 (by default a bf16 checkpoint's table is held in bf16, "
-                         "lossless; rows named '<scheme> +fp32 table')")
+                         "tied embedding) held in bf16, lossless for a bf16 checkpoint, else rounded as the dense bf16 model "
+                         "rounds it (lrq.packed.quantize_head(model, 'bf16'); rows named '<scheme> +bf16 table')")
     ap.add_argument("--int8-head", nargs="?", const="profiled", default=None, choices=["profiled", "all"],
                     help="e2e on the CPU: also measure packed models with an int8 output head (lrq.packed."
                          "quantize_head): `profiled` (the flag alone; with --anchors) the profiled scheme's, which "
@@ -227,7 +227,7 @@ def _e2e_cpu(args, schemes: list[str]) -> int:
     doc = speed_cpu.run(args.model, schemes or list(speed_cpu.DEFAULT_SCHEMES), args.precision, args.threads,
                         args.rounds, args.prefill, args.decode, args.data_dir, anchors=chosen,
                         int8_head=args.int8_head, runtime=args.runtime, float32_decode=args.fp32_decode,
-                        fp32_table=args.fp32_table)
+                        bf16_table=args.bf16_table)
     print(speed_cpu.markdown(doc))
     ratio = speed_cpu.anchor_ratio(doc)
     if ratio:

@@ -50,13 +50,8 @@ DEFAULT_SCHEMES = ("w4a16-g128", "w4a16", "w4a8", "w8a8", "w3a16")
 
 
 HEAD_INT8 = " +int8 head"        # the suffix of a packed candidate whose output head lrq.packed.quantize_head packed
-HEAD_FP32 = " +fp32 table"       # ... a float32 model whose table stays float32 (--fp32-table; see TABLE_BF16)
-HEAD_SUFFIXES = {HEAD_INT8: "int8", HEAD_FP32: "fp32"}
-# A packed model held in float32 (a CPU without native bf16) holds its output head and tied embedding in bf16 where
-# every value is a bf16 value (a bf16 checkpoint: lossless, lrq.packed.quantize_head(model, "bf16")), the rest in
-# float32: the table is the largest tensor a decode step reads (SmolLM2-135M's 113 MB in float32, 46 % of a 4-bit
-# step on an AVX2 emulation), and the dense bf16 reference holds it in bf16 too
-TABLE_BF16 = "bf16 (lossless)"
+HEAD_BF16 = " +bf16 table"       # ... whose float32 table quantize_head holds in bf16 (lossless: --bf16-table)
+HEAD_SUFFIXES = {HEAD_INT8: "int8", HEAD_BF16: "bf16"}
 
 
 def _scheme_and_head(name: str) -> tuple[str, str | None]:
@@ -133,29 +128,16 @@ def build(model_name: str, schemes, dtype: torch.dtype, data_dir: str | None, de
                      if rtn.needs_calibration(scheme) else None)
             rtn.quantize(model, scheme, rtn.config("quick"), calib)
             pack_model(model)
-            if head_format == "int8":
+            if head_format:
                 held_head = quantize_head(model, head_format)
-            elif held == torch.float32 and head_format is None and _table_is_bf16(model):
-                held_head = quantize_head(model, "bf16")
         del loaded, calib
         _own_memory(model)
         _warm(model)   # what a format converts or caches at its first forward is part of what it holds
         out.append(Candidate(name, model, "dense" if name.startswith("dense") else "packed",
                              str(held).replace("torch.", ""), _rss() - before))
         if held_head and "values_rounded" in held_head:
-            out[-1].info["table"] = TABLE_BF16
-        elif held == torch.float32 and not name.startswith("dense") and head_format != "int8":
-            out[-1].info["table"] = "float32"
+            out[-1].info["head_values_rounded"] = held_head["values_rounded"]
     return out
-
-
-def _table_is_bf16(model: nn.Module) -> bool:
-    """Whether a float32 model's output head is an nn.Linear whose every value is a bf16 value (TABLE_BF16)."""
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.weight.dtype != torch.float32:
-        return False
-    w = head.weight.detach()
-    return all(torch.equal(c.bfloat16().float(), c) for c in w.split(4096))
 
 
 @torch.no_grad()
@@ -562,11 +544,10 @@ def attach_runtime(cands: list[Candidate], runtime: str, max_len: int) -> list[C
 
 def run(model_name: str, schemes, precision: str, threads: int, rounds: int, prefill_len: int, decode_steps: int,
         data_dir: str | None, anchors: list[str] | None = None, int8_head: bool | str = False,
-        runtime: str = "auto", float32_decode: str = "exact", fp32_table: bool = False) -> dict:
+        runtime: str = "auto", float32_decode: str = "exact", bf16_table: bool = False) -> dict:
     """The study. `int8_head`: True (or "profiled") measures the profiled scheme's int8-head copy as well (with
-    anchors: the profile is theirs), "all" every packed scheme's; `fp32_table` (float32 models): every packed scheme
-    again with its table kept in float32 (by default a bf16 checkpoint's is held in bf16: TABLE_BF16).
-    """
+    anchors: the profile is theirs), "all" every packed scheme's; `bf16_table` (float32 models): every packed scheme
+    again with its table held in bf16 (lossless)."""
     from bench.common.provenance import cpu_label, git_revision, hardware, versions
     from lrq.precision import Precision
     torch.set_num_threads(threads)
@@ -576,8 +557,8 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
     if len(modes) > 1 and dtype != torch.float32:
         raise UserError(f"--fp32-decode {float32_decode}: several modes compare float32 decode steps, but the packed "
                         f"models are held in {decided.used} here; add --precision fp32 or give one mode")
-    if fp32_table and dtype != torch.float32:
-        raise UserError(f"--fp32-table keeps a float32 model's table in float32, but the packed models are held in "
+    if bf16_table and dtype != torch.float32:
+        raise UserError(f"--bf16-table holds a float32 model's table in bf16, but the packed models are held in "
                         f"{decided.used} here (their table is bf16 already); add --precision fp32 or drop it")
     n_ctx = max(prefill_len, 16 + decode_steps + 8)
     probe_anchors(model_name, anchors or [], threads, n_ctx)   # before anything is built: a crash costs a minute
@@ -601,9 +582,9 @@ def run(model_name: str, schemes, precision: str, threads: int, rounds: int, pre
         anchor_cands, extra = build_anchors(model_name, anchors, threads, n_ctx)
     if int8_head == "all":
         head_copies = [c.name for c in cands if c.kind == "packed"]
-    # the float32-table copies of every packed scheme (float32 models only), then the int8-head ones
-    head_copies = [n + HEAD_FP32 for n in schemes if fp32_table] + [n + HEAD_INT8 for n in head_copies]
-    if head_copies:   # the int8-head (and float32-table) copies, built after the profile
+    # the bf16-table copies of every packed scheme (float32 models only), then the int8-head ones
+    head_copies = [n + HEAD_BF16 for n in schemes if bf16_table] + [n + HEAD_INT8 for n in head_copies]
+    if head_copies:   # the int8-head (and bf16-table) copies (lrq.packed.quantize_head), built after the profile
         heads = build(model_name, head_copies, dtype, data_dir, dense=False)
         _set_float32_decode(heads, modes[0])
         cands += attach_runtime(heads, "hf" if runtime == "hf" else "auto", max_len)
@@ -665,7 +646,7 @@ def markdown(doc: dict) -> str:
         f"last position's logits only. Weight memory: the resident memory each model added when it was built. "
         f"Ratios against the faster dense model per measure (decode: {ref['decode']}; prefill: {ref['prefill']})"
         f"{_paired_sentence(doc)}; "
-        f"memory against dense bf16.{_table_sentence(doc)}{_read_sentence(doc)}", "",
+        f"memory against dense bf16.{_bf16_table_sentence(doc)}{_read_sentence(doc)}", "",
         _runtime_sentence(doc), "",
         tabulate(body, headers=["candidate", "held in", "runtime", "decode ms/token", "decode CPU ms", "prefill tok/s",
                                 "weight MiB", "decode vs dense", "prefill vs dense", "memory vs bf16"],
@@ -701,20 +682,13 @@ def _read_sentence(doc: dict) -> str:
             f"ratio (the bytes read a token; less where the step's other work, the same for every format, weighs).")
 
 
-def _table_sentence(doc: dict) -> str:
-    """What a float32 packed model holds its table in (older reports: `+bf16 table` copies, their own sentence)."""
-    tables = {r.get("table") for r in doc["rows"] if r["kind"] == "packed"} - {None}
-    if TABLE_BF16 in tables:
-        return (f" The packed models held in float32 hold the checkpoint's output head and tied embedding in bf16 "
-                f"(lrq.packed.quantize_head(model, \"bf16\"): every value a bf16 value, lossless), the rest in "
-                f"float32" + (f"; `<scheme>{HEAD_FP32}`: the same model with its table kept in float32." if
-                              any(r["candidate"].endswith(HEAD_FP32) for r in doc["rows"]) else "."))
-    rounded = {r.get("head_values_rounded") for r in doc["rows"] if r["candidate"].endswith(" +bf16 table")}
+def _bf16_table_sentence(doc: dict) -> str:
+    rounded = {r.get("head_values_rounded") for r in doc["rows"] if r["candidate"].endswith(HEAD_BF16)}
     if not rounded:
         return ""
     how = ("lossless: every value a bf16 value" if rounded == {0} else
            "this model's table has float32 values, rounded to bf16 as the dense bf16 model rounds them")
-    return (f" `<scheme> +bf16 table`: the same packed model with its float32 output head and tied embedding held in "
+    return (f" `<scheme>{HEAD_BF16}`: the same packed model with its float32 output head and tied embedding held in "
             f"bf16 (lrq.packed.quantize_head(model, \"bf16\"); {how}), the rest held and computed in float32.")
 
 
