@@ -84,7 +84,14 @@ def _doc(profile_head_ms: float) -> dict:
 def test_markdown_names_llama_cpp_its_gguf_the_ratio_and_the_profile():
     doc = _doc(profile_head_ms=15.0)
     ratio = speed_cpu.anchor_ratio(doc)
-    assert ratio == {"ratio": 2.25, "cpu_ratio": 2.0, "target": 1.5, "met": False}
+    assert ratio == {"ratio": 2.25, "cpu_ratio": 2.0, "target": 1.5, "met": False}   # rows without their rounds
+    paired = _doc(profile_head_ms=15.0)   # with them: the median of the rounds' own ratios, and their range
+    by = {r["candidate"]: r for r in paired["rows"]}
+    by["w4a16-g128"]["decode_ms_rounds"] = [45.0, 60.0, 30.0]
+    by["llama.cpp Q4_1"]["decode_ms_rounds"] = [20.0, 20.0, 30.0]
+    got = speed_cpu.anchor_ratio(paired)
+    assert got["ratio"] == 2.25 and got["range"] == [1.0, 3.0] and not got["met"]
+    assert "2.25x slower, the rounds' own 1.00-3.00x" in speed_cpu.markdown(paired)
     md = speed_cpu.markdown(doc)
     assert "|\n\nllama.cpp: llama-cpp-python 0.3.36" in md and "ab" * 32 in md and "token_embd Q8_0" in md
     assert "w4a16-g128 decode vs llama.cpp Q4_1: 2.25x slower" in md and "not met" in md
