@@ -223,16 +223,43 @@ def _unpack_blocks(packed: torch.Tensor, block: int, out: torch.Tensor | None = 
     return out
 
 
-def blocked_scale_zero(s: torch.Tensor, zc: torch.Tensor, block: int) -> torch.Tensor:
-    """s and zc [groups, n_pad] as lrq.native's 4-bit kernels read them (cpu_gemv.c's block_scales): per block of
-    `block` output features (the last one the n_pad mod block left), its groups one after the other, each the
-    block's s then its zc; one float32 vector. A decode step then reads a block's scales as one stream beside its
-    levels (against two [groups, n_pad] arrays: 0.97x the time of a g128 model's 4-bit layers on a Zen 4)."""
-    ng, n_pad = s.shape
+def _block_order(fields: list[torch.Tensor], block: int) -> torch.Tensor:
+    """Per-feature fields (uint8 [groups, n_pad, bytes a feature] each) in lrq.native's block order
+    (cpu_gemv.c's block_scales): per block of `block` output features (the last one the n_pad mod block left), its
+    groups one after the other, each the block's features' bytes of one field, then of the next; one uint8 vector."""
+    ng, n_pad = fields[0].shape[:2]
     nb, cut = n_pad // block, n_pad // block * block
-    full = torch.stack([s[:, :cut].reshape(ng, nb, block), zc[:, :cut].reshape(ng, nb, block)], dim=2)
-    rest = torch.stack([s[:, cut:], zc[:, cut:]], dim=1)                      # [groups, 2, n_pad - cut]
-    return torch.cat([full.permute(1, 0, 2, 3).reshape(-1), rest.reshape(-1)]).contiguous()
+    full = torch.cat([f[:, :cut].reshape(ng, nb, block * f.shape[2]) for f in fields], dim=2).transpose(0, 1)
+    rest = torch.cat([f[:, cut:].reshape(ng, (n_pad - cut) * f.shape[2]) for f in fields], dim=1)   # [groups, ...]
+    return torch.cat([full.reshape(-1), rest.reshape(-1)])
+
+
+def _block_fields(held: torch.Tensor, sizes: tuple[int, ...], groups: int, n_pad: int, block: int) -> list:
+    """_block_order's vector (uint8) back as its fields, uint8 [groups, n_pad, size] each (`sizes`: their bytes a
+    feature)."""
+    nb, cut, step = n_pad // block, n_pad // block * block, sum(sizes)
+    full = held[:groups * step * cut].view(nb, groups, step * block).transpose(0, 1)   # [groups, nb, ...]
+    rest = held[groups * step * cut:].view(groups, step * (n_pad - cut))
+    out, at = [], 0
+    for size in sizes:
+        a = full[..., at * block:(at + size) * block].reshape(groups, cut, size)
+        b = rest[:, at * (n_pad - cut):(at + size) * (n_pad - cut)].reshape(groups, n_pad - cut, size)
+        out.append(torch.cat([a, b], dim=1))
+        at += size
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[groups, n_pad] values as uint8 [groups, n_pad, their bytes]."""
+    return t.contiguous().view(torch.uint8).view(*t.shape, t.element_size())
+
+
+def blocked_scale_zero(s: torch.Tensor, zc: torch.Tensor, block: int) -> torch.Tensor:
+    """s and zc [groups, n_pad] as lrq.native's 4-bit kernels read them (_block_order): per block of `block` output
+    features, its groups one after the other, each the block's s then its zc; one float32 vector. A decode step then
+    reads a block's scales as one stream beside its levels (against two [groups, n_pad] arrays: 0.97x the time of a
+    g128 model's 4-bit layers on a Zen 4)."""
+    return _block_order([_bytes(s.float()), _bytes(zc.float())], block).view(torch.float32)
 
 
 def compact_scale_zero(s: torch.Tensor, z: torch.Tensor, block: int) -> torch.Tensor | None:
@@ -240,49 +267,22 @@ def compact_scale_zero(s: torch.Tensor, z: torch.Tensor, block: int) -> torch.Te
     scales as fp16 then its zero points as uint8 (3 bytes a feature against 8; lrq.native decodes them a block at a
     time, zc = -z * s, exact in float32), as one uint8 vector; None where the values do not fit: scales that are not
     fp16 values (a checkpoint read back with float32 ones) or zero points that are not integers of 0..255."""
-    s16 = s.to(torch.float16).contiguous()
+    s16 = s.to(torch.float16)
     if not (torch.equal(s16.float(), s.float()) and torch.equal(z.round(), z) and bool((z >= 0).all())
             and bool((z <= 255).all())):
         return None
-    ng, n_pad = s.shape
-    nb, cut = n_pad // block, n_pad // block * block
-
-    def blocks(t: torch.Tensor, width: int, parts: int) -> torch.Tensor:   # [groups, parts * width] -> [parts, ...]
-        return t.reshape(ng, parts, width).permute(1, 0, 2)
-    s8, z8 = s16.view(torch.uint8).view(ng, n_pad, 2), z.to(torch.uint8).contiguous()   # each scale's two bytes
-    out = []
-    if nb:
-        hs = blocks(s8[:, :cut].reshape(ng, -1), 2 * block, nb)             # [nb, groups, 2 * block]
-        out.append(torch.cat([hs, blocks(z8[:, :cut], block, nb)], dim=2).reshape(-1))
-    if cut < n_pad:
-        out.append(torch.cat([s8[:, cut:].reshape(ng, -1), z8[:, cut:]], dim=1).reshape(-1))
-    return torch.cat(out).contiguous()
+    return _block_order([_bytes(s16), _bytes(z.to(torch.uint8))], block)
 
 
 def scale_zero_rows(blocked: torch.Tensor, groups: int, n_pad: int, block: int) -> torch.Tensor:
     """blocked_scale_zero's vector (or compact_scale_zero's, decoded: zc = 0 - z * s, lrq.native's values) back as
     float32 [2, groups, n_pad] (s, zc)."""
-    nb, cut = n_pad // block, n_pad // block * block
-    out = torch.empty(2, groups, n_pad, dtype=torch.float32)
     if blocked.dtype == torch.uint8:
-        head, tail = blocked[:groups * 3 * cut].view(nb, groups, 3 * block), blocked[groups * 3 * cut:]
-        tail = tail.view(groups, 3 * (n_pad - cut))
-        for part, lo, width in ((head, None, block), (tail, cut, n_pad - cut)):
-            if not width:
-                continue
-            s = part[..., :2 * width].contiguous().view(torch.float16).float()
-            z = part[..., 2 * width:].float()
-            zc = 0.0 - z * s
-            if lo is None:
-                out[0, :, :cut] = s.permute(1, 0, 2).reshape(groups, cut)
-                out[1, :, :cut] = zc.permute(1, 0, 2).reshape(groups, cut)
-            else:
-                out[0, :, cut:], out[1, :, cut:] = s, zc
-        return out
-    head = blocked[:groups * 2 * cut]
-    out[:, :, :cut] = head.view(nb, groups, 2, block).permute(2, 1, 0, 3).reshape(2, groups, cut)
-    out[:, :, cut:] = blocked[groups * 2 * cut:].view(groups, 2, n_pad - cut).permute(1, 0, 2)
-    return out
+        h, z = _block_fields(blocked, (2, 1), groups, n_pad, block)
+        s = h.contiguous().view(torch.float16).view(groups, n_pad).float()
+        return torch.stack([s, 0.0 - z.view(groups, n_pad).float() * s])
+    s, zc = _block_fields(blocked.view(torch.uint8), (4, 4), groups, n_pad, block)
+    return torch.stack([f.contiguous().view(torch.float32).view(groups, n_pad) for f in (s, zc)])
 
 
 @dataclass

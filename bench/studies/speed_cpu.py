@@ -748,8 +748,9 @@ def _runtime_sentence(doc: dict) -> str:
             "fused norms, no per-call masks; a one-token step runs each decoder layer as one lrq.native call where "
             "all its parts can be (all of them fused: the whole stack one call): the same logits up to float "
             "rounding); `hf eager` the model's own transformers forward (a dynamic cache); `[no oneDNN]`: the dense "
-            "bf16 model with torch.backends.mkldnn off for its calls (torch's own bf16 kernels); `[torch linears]`: the dense model through the lean runtime without "
-            "fused layers (its decode steps call its modules: torch's matrix-vector kernels); `[oneDNN prepacked]`: "
+            "bf16 model with torch.backends.mkldnn off for its calls (torch's own bf16 kernels); `[torch linears]`: "
+            "the dense model through the lean runtime without fused layers (its decode steps call its modules: "
+            "torch's matrix-vector kernels); `[oneDNN prepacked]`: "
             "the dense model with its decoder blocks' linears held in oneDNN's own layout, made once "
             "(torch.ops.mkldnn._linear_pointwise, as torch.compile's frozen CPU graphs run them)"
             + (f"; not lean because {'; '.join(refused)}" if refused else "")

@@ -184,6 +184,15 @@ static inline float vsum(v16 v) { float t = 0; for (int i = 0; i < 16; i++) t +=
     const char *pz_ = (const char *)((zc) + (size_t)(gi) * (gstride));                                      \
     for (int l_ = 0; l_ < (bytes); l_ += 64) { __builtin_prefetch(ps_ + l_, 0, 3); __builtin_prefetch(pz_ + l_, 0, 3); } \
   } while (0)
+#if defined(__AVX512F__)
+/* 16 features' s and zc = 0 - z s from a compact group's fp16 scales h and uint8 zero points z (exact: the float32
+ * values the float32 form holds) */
+static inline void compact16(const uint8_t *h, const uint8_t *z, __m512 *s, __m512 *zc) {
+  *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+  *zc = _mm512_sub_ps(_mm512_setzero_ps(),
+                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)z))), *s));
+}
+#endif
 /* one block of 64 features (torch's AVX-512 packing), one token */
 static void block64(const uint8_t *blk, const float *s, const float *zc, const float *x, const float *xs,
                     float *y, int k_pad, int group, int gstride) {
@@ -335,9 +344,8 @@ static void block64_i16(const uint8_t *blk, const float *s, const float *zc, con
       const uint8_t *h = c8 + (size_t)gi * 192, *zb = h + 128;
 #define COMPACT_GROUP(o, f, i)                                                                                  \
   do {                                                                                                        \
-    __m512 s_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32 * (i))));                         \
-    __m512 z_ = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zb + 16 * (i)))));  \
-    __m512 zc_ = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z_, s_));                                   \
+    __m512 s_, zc_;                                                                                           \
+    compact16(h + 32 * (i), zb + 16 * (i), &s_, &zc_);                                                        \
     o = _mm512_fmadd_ps(f, s_, _mm512_fmadd_ps(zc_, xsum, o));                                                \
   } while (0)
       COMPACT_GROUP(o0, f0, 0); COMPACT_GROUP(o1, f1, 1); COMPACT_GROUP(o2, f2, 2); COMPACT_GROUP(o3, f3, 3);
@@ -553,10 +561,16 @@ typedef struct {
  * fetched ahead into L2. */
 static __thread float *scales_buf;
 static __thread size_t scales_cap;
+/* L's groups of scales a feature, and the width of its block b (the last block the n_pad mod block features) */
+static inline int scale_groups(const int4_layer *L) { return (L->k_pad + L->group - 1) / L->group; }
+static inline int block_width(const int4_layer *L, int b) {
+  int nb = L->n_pad / L->block;
+  return b < nb ? L->block : L->n_pad - nb * L->block;
+}
 /* whether the calling thread can decode a block of L's scales (its buffer grown as needed and kept; 0: no memory) */
 static int scales_ready(const int4_layer *L) {
   if (!L->compact) return 1;
-  size_t need = (size_t)2 * L->block * ((L->k_pad + L->group - 1) / L->group);
+  size_t need = (size_t)2 * L->block * scale_groups(L);
   if (need <= scales_cap) return 1;
   float *p = realloc(scales_buf, need * sizeof(float));
   if (!p) return 0;
@@ -573,17 +587,15 @@ static float f16_to_f32(uint16_t h) {   /* exact: every fp16 value is a float32 
 #endif
 /* block b's scales in their compact form as held (a compact layer's), the next block's fetched ahead into L2 */
 static inline const uint8_t *compact_block(const int4_layer *L, int b) {
-  int ng = (L->k_pad + L->group - 1) / L->group, nb = L->n_pad / L->block;
-  int width = b < nb ? L->block : L->n_pad - nb * L->block;
+  int ng = scale_groups(L);
   const uint8_t *src = (const uint8_t *)L->sz + (size_t)b * L->block * ng * 3;
-  size_t bytes = (size_t)width * ng * 3;
-  if (b + 1 < nb + (L->n_pad > nb * L->block))
+  size_t bytes = (size_t)block_width(L, b) * ng * 3;
+  if ((size_t)(b + 1) * L->block < (size_t)L->n_pad)   /* a next block */
     for (size_t l = 0; l < bytes; l += 64) __builtin_prefetch(src + bytes + l, 0, 2);
   return src;
 }
 static inline const float *block_scales(const int4_layer *L, int b, const float **zc, int *gstride) {
-  int ng = (L->k_pad + L->group - 1) / L->group, nb = L->n_pad / L->block;
-  int width = b < nb ? L->block : L->n_pad - nb * L->block;
+  int ng = scale_groups(L), width = block_width(L, b);
   *gstride = 2 * width;
   if (!L->compact) {
     const float *s = (const float *)L->sz + (size_t)b * L->block * ng * 2;
@@ -597,10 +609,10 @@ static inline const float *block_scales(const int4_layer *L, int b, const float 
     float *sg = s + (size_t)g * 2 * width, *zg = sg + width;
     for (int i = 0; i < width; i += 16) {   /* width: a multiple of 16 (n_pad is) */
 #if defined(__AVX512F__)
-      __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 2 * i)));
-      __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(z + i))));
+      __m512 sv, zcv;
+      compact16(h + 2 * i, z + i, &sv, &zcv);
       _mm512_storeu_ps(sg + i, sv);
-      _mm512_storeu_ps(zg + i, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zv, sv)));
+      _mm512_storeu_ps(zg + i, zcv);
 #elif defined(__AVX2__) && defined(__F16C__)
       for (int j = i; j < i + 16; j += 8) {
         __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 2 * j)));
