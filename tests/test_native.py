@@ -53,6 +53,26 @@ def _i16_excess(w: Int4Weights, x: torch.Tensor, y: torch.Tensor) -> float:
     return ((y.double() - xd @ ref_w).abs() / room.clamp_min(1e-30)).max().item()
 
 
+def _i16_extreme() -> float:
+    """The 16-bit integer kernels' sums at their bound: every level 15, each token's activations of one sign at the
+    top of the 16-bit range (32767 or -32768 in float32 "i16"; 32640 from bf16), 256 rows a chunk (per channel) and
+    128 (groups of 128): the worst of _i16_excess (float32 in "i16") and of the bf16 output's relative error in units
+    of 2^-8; at most 1 where no int32 sum overflows."""
+    worst = 0.0
+    for group in (None, 128):
+        ng = 1536 // (group or 1536)
+        w = Int4Weights.build(torch.full((64, 1536), 15), torch.full((64, ng), 1e-3), torch.zeros(64, ng), group)
+        w.float32_decode = "i16"
+        x = torch.full((2, 1536), 1 - 2.0 ** -15)   # 32767 exactly
+        x[1] = -1 + 2.0 ** -16                          # -32767.5: -32768 (nearest even)
+        worst = max(worst, _i16_excess(w, x, w.native_mm(x)))
+        xb = torch.full((2, 1536), 1 - 2.0 ** -8).bfloat16()
+        xb[1] = -xb[1]
+        ref = xb.double() @ w.dequantized_t_torch(torch.float32)[:, :64].double()
+        worst = max(worst, ((w.native_mm(xb).double() - ref).abs() / ref.abs()).max().item() * 2 ** 8)
+    return worst
+
+
 def _integer_blocks(w: Int4Weights) -> int:
     """How many of w's output features this build's 16-bit integer kernel computes (its whole blocks: 64 features
     with AVX512-VNNI, 32 with AVX2), 0 where it has none for w's packing or grouping."""
@@ -365,6 +385,13 @@ def test_bf16_activations_far_apart_in_size(group):
     assert not torch.isfinite(y[1].float()).all() and torch.isfinite(y[[0, 2]].float()).all()
 
 
+def test_16_bit_kernels_keep_their_sums_at_the_bound():
+    """The integer decode kernel this machine builds (AVX512-VNNI, or AVX2 on a Zen 3) at the largest sums its int32
+    lanes hold: levels all 15 and activations at the top of the 16-bit range, chunks of 256 and 128 rows (an overflow
+    would be off by 2^32 units, far beyond the bound)."""
+    assert _i16_extreme() <= 1
+
+
 @pytest.mark.parametrize("n,k,group", [(1536, 576, 128), (576, 1536, None), (208, 264, 64), (96, 128, 32)])
 def test_float32_i16_decode_rounds_only_the_activations(n, k, group):
     """float32_decode "i16": a float32 decode call through the 16-bit integer kernel where this build has one for the
@@ -570,7 +597,7 @@ from lrq import native
 from lrq.cpu_kernels import Int4Weights, _pack_block
 import sys
 sys.path.insert(0, "tests")
-from tests.test_native import _i16_excess, _integer_blocks
+from tests.test_native import _i16_excess, _i16_extreme, _integer_blocks
 g = torch.Generator().manual_seed(0)
 errs, bf16_err, i16_excess, i16_ran = [], [], [], []
 for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
@@ -593,6 +620,7 @@ for n, k, group in [(1536, 576, 128), (48, 100, 32), (208, 264, 64)]:
         full = _integer_blocks(w)
         i16_ran.append(full > 0 and not torch.equal(yi[:, :full], y[:, :full]))
         w.float32_decode = "exact"
+i16_extreme = _i16_extreme() if native.library() is not None else None
 from lrq.cpu_kernels import Int8GemmWeights
 w8 = Int8GemmWeights.build(torch.randint(0, 256, (40, 100), generator=g), torch.rand(40, 1, generator=g),
                            torch.randint(0, 256, (40, 1), generator=g).float(), 8)
@@ -672,7 +700,7 @@ if native.library() is not None:   # the AVX2 integer prefill kernel (forced: tr
                                             torch.equal(a.isnan(), b.isnan()) for a, b in zip(mine, ref))
 print(json.dumps({"status": native.status(), "isa": native.isa(), "block": _pack_block(), "err": max(errs),
                   "int8_exact": int8_exact, "bf16_err": max(bf16_err, default=None),
-                  "i16_excess": max(i16_excess, default=None), "i16_ran": i16_ran}))
+                  "i16_excess": max(i16_excess, default=None), "i16_ran": i16_ran, "i16_extreme": i16_extreme}))
 """
 
 
@@ -696,13 +724,13 @@ def test_avx2_layout_and_avx2_build(tmp_path):
     assert both["isa"] == "avx2" and both["block"] == 32 and both["err"] < 1e-6 and both["int8_exact"] is True
     # the AVX2 16-bit kernel (bf16 activations, float32 ones in "i16") ran on the layers with whole blocks of 32
     assert "int16 AVX2" in both["status"] and both["i16_ran"] == [True, True, True]
-    assert both["i16_excess"] <= 1 and both["bf16_err"] < 2 ** -8
+    assert both["i16_excess"] <= 1 and both["bf16_err"] < 2 ** -8 and both["i16_extreme"] <= 1
     layout = _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
     assert layout["block"] == 32 and layout["err"] < 1e-6 and layout["int8_exact"] is True
-    assert layout["i16_excess"] <= 1 and layout["bf16_err"] < 2 ** -8
+    assert layout["i16_excess"] <= 1 and layout["bf16_err"] < 2 ** -8 and layout["i16_extreme"] <= 1
     build = _probe(tmp_path, LRQ_NATIVE_MARCH="haswell")
     assert build["isa"] == "avx2" and build["err"] < 1e-6 and build["int8_exact"] is True
-    assert build["bf16_err"] < 2 ** -8 and build["i16_excess"] <= 1
+    assert build["bf16_err"] < 2 ** -8 and build["i16_excess"] <= 1 and build["i16_extreme"] <= 1
     assert not any(build["i16_ran"])   # torch's blocks of 64 features: the float32 kernel
 
 
