@@ -66,6 +66,17 @@ def tiny_config(arch: str = "llama", vocab_size: int = 128, hidden: int = 64, la
     raise ValueError(arch)
 
 
+def onednn_bf16_prepack() -> bool:
+    """Whether this torch's oneDNN lays a bf16 linear weight out for its own kernels here (the speed study's
+    "dense bf16 [oneDNN prepacked]"): not on a CPU without AVX512-BF16-capable oneDNN paths (an AMD Zen 3, or an
+    AVX-512 CPU held to AVX2), where torch refuses the reorder and the study leaves that candidate out, saying why."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), 4)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **kw):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)

@@ -375,7 +375,12 @@ def test_linears_reading_one_input_quantize_it_once(monkeypatch):
         calls.clear(), computed.clear()
         with torch.no_grad():
             shared = model(ids).logits
-        assert len(calls) == 7 * 2 and len(computed) == 4 * 2, (len(calls), len(computed))
+        # one quantization a group (q/k/v, o, gate/up, down), and one more where a layer of the group takes the other
+        # form than the one before it (a float32 prefill on a CPU without VNNI: the int8 product where the layer's
+        # shape suits lrq.native's AVX2 integer kernel, the dequantized activations elsewhere)
+        groups = [calls[b * 7:b * 7 + 7][i:j] for b in range(2) for i, j in ((0, 3), (3, 4), (4, 6), (6, 7))]
+        expected = sum(1 + sum(a != b for a, b in zip(grp, grp[1:])) for grp in groups)
+        assert len(calls) == 7 * 2 and len(computed) == expected, (len(calls), len(computed), calls)
         monkeypatch.setattr(P, "_LAST_ACTIVATIONS", [None])
         with monkeypatch.context() as m:
             m.setattr(P.PackedLinear, "_shared", lambda self, x, form, compute: compute())

@@ -448,7 +448,8 @@ static void block32_i16(const uint8_t *blk, const float *s, const float *zc, con
         ADD_I32_IN_PLACE(b2, _mm256_madd_epi16(_mm256_and_si256(v, byte), xp));
         ADD_I32_IN_PLACE(b3, _mm256_madd_epi16(v8, xp));
       }
-      a2 = _mm256_sub_epi32(a2, a0); a3 = _mm256_sub_epi32(a3, a1); b2 = _mm256_sub_epi32(b2, b0); b3 = _mm256_sub_epi32(b3, b1);
+      a2 = _mm256_sub_epi32(a2, a0), a3 = _mm256_sub_epi32(a3, a1);   /* 16 f' alone */
+      b2 = _mm256_sub_epi32(b2, b0), b3 = _mm256_sub_epi32(b3, b1);
       __m256 inv = _mm256_set1_ps(xinv[ci]), inv16 = _mm256_set1_ps(xinv[ci] * 0.0625f);
       f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_sum8(a0, a1)), inv, f0);
       f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_sum8(b0, b1)), inv, f1);
