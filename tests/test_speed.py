@@ -174,6 +174,16 @@ def test_cpu_e2e_measures_every_candidate_interleaved_in_one_process(tiny_model_
     assert "| runtime " in md and "| lean " in md       # how each row ran is shown beside it
 
 
+def test_the_leaderboard_says_how_a_float32_model_decoded():
+    """A CPU speed row of a float32 packed model says when its 4-bit decode steps were not exact float32 (the bf16
+    kernel, or the 16-bit integer activations of --fp32-decode i16): a figure carries what produced it."""
+    from bench.reports.report import _cpu_runtime
+    assert _cpu_runtime({"runtime": "lean"}) == _cpu_runtime({"runtime": "lean", "float32_decode": "exact"}) == "lean"
+    assert _cpu_runtime({"runtime": "lean", "float32_decode": "bf16"}) == "lean (4-bit float32 decode via bf16)"
+    assert _cpu_runtime({"runtime": "lean", "float32_decode": "i16"}) == (
+        "lean (4-bit float32 decode: 16-bit integer activations)")
+    assert _cpu_runtime({}) == "hf eager"   # rows from before the runtime was recorded
+
 def test_ratios_pair_each_round_with_the_reference_measured_in_it():
     """A candidate's ratio against the dense model is the median of the rounds' own ratios, with their range: memory
     that slows for a round slows both there, so the pairs hold where a ratio of medians does not (here 2.0x every

@@ -122,8 +122,10 @@ def _speed_sections(mdf: pd.DataFrame) -> list[str]:
 
 def _cpu_runtime(cfg: dict) -> str:
     """How a CPU speed row ran: its runtime (lean, hf eager; rows before it was recorded: hf eager), and a float32
-    4-bit model's decode through the bf16 kernel where that was asked for."""
-    extra = " (4-bit float32 decode via bf16)" if cfg.get("float32_decode") == "bf16" else ""
+    4-bit model's decode where it was not exact: through the bf16 kernel, or lrq.native's 16-bit integer one
+    (`--fp32-decode bf16 / i16`)."""
+    extra = {"bf16": " (4-bit float32 decode via bf16)",
+             "i16": " (4-bit float32 decode: 16-bit integer activations)"}.get(cfg.get("float32_decode"), "")
     return cfg.get("runtime", "hf eager") + extra
 
 
