@@ -70,8 +70,9 @@ def onednn_bf16_prepack() -> bool:
     """Whether this torch's oneDNN lays a bf16 linear weight out for its own kernels here (the speed study's
     "dense bf16 [oneDNN prepacked]"): not on a CPU without AVX512-BF16-capable oneDNN paths (an AMD Zen 3, or an
     AVX-512 CPU held to AVX2), where torch refuses the reorder and the study leaves that candidate out, saying why."""
+    from lrq.cpu_kernels import OneDNNOperand   # the reorder the study's PrepackedLinear makes
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), 4)
+        OneDNNOperand.reorder("bf16", torch.zeros(32, 32, dtype=torch.bfloat16), 4)
     except (RuntimeError, AttributeError):
         return False
     return True

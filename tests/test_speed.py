@@ -184,6 +184,7 @@ def test_the_leaderboard_says_how_a_float32_model_decoded():
         "lean (4-bit float32 decode: 16-bit integer activations)")
     assert _cpu_runtime({}) == "hf eager"   # rows from before the runtime was recorded
 
+
 def test_ratios_pair_each_round_with_the_reference_measured_in_it():
     """A candidate's ratio against the dense model is the median of the rounds' own ratios, with their range: memory
     that slows for a round slows both there, so the pairs hold where a ratio of medians does not (here 2.0x every

@@ -407,7 +407,7 @@ static int i16_chunks(const float *x, int k_pad, int group, int16_t *xi, float *
  * Eight accumulators then, two lanes of one feature added and the features put in order once a chunk (pair_sum8).
  * Every sum is an exact int32 (16 q x < 2^8 * 2^15 a product, 256 rows < 2^31 a chunk), so the output is the same bit
  * for bit as the previous kernel's (a vpermd and a vpshufb per two rows, four masks per row pair), 14 % less time a
- * feature in L2 (a 1536 x 576 layer: 13.0 -> 11.2 ns a feature, 20.2 -> 19.3 us a call) and 7 % less over
+ * feature in L2 (a 1536 x 576 layer: 13.0 -> 11.2 ns a feature, 22.2 -> 19.3 us a call) and 7 % less over
  * SmolLM2-135M's 210 g128 layers from memory (3.36 -> 3.12 ms; an AMD Zen 4 held to AVX2, one thread, interleaved
  * rounds); vpmaddwd runs on two of the core's four vector pipes, so about 25 vector operations per four rows and
  * 32 features are the floor. (The previous form: on an Intel Xeon held to AVX2, the 210 layers took 4.1 ms against
