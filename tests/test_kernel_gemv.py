@@ -27,6 +27,70 @@ def test_gemv_equals_the_float_reference(bits, group, m):
         assert _rel(y, ref) < TOL[dtype], (dtype, split)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_on_even_and_uneven_shapes_and_groups_that_straddle_blocks(m):
+    """M = 1 runs the one-row kernel on sizes that are multiples of 16: N a multiple of its 128-column tile and K
+    of the K block (the unclamped EVEN path, as LLM layers are at 4 and 8 bits), or not (N = 48, 144; K = 304,
+    656: the masked path); 3 bits with groups of 32 and 128 against its 160-column blocks (a group's scale
+    applied where the group ends, inside a block or at a split's end); 8 bits' groups of two whole blocks;
+    splits that cut the K blocks unevenly. Odd sizes go to the 16-token kernel."""
+    t = G.GEMV_CONFIGS[1].block_n
+    for n, bits, group, k, split in ((2 * t, 4, None, 512, 3), (2 * t, 4, 64, 512, 1), (2 * t, 8, 128, 512, 3),
+                                     (2 * t, 3, 32, 640, 3), (2 * t, 3, 128, 640, 3), (48, 4, None, 304, 3),
+                                     (48, 3, 128, 656, 2), (144, 8, 128, 336, 3), (144, 4, 32, 304, 2)):
+        assert G._config(1, n, k).block_m == 1
+        packed, scale, zero, _ = _layer(n, k, bits, group, bits + k + split)
+        w = G.repack_gemv(packed, scale, zero, bits, group, k)
+        b = torch.randn(n)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+            y = G.gemv_matmul(x, w, b, split=split)
+            ref = WQ.reference_wq_matmul(x, packed, scale, zero, bits, group, k, b)
+            assert _rel(y, ref) < TOL[dtype], (n, bits, group, k, split, dtype)
+    assert G._config(1, 37, 300).block_m == 16 and G._config(1, 48, 300).block_m == 16
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_reads_no_group_past_k(m):
+    """The last K block's steps past K belong to no group (here K = 300 or 304, groups of 32: 10 groups, blocks of
+    128 columns reach 384): their scale and zero point must not be read. The scales and zero points sit in larger
+    buffers poisoned with NaN / 255 right after their end, so a read past them shows in the output."""
+    bits, group = 4, 32
+    for n, k in ((37, 300), (48, 304)):   # the 16-token kernel at M = 1 too; the one-row kernel
+        packed, scale, zero, _ = _layer(n, k, bits, group, 5)
+        w = G.repack_gemv(packed, scale, zero, bits, group, k)
+        ng = w.scale.shape[0]
+        s_big = torch.full((ng + 4, n), float("nan"), dtype=torch.float16)
+        z_big = torch.full((ng + 4, n), 255, dtype=torch.uint8)
+        s_big[:ng], z_big[:ng] = w.scale, w.zero
+        poisoned = G.GemvWeights(w.words, s_big[:ng], z_big[:ng], bits, group, k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+        for split in (1, 2):
+            y = G.gemv_matmul(x, poisoned, split=split)
+            assert torch.isfinite(y).all(), (n, k, split)
+            assert _rel(y, WQ.reference_wq_matmul(x, packed, scale, zero, bits, group, k)) < TOL[torch.float32]
+
+
+def test_the_split_one_row_kernel_finishes_itself_and_leaves_its_workspace_zero():
+    """M = 1 with split K: the last split of each tile writes y (in the activations' dtype) from the float32
+    workspace and zeroes it and the tile's counter, so calls after calls (and CUDA-graph replays) start clean."""
+    n, k, bits = 2 * G.GEMV_CONFIGS[1].block_n, 512, 4
+    packed, scale, zero, _ = _layer(n, k, bits, 128, 11)
+    w = G.repack_gemv(packed, scale, zero, bits, 128, k)
+    b = torch.randn(n)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    ref = WQ.reference_wq_matmul(x, packed, scale, zero, bits, 128, k, b)
+    ws, cnt = G.split_workspace(x.device, n, 2)
+    first = None
+    for split in (2, 3, 4, 3):
+        y = G.gemv_matmul(x, w, b, split=split)
+        assert y.dtype == torch.bfloat16 and _rel(y, ref) < TOL[torch.bfloat16], split
+        assert not ws.any() and not cnt.any(), split
+        if split == 3:
+            first = y if first is None else first
+            assert torch.equal(y, first)
+
+
 def test_gemv_layout_is_what_the_docstring_says():
     """4 bits, K = 300: blocks of 8 * 16 = 128 columns, 3 blocks -> 48 words per row, transposed [48, N];
     column r of a block sits in word r % 16 at bit (r // 16) * 4; 3 bits use 10 levels per word."""
@@ -58,9 +122,11 @@ def test_gemv_refuses_what_does_not_fit():
 
 def test_gemv_split_k_rule():
     c = G.GEMV_CONFIGS[1]
+    assert (c.block_n, c.num_warps) == (128, 1)
     assert G.gemv_split(1, 4096, 4096, 4, 0, c) == 1                  # no GPU: no split
-    assert G.gemv_split(1, 4096, 11008, 4, 132, c) == 16              # 32 tiles of 128 rows, 86 K blocks: capped
-    assert G.gemv_split(1, 11008, 4096, 4, 132, c) == 6               # 86 tiles -> ~4 programs per SM
+    assert G.gemv_split(1, 4096, 11008, 4, 132, c) == 32              # 32 one-warp tiles, 86 K blocks: capped
+    assert G.gemv_split(1, 11008, 4096, 4, 132, c) == 13              # 86 tiles -> 8 warps per SM
+    assert G.gemv_split(1, 4096, 256, 4, 132, c) == 2                 # never more splits than K blocks
     assert G.gemv_split(16, 4096, 256, 4, 132, G.GEMV_CONFIGS[16]) == 1   # two K blocks: nothing to share
 
 

@@ -89,7 +89,7 @@ def stage_correctness(device, smoke, deadline):
     from lrq.kernels import gemv as G
     from lrq.kernels.wq_gemm import reference_wq_matmul
     rows = []
-    shapes = ((37, 300),) if smoke else ((37, 300), (4096, 4096 + 96))
+    shapes = ((37, 300),) if smoke else ((37, 300), (4096, 4096 + 96), (4096, 4096))   # odd, masked, even
     for n, k in shapes:
         for name, (bits, group) in SCHEMES.items():
             for m in (1, 3, 16):

@@ -122,7 +122,8 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
             out.append(Variant("act_quant", _cfg(ACT_QUANT_CONFIG), tuple(sorted(
                 {"STATIC": static, "INTERPRET": False, "BLOCK_K": ACT_QUANT_CONFIG.block_k, "DT": dt}.items()))))
     # the decode GEMV (lrq.kernels.gemv): both configurations, bits 3/4/8, per channel and group 128, both
-    # activation dtypes, split K (atomics) and not
+    # activation dtypes, split K (atomics) and not; the M = 1 kernel with and without masks (EVEN: N a multiple of
+    # its tile and K of the K block, as LLM shapes are at 4 and 8 bits; 3 bits' 160-column block rarely divides K)
     from lrq.kernels.gemv import GEMV_CONFIGS, WB
     for gc in GEMV_CONFIGS.values():
         for bits in BITS:
@@ -132,14 +133,20 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
                         if not gemv_full and (dt, atomic) != ("bf16", True) and (dt, atomic, bits, group) != \
                                 ("fp16", False, 4, 0):
                             continue
-                        out.append(Variant("gemv", (gc.block_m, gc.block_n, 0, gc.num_warps, gc.num_stages),
-                                           tuple(sorted({"BITS": bits, "GROUP": group, "HAS_BIAS": True,
-                                                         "ATOMIC": atomic, "UPCAST": False, "PREC": "tf32",
-                                                         "BLOCK_M": gc.block_m, "BLOCK_N": gc.block_n,
-                                                         "WBC": WB, "DT": dt}.items()))))
+                        cfg = (gc.block_m, gc.block_n, 0, gc.num_warps, gc.num_stages)
+                        ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": atomic, "BLOCK_N": gc.block_n,
+                              "WBC": WB, "DT": dt}
+                        if gc.block_m > 1:
+                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "UPCAST": False, "PREC": "tf32",
+                                                                          "BLOCK_M": gc.block_m}.items()))))
+                            continue
+                        for even in ((True, False) if bits == 3 or gemv_full else (True,)):
+                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "EVEN": even}.items()))))
     if unaligned:   # the odd-shape specialisation of every configuration, at 4 bits, per channel, bf16
+        # (not the M = 1 GEMV's: odd sizes go to the 16-token one, lrq.kernels.gemv._config)
         out += [Variant(v.kernel, v.config, v.constexprs, aligned=False) for v in list(out)
-                if dict(v.constexprs).get("P0", dict(v.constexprs).get("BITS")) in (4, None)
+                if "EVEN" not in dict(v.constexprs)
+                and dict(v.constexprs).get("P0", dict(v.constexprs).get("BITS")) in (4, None)
                 and dict(v.constexprs).get("GROUP", 0) == 0
                 and dict(v.constexprs).get("DT") in ("bf16", "int8") and not dict(v.constexprs).get("STATIC")]
     return out
@@ -171,6 +178,9 @@ def _signature(kernel: str, ce: dict) -> dict:
     elif kernel == "gemv":
         ptrs = {"x_ptr": act, "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*fp16",
                 "y_ptr": "*fp32" if ce["ATOMIC"] else act}
+        if "EVEN" in ce:   # the M = 1 kernel: y in the activations' dtype, a float32 workspace and counters
+            return {**ptrs, "y_ptr": act, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+                    **{i: "i32" for i in ("N", "K", "kb_per_split", "magic")}}
         ints = ("M", "N", "K", "stride_xm", "stride_ym", "kb_per_split")
     elif kernel == "wq_dequant":
         ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "o_ptr": act}
@@ -182,8 +192,10 @@ def _signature(kernel: str, ce: dict) -> dict:
     return {**ptrs, **{i: "i32" for i in ints}}
 
 
-def _kernel_fn(kernel: str):
+def _kernel_fn(kernel: str, ce: dict | None = None):
     from lrq.kernels import gemv, int8_gemm, wq_gemm
+    if kernel == "gemv" and "EVEN" in (ce or {}):
+        return gemv._gemv1_kernel
     return {"gemv": gemv._gemv_kernel, "wq_gemm": wq_gemm._wq_gemm_kernel, "wq_dequant": wq_gemm._wq_dequant_kernel,
             "act_quant": int8_gemm._act_quant_kernel, "int8_gemm": int8_gemm._int8_gemm_kernel}[kernel]
 
@@ -207,12 +219,54 @@ def _ptxas(ptx: str, cc: int) -> dict:
             "spill_stores": num(r"(\d+) bytes spill stores"), "spill_loads": num(r"(\d+) bytes spill loads")}
 
 
+def _nvdisasm(cubin: bytes) -> str:
+    """The SASS of a cubin (nvdisasm from the triton wheel)."""
+    import triton
+    exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.cubin"
+        src.write_bytes(cubin)
+        r = subprocess.run([str(exe), "-c", str(src)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {r.stderr.strip()[:500]}")
+    return r.stdout
+
+
+def sass_loop(sass: str) -> dict[str, int]:
+    """Opcode counts of the kernel's main loop: the longest span from a label to a branch back to it."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and (best is None or i - labels[m.group(1)] > best[1] - best[0]):
+            best = (labels[m.group(1)], i)
+    ops: dict[str, int] = {}
+    for line in lines[best[0]:best[1] + 1] if best else []:
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return ops
+
+
+def gemv_loop(ops: dict[str, int], ce: dict, num_warps: int) -> dict:
+    """What one iteration of a GEMV's loop (one K block of E * WB columns by BLOCK_N rows) costs a thread:
+    instructions per weight (the issue bound: an SM issues 4 warp-instructions a clock), and the ones that
+    should not be there (barriers, shuffles, int-to-float conversions)."""
+    weights = (32 // ce["BITS"]) * ce["WBC"] * ce["BLOCK_N"] / (32 * num_warps)
+    total = sum(ops.values())
+    return {"instructions": total, "weights": weights, "per_weight": round(total / weights, 2),
+            "barriers": ops.get("BAR", 0), "shuffles": ops.get("SHFL", 0),
+            "int_to_float": sum(n for op, n in ops.items() if op.startswith("I2F")),
+            "top": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:6])}
+
+
 def compile_variant(v: Variant, cc: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    fn = _kernel_fn(v.kernel)
     ce = dict(v.constexprs)
+    fn = _kernel_fn(v.kernel, ce)
     sig = _signature(v.kernel, ce)
     constexprs = {k: val for k, val in ce.items() if k != "DT"}
     names = list(sig)
@@ -242,6 +296,8 @@ def compile_variant(v: Variant, cc: int) -> dict:
     row["shared_bytes"] = int(c.metadata.shared)
     row["shared_limit"] = LIMITS[cc]
     row.update(_ptxas(ptx, cc))
+    if v.kernel == "gemv":   # the decode kernels' cost per weight, from their machine code
+        row["loop"] = gemv_loop(sass_loop(_nvdisasm(c.asm["cubin"])), ce, warps)
     # the GEMV's 16-token tiles are below wgmma's 64-row minimum: on sm_90 too they use mma.sync (tensor cores)
     ops = TENSOR_CORE_OPS[cc] + (("mma.sync",) if v.kernel == "gemv" else ())
     row["tensor_cores"] = any(op in ptx for op in ops)
@@ -313,18 +369,21 @@ def run(targets=(90, 80), jobs: int = 2, extra: list[tuple[str, tuple]] = (), un
 
 def format_table(rows: list[dict]) -> str:
     head = ("| kernel | config | constexprs | target | shared B (limit) | regs | spills st/ld B | stack B | "
-            "tensor cores | compile s | ok |")
-    lines = [head, "|" + "---|" * 11]
+            "tensor cores | loop instr/weight (bar, shfl, i2f) | compile s | ok |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         bad = violations(r)
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['config']} | {r['variant']} | {r['target']} | - | - | - | - | - | "
+            lines.append(f"| {r['kernel']} | {r['config']} | {r['variant']} | {r['target']} | - | - | - | - | - | - | "
                          f"{r['compile_s']} | FAIL: {bad[0][:80]} |")
             continue
         tc = "n/a" if not r["needs_tensor_cores"] else ("yes" if r["tensor_cores"] else "NO")
+        lp = r.get("loop")
+        loop = f"{lp['per_weight']} ({lp['barriers']}, {lp['shuffles']}, {lp['int_to_float']})" if lp else "-"
         lines.append(f"| {r['kernel']} | {r['config']} | {r['variant']} | {r['target']} | "
                      f"{r['shared_bytes']:,} ({r['shared_limit']:,}) | {r['registers']} | "
-                     f"{r['spill_stores']}/{r['spill_loads']} | {r['stack_bytes']} | {tc} | {r['compile_s']} | "
+                     f"{r['spill_stores']}/{r['spill_loads']} | {r['stack_bytes']} | {tc} | {loop} | "
+                     f"{r['compile_s']} | "
                      f"{'ok' if not bad else 'FAIL: ' + '; '.join(bad)} |")
     return "\n".join(lines)
 

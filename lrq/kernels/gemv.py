@@ -14,16 +14,22 @@ is needed for any bit width. Scales (fp16) and zero points (uint8) are stored tr
 so their per-step loads are coalesced along N; group sizes must be multiples of WB (a run of WB columns
 then lies in one group); per channel, the integer (q - z) is accumulated and the scale applied once.
 
-Reduction across K splits: float32 atomic adds into a zeroed output (then one cast), not a two-pass
-partial-sum buffer: at decode the output is N floats (44 KB at N = 11008), the split is at most 16 so
-contention per address is small, and it saves the second launch and the [split, M, N] buffer a two-pass
-reduction reads back; the price is a summation order that may differ run to run (float32, far below the
-bf16 output's rounding). Without a split (enough tiles in N) the kernel stores the activations' dtype
+Reduction across K splits: float32 atomic adds, not a two-pass partial-sum buffer: at decode the output is N
+floats (44 KB at N = 11008), the split is at most 32 so contention per address is small, and it saves the
+second launch and the [split, M, N] buffer a two-pass reduction reads back; the price is a summation order
+that may differ run to run (float32, far below the bf16 output's rounding). The 16-token kernel adds into a
+zeroed float32 output (then one cast); the M = 1 kernel adds into a workspace that stays zero between calls
+and its last split per tile writes y itself (a counter per tile, `split_workspace`), so a decode step's layer
+is one launch, not three. Without a split (enough tiles in N) the kernels store the activations' dtype
 directly.
 
-M = 1 multiplies elementwise and sums over K in registers (no tensor cores, nothing padded); 1 < M <= 16
-uses tl.dot with the tokens padded to 16 rows (mma's smallest N side). M > 16 is refused: larger M is the
-GEMM's (lrq.kernels.wq_gemm) territory, chosen by lrq.kernels.dispatch.
+M = 1 (`_gemv1_kernel`) multiplies elementwise without any int-to-float conversion instruction (each level is
+masked into the mantissa of the float 2^23 and one FMA takes the offset and the zero point off, exactly), keeps
+a [WB, BLOCK_N] float32 accumulator per thread's rows and sums the rows once per group, so its loop has no
+barrier, shuffle or conversion: about 3.7 machine instructions a weight at 4 bits on sm_90 (the old M = 1 path:
+8.5, with 24 barriers, 64 shuffles and 128 conversions per K block), counted offline by `lrq.kernels.aot`.
+1 < M <= 16 uses tl.dot with the tokens padded to 16 rows (mma's smallest N side). M > 16 is refused: larger M
+is the GEMM's (lrq.kernels.wq_gemm) territory, chosen by lrq.kernels.dispatch.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from lrq.kernels.common import INTERPRET, cdiv, check_activation, device_sms, tl
 from lrq.packing import unpack_planar
 from lrq.quant import n_groups
 
+MAGIC = 0x4B000000  # the float 2^23's bits: 2^23 + i for an integer i < 2^23 OR-ed into its mantissa
 WB = 16            # words per K block and row: the layout's one free parameter, fixed at repack time
 MAX_M = 16
 
@@ -51,8 +58,9 @@ class GemvConfig:
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-# M = 1: elementwise; 1 < M <= 16: tl.dot with 16 token rows
-GEMV_CONFIGS = {1: GemvConfig(1, 128, 4, 3), 16: GemvConfig(16, 64, 4, 3)}
+# M = 1: elementwise, one warp holding all WB rows of 128 columns (about 250 registers: 8 warps an SM);
+# 1 < M <= 16: tl.dot with 16 token rows
+GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 1), 16: GemvConfig(16, 64, 4, 3)}
 
 
 def elems_per_word(bits: int) -> int:
@@ -133,23 +141,137 @@ def reference_gemv(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = 
 
 
 def gemv_split(m: int, n: int, k: int, bits: int, sms: int, config: GemvConfig) -> int:
-    """K splits: enough programs for about four per SM, each with at least two K blocks; 1 without SMs."""
+    """K splits; 1 without SMs. M = 1: enough one-warp programs for the 8 warps an SM holds at its register use
+    (each split at least one K block, at most 32); M > 1: about four programs per SM, each with at least two K
+    blocks, at most 16."""
     nkb = cdiv(k, elems_per_word(bits) * WB)
     if sms <= 0:
         return 1
     tiles = cdiv(n, config.block_n) * cdiv(m, config.block_m)
+    if config.block_m == 1:
+        return max(1, min(cdiv(8 * sms, config.num_warps * max(tiles, 1)), nkb, 32))
     want = max(1, (4 * sms) // max(tiles, 1))
     return max(1, min(want, nkb // 2, 16))
 
 
 if triton is not None:
     @triton.jit
+    def _levels_f32(z, magic):
+        """Small unsigned integers (zero points, < 2^23) as float32 without a conversion instruction."""
+        return (z.to(tl.uint32) | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _row_sums(acc, s_ptr, mask, out):
+        """out + s * (the accumulator's rows summed): a group's (or per channel, the whole K range's) scale."""
+        return tl.fma(tl.load(s_ptr, mask=mask, other=0.0).to(tl.float32), tl.sum(acc, axis=0, keep_dims=True), out)
+
+    @triton.jit
+    def _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k,
+                     HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The M = 1 kernel's epilogue. Split K finishes in this one launch: every split adds into a float32
+        workspace, then counts itself done on its tile's counter (after a barrier, with release/acquire order);
+        the last one takes the sums while zeroing the workspace (one exchange, on the words' int32 view: 0.0 is
+        0 either way and the interpreter has no float exchange), writes y in the activations' dtype and resets
+        the counter, so the workspace is zero again for the next call or CUDA-graph replay and no zero-fill or
+        cast kernel runs around this one."""
+        if HAS_BIAS:
+            out += tl.load(b_ptr + cn, mask=c_ok & (pid_k == 0), other=0.0).to(tl.float32)
+        if ATOMIC:
+            tl.atomic_add(ws_ptr + cn, out, mask=c_ok, sem="relaxed")
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if done == tl.num_programs(2) - 1:
+                tot = tl.atomic_xchg(ws_ptr.to(tl.pointer_type(tl.int32)) + cn,
+                                     tl.zeros((1, BLOCK_N), dtype=tl.int32), mask=c_ok, sem="acquire")
+                tl.store(y_ptr + cn, tot.to(tl.float32, bitcast=True).to(y_ptr.dtype.element_ty), mask=c_ok)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
+        else:
+            tl.store(y_ptr + cn, out.to(y_ptr.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def _gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kb_per_split, magic,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, WBC: tl.constexpr):
+        """M = 1 (the module docstring says how). `magic` is 0x4B000000 passed at run time: in a register, mask
+        and OR are one LOP3 (two immediates take two). EVEN: N a multiple of BLOCK_N and K of the K block, no
+        mask. Groups inside a K block end where known statically; groups of whole blocks at a block's end;
+        other sizes (3 bits' 160-column blocks, groups of 128) are tested at every run of WB columns."""
+        E: tl.constexpr = 32 // BITS
+        KB: tl.constexpr = E * WBC
+        N1: tl.constexpr = 23 // BITS            # fields below a float's exponent bits, read without a shift
+        TOP: tl.constexpr = 23 - (E - N1) * BITS  # the other fields' lowest bit after the word's one shift
+        MASK: tl.constexpr = (1 << BITS) - 1
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rj = tl.arange(0, WBC)
+        # per-column values load as [1, BLOCK_N] rows, in the accumulator's layout (a 1-D load would be
+        # converted every step: shuffles or shared memory inside the loop)
+        cn = rn[None, :]
+        c_ok = (rn < N)[None, :]
+        z_n = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        if GROUP == 0:
+            z_n = _levels_f32(tl.load(z_ptr + cn, mask=c_ok, other=0), magic)
+        acc = tl.zeros((WBC, BLOCK_N), dtype=tl.float32)
+        out = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        b_lo = pid_k * kb_per_split
+        b_hi = tl.minimum(b_lo + kb_per_split, tl.cdiv(K, KB))
+        for b in range(b_lo, b_hi):
+            wp = w_ptr + (b * WBC + rj)[:, None] * N + cn
+            w = (tl.load(wp) if EVEN else tl.load(wp, mask=c_ok, other=0)).to(tl.uint32, bitcast=True)
+            for e in tl.static_range(E):
+                if e == N1:   # not to bit 0: a shift then a mask at bit 0 compiles to a bit-field extract + OR
+                    w = w >> (N1 * BITS - TOP)
+                P = e * BITS if e < N1 else TOP + (e - N1) * BITS
+                k0 = b * KB + e * WBC
+                rk = k0 + rj
+                if GROUP != 0:
+                    g = k0 // GROUP
+                    g_ok = c_ok & (g * GROUP < K)       # steps past K in the last block: no group to read
+                    if (KB % GROUP == 0 and (e * WBC) % GROUP == 0) or (GROUP % KB == 0 and e == 0) or \
+                            (KB % GROUP != 0 and GROUP % KB != 0):   # a group's first run (or not known)
+                        z_n = _levels_f32(tl.load(z_ptr + g * N + cn, mask=g_ok, other=0), magic)
+                v = ((w & (MASK << P)) | magic).to(tl.float32, bitcast=True)              # 2^23 + lev * 2^P
+                d = tl.fma(v, 1.0 / (1 << P), -(z_n + (1 << (23 - P))))                   # lev - z, exact
+                xv = (tl.load(x_ptr + rk) if EVEN else tl.load(x_ptr + rk, mask=rk < K, other=0.0)).to(tl.float32)
+                if GROUP != 0 and KB % GROUP == 0 and (e * WBC) % GROUP == 0:
+                    acc = xv[:, None] * d                  # a group's first run: a product, no zeroing
+                else:
+                    acc = tl.fma(xv[:, None], d, acc)
+                if GROUP != 0:
+                    if KB % GROUP == 0:
+                        if ((e + 1) * WBC) % GROUP == 0:   # the group's last run of WB columns: its scale
+                            out = _row_sums(acc, s_ptr + g * N + cn, g_ok, out)
+                    elif GROUP % KB == 0:
+                        if e == E - 1:                     # groups of whole blocks end at a block's end
+                            if ((b + 1) * KB) % GROUP == 0:
+                                out = _row_sums(acc, s_ptr + g * N + cn, g_ok, out)
+                                acc = tl.zeros((WBC, BLOCK_N), dtype=tl.float32)
+                    elif (k0 + WBC) % GROUP == 0:
+                        out = _row_sums(acc, s_ptr + g * N + cn, g_ok, out)
+                        acc = tl.zeros((WBC, BLOCK_N), dtype=tl.float32)
+        if GROUP == 0:
+            out = _row_sums(acc, s_ptr + cn, c_ok, out)
+        elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last step's group's scale
+            out = _row_sums(acc, s_ptr + (tl.minimum(b_hi * KB, K) - 1) // GROUP * N + cn, c_ok, out)
+        _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k, HAS_BIAS, ATOMIC, BLOCK_N)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, kb_per_split,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
                      UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      WBC: tl.constexpr):
+        """1 < M <= 16: tl.dot on 16 token rows, (lev - z) * s rounded once to the activations' dtype. The
+        levels become floats as in the M = 1 kernel (masked into the mantissa of 2^23, no conversion
+        instruction) but with the constant 0x4B000000 as an immediate and the words never reassigned: a
+        run-time constant (as the M = 1 kernel passes) or a reassigned word made Triton stage every step's
+        weights through shared memory (16 barriers an iteration, not 2) instead of reading the words straight
+        into the tensor cores' operand layout."""
         E: tl.constexpr = 32 // BITS
         KB: tl.constexpr = E * WBC
+        N1: tl.constexpr = 23 // BITS
+        TOP: tl.constexpr = 23 - (E - N1) * BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -169,24 +291,28 @@ if triton is not None:
             for e in tl.static_range(E):
                 k0 = b * KB + e * WBC
                 rk = k0 + rj
-                lev = ((w >> (e * BITS)) & ((1 << BITS) - 1)).to(tl.float32)      # [WB, BLOCK_N]
                 if GROUP == 0:
-                    wq = lev - z_row[None, :]
+                    zz = z_row
                 else:
                     g = k0 // GROUP
-                    s = tl.load(s_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
-                    z = tl.load(z_ptr + g * N + rn, mask=n_ok, other=0).to(tl.float32)
-                    wq = (lev - z[None, :]) * s[None, :]
-                if BLOCK_M == 1:
-                    xv = tl.load(x_ptr + pid_m * stride_xm + rk, mask=(rk < K) & (pid_m < M), other=0.0)
-                    acc += tl.sum(xv.to(tl.float32)[:, None] * wq, axis=0)[None, :]
+                    g_ok = n_ok & (g * GROUP < K)     # steps past K in the last block: no group to read
+                    s = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
+                    zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)
+                if BITS < 8:
+                    P = e * BITS if e < N1 else TOP + (e - N1) * BITS
+                    ws = w if e < N1 else w >> (N1 * BITS - TOP)
+                    v = ((ws & (MASK << P)) | 0x4B000000).to(tl.float32, bitcast=True)     # 2^23 + lev * 2^P
+                    wq = tl.fma(v, 1.0 / (1 << P), -(zz + (1 << (23 - P)))[None, :])      # lev - z, exact
+                else:   # four fields a word: the conversion costs less than the two-immediate mask (counted)
+                    wq = ((w >> (e * BITS)) & MASK).to(tl.float32) - zz[None, :]
+                if GROUP != 0:
+                    wq = wq * s[None, :]
+                xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                             mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
+                if UPCAST:   # the interpreter's tl.dot is wrong for bf16: multiply in float32 there
+                    acc += tl.dot(xt.to(tl.float32), wq, input_precision=PREC)
                 else:
-                    xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                                 mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
-                    if UPCAST:   # the interpreter's tl.dot is wrong for bf16: multiply in float32 there
-                        acc += tl.dot(xt.to(tl.float32), wq, input_precision=PREC)
-                    else:
-                        acc += tl.dot(xt, wq.to(xt.dtype), input_precision=PREC)
+                    acc += tl.dot(xt, wq.to(xt.dtype), input_precision=PREC)
         if GROUP == 0:
             acc = acc * s_row[None, :]
         if HAS_BIAS:
@@ -200,18 +326,42 @@ if triton is not None:
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _config(m: int) -> GemvConfig:
-    return GEMV_CONFIGS[1] if m == 1 else GEMV_CONFIGS[16]
+def _config(m: int, n: int = 0, k: int = 0) -> GemvConfig:
+    """M = 1 on shapes whose sizes are multiples of 16 (every LLM layer's): the one-row kernel; otherwise (and for
+    M > 1) the 16-token one: the one-row kernel's ~250 registers have no room for the index arithmetic of odd
+    sizes (it spills there, see lrq.kernels.aot)."""
+    return GEMV_CONFIGS[1] if m == 1 and n % 16 == 0 and k % 16 == 0 else GEMV_CONFIGS[16]
+
+
+def _even(n: int, k: int, bits: int, config: GemvConfig) -> bool:
+    return n % config.block_n == 0 and k % (elems_per_word(bits) * WB) == 0
 
 
 def compilations(m: int, n: int, k: int, bits: int, group_size: int | None, dtype: torch.dtype, sms: int = 132):
     """(kernel, config, constexprs) a call at this shape compiles on a GPU with `sms` SMs (for the AOT check)."""
-    c = _config(m)
+    c = _config(m, n, k)
     split = gemv_split(m, n, k, bits, sms, c)
     group = 0 if group_size is None or group_size >= k else group_size
-    return [("gemv", c, {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": split > 1, "UPCAST": False,
-                         "PREC": "ieee" if dtype == torch.float32 else "tf32", "BLOCK_M": c.block_m,
-                         "BLOCK_N": c.block_n, "WBC": WB})]
+    ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": split > 1, "BLOCK_N": c.block_n, "WBC": WB}
+    if c.block_m == 1:
+        return [("gemv", c, {**ce, "EVEN": _even(n, k, bits, c)})]
+    return [("gemv", c, {**ce, "UPCAST": False, "PREC": "ieee" if dtype == torch.float32 else "tf32",
+                         "BLOCK_M": c.block_m})]
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device: torch.device, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K M = 1 kernel's float32 sums [n] and per-tile counters [tiles], zero between calls (the
+    kernel's last split of each tile leaves them so); one pair per (device, n), made at a shape's first call (a
+    warm-up before any CUDA-graph capture). Calls on one stream share it in turn; calls of the same N running
+    concurrently on two streams would not (the decode path runs on one)."""
+    key = (str(device), n, tiles)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (torch.zeros(n, device=device, dtype=torch.float32),
+                            torch.zeros(tiles, device=device, dtype=torch.int32))
+    return _WORKSPACES[key]
 
 
 def gemv_matmul(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = None, split: int | None = None,
@@ -226,17 +376,26 @@ def gemv_matmul(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = Non
         raise ValueError(f"activations must be bf16, fp16 or fp32, not {x2.dtype}")
     if triton is None or (x2.device.type != "cuda" and not INTERPRET) or m == 0:
         return reference_gemv(x2, w, bias).reshape(*x.shape[:-1], n)
-    c = config or _config(m)
+    ptrs = (x2, w.words, w.scale, w.zero) + ((bias,) if bias is not None else ())
+    aligned = all(t.data_ptr() % 16 == 0 for t in ptrs)
+    c = config or _config(m, n if aligned else 1, k)
     nkb = cdiv(k, elems_per_word(w.bits) * WB)
     split = max(1, min(split if split is not None else gemv_split(m, n, k, w.bits, device_sms(x2.device), c), nkb))
     kbs = cdiv(nkb, split)
     sk = cdiv(nkb, kbs)
     atomic = sk > 1
-    y = (torch.zeros if atomic else torch.empty)(m, n, device=x2.device,
-                                                 dtype=torch.float32 if atomic else x2.dtype)
     group = w.group_size or 0
     b = bias if bias is not None else w.scale
     grid = (cdiv(n, c.block_n), cdiv(m, c.block_m), sk)
+    if c.block_m == 1:   # one launch, y written in the activations' dtype (see _gemv1_kernel's epilogue)
+        y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+        ws, cnt = split_workspace(x2.device, n, grid[0])
+        _gemv1_kernel[grid](x2, w.words, w.scale, w.zero, b, y, ws, cnt, n, k, kbs, MAGIC, BITS=w.bits,
+                            GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic, EVEN=_even(n, k, w.bits, c),
+                            BLOCK_N=c.block_n, WBC=WB, num_warps=c.num_warps, num_stages=c.num_stages)
+        return y.reshape(*x.shape[:-1], n)
+    y = (torch.zeros if atomic else torch.empty)(m, n, device=x2.device,
+                                                 dtype=torch.float32 if atomic else x2.dtype)
     _gemv_kernel[grid](x2, w.words, w.scale, w.zero, b, y, m, n, k, x2.stride(0), y.stride(0), kbs,
                        BITS=w.bits, GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic,
                        UPCAST=INTERPRET and x2.dtype == torch.bfloat16,
