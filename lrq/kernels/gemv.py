@@ -257,21 +257,38 @@ if triton is not None:
         _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k, HAS_BIAS, ATOMIC, BLOCK_N)
 
     @triton.jit
+    def _tile_levels_minus_zero(w, zz, e: tl.constexpr, BITS: tl.constexpr):
+        """Field e of every word of a [WB, BLOCK_N] tile minus the zero points zz, as float32 (exact). Below 8
+        bits through the mantissa of 2^23 with the constant as an immediate and w not reassigned (see
+        _gemv_kernel); 8 bits (four fields a word) convert: the two-immediate mask costs more there (counted)."""
+        E: tl.constexpr = 32 // BITS
+        N1: tl.constexpr = 23 // BITS
+        TOP: tl.constexpr = 23 - (E - N1) * BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        if BITS < 8:
+            P = e * BITS if e < N1 else TOP + (e - N1) * BITS
+            ws = w if e < N1 else w >> (N1 * BITS - TOP)
+            v = ((ws & (MASK << P)) | 0x4B000000).to(tl.float32, bitcast=True)             # 2^23 + lev * 2^P
+            wq = tl.fma(v, 1.0 / (1 << P), -(zz + (1 << (23 - P))))
+        else:
+            wq = ((w >> (e * BITS)) & MASK).to(tl.float32) - zz
+        return wq
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, kb_per_split,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
                      UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      WBC: tl.constexpr):
-        """1 < M <= 16: tl.dot on 16 token rows, (lev - z) * s rounded once to the activations' dtype. The
-        levels become floats as in the M = 1 kernel (masked into the mantissa of 2^23, no conversion
-        instruction) but with the constant 0x4B000000 as an immediate and the words never reassigned: a
-        run-time constant (as the M = 1 kernel passes) or a reassigned word made Triton stage every step's
-        weights through shared memory (16 barriers an iteration, not 2) instead of reading the words straight
-        into the tensor cores' operand layout."""
+        """1 < M <= 16: tl.dot on 16 token rows. Per channel and for groups inside a K block, lev - z (exact in
+        bf16/fp16) goes to the tensor cores and the scale multiplies the float32 product once per group and
+        column; groups across blocks round (lev - z) * s once per weight. Below 8 bits the levels become floats
+        as in the M = 1 kernel (masked into the mantissa of 2^23, no conversion instruction) but with the
+        constant 0x4B000000 as an immediate and the words never reassigned: a run-time constant (as the M = 1
+        kernel passes) or a reassigned word made Triton stage every step's weights through shared memory (16
+        barriers an iteration, not 2) instead of reading the words straight into the tensor cores' operand
+        layout."""
         E: tl.constexpr = 32 // BITS
         KB: tl.constexpr = E * WBC
-        N1: tl.constexpr = 23 // BITS
-        TOP: tl.constexpr = 23 - (E - N1) * BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -284,6 +301,8 @@ if triton is not None:
             s_row = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             z_row = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # groups inside a K block: unscaled sums
+        z_g = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         b_lo = pid_k * kb_per_split
         b_hi = tl.minimum(b_lo + kb_per_split, tl.cdiv(K, KB))
         for b in range(b_lo, b_hi):
@@ -292,25 +311,32 @@ if triton is not None:
                 k0 = b * KB + e * WBC
                 rk = k0 + rj
                 if GROUP == 0:
-                    zz = z_row
+                    zz = z_row[None, :]
                 else:
                     g = k0 // GROUP
                     g_ok = n_ok & (g * GROUP < K)     # steps past K in the last block: no group to read
-                    s = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
-                    zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)
-                if BITS < 8:
-                    P = e * BITS if e < N1 else TOP + (e - N1) * BITS
-                    ws = w if e < N1 else w >> (N1 * BITS - TOP)
-                    v = ((ws & (MASK << P)) | 0x4B000000).to(tl.float32, bitcast=True)     # 2^23 + lev * 2^P
-                    wq = tl.fma(v, 1.0 / (1 << P), -(zz + (1 << (23 - P)))[None, :])      # lev - z, exact
-                else:   # four fields a word: the conversion costs less than the two-immediate mask (counted)
-                    wq = ((w >> (e * BITS)) & MASK).to(tl.float32) - zz[None, :]
-                if GROUP != 0:
+                    if KB % GROUP != 0:               # groups across blocks: the scale per weight
+                        s = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
+                        zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
+                    else:                             # groups inside a block: the zero point at its first run
+                        if (e * WBC) % GROUP == 0:
+                            z_g = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
+                        zz = z_g
+                wq = _tile_levels_minus_zero(w, zz, e, BITS)
+                if GROUP != 0 and KB % GROUP != 0:
                     wq = wq * s[None, :]
                 xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                              mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
                 if UPCAST:   # the interpreter's tl.dot is wrong for bf16: multiply in float32 there
-                    acc += tl.dot(xt.to(tl.float32), wq, input_precision=PREC)
+                    xt = xt.to(tl.float32)
+                if GROUP != 0 and KB % GROUP == 0:
+                    # lev - z is exact in bf16/fp16 (|lev - z| < 256): the group's dot, then its scale once per
+                    # group and column at the group's last run (not once per weight)
+                    acc_g = tl.dot(xt, wq.to(xt.dtype), acc_g, input_precision=PREC)
+                    if ((e + 1) * WBC) % GROUP == 0:
+                        sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
+                        acc += sg[None, :] * acc_g
+                        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 else:
                     acc += tl.dot(xt, wq.to(xt.dtype), input_precision=PREC)
         if GROUP == 0:
