@@ -8,7 +8,9 @@ Triton compiles the kernel for sm_90 (H100/H200) and sm_80 (A100) with `triton.c
 target=GPUTarget("cuda", cc, 32))`; ptxas (shipped in the triton wheel) then reports registers, stack
 frame and spills with -v. A row fails when its shared memory exceeds the target's per-block limit
 (sm_90: 232,448 B; sm_80: 166,912 B), when it spills registers, or when a GEMM does not use the tensor
-cores (wgmma on sm_90, mma.sync on sm_80). Exit status 1 when any row fails. The compile is the one a
+cores (wgmma on sm_90, mma.sync on sm_80). Exit status 1 when any row fails. The decode GEMV's rows also carry
+their main loop's cost from the disassembled SASS (nvdisasm): instructions per weight and thread, and the
+barriers, shuffles and int-to-float conversions in it (`gemv_loop`). The compile is the one a
 GPU does on first use of the shape class LLM layers have (every size and stride a multiple of 16, so
 Triton's divisibility specialisation applies); `--unaligned` adds the odd-shape specialisation.
 
@@ -200,9 +202,14 @@ def _kernel_fn(kernel: str, ce: dict | None = None):
             "act_quant": int8_gemm._act_quant_kernel, "int8_gemm": int8_gemm._int8_gemm_kernel}[kernel]
 
 
-def _ptxas(ptx: str, cc: int) -> dict:
+def _nvidia_tool(name: str) -> Path:
+    """A CUDA tool the triton wheel ships (ptxas, nvdisasm)."""
     import triton
-    exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def _ptxas(ptx: str, cc: int) -> dict:
+    exe = _nvidia_tool("ptxas")
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
@@ -221,8 +228,7 @@ def _ptxas(ptx: str, cc: int) -> dict:
 
 def _nvdisasm(cubin: bytes) -> str:
     """The SASS of a cubin (nvdisasm from the triton wheel)."""
-    import triton
-    exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    exe = _nvidia_tool("nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.cubin"
         src.write_bytes(cubin)
