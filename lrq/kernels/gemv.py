@@ -166,6 +166,23 @@ if triton is not None:
         return tl.fma(tl.load(s_ptr, mask=mask, other=0.0).to(tl.float32), tl.sum(acc, axis=0, keep_dims=True), out)
 
     @triton.jit
+    def _tile_levels_minus_zero(w, zz, e: tl.constexpr, BITS: tl.constexpr, magic):
+        """Field e of every word of a [WB, BLOCK_N] tile minus the zero points zz, as float32, exactly, without a
+        conversion instruction: the field, masked in place (the fields above bit 23 - b after one shift of the
+        word, placed so that the shift and mask do not become a bit-field extract), is OR-ed under the exponent
+        of 2^23 (`magic` = 0x4B000000), so the word reads as 2^23 + lev * 2^P, and one FMA by 2^-P minus
+        (2^(23-P) + z) leaves lev - z. The shift of the high fields is the same expression every step, so the
+        compiler computes it once per word."""
+        E: tl.constexpr = 32 // BITS
+        N1: tl.constexpr = 23 // BITS            # fields below a float's exponent bits, read without a shift
+        TOP: tl.constexpr = 23 - (E - N1) * BITS  # the other fields' lowest bit after the word's one shift
+        MASK: tl.constexpr = (1 << BITS) - 1
+        P = e * BITS if e < N1 else TOP + (e - N1) * BITS
+        ws = w if e < N1 else w >> (N1 * BITS - TOP)
+        v = ((ws & (MASK << P)) | magic).to(tl.float32, bitcast=True)                     # 2^23 + lev * 2^P
+        return tl.fma(v, 1.0 / (1 << P), -(zz + (1 << (23 - P))))
+
+    @triton.jit
     def _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k,
                      HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
         """The M = 1 kernel's epilogue. Split K finishes in this one launch: every split adds into a float32
@@ -198,9 +215,6 @@ if triton is not None:
         other sizes (3 bits' 160-column blocks, groups of 128) are tested at every run of WB columns."""
         E: tl.constexpr = 32 // BITS
         KB: tl.constexpr = E * WBC
-        N1: tl.constexpr = 23 // BITS            # fields below a float's exponent bits, read without a shift
-        TOP: tl.constexpr = 23 - (E - N1) * BITS  # the other fields' lowest bit after the word's one shift
-        MASK: tl.constexpr = (1 << BITS) - 1
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,9 +234,6 @@ if triton is not None:
             wp = w_ptr + (b * WBC + rj)[:, None] * N + cn
             w = (tl.load(wp) if EVEN else tl.load(wp, mask=c_ok, other=0)).to(tl.uint32, bitcast=True)
             for e in tl.static_range(E):
-                if e == N1:   # not to bit 0: a shift then a mask at bit 0 compiles to a bit-field extract + OR
-                    w = w >> (N1 * BITS - TOP)
-                P = e * BITS if e < N1 else TOP + (e - N1) * BITS
                 k0 = b * KB + e * WBC
                 rk = k0 + rj
                 if GROUP != 0:
@@ -231,8 +242,7 @@ if triton is not None:
                     if (KB % GROUP == 0 and (e * WBC) % GROUP == 0) or (GROUP % KB == 0 and e == 0) or \
                             (KB % GROUP != 0 and GROUP % KB != 0):   # a group's first run (or not known)
                         z_n = _levels_f32(tl.load(z_ptr + g * N + cn, mask=g_ok, other=0), magic)
-                v = ((w & (MASK << P)) | magic).to(tl.float32, bitcast=True)              # 2^23 + lev * 2^P
-                d = tl.fma(v, 1.0 / (1 << P), -(z_n + (1 << (23 - P))))                   # lev - z, exact
+                d = _tile_levels_minus_zero(w, z_n, e, BITS, magic)
                 xv = (tl.load(x_ptr + rk) if EVEN else tl.load(x_ptr + rk, mask=rk < K, other=0.0)).to(tl.float32)
                 if GROUP != 0 and KB % GROUP == 0 and (e * WBC) % GROUP == 0:
                     acc = xv[:, None] * d                  # a group's first run: a product, no zeroing
@@ -255,24 +265,6 @@ if triton is not None:
         elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last step's group's scale
             out = _row_sums(acc, s_ptr + (tl.minimum(b_hi * KB, K) - 1) // GROUP * N + cn, c_ok, out)
         _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k, HAS_BIAS, ATOMIC, BLOCK_N)
-
-    @triton.jit
-    def _tile_levels_minus_zero(w, zz, e: tl.constexpr, BITS: tl.constexpr):
-        """Field e of every word of a [WB, BLOCK_N] tile minus the zero points zz, as float32 (exact). Below 8
-        bits through the mantissa of 2^23 with the constant as an immediate and w not reassigned (see
-        _gemv_kernel); 8 bits (four fields a word) convert: the two-immediate mask costs more there (counted)."""
-        E: tl.constexpr = 32 // BITS
-        N1: tl.constexpr = 23 // BITS
-        TOP: tl.constexpr = 23 - (E - N1) * BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
-        if BITS < 8:
-            P = e * BITS if e < N1 else TOP + (e - N1) * BITS
-            ws = w if e < N1 else w >> (N1 * BITS - TOP)
-            v = ((ws & (MASK << P)) | 0x4B000000).to(tl.float32, bitcast=True)             # 2^23 + lev * 2^P
-            wq = tl.fma(v, 1.0 / (1 << P), -(zz + (1 << (23 - P))))
-        else:
-            wq = ((w >> (e * BITS)) & MASK).to(tl.float32) - zz
-        return wq
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, kb_per_split,
@@ -322,7 +314,10 @@ if triton is not None:
                         if (e * WBC) % GROUP == 0:
                             z_g = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
                         zz = z_g
-                wq = _tile_levels_minus_zero(w, zz, e, BITS)
+                if BITS < 8:   # the constant as an immediate (see the docstring)
+                    wq = _tile_levels_minus_zero(w, zz, e, BITS, 0x4B000000)
+                else:          # four fields a word: the conversion costs less than the two-immediate mask (counted)
+                    wq = ((w >> (e * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - zz
                 if GROUP != 0 and KB % GROUP != 0:
                     wq = wq * s[None, :]
                 xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
@@ -352,11 +347,11 @@ if triton is not None:
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _config(m: int, n: int = 0, k: int = 0) -> GemvConfig:
-    """M = 1 on shapes whose sizes are multiples of 16 (every LLM layer's): the one-row kernel; otherwise (and for
-    M > 1) the 16-token one: the one-row kernel's ~250 registers have no room for the index arithmetic of odd
-    sizes (it spills there, see lrq.kernels.aot)."""
-    return GEMV_CONFIGS[1] if m == 1 and n % 16 == 0 and k % 16 == 0 else GEMV_CONFIGS[16]
+def _config(m: int, n: int = 0, k: int = 0, aligned: bool = True) -> GemvConfig:
+    """M = 1 on shapes whose sizes are multiples of 16 (every LLM layer's) and 16-byte aligned tensors: the
+    one-row kernel; otherwise (and for M > 1) the 16-token one: the one-row kernel's ~250 registers have no room
+    for the index arithmetic of odd sizes (it spills there, see lrq.kernels.aot)."""
+    return GEMV_CONFIGS[1] if m == 1 and aligned and n % 16 == 0 and k % 16 == 0 else GEMV_CONFIGS[16]
 
 
 def _even(n: int, k: int, bits: int, config: GemvConfig) -> bool:
@@ -404,7 +399,7 @@ def gemv_matmul(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = Non
         return reference_gemv(x2, w, bias).reshape(*x.shape[:-1], n)
     ptrs = (x2, w.words, w.scale, w.zero) + ((bias,) if bias is not None else ())
     aligned = all(t.data_ptr() % 16 == 0 for t in ptrs)
-    c = config or _config(m, n if aligned else 1, k)
+    c = config or _config(m, n, k, aligned)
     nkb = cdiv(k, elems_per_word(w.bits) * WB)
     split = max(1, min(split if split is not None else gemv_split(m, n, k, w.bits, device_sms(x2.device), c), nkb))
     kbs = cdiv(nkb, split)
