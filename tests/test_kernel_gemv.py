@@ -92,22 +92,31 @@ def test_the_split_one_row_kernel_finishes_itself_and_leaves_its_workspace_zero(
 
 
 def test_gemv_layout_is_what_the_docstring_says():
-    """4 bits, K = 300: blocks of 8 * 16 = 128 columns, 3 blocks -> 48 words per row, transposed [48, N];
-    column r of a block sits in word r % 16 at bit (r // 16) * 4; 3 bits use 10 levels per word."""
+    """4 bits, K = 300: blocks of 8 * 16 = 128 columns, 3 blocks -> 48 words per row, transposed [48, N]; inside
+    a block, column r = h * 32 + 2 j + t (pair h, word j, half t) sits in word j at bit 4 h + 16 t; 3 bits hold
+    10 levels a word (5 a half), 6 bits 4 (2 a half: 8 bits a weight), 8 bits 4."""
     q = torch.randint(0, 16, (5, 300), generator=torch.Generator().manual_seed(0))
     words = G.repack_levels(q, 4)
     assert words.shape == (48, 5) and words.dtype == torch.int32 and words.is_contiguous()
-    for n, kk in ((0, 0), (4, 17), (2, 129), (3, 299)):
+    for n, kk in ((0, 0), (0, 1), (4, 17), (2, 129), (3, 299), (1, 127)):
         blk, r = divmod(kk, 128)
-        word = int(words[blk * 16 + r % 16, n]) & 0xFFFFFFFF
-        assert (word >> (r // 16) * 4) & 15 == q[n, kk]
+        h, rr = divmod(r, 32)
+        j, t = divmod(rr, 2)
+        word = int(words[blk * 16 + j, n]) & 0xFFFFFFFF
+        assert (word >> (4 * h + 16 * t)) & 15 == q[n, kk], (n, kk)
     assert G.repack_levels(torch.zeros(2, 300, dtype=torch.long), 3).shape == (2 * 16, 2)   # 160-column blocks
+    assert [G.elems_per_word(b) for b in range(2, 9)] == [16, 10, 8, 6, 4, 4, 4]
+    assert G.fast_pairs(7, torch.bfloat16) and not G.fast_pairs(8, torch.bfloat16) and G.fast_pairs(8, torch.float16)
+    assert not G.fast_pairs(4, torch.float32)
 
 
 def test_gemv_refuses_what_does_not_fit():
     packed, scale, zero, _ = _layer(8, 96, 4, 24, 0)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="multiple of 32"):
         G.repack_gemv(packed, scale, zero, 4, 24, 96)
+    packed, scale, zero, _ = _layer(8, 96, 4, 16, 0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        G.repack_gemv(packed, scale, zero, 4, 16, 96)
     packed, scale, zero, _ = _layer(8, 64, 4, None, 0)
     w = G.repack_gemv(packed, scale, zero, 4, None, 64)
     with pytest.raises(ValueError, match="at most 16 tokens"):
@@ -142,3 +151,41 @@ def test_every_gemv_launch_at_the_gpu_shapes_is_compiled_offline():
                 (kernel, c, ce), = G.compilations(m, n, k, bits, group, torch.bfloat16)
                 key = ((c.block_m, c.block_n, 0, c.num_warps, c.num_stages), tuple(sorted(ce.items())))
                 assert kernel == "gemv" and key in checked, (m, n, k, bits, group, ce)
+
+
+def _as_float(bits16: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """16-bit patterns (ints in [0, 2^16)) read as bf16 / fp16 values, in float32."""
+    return bits16.to(torch.int32).to(torch.int16).view(dtype).float()   # int32 -> int16 wraps: the same 16 bits
+
+
+def test_the_pair_ptx_leaves_lev_minus_z_exactly():
+    """The 16-token kernel's inline PTX (G.pair_asm) runs only on a GPU (the interpreter runs no PTX and takes the
+    same values through Triton operations), so its arithmetic is emulated here bit for bit with the PTX's own
+    constants: LOP3 0xEA = (word & mask) | magic on the word shifted to pair h, then the packed FMA t * one +
+    (-(2^p + z)), -(2^p + z) rounded to the activations' type as `_zero_operands` does. For every width the pair
+    path takes, every pair of a word, every level (a different one in each half) and every zero point, both
+    halves come out as lev - z exactly."""
+    import re
+    for dtype, widths in ((torch.bfloat16, range(2, 8)), (torch.float16, range(2, 9))):
+        asm = G.pair_asm(dtype)
+        one, magic = (int(v, 16) for v in re.search(
+            r"mov\.b32 o, 0x([0-9A-F]{8}); lop3\.b32 t, \$1, \$3, 0x([0-9A-F]{8}), 0xEA;", asm).groups())
+        assert G.PAIR_FLOATS[dtype][2] in asm and one & 0xFFFF == one >> 16 and magic & 0xFFFF == magic >> 16
+        assert _as_float(torch.tensor([one & 0xFFFF]), dtype).item() == 1.0
+        base = _as_float(torch.tensor([magic & 0xFFFF]), dtype).item()     # 2^p: 128 in bf16, 1024 in fp16
+        for bits in widths:
+            assert G.fast_pairs(bits, dtype) and (16 // bits) * bits <= 16
+            top = 1 << bits
+            lev, z = (t.flatten() for t in torch.meshgrid(torch.arange(top), torch.arange(top), indexing="ij"))
+            lev_hi = (lev * 5 + 3) % top
+            zneg = (-(z.float() + base)).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+            for h in range(16 // bits):
+                word = (lev << (h * bits)) | (lev_hi << (16 + h * bits))
+                for other in range(16 // bits):   # the word's other pairs hold levels too
+                    if other != h:
+                        word |= ((lev + other) % top << (other * bits)) | ((z + other) % top << (16 + other * bits))
+                t = ((word >> (h * bits)) & (((1 << bits) - 1) * 65537)) | magic
+                for half, want in ((0, lev - z), (1, lev_hi - z)):
+                    got = _as_float((t >> 16 * half) & 0xFFFF, dtype) * 1.0 + _as_float(zneg, dtype)
+                    assert torch.equal(got.to(dtype).float(), want.float()), (dtype, bits, h, half)
+    assert not G.fast_pairs(8, torch.bfloat16)   # 128 + 255 has 9 significant bits: bf16 rounds it

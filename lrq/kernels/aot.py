@@ -126,7 +126,9 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
     # the decode GEMV (lrq.kernels.gemv): both configurations, bits 3/4/8, per channel and group 128, both
     # activation dtypes, split K (atomics) and not; the M = 1 kernel with and without masks (EVEN: N a multiple of
     # its tile and K of the K block, as LLM shapes are at 4 and 8 bits; 3 bits' 160-column block rarely divides K)
-    from lrq.kernels.gemv import GEMV_CONFIGS, WB
+    import torch
+
+    from lrq.kernels.gemv import GEMV_CONFIGS, WB, fast_pairs
     for gc in GEMV_CONFIGS.values():
         for bits in BITS:
             for group in GROUPS:
@@ -139,7 +141,9 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
                         ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": atomic, "BLOCK_N": gc.block_n,
                               "WBC": WB, "DT": dt}
                         if gc.block_m > 1:
+                            fast = fast_pairs(bits, {"bf16": torch.bfloat16, "fp16": torch.float16}[dt])
                             out.append(Variant("gemv", cfg, tuple(sorted({**ce, "UPCAST": False, "PREC": "tf32",
+                                                                          "FAST": fast, "ASM": fast,
                                                                           "BLOCK_M": gc.block_m}.items()))))
                             continue
                         for even in ((True, False) if bits == 3 or gemv_full else (True,)):
@@ -259,7 +263,8 @@ def gemv_loop(ops: dict[str, int], ce: dict, num_warps: int) -> dict:
     """What one iteration of a GEMV's loop (one K block of E * WB columns by BLOCK_N rows) costs a thread:
     instructions per weight (the issue bound: an SM issues 4 warp-instructions a clock), and the ones that
     should not be there (barriers, shuffles, int-to-float conversions)."""
-    weights = (32 // ce["BITS"]) * ce["WBC"] * ce["BLOCK_N"] / (32 * num_warps)
+    from lrq.kernels.gemv import elems_per_word
+    weights = elems_per_word(ce["BITS"]) * ce["WBC"] * ce["BLOCK_N"] / (32 * num_warps)
     total = sum(ops.values())
     return {"instructions": total, "weights": weights, "per_weight": round(total / weights, 2),
             "barriers": ops.get("BAR", 0), "shuffles": ops.get("SHFL", 0),

@@ -1,7 +1,7 @@
 """Which weight-only kernel runs at a (scheme, M, N, K): ours (the decode GEMV, the GEMM), torch's int4 kernel.
 
 Candidates (`candidates`):
-- "gemv": lrq.kernels.gemv, M <= 16, groups a multiple of 16 columns (or per channel);
+- "gemv": lrq.kernels.gemv, M <= 16, groups a multiple of 32 columns (or per channel);
 - "wq_gemm": lrq.kernels.wq_gemm, any shape (the fused GEMM; its own dequantize + vendor GEMM at large M);
 - "torch_int4": torch's tinygemm (`torch._weight_int4pack_mm`), CUDA only, 4 bits, K a multiple of 128 and
   groups of 32/64/128/256 (per channel: the scale repeated over groups of 256 or 128, exact), N a multiple of 8.
@@ -78,8 +78,8 @@ def candidates(bits: int, group_size: int | None, m: int, n: int, k: int, device
     ok, why = [], {}
     if m > G.MAX_M:
         why["gemv"] = f"M = {m} > {G.MAX_M}"
-    elif group % G.WB:
-        why["gemv"] = f"group {group} not a multiple of {G.WB}"
+    elif group % G.GROUP_MULTIPLE:
+        why["gemv"] = f"group {group} not a multiple of {G.GROUP_MULTIPLE}"
     else:
         ok.append("gemv")
     ok.append("wq_gemm")

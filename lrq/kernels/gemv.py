@@ -3,16 +3,20 @@
     y[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g(k)]) * s[n, g(k)]  (+ bias[n])
 
 Layout (`repack_gemv`, done once when a layer is packed or moved to the GPU, never per call). b-bit levels
-(b = 2..8) go E = 32 // b to an int32 word (4 bits: 8, 8 bits: 4, 3 bits: 10 using 30 of the 32 bits,
-3.2 bits per weight instead of the planar layout's 3). K is cut into blocks of KB = E * WB columns
-(WB = 16 words); inside a block, column r lives in word r % WB at bit (r // WB) * b. Words are stored
-K-major, transposed: `words[kw, n]` with kw = block * WB + r % WB, so a program's [WB, BLOCK_N] tile is
-WB rows of BLOCK_N consecutive int32 (consecutive threads read consecutive words along N; Triton vectorises
-four per thread into 16-byte loads), and each shift step e of a word unpacks the CONTIGUOUS run of
-columns block * KB + e * WB + [0, WB) -- so x is read as contiguous slices and no interleave or gather
-is needed for any bit width. Scales (fp16) and zero points (uint8) are stored transposed too, [groups, N],
-so their per-step loads are coalesced along N; group sizes must be multiples of WB (a run of WB columns
-then lies in one group); per channel, the integer (q - z) is accumulated and the scale applied once.
+(b = 2..8) fill the two 16-bit halves of an int32 word, H = 16 // b a half, E = 2H a word (4 bits: 8,
+3 bits: 10 in 30 of the 32 bits, 8 bits: 4; 6 bits: 4, so 8 bits a weight, the one width that wastes room).
+K is cut into blocks of KB = E * WB columns (WB = 16 words); inside a block, pair h covers the 2 WB columns
+h * 2WB + [0, 2WB), and column h * 2WB + 2j + t lives in word j at bit h * b + 16 t (t = 0: the low half,
+1: the high half). Words are stored K-major, transposed: `words[kw, n]` with kw = block * WB + j, so a
+program's [WB, BLOCK_N] tile is WB rows of BLOCK_N consecutive int32 (consecutive threads read consecutive
+words along N; Triton vectorises four per thread into 16-byte loads), and pair h of the tile holds the
+CONTIGUOUS run of columns block * KB + h * 2WB + [0, 2WB), x read as contiguous slices. The pairing is for
+the tensor cores: the pair's two fields of a word, masked and OR-ed under the exponent of a 16-bit float
+(one LOP3), read as the two floats 2^p + lev for columns 2j and 2j + 1, the two k a tensor-core operand
+register holds, and one HFMA2 takes off 2^p + z exactly (see `_pair_tile`). Scales (fp16) and zero points
+(uint8) are stored transposed too, [groups, N], so their loads are coalesced along N; group sizes must be
+multiples of 2 WB (a pair then lies in one group); per channel, the integer (q - z) is accumulated and the
+scale applied once.
 
 Reduction across K splits: float32 atomic adds, not a two-pass partial-sum buffer: at decode the output is N
 floats (44 KB at N = 11008), the split is at most 32 so contention per address is small, and it saves the
@@ -26,10 +30,12 @@ directly.
 M = 1 (`_gemv1_kernel`) multiplies elementwise without any int-to-float conversion instruction (each level is
 masked into the mantissa of the float 2^23 and one FMA takes the offset and the zero point off, exactly), keeps
 a [WB, BLOCK_N] float32 accumulator per thread's rows and sums the rows once per group, so its loop has no
-barrier, shuffle or conversion: about 3.7 machine instructions a weight at 4 bits on sm_90 (the old M = 1 path:
-8.5, with 24 barriers, 64 shuffles and 128 conversions per K block), counted offline by `lrq.kernels.aot`.
-1 < M <= 16 uses tl.dot with the tokens padded to 16 rows (mma's smallest N side). M > 16 is refused: larger M
-is the GEMM's (lrq.kernels.wq_gemm) territory, chosen by lrq.kernels.dispatch.
+barrier, shuffle or conversion: about 3.6 machine instructions a weight at 4 bits on sm_90 (the first M = 1
+path: 8.5, with 24 barriers, 64 shuffles and 128 conversions per K block), counted offline by
+`lrq.kernels.aot`. 1 < M <= 16 (`_gemv_kernel`) uses tl.dot with the tokens padded to 16 rows (mma's smallest
+side), its weight tiles built two weights to an LOP3 and an HFMA2 (about 3.8 instructions a weight at 4 bits;
+6.9 with one float conversion a weight). M > 16 is refused: larger M is the GEMM's (lrq.kernels.wq_gemm)
+territory, chosen by lrq.kernels.dispatch.
 """
 
 from __future__ import annotations
@@ -44,7 +50,19 @@ from lrq.quant import n_groups
 
 MAGIC = 0x4B000000  # the float 2^23's bits: 2^23 + i for an integer i < 2^23 OR-ed into its mantissa
 WB = 16            # words per K block and row: the layout's one free parameter, fixed at repack time
+GROUP_MULTIPLE = 2 * WB   # a pair of fields covers 2 WB columns: groups must hold whole pairs
 MAX_M = 16
+# the 16-bit pair path (`_pair_tile`): per activation dtype, the float 2^p whose last mantissa bit is 1 (bf16: 2^7
+# = 0x4300, 8 significant bits; fp16: 2^10 = 0x6400, 11), 1.0, and the packed FMA that takes 2^p + z off both halves
+PAIR_FLOATS = {torch.bfloat16: (0x4300, 0x3F80, "fma.rn.bf16x2"), torch.float16: (0x6400, 0x3C00, "fma.rn.f16x2")}
+
+
+def pair_asm(dtype: torch.dtype) -> str:
+    """The inline PTX of `_pair_tile` for bf16 / fp16 activations: $1 the word (shifted to the pair), $3 the pair's
+    mask in both halves, $2 -(2^p + z) in both halves; LOP3 0xEA is (a & b) | c."""
+    magic, one, fma = PAIR_FLOATS[dtype]
+    return (f"{{.reg .b32 t, o; mov.b32 o, 0x{one * 65537:08X}; lop3.b32 t, $1, $3, 0x{magic * 65537:08X}, 0xEA; "
+            f"{fma} $0, t, o, $2;}}")
 
 
 @dataclass(frozen=True)
@@ -60,13 +78,19 @@ class GemvConfig:
 
 # M = 1: elementwise, one warp holding all WB rows of 128 columns (about 250 registers: 8 warps an SM);
 # 1 < M <= 16: tl.dot with 16 token rows
-GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 1), 16: GemvConfig(16, 64, 4, 3)}
+GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 1), 16: GemvConfig(16, 128, 4, 3)}
 
 
 def elems_per_word(bits: int) -> int:
     if not isinstance(bits, int) or not 2 <= bits <= 8:
         raise ValueError(f"the GEMV layout holds 2- to 8-bit levels, not {bits!r}")
-    return 32 // bits
+    return 2 * (16 // bits)
+
+
+def fast_pairs(bits: int, dtype: torch.dtype) -> bool:
+    """Whether the 16-token kernel builds its tiles with the 16-bit pair trick (`_pair_tile`): 2^p + lev must be
+    exact in the activations' type (bf16: 8 significant bits, levels to 7 bits; fp16: 11, all widths)."""
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and bits <= 7)
 
 
 @dataclass
@@ -101,11 +125,17 @@ def repack_levels(q: torch.Tensor, bits: int) -> torch.Tensor:
     nb = cdiv(k, kb)
     pad = torch.zeros(n, nb * kb, dtype=torch.int64, device=q.device)
     pad[:, :k] = v
-    pad = pad.view(n, nb, e, WB)                       # column r = step * WB + word
-    shifts = (torch.arange(e, device=q.device, dtype=torch.int64) * bits).view(1, 1, e, 1)
-    words = (pad << shifts).sum(dim=2)                 # [n, nb, WB], disjoint bit ranges: sum == or
+    pad = pad.view(n, nb, e // 2, WB, 2)               # column r = pair * 2 WB + 2 * word + half
+    words = (pad << _field_shifts(bits, q.device)).sum(dim=(2, 4))   # [n, nb, WB]: disjoint bits, sum == or
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     return words.reshape(n, nb * WB).t().contiguous()
+
+
+def _field_shifts(bits: int, device) -> torch.Tensor:
+    """[1, 1, H, 1, 2]: field (pair h, half t) of a word sits at bit h * bits + 16 * t."""
+    h = 16 // bits
+    return (torch.arange(h, device=device, dtype=torch.int64).view(1, 1, h, 1, 1) * bits
+            + 16 * torch.arange(2, device=device, dtype=torch.int64).view(1, 1, 1, 1, 2))
 
 
 def repack_gemv(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None,
@@ -113,8 +143,9 @@ def repack_gemv(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b
     """Planar packed weights (lrq.packing.pack_planar) and their [N, groups] scales / zero points -> GemvWeights.
     Refuses group sizes the kernel cannot read (not a multiple of WB columns)."""
     group = 0 if group_size is None or group_size >= in_features else group_size
-    if group and group % WB:
-        raise ValueError(f"the GEMV kernel needs groups of a multiple of {WB} columns, not {group_size}")
+    if group and group % GROUP_MULTIPLE:
+        raise ValueError(f"the GEMV kernel needs groups of a multiple of {GROUP_MULTIPLE} columns, not "
+                         f"{group_size} (the GEMM, lrq.kernels.wq_gemm, takes any group size)")
     ng = n_groups(in_features, group_size)
     if scale.shape != (packed.shape[0], ng) or zero.shape != scale.shape:
         raise ValueError(f"scale {tuple(scale.shape)} / zero {tuple(zero.shape)} must be [{packed.shape[0]}, {ng}]")
@@ -125,12 +156,12 @@ def repack_gemv(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b
 
 def reference_gemv(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The float definition, from the GEMV layout itself (unpacked in torch): dequantized weight @ x."""
-    e, kb = elems_per_word(w.bits), elems_per_word(w.bits) * WB
+    kb = elems_per_word(w.bits) * WB
     n, k = w.out_features, w.in_features
     words = w.words.t().to(torch.int64) & 0xFFFFFFFF                       # [n, nb * WB]
     nb = words.shape[1] // WB
-    shifts = (torch.arange(e, device=words.device) * w.bits).view(1, 1, e, 1)
-    q = ((words.view(n, nb, 1, WB) >> shifts) & ((1 << w.bits) - 1)).reshape(n, nb * kb)[:, :k]
+    fields = words.view(n, nb, 1, WB, 1) >> _field_shifts(w.bits, words.device)   # [n, nb, H, WB, 2]
+    q = (fields & ((1 << w.bits) - 1)).reshape(n, nb * kb)[:, :k]
     g = w.group_size or k
     s = w.scale.t().float().repeat_interleave(g, dim=1)[:, :k]
     z = w.zero.t().float().repeat_interleave(g, dim=1)[:, :k]
@@ -155,6 +186,11 @@ def gemv_split(m: int, n: int, k: int, bits: int, sms: int, config: GemvConfig) 
 
 
 if triton is not None:
+    _ASM_BF16 = tl.constexpr(pair_asm(torch.bfloat16))
+    _ASM_F16 = tl.constexpr(pair_asm(torch.float16))
+    _MAGIC2_BF16 = tl.constexpr(PAIR_FLOATS[torch.bfloat16][0] * 65537)
+    _MAGIC2_F16 = tl.constexpr(PAIR_FLOATS[torch.float16][0] * 65537)
+
     @triton.jit
     def _levels_f32(z, magic):
         """Small unsigned integers (zero points, < 2^23) as float32 without a conversion instruction."""
@@ -166,21 +202,56 @@ if triton is not None:
         return tl.fma(tl.load(s_ptr, mask=mask, other=0.0).to(tl.float32), tl.sum(acc, axis=0, keep_dims=True), out)
 
     @triton.jit
-    def _tile_levels_minus_zero(w, zz, e: tl.constexpr, BITS: tl.constexpr, magic):
-        """Field e of every word of a [WB, BLOCK_N] tile minus the zero points zz, as float32, exactly, without a
-        conversion instruction: the field, masked in place (the fields above bit 23 - b after one shift of the
-        word, placed so that the shift and mask do not become a bit-field extract), is OR-ed under the exponent
-        of 2^23 (`magic` = 0x4B000000), so the word reads as 2^23 + lev * 2^P, and one FMA by 2^-P minus
-        (2^(23-P) + z) leaves lev - z. The shift of the high fields is the same expression every step, so the
-        compiler computes it once per word."""
-        E: tl.constexpr = 32 // BITS
-        N1: tl.constexpr = 23 // BITS            # fields below a float's exponent bits, read without a shift
-        TOP: tl.constexpr = 23 - (E - N1) * BITS  # the other fields' lowest bit after the word's one shift
+    def _tile_levels_minus_zero(w, zz, e: tl.constexpr, BITS: tl.constexpr, magic, ONE_SHIFT: tl.constexpr = True):
+        """Field e (pair e // 2, half e % 2) of every word of a [WB, BLOCK_N] tile minus the zero points zz, as
+        float32, exactly, without a conversion instruction: the field, masked in place, is OR-ed under the
+        exponent of 2^23 (`magic` = 0x4B000000), so the word reads as 2^23 + lev * 2^P, and one FMA by 2^-P minus
+        (2^(23-P) + z) leaves lev - z. Fields that reach past bit 23 are read after one shift of the word that
+        ends the top field at bit 23 (the same expression every step: computed once per word; the fields stay
+        above bit 0, so shift and mask do not become a bit-field extract). Not ONE_SHIFT: each such field is
+        shifted to bit 23 - b on its own (one instruction more a field, but no second copy of the word tile
+        held in registers: the M = 1 kernel's irregular groups spilled on sm_80 with it)."""
+        H: tl.constexpr = 16 // BITS
         MASK: tl.constexpr = (1 << BITS) - 1
-        P = e * BITS if e < N1 else TOP + (e - N1) * BITS
-        ws = w if e < N1 else w >> (N1 * BITS - TOP)
+        SH: tl.constexpr = 16 + H * BITS - 23
+        P0: tl.constexpr = (e // 2) * BITS + 16 * (e % 2)
+        P = P0 if P0 + BITS <= 23 else (P0 - SH if ONE_SHIFT else 23 - BITS)
+        ws = w if P0 + BITS <= 23 else w >> (P0 - P)
         v = ((ws & (MASK << P)) | magic).to(tl.float32, bitcast=True)                     # 2^23 + lev * 2^P
         return tl.fma(v, 1.0 / (1 << P), -(zz + (1 << (23 - P))))
+
+    @triton.jit
+    def _zero_operands(zz, DTX: tl.constexpr):
+        """-(2^p + z) for the 16-bit pair path (2^p = 1024 in fp16, 128 in bf16: the float whose last mantissa
+        bit is 1) as float32 and, for the inline PTX, in both halves of an int32."""
+        zn = -(zz + (1024.0 if DTX == tl.float16 else 128.0))
+        u = zn.to(DTX).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return zn, (u | (u << 16)).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _pair_tile(w, zq, zn, h: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DTX: tl.constexpr,
+                   WBC: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pair h of a [WB, BLOCK_N] word tile as the [2 WB, BLOCK_N] tile of lev - z in the activations' 16-bit
+        float type, rows the pair's 2 WB consecutive columns (2j and 2j + 1 sit in word j's halves). The pair's
+        two fields, masked and OR-ed under the exponent of 2^p (one LOP3), read as the two floats 2^p + lev, and
+        one HFMA2 adds -(2^p + z) to both, exactly: already the two-k register a tensor-core operand takes. On a
+        GPU both as inline PTX (Triton emits two instructions for the mask and the exponent, two immediates, and
+        its half-precision subtraction after the join costs two byte permutes a pair: counted by
+        lrq.kernels.aot); the interpreter runs no PTX and computes the same values with Triton operations.
+        zq: -(2^p + z) in both halves of an int32 (the PTX's operand); zn: the same in float32."""
+        MASK2: tl.constexpr = ((1 << BITS) - 1) * 65537
+        ws = w >> (h * BITS) if h > 0 else w
+        if ASM:
+            mask = tl.full((1, 1), MASK2, tl.int32)
+            v = tl.inline_asm_elementwise(_ASM_F16 if DTX == tl.float16 else _ASM_BF16, "=r,r,r,r", [ws, zq, mask],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+            lo = (v & 0xFFFF).to(tl.uint16).to(DTX, bitcast=True)
+            hi = (v >> 16).to(tl.uint16).to(DTX, bitcast=True)
+        else:
+            v = (ws & MASK2) | (_MAGIC2_F16 if DTX == tl.float16 else _MAGIC2_BF16)
+            lo = ((v & 0xFFFF).to(tl.uint16).to(DTX, bitcast=True).to(tl.float32) + zn).to(DTX)
+            hi = ((v >> 16).to(tl.uint16).to(DTX, bitcast=True).to(tl.float32) + zn).to(DTX)
+        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * WBC, BLOCK_N))
 
     @triton.jit
     def _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k,
@@ -212,9 +283,11 @@ if triton is not None:
         """M = 1 (the module docstring says how). `magic` is 0x4B000000 passed at run time: in a register, mask
         and OR are one LOP3 (two immediates take two). EVEN: N a multiple of BLOCK_N and K of the K block, no
         mask. Groups inside a K block end where known statically; groups of whole blocks at a block's end;
-        other sizes (3 bits' 160-column blocks, groups of 128) are tested at every run of WB columns."""
-        E: tl.constexpr = 32 // BITS
-        KB: tl.constexpr = E * WBC
+        other sizes (3 bits' 160-column blocks, groups of 128) are tested at every pair of 2 WB columns."""
+        H: tl.constexpr = 16 // BITS
+        PW: tl.constexpr = 2 * WBC
+        KB: tl.constexpr = H * PW
+        ONE_SHIFT: tl.constexpr = GROUP == 0 or KB % GROUP == 0 or GROUP % KB == 0
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,109 +306,136 @@ if triton is not None:
         for b in range(b_lo, b_hi):
             wp = w_ptr + (b * WBC + rj)[:, None] * N + cn
             w = (tl.load(wp) if EVEN else tl.load(wp, mask=c_ok, other=0)).to(tl.uint32, bitcast=True)
-            for e in tl.static_range(E):
-                k0 = b * KB + e * WBC
-                rk = k0 + rj
+            for h in tl.static_range(H):
+                k0 = b * KB + h * PW
                 if GROUP != 0:
                     g = k0 // GROUP
-                    g_ok = c_ok & (g * GROUP < K)       # steps past K in the last block: no group to read
-                    if (KB % GROUP == 0 and (e * WBC) % GROUP == 0) or (GROUP % KB == 0 and e == 0) or \
-                            (KB % GROUP != 0 and GROUP % KB != 0):   # a group's first run (or not known)
+                    g_ok = c_ok & (g * GROUP < K)       # pairs past K in the last block: no group to read
+                    if (KB % GROUP == 0 and (h * PW) % GROUP == 0) or (GROUP % KB == 0 and h == 0) or \
+                            (KB % GROUP != 0 and GROUP % KB != 0):   # a group's first pair (or not known)
                         z_n = _levels_f32(tl.load(z_ptr + g * N + cn, mask=g_ok, other=0), magic)
-                d = _tile_levels_minus_zero(w, z_n, e, BITS, magic)
-                xv = (tl.load(x_ptr + rk) if EVEN else tl.load(x_ptr + rk, mask=rk < K, other=0.0)).to(tl.float32)
-                if GROUP != 0 and KB % GROUP == 0 and (e * WBC) % GROUP == 0:
-                    acc = xv[:, None] * d                  # a group's first run: a product, no zeroing
+                xk = k0 + 2 * rj                           # the pair's columns: word j's low half, then its high
+                if x_ptr.dtype.element_ty == tl.bfloat16:  # both as one 32-bit word: a bf16 is a float's top half
+                    xi = b * (KB // 2) + h * WBC + rj        # (K is even here: this kernel takes K % 16 == 0)
+                    xp = x_ptr.to(tl.pointer_type(tl.uint32)) + xi
+                    xw = tl.load(xp) if EVEN else tl.load(xp, mask=xi < K // 2, other=0)
+                    x_lo = (xw << 16).to(tl.float32, bitcast=True)
+                    x_hi = (xw & 0xFFFF0000).to(tl.float32, bitcast=True)
+                elif EVEN:
+                    x_lo = tl.load(x_ptr + xk).to(tl.float32)
+                    x_hi = tl.load(x_ptr + xk + 1).to(tl.float32)
                 else:
-                    acc = tl.fma(xv[:, None], d, acc)
+                    x_lo = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
+                    x_hi = tl.load(x_ptr + xk + 1, mask=xk + 1 < K, other=0.0).to(tl.float32)
+                d = _tile_levels_minus_zero(w, z_n, 2 * h, BITS, magic, ONE_SHIFT)
+                if GROUP != 0 and KB % GROUP == 0 and (h * PW) % GROUP == 0:
+                    acc = x_lo[:, None] * d                # a group's first pair: a product, no zeroing
+                else:
+                    acc = tl.fma(x_lo[:, None], d, acc)
+                acc = tl.fma(x_hi[:, None], _tile_levels_minus_zero(w, z_n, 2 * h + 1, BITS, magic, ONE_SHIFT),
+                             acc)
                 if GROUP != 0:
                     if KB % GROUP == 0:
-                        if ((e + 1) * WBC) % GROUP == 0:   # the group's last run of WB columns: its scale
+                        if ((h + 1) * PW) % GROUP == 0:    # the group's last pair: its scale
                             out = _row_sums(acc, s_ptr + g * N + cn, g_ok, out)
                     elif GROUP % KB == 0:
-                        if e == E - 1:                     # groups of whole blocks end at a block's end
+                        if h == H - 1:                     # groups of whole blocks end at a block's end
                             if ((b + 1) * KB) % GROUP == 0:
                                 out = _row_sums(acc, s_ptr + g * N + cn, g_ok, out)
                                 acc = tl.zeros((WBC, BLOCK_N), dtype=tl.float32)
-                    elif (k0 + WBC) % GROUP == 0:
+                    elif (k0 + PW) % GROUP == 0:
                         out = _row_sums(acc, s_ptr + g * N + cn, g_ok, out)
                         acc = tl.zeros((WBC, BLOCK_N), dtype=tl.float32)
         if GROUP == 0:
             out = _row_sums(acc, s_ptr + cn, c_ok, out)
-        elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last step's group's scale
+        elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last pair's group's scale
             out = _row_sums(acc, s_ptr + (tl.minimum(b_hi * KB, K) - 1) // GROUP * N + cn, c_ok, out)
         _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k, HAS_BIAS, ATOMIC, BLOCK_N)
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, kb_per_split,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                     UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     WBC: tl.constexpr):
-        """1 < M <= 16: tl.dot on 16 token rows. Per channel and for groups inside a K block, lev - z (exact in
-        bf16/fp16) goes to the tensor cores and the scale multiplies the float32 product once per group and
-        column; groups across blocks round (lev - z) * s once per weight. Below 8 bits the levels become floats
-        as in the M = 1 kernel (masked into the mantissa of 2^23, no conversion instruction) but with the
-        constant 0x4B000000 as an immediate and the words never reassigned: a run-time constant (as the M = 1
-        kernel passes) or a reassigned word made Triton stage every step's weights through shared memory (16
-        barriers an iteration, not 2) instead of reading the words straight into the tensor cores' operand
-        layout."""
-        E: tl.constexpr = 32 // BITS
-        KB: tl.constexpr = E * WBC
+                     UPCAST: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WBC: tl.constexpr):
+        """1 < M <= 16: tl.dot on 16 token rows, one dot per pair of 2 WB columns: x's contiguous [16, 2 WB]
+        slice times the pair's [2 WB, BLOCK_N] tile of lev - z (exact in bf16/fp16). FAST (16-bit activations,
+        levels that fit: bf16 to 7 bits, fp16 to 8) builds that tile with one LOP3 and one HFMA2 for two weights
+        (`_pair_tile`; ASM: as inline PTX, the GPU's path); otherwise (fp32 activations, 8 bits with bf16) each
+        field becomes a float (masked into the mantissa of 2^23, or converted at 8 bits) and the two fields are
+        joined. Per channel the scale multiplies the float32 product once per column; groups (a multiple of
+        2 WB columns, so a pair lies in one) sum their pairs' dots and take their scale once per group and column,
+        where they end (known statically when a K block holds whole groups, tested per pair otherwise)."""
+        H: tl.constexpr = 16 // BITS
+        PW: tl.constexpr = 2 * WBC
+        KB: tl.constexpr = H * PW
+        DTX: tl.constexpr = x_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rj = tl.arange(0, WBC)
+        rp = tl.arange(0, PW)
         n_ok = rn < N
         m_ok = rm < M
-        if GROUP == 0:
-            s_row = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            z_row = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # groups inside a K block: unscaled sums
-        z_g = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # groups: the current group's unscaled sums
         b_lo = pid_k * kb_per_split
         b_hi = tl.minimum(b_lo + kb_per_split, tl.cdiv(K, KB))
+        zz = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        s_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if GROUP == 0:
+            s_row = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            zz = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+        zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
         for b in range(b_lo, b_hi):
             w = tl.load(w_ptr + (b * WBC + rj)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
-            for e in tl.static_range(E):
-                k0 = b * KB + e * WBC
-                rk = k0 + rj
-                if GROUP == 0:
-                    zz = z_row[None, :]
-                else:
+            for h in tl.static_range(H):
+                k0 = b * KB + h * PW
+                rk = k0 + rp
+                if GROUP != 0:
                     g = k0 // GROUP
-                    g_ok = n_ok & (g * GROUP < K)     # steps past K in the last block: no group to read
-                    if KB % GROUP != 0:               # groups across blocks: the scale per weight
-                        s = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
+                    g_ok = n_ok & (g * GROUP < K)     # pairs past K in the last block: no group to read
+                    if KB % GROUP == 0:
+                        if (h * PW) % GROUP == 0:     # the group's first pair: its zero points
+                            zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
+                            zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+                    else:   # every pair (a conditional load made Triton stage the tile through shared memory)
                         zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
-                    else:                             # groups inside a block: the zero point at its first run
-                        if (e * WBC) % GROUP == 0:
-                            z_g = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
-                        zz = z_g
-                if BITS < 8:   # the constant as an immediate (see the docstring)
-                    wq = _tile_levels_minus_zero(w, zz, e, BITS, 0x4B000000)
-                else:          # four fields a word: the conversion costs less than the two-immediate mask (counted)
-                    wq = ((w >> (e * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - zz
-                if GROUP != 0 and KB % GROUP != 0:
-                    wq = wq * s[None, :]
+                        zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+                if FAST:
+                    wt = _pair_tile(w, zq, zn, h, BITS, ASM, DTX, WBC, BLOCK_N)
+                else:
+                    if BITS < 8:   # the constant as an immediate (a run-time one staged the tile through shared)
+                        d0 = _tile_levels_minus_zero(w, zz, 2 * h, BITS, 0x4B000000)
+                        d1 = _tile_levels_minus_zero(w, zz, 2 * h + 1, BITS, 0x4B000000)
+                    else:          # two fields a half: the conversion costs less than the two-immediate mask
+                        d0 = ((w >> (h * BITS)) & 255).to(tl.float32) - zz
+                        d1 = ((w >> (16 + h * BITS)) & 255).to(tl.float32) - zz
+                    wt = tl.reshape(tl.permute(tl.join(d0, d1), (0, 2, 1)), (PW, BLOCK_N)).to(DTX)
                 xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                              mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
                 if UPCAST:   # the interpreter's tl.dot is wrong for bf16: multiply in float32 there
                     xt = xt.to(tl.float32)
-                if GROUP != 0 and KB % GROUP == 0:
-                    # lev - z is exact in bf16/fp16 (|lev - z| < 256): the group's dot, then its scale once per
-                    # group and column at the group's last run (not once per weight)
-                    acc_g = tl.dot(xt, wq.to(xt.dtype), acc_g, input_precision=PREC)
-                    if ((e + 1) * WBC) % GROUP == 0:
+                    wt = wt.to(tl.float32)
+                if GROUP == 0:
+                    acc = tl.dot(xt, wt, acc, input_precision=PREC)
+                else:
+                    acc_g = tl.dot(xt, wt, acc_g, input_precision=PREC)
+                    if KB % GROUP == 0:
+                        if ((h + 1) * PW) % GROUP == 0:   # the group's last pair: its scale, once per column
+                            sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
+                            acc += sg[None, :] * acc_g
+                            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    elif (k0 + PW) % GROUP == 0:
                         sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
                         acc += sg[None, :] * acc_g
                         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                else:
-                    acc += tl.dot(xt, wq.to(xt.dtype), input_precision=PREC)
         if GROUP == 0:
             acc = acc * s_row[None, :]
+        elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last pair's group's scale
+            gl = (tl.minimum(b_hi * KB, K) - 1) // GROUP
+            acc += tl.load(s_ptr + gl * N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :] * acc_g
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)
             acc += bias[None, :]
@@ -366,8 +466,9 @@ def compilations(m: int, n: int, k: int, bits: int, group_size: int | None, dtyp
     ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": split > 1, "BLOCK_N": c.block_n, "WBC": WB}
     if c.block_m == 1:
         return [("gemv", c, {**ce, "EVEN": _even(n, k, bits, c)})]
+    fast = fast_pairs(bits, dtype)
     return [("gemv", c, {**ce, "UPCAST": False, "PREC": "ieee" if dtype == torch.float32 else "tf32",
-                         "BLOCK_M": c.block_m})]
+                         "FAST": fast, "ASM": fast, "BLOCK_M": c.block_m})]
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -420,7 +521,8 @@ def gemv_matmul(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = Non
     _gemv_kernel[grid](x2, w.words, w.scale, w.zero, b, y, m, n, k, x2.stride(0), y.stride(0), kbs,
                        BITS=w.bits, GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic,
                        UPCAST=INTERPRET and x2.dtype == torch.bfloat16,
-                       PREC="ieee" if x2.dtype == torch.float32 else "tf32",
+                       PREC="ieee" if x2.dtype == torch.float32 else "tf32", FAST=fast_pairs(w.bits, x2.dtype),
+                       ASM=fast_pairs(w.bits, x2.dtype) and not INTERPRET,
                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, WBC=WB, num_warps=c.num_warps,
                        num_stages=c.num_stages)
     return y.to(x2.dtype).reshape(*x.shape[:-1], n)
