@@ -147,7 +147,8 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
                                                                           "BLOCK_M": gc.block_m}.items()))))
                             continue
                         for even in ((True, False) if bits == 3 or gemv_full else (True,)):
-                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "EVEN": even}.items()))))
+                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "EVEN": even,
+                                                                          "STAGES": gc.num_stages}.items()))))
     if unaligned:   # the odd-shape specialisation of every configuration, at 4 bits, per channel, bf16
         # (not the M = 1 GEMV's: odd sizes go to the 16-token one, lrq.kernels.gemv._config)
         out += [Variant(v.kernel, v.config, v.constexprs, aligned=False) for v in list(out)

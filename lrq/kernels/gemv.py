@@ -76,9 +76,9 @@ class GemvConfig:
         return f"m{self.block_m} n{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-# M = 1: elementwise, one warp holding all WB rows of 128 columns (about 250 registers: 8 warps an SM);
-# 1 < M <= 16: tl.dot with 16 token rows
-GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 1), 16: GemvConfig(16, 128, 4, 3)}
+# M = 1: elementwise, one warp holding all WB rows of 128 columns (130-250 registers: 8 warps an SM or more),
+# the next K block's words in flight (2 stages); 1 < M <= 16: tl.dot with 16 token rows
+GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 2), 16: GemvConfig(16, 128, 4, 3)}
 
 
 def elems_per_word(bits: int) -> int:
@@ -279,11 +279,13 @@ if triton is not None:
     @triton.jit
     def _gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kb_per_split, magic,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, WBC: tl.constexpr):
+                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, WBC: tl.constexpr, STAGES: tl.constexpr):
         """M = 1 (the module docstring says how). `magic` is 0x4B000000 passed at run time: in a register, mask
         and OR are one LOP3 (two immediates take two). EVEN: N a multiple of BLOCK_N and K of the K block, no
         mask. Groups inside a K block end where known statically; groups of whole blocks at a block's end;
-        other sizes (3 bits' 160-column blocks, groups of 128) are tested at every pair of 2 WB columns."""
+        other sizes (3 bits' 160-column blocks, groups of 128) are tested at every pair of 2 WB columns. STAGES:
+        the K blocks' words go through shared memory by asynchronous copies, STAGES - 1 blocks ahead (a loop
+        without tl.dot is pipelined only when asked), so a warp's next 8 KB are in flight while it computes."""
         H: tl.constexpr = 16 // BITS
         PW: tl.constexpr = 2 * WBC
         KB: tl.constexpr = H * PW
@@ -303,7 +305,7 @@ if triton is not None:
         out = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         b_lo = pid_k * kb_per_split
         b_hi = tl.minimum(b_lo + kb_per_split, tl.cdiv(K, KB))
-        for b in range(b_lo, b_hi):
+        for b in tl.range(b_lo, b_hi, num_stages=STAGES):
             wp = w_ptr + (b * WBC + rj)[:, None] * N + cn
             w = (tl.load(wp) if EVEN else tl.load(wp, mask=c_ok, other=0)).to(tl.uint32, bitcast=True)
             for h in tl.static_range(H):
@@ -465,7 +467,7 @@ def compilations(m: int, n: int, k: int, bits: int, group_size: int | None, dtyp
     group = 0 if group_size is None or group_size >= k else group_size
     ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": split > 1, "BLOCK_N": c.block_n, "WBC": WB}
     if c.block_m == 1:
-        return [("gemv", c, {**ce, "EVEN": _even(n, k, bits, c)})]
+        return [("gemv", c, {**ce, "EVEN": _even(n, k, bits, c), "STAGES": c.num_stages})]
     fast = fast_pairs(bits, dtype)
     return [("gemv", c, {**ce, "UPCAST": False, "PREC": "ieee" if dtype == torch.float32 else "tf32",
                          "FAST": fast, "ASM": fast, "BLOCK_M": c.block_m})]
@@ -514,7 +516,8 @@ def gemv_matmul(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = Non
         ws, cnt = split_workspace(x2.device, n, grid[0])
         _gemv1_kernel[grid](x2, w.words, w.scale, w.zero, b, y, ws, cnt, n, k, kbs, MAGIC, BITS=w.bits,
                             GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic, EVEN=_even(n, k, w.bits, c),
-                            BLOCK_N=c.block_n, WBC=WB, num_warps=c.num_warps, num_stages=c.num_stages)
+                            BLOCK_N=c.block_n, WBC=WB, STAGES=c.num_stages, num_warps=c.num_warps,
+                            num_stages=c.num_stages)
         return y.reshape(*x.shape[:-1], n)
     y = (torch.zeros if atomic else torch.empty)(m, n, device=x2.device,
                                                  dtype=torch.float32 if atomic else x2.dtype)
