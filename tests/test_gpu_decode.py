@@ -84,3 +84,21 @@ def test_e2e_stage_carries_the_dispatchers_choices_into_json_and_markdown(tmp_pa
     assert doc["e2e"]["w4a16"]["dispatch"] == [choice] and doc["e2e"]["w4a16"]["kernel_copy_bytes"] == 90
     md = (tmp_path / "decode.md").read_text()
     assert "| w4a16 | 1 | 4096x11008 | gemv | measured | 8 | gemv 0.0110, wq_gemm 0.0200 |" in md
+
+
+def test_the_config_stage_checks_times_and_ranks_each_gemv_tile(tmp_path):
+    """Stage "configs" (CPU smoke: the first two candidates per M, float32 timings that judge nothing): a row per
+    (scheme, M, shape, configuration), each checked against the float reference before it is timed, the default
+    marked, exactly one fastest per shape; a resumed run measures nothing twice."""
+    assert GD.main(["--smoke", "--out-dir", str(tmp_path), "--only", "configs"]) == 0
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    rows = doc["configs"]
+    assert doc["stages"]["configs"]["complete"] and len(rows) == 2 * 2 * 2   # 2 schemes x M = 1, 16 x 2 candidates
+    assert all("error" not in r and r["rel_err"] < 1e-5 and r["ms"] > 0 for r in rows)
+    shapes = {(r["scheme"], r["m"], r["n"], r["k"]) for r in rows}
+    assert all(sum(r["best"] for r in rows if (r["scheme"], r["m"], r["n"], r["k"]) == s) == 1 for s in shapes)
+    assert {r["config"] for r in rows if r["default"]} == {"m1 n128 w1 s2", "m16 n128 w4 s3"}
+    assert "GEMV tile configurations" in (tmp_path / "decode.md").read_text()
+    assert GD.main(["--smoke", "--resume", "--out-dir", str(tmp_path), "--only", "configs"]) == 0
+    again = json.loads((tmp_path / "decode.json").read_text())["configs"]
+    assert [(r["config"], r["ms"]) for r in again] == [(r["config"], r["ms"]) for r in rows]

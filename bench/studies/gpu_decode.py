@@ -28,11 +28,15 @@ from pathlib import Path
 
 import torch
 
-STAGES = ("correctness", "copy_bw", "decode", "int8", "e2e")
+STAGES = ("correctness", "copy_bw", "decode", "int8", "configs", "e2e")
 DECODE_SHAPES = ((4096, 11008), (11008, 4096))       # (N, K): out x in features
 DECODE_MS = (1, 2, 4, 8, 16)
 SCHEMES = {"w4a16": (4, None), "w4a16-g128": (4, 128), "w3a16": (3, None), "w8a16": (8, None)}
 INT8_MS = (512, 2048, 4096)
+# the GEMV's tile configurations timed side by side (stage "configs"): (block_m, block_n, warps, stages); the
+# defaults (lrq.kernels.gemv.GEMV_CONFIGS) were chosen offline, by machine-code counts, without a GPU
+CONFIG_CANDIDATES = {1: ((1, 128, 1, 2), (1, 128, 1, 1), (1, 128, 1, 3), (1, 256, 2, 2)),
+                     16: ((16, 128, 4, 3), (16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 2, 3), (16, 256, 4, 2))}
 SMOKE_SHAPES = ((48, 160),)
 GOALS = {   # target name -> goal (measured >= goal is met)
     "decode bandwidth at M=1, 4-bit, fraction of copy bandwidth": 0.70,
@@ -90,20 +94,25 @@ def stage_correctness(device, smoke, deadline):
     from lrq.kernels.wq_gemm import reference_wq_matmul
     rows = []
     shapes = ((37, 300),) if smoke else ((37, 300), (4096, 4096 + 96), (4096, 4096))   # odd, masked, even
+    act = torch.bfloat16 if device == "cuda" else torch.float32
     for n, k in shapes:
         for name, (bits, group) in SCHEMES.items():
-            for m in (1, 3, 16):
+            # bf16 everywhere; fp16 too where its own paths run (the fp16 pair PTX of the 16-token kernel, 8 bits
+            # included, and the M = 1 kernel's fp16 loads)
+            for m, dtype in [(m, act) for m in (1, 3, 16)] + [(m, torch.float16) for m in (1, 16)
+                                                               if device == "cuda" and group is None]:
                 if time.time() > deadline:
                     return rows, False
                 packed, s, z = _layer(n, k, bits, group, m, device)
                 w = G.repack_gemv(packed, s, z, bits, group, k)
-                x = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+                x = torch.randn(m, k, device=device, dtype=dtype)
                 b = torch.randn(n, device=device)
                 y = G.gemv_matmul(x, w, b)
                 ref = reference_wq_matmul(x.float(), packed, s, z, bits, group, k, b)
                 rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
-                tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
-                rows.append({"scheme": name, "m": m, "n": n, "k": k, "rel_err": rel, "ok": rel < tol})
+                tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-5
+                rows.append({"scheme": name, "m": m, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""),
+                             "rel_err": rel, "ok": rel < tol})
     return rows, True
 
 
@@ -204,6 +213,48 @@ def stage_int8(device, smoke, timer, deadline, done):
     return rows, True
 
 
+def stage_configs(device, smoke, timer, deadline, done):
+    """The GEMV's tile configurations side by side at the decode shapes (4 bits, per channel and g128; M = 1 and
+    16): each checked against the float reference, then timed; a row per configuration, `best` per shape. The
+    defaults were picked offline by machine-code counts: this is where a GPU says whether they were right."""
+    from lrq.kernels import gemv as G
+    from lrq.kernels.wq_gemm import reference_wq_matmul
+    rows = list(done)
+    have = {(r["scheme"], r["m"], r["n"], r["k"], r["config"]) for r in rows}
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    for n, k in (SMOKE_SHAPES if smoke else DECODE_SHAPES):
+        for scheme in ("w4a16", "w4a16-g128"):
+            bits, group = SCHEMES[scheme]
+            packed, s, z = _layer(n, k, bits, group, 0, device)
+            w = G.repack_gemv(packed, s, z, bits, group, k)
+            for m, cands in CONFIG_CANDIDATES.items():
+                x = torch.randn(m, k, device=device, dtype=dt)
+                ref = None
+                for cand in (cands[:2] if smoke else cands):
+                    c = G.GemvConfig(*cand)
+                    if (scheme, m, n, k, str(c)) in have:
+                        continue
+                    if time.time() > deadline:
+                        return rows, False
+                    row = {"scheme": scheme, "m": m, "n": n, "k": k, "config": str(c),
+                           "default": c == G.GEMV_CONFIGS[m]}
+                    try:
+                        ref = reference_wq_matmul(x.float(), packed, s, z, bits, group, k) if ref is None else ref
+                        y = G.gemv_matmul(x, w, config=c)
+                        rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+                        row["rel_err"] = rel
+                        if rel < (1e-2 if dt == torch.bfloat16 else 1e-5):
+                            row["ms"] = timer(lambda: G.gemv_matmul(x, w, config=c))
+                    except Exception as e:  # noqa: BLE001 - a configuration that fails is a row, not a crash
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    rows.append(row)
+    for r in rows:
+        same = [o["ms"] for o in rows if (o["scheme"], o["m"], o["n"], o["k"]) == (r["scheme"], r["m"], r["n"], r["k"])
+                and "ms" in o]
+        r["best"] = "ms" in r and r["ms"] == min(same)
+    return rows, True
+
+
 def stage_e2e(path):
     if not path or not Path(path).exists():
         return None, False
@@ -268,6 +319,13 @@ def markdown(doc: dict) -> str:
     for r in doc.get("int8", []):
         lines.append(f"| {r['m']} | {r['n']}x{r['k']} | {f(r['bf16_ms'])} | {f(r['ours_ms'])} | "
                      f"{f(r.get('torch_int_mm_ms'))} | {f(r.get('w8a16_gemv_ms'))} | {r['int8_kept']} |")
+    if doc.get("configs"):
+        lines += ["", "GEMV tile configurations (4 bits; * the default, the fastest in bold):", "",
+                  "| scheme | M | N x K | config | ms | rel err |", "|---|---|---|---|---|---|"]
+        for r in doc["configs"]:
+            name = f"{r['config']}{' *' if r['default'] else ''}"
+            lines.append(f"| {r['scheme']} | {r['m']} | {r['n']}x{r['k']} | {f'**{name}**' if r['best'] else name} | "
+                         f"{f(r.get('ms'))} | {r.get('error') or f(r.get('rel_err'), 6)} |")
     e2e_choices = [(scheme, d) for scheme, v in (doc.get("e2e") or {}).items() for d in (v.get("dispatch") or [])]
     if e2e_choices:
         lines += ["", "End to end, the dispatcher's choice per layer shape (layers: how many took it):", "",
@@ -337,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             doc[name], complete = stage_decode(device, args.smoke, timer, deadline, doc.get(name, []), bps, dispatcher)
         elif name == "int8":
             doc[name], complete = stage_int8(device, args.smoke, timer, deadline, doc.get(name, []))
+        elif name == "configs":
+            doc[name], complete = stage_configs(device, args.smoke, timer, deadline, doc.get(name, []))
         else:
             doc[name], complete = stage_e2e(args.e2e)
         doc["stages"][name] = {"complete": complete, "s": round(time.time() - t, 1)}

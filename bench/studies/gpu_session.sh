@@ -40,9 +40,10 @@ mkdir -p "$XDIR"
 # Issue X, <= 8 minutes of a cold machine: ~40 s start, the kernel measurements <= 270 s (a 240-s budget that
 # every timed row checks, 30 s of slack for the row in flight and the files), the end-to-end benchmark <= 170 s
 # (21 s on the H200 on 2026-12-04), then the targets with e2e (seconds). A cut run is finished by the same line with
-# --resume (it keeps every finished stage and row of decode.json).
+# --resume (it keeps every finished stage and row of decode.json). The GEMV's tile configurations come last
+# ("configs": the offline-chosen defaults against their neighbours) and take what the budget leaves.
 start=$(date +%s)
-timeout 270 python -m bench.studies.gpu_decode --out-dir "$XDIR" --budget-s 240 --only correctness,copy_bw,decode,int8 \
+timeout 270 python -m bench.studies.gpu_decode --out-dir "$XDIR" --budget-s 240 --only correctness,copy_bw,decode,int8,configs \
   ${RESUME:+--resume} 2>&1 | tee "$XDIR/gpu_decode.log"
 echo "gpu_decode: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$DEST/machine.txt"
 start=$(date +%s)
