@@ -97,7 +97,7 @@ def test_the_config_stage_checks_times_and_ranks_each_gemv_tile(tmp_path):
     assert all("error" not in r and r["rel_err"] < 1e-5 and r["ms"] > 0 for r in rows)
     shapes = {(r["scheme"], r["m"], r["n"], r["k"]) for r in rows}
     assert all(sum(r["best"] for r in rows if (r["scheme"], r["m"], r["n"], r["k"]) == s) == 1 for s in shapes)
-    assert {r["config"] for r in rows if r["default"]} == {"m1 n128 w1 s2", "m16 n128 w4 s3"}
+    assert {r["config"] for r in rows if r["default"]} == {"m1 n128 w1 s2", "m16 n128 w2 s3"}
     assert "GEMV tile configurations" in (tmp_path / "decode.md").read_text()
     assert GD.main(["--smoke", "--resume", "--out-dir", str(tmp_path), "--only", "configs"]) == 0
     again = json.loads((tmp_path / "decode.json").read_text())["configs"]

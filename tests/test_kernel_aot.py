@@ -72,8 +72,9 @@ def test_every_kernel_configuration_fits_sm90_and_sm80(rows):
     # barriers an iteration per channel (the software pipeline's), two more where a K block's group takes its
     # zero points and scale (4 bits, groups of 128: their per-column vectors change layout once a block); a change
     # that makes Triton stage the dequantized weights through shared memory shows as two more a pair (10 at 4
-    # bits). Its 16-bit pair path (one LOP3 and one HFMA2 for two weights) stays near 3.8 instructions a weight at
-    # 4 bits per channel on sm_90 (6.9 with a float conversion a weight, the kernel before it)
+    # bits). Its 16-bit pair path (one LOP3 and one HFMA2 for two weights, the weights as the MMA's A operand)
+    # stays near 2.5 instructions a weight at 4 bits per channel on sm_90 (6.9 with a float conversion a weight
+    # and the weights as the B operand, the kernel before it)
     sixteen = [r for r in rows if r["kernel"] == "gemv" and r["config"].startswith("16x") and r["aligned"]]
     assert sixteen and all(r["loop"]["barriers"] <= 2 for r in sixteen if "GROUP=0 " in r["variant"]), \
         [r["loop"] for r in sixteen]
@@ -81,7 +82,7 @@ def test_every_kernel_configuration_fits_sm90_and_sm80(rows):
     assert g128 and max(g128) <= 4, g128
     pairs4 = [r["loop"]["per_weight"] for r in sixteen if "BITS=4 " in r["variant"] and "GROUP=0 " in r["variant"]
               and r["target"] == "sm_90" and "FAST=True" in r["variant"]]
-    assert pairs4 and max(pairs4) <= 4.2, pairs4
+    assert pairs4 and max(pairs4) <= 3.0, pairs4
     assert all(r["tensor_cores"] for r in rows if r["needs_tensor_cores"])
     assert summary["failed"] == 0 and summary["max_shared"]["sm_90"] <= aot.LIMITS[90]
 

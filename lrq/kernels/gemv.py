@@ -32,9 +32,10 @@ masked into the mantissa of the float 2^23 and one FMA takes the offset and the 
 a [WB, BLOCK_N] float32 accumulator per thread's rows and sums the rows once per group, so its loop has no
 barrier, shuffle or conversion: about 3.6 machine instructions a weight at 4 bits on sm_90 (the first M = 1
 path: 8.5, with 24 barriers, 64 shuffles and 128 conversions per K block), counted offline by
-`lrq.kernels.aot`. 1 < M <= 16 (`_gemv_kernel`) uses tl.dot with the tokens padded to 16 rows (mma's smallest
-side), its weight tiles built two weights to an LOP3 and an HFMA2 (about 3.8 instructions a weight at 4 bits;
-6.9 with one float conversion a weight). M > 16 is refused: larger M is the GEMM's (lrq.kernels.wq_gemm)
+`lrq.kernels.aot`. 1 < M <= 16 (`_gemv_kernel`) uses tl.dot computed transposed (the weights on the MMA's M
+side, as its A operand from registers; the tokens padded to 16 on its N side), its weight tiles built two
+weights to an LOP3 and an HFMA2 (about 2.5 instructions a weight at 4 bits on sm_90; 6.9 with one float
+conversion a weight and the weights as the B operand). M > 16 is refused: larger M is the GEMM's (lrq.kernels.wq_gemm)
 territory, chosen by lrq.kernels.dispatch.
 """
 
@@ -77,8 +78,9 @@ class GemvConfig:
 
 
 # M = 1: elementwise, one warp holding all WB rows of 128 columns (130-250 registers: 8 warps an SM or more),
-# the next K block's words in flight (2 stages); 1 < M <= 16: tl.dot with 16 token rows
-GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 2), 16: GemvConfig(16, 128, 4, 3)}
+# the next K block's words in flight (2 stages); 1 < M <= 16: tl.dot, weights on the MMA's M side (2 warps
+# of 64 rows: mma.sync on sm_90 too, 2.5 instructions a weight at 4 bits; 4 warps would take wgmma at 3.2)
+GEMV_CONFIGS = {1: GemvConfig(1, 128, 1, 2), 16: GemvConfig(16, 128, 2, 3)}
 
 
 def elems_per_word(bits: int) -> int:
@@ -231,8 +233,9 @@ if triton is not None:
     @triton.jit
     def _pair_tile(w, zq, zn, h: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DTX: tl.constexpr,
                    WBC: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Pair h of a [WB, BLOCK_N] word tile as the [2 WB, BLOCK_N] tile of lev - z in the activations' 16-bit
-        float type, rows the pair's 2 WB consecutive columns (2j and 2j + 1 sit in word j's halves). The pair's
+        """Pair h of a [BLOCK_N, WB] word tile (output rows by words) as the [BLOCK_N, 2 WB] tile of lev - z in the
+        activations' 16-bit float type, columns the pair's 2 WB consecutive k (2j and 2j + 1 sit in word j's
+        halves: joined, they are already in k order). The pair's
         two fields, masked and OR-ed under the exponent of 2^p (one LOP3), read as the two floats 2^p + lev, and
         one HFMA2 adds -(2^p + z) to both, exactly: already the two-k register a tensor-core operand takes. On a
         GPU both as inline PTX (Triton emits two instructions for the mask and the exponent, two immediates, and
@@ -251,7 +254,7 @@ if triton is not None:
             v = (ws & MASK2) | (_MAGIC2_F16 if DTX == tl.float16 else _MAGIC2_BF16)
             lo = ((v & 0xFFFF).to(tl.uint16).to(DTX, bitcast=True).to(tl.float32) + zn).to(DTX)
             hi = ((v >> 16).to(tl.uint16).to(DTX, bitcast=True).to(tl.float32) + zn).to(DTX)
-        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * WBC, BLOCK_N))
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * WBC))
 
     @triton.jit
     def _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k,
@@ -359,14 +362,16 @@ if triton is not None:
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
                      UPCAST: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WBC: tl.constexpr):
-        """1 < M <= 16: tl.dot on 16 token rows, one dot per pair of 2 WB columns: x's contiguous [16, 2 WB]
-        slice times the pair's [2 WB, BLOCK_N] tile of lev - z (exact in bf16/fp16). FAST (16-bit activations,
-        levels that fit: bf16 to 7 bits, fp16 to 8) builds that tile with one LOP3 and one HFMA2 for two weights
-        (`_pair_tile`; ASM: as inline PTX, the GPU's path); otherwise (fp32 activations, 8 bits with bf16) each
-        field becomes a float (masked into the mantissa of 2^23, or converted at 8 bits) and the two fields are
-        joined. Per channel the scale multiplies the float32 product once per column; groups (a multiple of
-        2 WB columns, so a pair lies in one) sum their pairs' dots and take their scale once per group and column,
-        where they end (known statically when a K block holds whole groups, tested per pair otherwise)."""
+        """1 < M <= 16: tl.dot computed transposed, y^T = W x^T, the weights on the MMA's M side (their tile
+        built in registers is the A operand, which the tensor cores take from registers; the tokens, padded to
+        16, are the N side), one dot per pair of 2 WB columns: the pair's [BLOCK_N, 2 WB] tile of lev - z (exact
+        in bf16/fp16) times x's contiguous [2 WB, 16] slice. FAST (16-bit activations, levels that fit: bf16 to
+        7 bits, fp16 to 8) builds that tile with one LOP3 and one HFMA2 for two weights (`_pair_tile`; ASM: as
+        inline PTX, the GPU's path); otherwise (fp32 activations, 8 bits with bf16) each field becomes a float
+        (masked into the mantissa of 2^23, or converted at 8 bits) and the two fields are joined. Per channel
+        the scale multiplies the float32 product once per column; groups (a multiple of 2 WB columns, so a pair
+        lies in one) sum their pairs' dots and take their scale once per group and column, where they end
+        (known statically when a K block holds whole groups, tested per pair otherwise)."""
         H: tl.constexpr = 16 // BITS
         PW: tl.constexpr = 2 * WBC
         KB: tl.constexpr = H * PW
@@ -380,18 +385,18 @@ if triton is not None:
         rp = tl.arange(0, PW)
         n_ok = rn < N
         m_ok = rm < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)    # groups: the current group's unscaled sums
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)    # groups: the current group's unscaled sums
         b_lo = pid_k * kb_per_split
         b_hi = tl.minimum(b_lo + kb_per_split, tl.cdiv(K, KB))
-        zz = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        s_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        zz = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+        s_col = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if GROUP == 0:
-            s_row = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            zz = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+            s_col = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            zz = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32)[:, None]
         zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
         for b in range(b_lo, b_hi):
-            w = tl.load(w_ptr + (b * WBC + rj)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
+            w = tl.load(w_ptr + (b * WBC + rj)[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0)
             for h in tl.static_range(H):
                 k0 = b * KB + h * PW
                 rk = k0 + rp
@@ -400,10 +405,10 @@ if triton is not None:
                     g_ok = n_ok & (g * GROUP < K)     # pairs past K in the last block: no group to read
                     if KB % GROUP == 0:
                         if (h * PW) % GROUP == 0:     # the group's first pair: its zero points
-                            zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
+                            zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[:, None]
                             zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
                     else:   # every pair (a conditional load made Triton stage the tile through shared memory)
-                        zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[None, :]
+                        zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[:, None]
                         zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
                 if FAST:
                     wt = _pair_tile(w, zq, zn, h, BITS, ASM, DTX, WBC, BLOCK_N)
@@ -414,35 +419,35 @@ if triton is not None:
                     else:          # two fields a half: the conversion costs less than the two-immediate mask
                         d0 = ((w >> (h * BITS)) & 255).to(tl.float32) - zz
                         d1 = ((w >> (16 + h * BITS)) & 255).to(tl.float32) - zz
-                    wt = tl.reshape(tl.permute(tl.join(d0, d1), (0, 2, 1)), (PW, BLOCK_N)).to(DTX)
-                xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                             mask=m_ok[:, None] & (rk[None, :] < K), other=0.0)
+                    wt = tl.reshape(tl.join(d0, d1), (BLOCK_N, PW)).to(DTX)
+                xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None],
+                             mask=m_ok[None, :] & (rk[:, None] < K), other=0.0)
                 if UPCAST:   # the interpreter's tl.dot is wrong for bf16: multiply in float32 there
                     xt = xt.to(tl.float32)
                     wt = wt.to(tl.float32)
                 if GROUP == 0:
-                    acc = tl.dot(xt, wt, acc, input_precision=PREC)
+                    acc = tl.dot(wt, xt, acc, input_precision=PREC)
                 else:
-                    acc_g = tl.dot(xt, wt, acc_g, input_precision=PREC)
+                    acc_g = tl.dot(wt, xt, acc_g, input_precision=PREC)
                     if KB % GROUP == 0:
                         if ((h + 1) * PW) % GROUP == 0:   # the group's last pair: its scale, once per column
                             sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
-                            acc += sg[None, :] * acc_g
-                            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                            acc += sg[:, None] * acc_g
+                            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                     elif (k0 + PW) % GROUP == 0:
                         sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
-                        acc += sg[None, :] * acc_g
-                        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        acc += sg[:, None] * acc_g
+                        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if GROUP == 0:
-            acc = acc * s_row[None, :]
+            acc = acc * s_col[:, None]
         elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last pair's group's scale
             gl = (tl.minimum(b_hi * KB, K) - 1) // GROUP
-            acc += tl.load(s_ptr + gl * N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :] * acc_g
+            acc += tl.load(s_ptr + gl * N + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None] * acc_g
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)
-            acc += bias[None, :]
-        ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
+            acc += bias[:, None]
+        ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        ok = m_ok[None, :] & n_ok[:, None]
         if ATOMIC:
             tl.atomic_add(ptrs, acc, mask=ok, sem="relaxed")
         else:
