@@ -175,15 +175,15 @@ def reference_gemv(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = 
 
 def gemv_split(m: int, n: int, k: int, bits: int, sms: int, config: GemvConfig) -> int:
     """K splits; 1 without SMs. M = 1: enough one-warp programs for the 8 warps an SM holds at its register use
-    (each split at least one K block, at most 32); M > 1: about four programs per SM, each with at least two K
-    blocks, at most 16."""
+    (each split at least one K block, at most 32); M > 1: about 16 warps an SM (8 two-warp programs at ~140
+    registers), each program with at least two K blocks, at most 16 splits."""
     nkb = cdiv(k, elems_per_word(bits) * WB)
     if sms <= 0:
         return 1
     tiles = cdiv(n, config.block_n) * cdiv(m, config.block_m)
     if config.block_m == 1:
         return max(1, min(cdiv(8 * sms, config.num_warps * max(tiles, 1)), nkb, 32))
-    want = max(1, (4 * sms) // max(tiles, 1))
+    want = max(1, (16 * sms) // (config.num_warps * max(tiles, 1)))
     return max(1, min(want, nkb // 2, 16))
 
 
