@@ -73,6 +73,38 @@ def variant_of(kernel: str, config, constexprs: dict, aligned: bool = True) -> V
     return Variant(kernel, _cfg(config), tuple(sorted(constexprs.items())), aligned)
 
 
+def _gemv_variants(gemv_full: bool) -> list[Variant]:
+    """The decode GEMV (lrq.kernels.gemv): both configurations, bits 3/4/8, per channel and group 128, both
+    activation dtypes, split K (atomics) and not; the M = 1 kernel with and without masks (EVEN: N a multiple of
+    its tile and K of the K block, as LLM shapes are at 4 and 8 bits; 3 bits' 160-column block rarely divides K);
+    the 16-token kernel with its 16-bit pair path wherever the dtype and width take it."""
+    import torch
+
+    from lrq.kernels.gemv import GEMV_CONFIGS, WB, fast_pairs
+    out = []
+    for gc in GEMV_CONFIGS.values():
+        for bits in BITS:
+            for group in GROUPS:
+                for dt in DTYPES:
+                    for atomic in (False, True):
+                        if not gemv_full and (dt, atomic) != ("bf16", True) and (dt, atomic, bits, group) != \
+                                ("fp16", False, 4, 0):
+                            continue
+                        cfg = (gc.block_m, gc.block_n, 0, gc.num_warps, gc.num_stages)
+                        ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": atomic, "BLOCK_N": gc.block_n,
+                              "WBC": WB, "DT": dt}
+                        if gc.block_m > 1:
+                            fast = fast_pairs(bits, {"bf16": torch.bfloat16, "fp16": torch.float16}[dt])
+                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "UPCAST": False, "PREC": "tf32",
+                                                                          "FAST": fast, "ASM": fast,
+                                                                          "BLOCK_M": gc.block_m}.items()))))
+                            continue
+                        for even in ((True, False) if bits == 3 or gemv_full else (True,)):
+                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "EVEN": even,
+                                                                          "STAGES": gc.num_stages}.items()))))
+    return out
+
+
 def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_full: bool = False) -> list[Variant]:
     """Every (kernel, configuration, constexprs) the checks compile. The decode GEMV: each configuration at
     bits 3/4/8, per channel and group 128, bf16, split K (atomics), plus fp16 without split at 4 bits;
@@ -123,32 +155,7 @@ def variants(extra: list[tuple[str, tuple]] = (), unaligned: bool = False, gemv_
         for dt in DTYPES:
             out.append(Variant("act_quant", _cfg(ACT_QUANT_CONFIG), tuple(sorted(
                 {"STATIC": static, "INTERPRET": False, "BLOCK_K": ACT_QUANT_CONFIG.block_k, "DT": dt}.items()))))
-    # the decode GEMV (lrq.kernels.gemv): both configurations, bits 3/4/8, per channel and group 128, both
-    # activation dtypes, split K (atomics) and not; the M = 1 kernel with and without masks (EVEN: N a multiple of
-    # its tile and K of the K block, as LLM shapes are at 4 and 8 bits; 3 bits' 160-column block rarely divides K)
-    import torch
-
-    from lrq.kernels.gemv import GEMV_CONFIGS, WB, fast_pairs
-    for gc in GEMV_CONFIGS.values():
-        for bits in BITS:
-            for group in GROUPS:
-                for dt in DTYPES:
-                    for atomic in (False, True):
-                        if not gemv_full and (dt, atomic) != ("bf16", True) and (dt, atomic, bits, group) != \
-                                ("fp16", False, 4, 0):
-                            continue
-                        cfg = (gc.block_m, gc.block_n, 0, gc.num_warps, gc.num_stages)
-                        ce = {"BITS": bits, "GROUP": group, "HAS_BIAS": True, "ATOMIC": atomic, "BLOCK_N": gc.block_n,
-                              "WBC": WB, "DT": dt}
-                        if gc.block_m > 1:
-                            fast = fast_pairs(bits, {"bf16": torch.bfloat16, "fp16": torch.float16}[dt])
-                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "UPCAST": False, "PREC": "tf32",
-                                                                          "FAST": fast, "ASM": fast,
-                                                                          "BLOCK_M": gc.block_m}.items()))))
-                            continue
-                        for even in ((True, False) if bits == 3 or gemv_full else (True,)):
-                            out.append(Variant("gemv", cfg, tuple(sorted({**ce, "EVEN": even,
-                                                                          "STAGES": gc.num_stages}.items()))))
+    out += _gemv_variants(gemv_full)
     if unaligned:   # the odd-shape specialisation of every configuration, at 4 bits, per channel, bf16
         # (not the M = 1 GEMV's: odd sizes go to the 16-token one, lrq.kernels.gemv._config)
         out += [Variant(v.kernel, v.config, v.constexprs, aligned=False) for v in list(out)

@@ -358,20 +358,42 @@ if triton is not None:
         _gemv1_store(out, b_ptr, y_ptr, ws_ptr, cnt_ptr, cn, c_ok, pid_n, pid_k, HAS_BIAS, ATOMIC, BLOCK_N)
 
     @triton.jit
+    def _group_zero(z_ptr, g, N, rn, g_ok, DTX: tl.constexpr):
+        """Group g's zero points for the 16-token kernel: float32 [BLOCK_N, 1] and the pair path's operands."""
+        zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[:, None]
+        zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+        return zz, zn, zq
+
+    @triton.jit
+    def _fields_tile(w, zz, h: tl.constexpr, BITS: tl.constexpr, DTX: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PW: tl.constexpr):
+        """Pair h as [BLOCK_N, 2 WB] lev - z without the 16-bit pair trick (fp32 activations, 8 bits with bf16):
+        each field a float (below 8 bits masked into the mantissa of 2^23 with the constant as an immediate: a
+        run-time one staged the tile through shared memory; at 8 bits converted, which costs less than the
+        two-immediate mask), the two fields joined in k order."""
+        if BITS < 8:
+            d0 = _tile_levels_minus_zero(w, zz, 2 * h, BITS, 0x4B000000)
+            d1 = _tile_levels_minus_zero(w, zz, 2 * h + 1, BITS, 0x4B000000)
+        else:
+            d0 = ((w >> (h * BITS)) & 255).to(tl.float32) - zz
+            d1 = ((w >> (16 + h * BITS)) & 255).to(tl.float32) - zz
+        return tl.reshape(tl.join(d0, d1), (BLOCK_N, PW)).to(DTX)
+
+    @triton.jit
+    def _add_group(acc, acc_g, s_ptr, g, N, rn, g_ok):
+        """acc + group g's scale (once per output column) times the group's unscaled sums."""
+        return acc + tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)[:, None] * acc_g
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, kb_per_split,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
                      UPCAST: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WBC: tl.constexpr):
-        """1 < M <= 16: tl.dot computed transposed, y^T = W x^T, the weights on the MMA's M side (their tile
-        built in registers is the A operand, which the tensor cores take from registers; the tokens, padded to
-        16, are the N side), one dot per pair of 2 WB columns: the pair's [BLOCK_N, 2 WB] tile of lev - z (exact
-        in bf16/fp16) times x's contiguous [2 WB, 16] slice. FAST (16-bit activations, levels that fit: bf16 to
-        7 bits, fp16 to 8) builds that tile with one LOP3 and one HFMA2 for two weights (`_pair_tile`; ASM: as
-        inline PTX, the GPU's path); otherwise (fp32 activations, 8 bits with bf16) each field becomes a float
-        (masked into the mantissa of 2^23, or converted at 8 bits) and the two fields are joined. Per channel
-        the scale multiplies the float32 product once per column; groups (a multiple of 2 WB columns, so a pair
-        lies in one) sum their pairs' dots and take their scale once per group and column, where they end
-        (known statically when a K block holds whole groups, tested per pair otherwise)."""
+        """1 < M <= 16: y^T = W x^T, the weight tile built in registers as the MMA's A operand (the tokens, padded
+        to 16, on its N side); one dot per pair of 2 WB columns, [BLOCK_N, 2 WB] of lev - z (exact in bf16/fp16)
+        times x's contiguous [2 WB, 16] slice. FAST: the tile by `_pair_tile` (ASM: its inline PTX, the GPU's
+        path); else `_fields_tile`. The scale multiplies the float32 product once per column: per channel at the
+        end; groups (whole pairs) where they end (known statically when a K block holds whole groups)."""
         H: tl.constexpr = 16 // BITS
         PW: tl.constexpr = 2 * WBC
         KB: tl.constexpr = H * PW
@@ -405,21 +427,13 @@ if triton is not None:
                     g_ok = n_ok & (g * GROUP < K)     # pairs past K in the last block: no group to read
                     if KB % GROUP == 0:
                         if (h * PW) % GROUP == 0:     # the group's first pair: its zero points
-                            zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[:, None]
-                            zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+                            zz, zn, zq = _group_zero(z_ptr, g, N, rn, g_ok, DTX)
                     else:   # every pair (a conditional load made Triton stage the tile through shared memory)
-                        zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[:, None]
-                        zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+                        zz, zn, zq = _group_zero(z_ptr, g, N, rn, g_ok, DTX)
                 if FAST:
                     wt = _pair_tile(w, zq, zn, h, BITS, ASM, DTX, WBC, BLOCK_N)
                 else:
-                    if BITS < 8:   # the constant as an immediate (a run-time one staged the tile through shared)
-                        d0 = _tile_levels_minus_zero(w, zz, 2 * h, BITS, 0x4B000000)
-                        d1 = _tile_levels_minus_zero(w, zz, 2 * h + 1, BITS, 0x4B000000)
-                    else:          # two fields a half: the conversion costs less than the two-immediate mask
-                        d0 = ((w >> (h * BITS)) & 255).to(tl.float32) - zz
-                        d1 = ((w >> (16 + h * BITS)) & 255).to(tl.float32) - zz
-                    wt = tl.reshape(tl.join(d0, d1), (BLOCK_N, PW)).to(DTX)
+                    wt = _fields_tile(w, zz, h, BITS, DTX, BLOCK_N, PW)
                 xt = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None],
                              mask=m_ok[None, :] & (rk[:, None] < K), other=0.0)
                 if UPCAST:   # the interpreter's tl.dot is wrong for bf16: multiply in float32 there
@@ -431,18 +445,15 @@ if triton is not None:
                     acc_g = tl.dot(wt, xt, acc_g, input_precision=PREC)
                     if KB % GROUP == 0:
                         if ((h + 1) * PW) % GROUP == 0:   # the group's last pair: its scale, once per column
-                            sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
-                            acc += sg[:, None] * acc_g
+                            acc = _add_group(acc, acc_g, s_ptr, g, N, rn, g_ok)
                             acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                     elif (k0 + PW) % GROUP == 0:
-                        sg = tl.load(s_ptr + g * N + rn, mask=g_ok, other=0.0).to(tl.float32)
-                        acc += sg[:, None] * acc_g
+                        acc = _add_group(acc, acc_g, s_ptr, g, N, rn, g_ok)
                         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if GROUP == 0:
             acc = acc * s_col[:, None]
         elif KB % GROUP != 0:   # a group cut by the end of this split (or of K): the last pair's group's scale
-            gl = (tl.minimum(b_hi * KB, K) - 1) // GROUP
-            acc += tl.load(s_ptr + gl * N + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None] * acc_g
+            acc = _add_group(acc, acc_g, s_ptr, (tl.minimum(b_hi * KB, K) - 1) // GROUP, N, rn, n_ok)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)
             acc += bias[:, None]
