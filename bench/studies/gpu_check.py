@@ -67,7 +67,9 @@ def _layer(n: int, k: int, bits: int, group: int | None, seed: int):
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float().cpu() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+    """Largest deviation from the reference, relative to the reference's largest entry (either on any device)."""
+    ref = ref.float().cpu()
+    return ((y.float().cpu() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
 def correctness_cases(smoke: bool) -> list[tuple]:

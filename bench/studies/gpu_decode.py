@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.studies.gpu_check import _rel
+
 STAGES = ("correctness", "copy_bw", "decode", "int8", "configs", "e2e")
 DECODE_SHAPES = ((4096, 11008), (11008, 4096))       # (N, K): out x in features
 DECODE_MS = (1, 2, 4, 8, 16)
@@ -89,6 +91,10 @@ def machine(device: str) -> dict:
             "git_rev": sh("git", "rev-parse", "HEAD"), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+
+
 def stage_correctness(device, smoke, deadline):
     from lrq.kernels import gemv as G
     from lrq.kernels.wq_gemm import reference_wq_matmul
@@ -109,10 +115,9 @@ def stage_correctness(device, smoke, deadline):
                 b = torch.randn(n, device=device)
                 y = G.gemv_matmul(x, w, b)
                 ref = reference_wq_matmul(x.float(), packed, s, z, bits, group, k, b)
-                rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
-                tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-5
+                rel = _rel(y, ref)
                 rows.append({"scheme": name, "m": m, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""),
-                             "rel_err": rel, "ok": rel < tol})
+                             "rel_err": rel, "ok": rel < _tol(dtype)})
     return rows, True
 
 
@@ -229,7 +234,7 @@ def stage_configs(device, smoke, timer, deadline, done):
             w = G.repack_gemv(packed, s, z, bits, group, k)
             for m, cands in CONFIG_CANDIDATES.items():
                 x = torch.randn(m, k, device=device, dtype=dt)
-                ref = None
+                ref = reference_wq_matmul(x.float(), packed, s, z, bits, group, k)
                 for cand in (cands[:2] if smoke else cands):
                     c = G.GemvConfig(*cand)
                     if (scheme, m, n, k, str(c)) in have:
@@ -239,11 +244,8 @@ def stage_configs(device, smoke, timer, deadline, done):
                     row = {"scheme": scheme, "m": m, "n": n, "k": k, "config": str(c),
                            "default": c == G.GEMV_CONFIGS[m]}
                     try:
-                        ref = reference_wq_matmul(x.float(), packed, s, z, bits, group, k) if ref is None else ref
-                        y = G.gemv_matmul(x, w, config=c)
-                        rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
-                        row["rel_err"] = rel
-                        if rel < (1e-2 if dt == torch.bfloat16 else 1e-5):
+                        row["rel_err"] = _rel(G.gemv_matmul(x, w, config=c), ref)
+                        if row["rel_err"] < _tol(dt):
                             row["ms"] = timer(lambda: G.gemv_matmul(x, w, config=c))
                     except Exception as e:  # noqa: BLE001 - a configuration that fails is a row, not a crash
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -192,6 +192,7 @@ if triton is not None:
     _ASM_F16 = tl.constexpr(pair_asm(torch.float16))
     _MAGIC2_BF16 = tl.constexpr(PAIR_FLOATS[torch.bfloat16][0] * 65537)
     _MAGIC2_F16 = tl.constexpr(PAIR_FLOATS[torch.float16][0] * 65537)
+    _MAGIC_F32 = tl.constexpr(MAGIC)   # where the constant must be an immediate (the 16-token kernel's fields)
 
     @triton.jit
     def _levels_f32(z, magic):
@@ -225,9 +226,11 @@ if triton is not None:
     @triton.jit
     def _zero_operands(zz, DTX: tl.constexpr):
         """-(2^p + z) for the 16-bit pair path (2^p = 1024 in fp16, 128 in bf16: the float whose last mantissa
-        bit is 1) as float32 and, for the inline PTX, in both halves of an int32."""
+        bit is 1) as float32 and, for the inline PTX, in both halves of an int32 (bf16's for float32
+        activations, which do not take the pair path)."""
+        HALF: tl.constexpr = tl.float16 if DTX == tl.float16 else tl.bfloat16
         zn = -(zz + (1024.0 if DTX == tl.float16 else 128.0))
-        u = zn.to(DTX).to(tl.uint16, bitcast=True).to(tl.uint32)
+        u = zn.to(HALF).to(tl.uint16, bitcast=True).to(tl.uint32)
         return zn, (u | (u << 16)).to(tl.int32, bitcast=True)
 
     @triton.jit
@@ -235,10 +238,9 @@ if triton is not None:
                    WBC: tl.constexpr, BLOCK_N: tl.constexpr):
         """Pair h of a [BLOCK_N, WB] word tile (output rows by words) as the [BLOCK_N, 2 WB] tile of lev - z in the
         activations' 16-bit float type, columns the pair's 2 WB consecutive k (2j and 2j + 1 sit in word j's
-        halves: joined, they are already in k order). The pair's
-        two fields, masked and OR-ed under the exponent of 2^p (one LOP3), read as the two floats 2^p + lev, and
-        one HFMA2 adds -(2^p + z) to both, exactly: already the two-k register a tensor-core operand takes. On a
-        GPU both as inline PTX (Triton emits two instructions for the mask and the exponent, two immediates, and
+        halves: joined, they are already in k order). The pair's two fields, masked and OR-ed under the exponent
+        of 2^p (one LOP3), read as the two floats 2^p + lev, and one HFMA2 adds -(2^p + z) to both, exactly:
+        already the two-k register a tensor-core operand takes. On a GPU both as inline PTX (Triton emits two instructions for the mask and the exponent, two immediates, and
         its half-precision subtraction after the join costs two byte permutes a pair: counted by
         lrq.kernels.aot); the interpreter runs no PTX and computes the same values with Triton operations.
         zq: -(2^p + z) in both halves of an int32 (the PTX's operand); zn: the same in float32."""
@@ -319,19 +321,21 @@ if triton is not None:
                     if (KB % GROUP == 0 and (h * PW) % GROUP == 0) or (GROUP % KB == 0 and h == 0) or \
                             (KB % GROUP != 0 and GROUP % KB != 0):   # a group's first pair (or not known)
                         z_n = _levels_f32(tl.load(z_ptr + g * N + cn, mask=g_ok, other=0), magic)
-                xk = k0 + 2 * rj                           # the pair's columns: word j's low half, then its high
+                # the pair's columns k0 + 2j (word j's low half) and k0 + 2j + 1 (its high half)
                 if x_ptr.dtype.element_ty == tl.bfloat16:  # both as one 32-bit word: a bf16 is a float's top half
                     xi = b * (KB // 2) + h * WBC + rj        # (K is even here: this kernel takes K % 16 == 0)
                     xp = x_ptr.to(tl.pointer_type(tl.uint32)) + xi
                     xw = tl.load(xp) if EVEN else tl.load(xp, mask=xi < K // 2, other=0)
                     x_lo = (xw << 16).to(tl.float32, bitcast=True)
                     x_hi = (xw & 0xFFFF0000).to(tl.float32, bitcast=True)
-                elif EVEN:
-                    x_lo = tl.load(x_ptr + xk).to(tl.float32)
-                    x_hi = tl.load(x_ptr + xk + 1).to(tl.float32)
                 else:
-                    x_lo = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
-                    x_hi = tl.load(x_ptr + xk + 1, mask=xk + 1 < K, other=0.0).to(tl.float32)
+                    xk = k0 + 2 * rj
+                    if EVEN:
+                        x_lo = tl.load(x_ptr + xk).to(tl.float32)
+                        x_hi = tl.load(x_ptr + xk + 1).to(tl.float32)
+                    else:
+                        x_lo = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
+                        x_hi = tl.load(x_ptr + xk + 1, mask=xk + 1 < K, other=0.0).to(tl.float32)
                 d = _tile_levels_minus_zero(w, z_n, 2 * h, BITS, magic, ONE_SHIFT)
                 if GROUP != 0 and KB % GROUP == 0 and (h * PW) % GROUP == 0:
                     acc = x_lo[:, None] * d                # a group's first pair: a product, no zeroing
@@ -361,7 +365,7 @@ if triton is not None:
     def _group_zero(z_ptr, g, N, rn, g_ok, DTX: tl.constexpr):
         """Group g's zero points for the 16-token kernel: float32 [BLOCK_N, 1] and the pair path's operands."""
         zz = tl.load(z_ptr + g * N + rn, mask=g_ok, other=0).to(tl.float32)[:, None]
-        zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+        zn, zq = _zero_operands(zz, DTX)
         return zz, zn, zq
 
     @triton.jit
@@ -372,8 +376,8 @@ if triton is not None:
         run-time one staged the tile through shared memory; at 8 bits converted, which costs less than the
         two-immediate mask), the two fields joined in k order."""
         if BITS < 8:
-            d0 = _tile_levels_minus_zero(w, zz, 2 * h, BITS, 0x4B000000)
-            d1 = _tile_levels_minus_zero(w, zz, 2 * h + 1, BITS, 0x4B000000)
+            d0 = _tile_levels_minus_zero(w, zz, 2 * h, BITS, _MAGIC_F32)
+            d1 = _tile_levels_minus_zero(w, zz, 2 * h + 1, BITS, _MAGIC_F32)
         else:
             d0 = ((w >> (h * BITS)) & 255).to(tl.float32) - zz
             d1 = ((w >> (16 + h * BITS)) & 255).to(tl.float32) - zz
@@ -416,7 +420,7 @@ if triton is not None:
         if GROUP == 0:
             s_col = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             zz = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32)[:, None]
-        zn, zq = _zero_operands(zz, tl.float16 if DTX == tl.float16 else tl.bfloat16)
+        zn, zq = _zero_operands(zz, DTX)
         for b in range(b_lo, b_hi):
             w = tl.load(w_ptr + (b * WBC + rj)[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0)
             for h in tl.static_range(H):
@@ -537,11 +541,11 @@ def gemv_matmul(x: torch.Tensor, w: GemvWeights, bias: torch.Tensor | None = Non
         return y.reshape(*x.shape[:-1], n)
     y = (torch.zeros if atomic else torch.empty)(m, n, device=x2.device,
                                                  dtype=torch.float32 if atomic else x2.dtype)
+    fast = fast_pairs(w.bits, x2.dtype)
     _gemv_kernel[grid](x2, w.words, w.scale, w.zero, b, y, m, n, k, x2.stride(0), y.stride(0), kbs,
                        BITS=w.bits, GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic,
                        UPCAST=INTERPRET and x2.dtype == torch.bfloat16,
-                       PREC="ieee" if x2.dtype == torch.float32 else "tf32", FAST=fast_pairs(w.bits, x2.dtype),
-                       ASM=fast_pairs(w.bits, x2.dtype) and not INTERPRET,
+                       PREC="ieee" if x2.dtype == torch.float32 else "tf32", FAST=fast, ASM=fast and not INTERPRET,
                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, WBC=WB, num_warps=c.num_warps,
                        num_stages=c.num_stages)
     return y.to(x2.dtype).reshape(*x.shape[:-1], n)
